@@ -1,0 +1,18 @@
+"""kvdepot: a standalone KV-cache server for LLM inference engines."""
+
+__version__ = "0.1.0"
+
+from kvdepot.errors import ErrorCode, KVDepotError  # noqa: E402
+from kvdepot.layout import KVLayout  # noqa: E402
+
+
+def __getattr__(name: str):
+    # The client pulls in ZeroMQ; import it lazily so `import kvdepot` stays cheap for pure helpers.
+    if name == "KVClient":
+        from kvdepot.client.client import KVClient
+
+        return KVClient
+    raise AttributeError(name)
+
+
+__all__ = ["KVClient", "KVLayout", "KVDepotError", "ErrorCode", "__version__"]

@@ -1,0 +1,1 @@
+"""The ``kvdepot bench`` workloads and the ``kvdepot demo``."""

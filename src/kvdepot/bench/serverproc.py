@@ -1,0 +1,89 @@
+"""Running a real ``kvdepot server`` process for the demo, the benchmarks and the tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    """``kvdepot server`` in a child process; ``start`` waits until it answers PING."""
+
+    args: list[str] = field(default_factory=list)
+    port: int = 0
+    http_port: int = 0
+    ipc_path: str | None = None
+    env: dict[str, str] | None = None
+    log_path: str | None = None
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+    @property
+    def ipc_url(self) -> str:
+        assert self.ipc_path
+        return f"ipc://{self.ipc_path}"
+
+    def start(self, timeout_s: float = 30.0) -> ServerProcess:
+        import zmq
+
+        self.port = self.port or free_port()
+        cmd = [sys.executable, "-m", "kvdepot.cli", "server", "--port", str(self.port), "--http-port", str(self.http_port)]
+        if self.ipc_path:
+            cmd += ["--ipc-path", self.ipc_path]
+        cmd += self.args
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        env = dict(os.environ, **(self.env or {}))
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if self.log_path else subprocess.DEVNULL, env=env)
+        # Wait for a PING reply (the server binds before it answers).
+        from kvdepot.protocol import codec
+        from kvdepot.protocol.messages import PingRequest
+
+        ctx = zmq.Context.instance()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvdepot server exited with {self.proc.returncode} (see {self.log_path})")
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(self.url)
+            s.send_multipart(codec.encode_request(1, PingRequest()))
+            ok = s.poll(200)
+            s.close()
+            if ok:
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError("kvdepot server did not answer within the timeout")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

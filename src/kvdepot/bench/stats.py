@@ -1,0 +1,67 @@
+"""Small measurement helpers: repeat, take medians, measure the physical limits in the same run."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Sample:
+    median: float
+    low: float
+    high: float
+    n: int
+
+    def fmt(self, unit: str, scale: float = 1.0, digits: int = 2) -> str:
+        return f"{self.median * scale:.{digits}f} {unit} ({self.low * scale:.{digits}f}-{self.high * scale:.{digits}f})"
+
+
+def sample(values: list[float]) -> Sample:
+    return Sample(statistics.median(values), min(values), max(values), len(values))
+
+
+def timed(fn: Callable[[], object], reps: int, warmup: int = 1, setup: Callable[[], object] | None = None) -> list[float]:
+    """Seconds per call of ``fn`` over ``reps`` runs after ``warmup`` runs; ``setup`` runs untimed before each."""
+    out = []
+    for i in range(warmup + reps):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        if i >= warmup:
+            out.append(dt)
+    return out
+
+
+def gbps(nbytes: int, seconds: list[float]) -> Sample:
+    return sample([nbytes / s / 1e9 for s in seconds])
+
+
+def memcpy_gbps(object_bytes: int, count: int, reps: int) -> Sample:
+    """Single-thread np.copyto of ``count`` distinct objects of ``object_bytes`` (as a transfer does)."""
+    src = [np.full(object_bytes, 1, dtype=np.uint8) for _ in range(count)]
+    dst = [np.full(object_bytes, 2, dtype=np.uint8) for _ in range(count)]
+
+    def run() -> None:
+        for s, d in zip(src, dst):
+            np.copyto(d, s)
+
+    return gbps(object_bytes * count, timed(run, reps, warmup=2))
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q))
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"

@@ -1,0 +1,253 @@
+"""``kvdepot bench transfer``: how fast KV moves between a worker and a real server process.
+
+Every figure is printed next to the physical limit measured in the same run and their ratio:
+single-thread memcpy of the same object sizes for the data paths, a raw ZeroMQ round trip for PING and
+LOOKUP. Threads are pinned to one per process (OMP/MKL/OpenBLAS) as BENCHMARKING.md asks; the arena
+is pre-faulted (server and client mappings) before anything is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import zmq
+
+from kvdepot.bench.serverproc import ServerProcess, free_port
+from kvdepot.bench.stats import Sample, gbps, loadavg, memcpy_gbps, percentile, sample, timed
+from kvdepot.layout import KVLayout
+from kvdepot.paged import gather_chunk, scatter_chunk
+
+MiB = 1 << 20
+# A Llama-3-8B-like KV: 32 layers, 8 KV heads of 128, fp16 = 128 KiB per token.
+BENCH_LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16")
+BLOCK_SIZE = 16
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes-mib", default="2,32", help="chunk object sizes in MiB (default: %(default)s)")
+    p.add_argument("--chunks", type=int, default=16, help="chunks per store/retrieve call (default: %(default)s)")
+    p.add_argument("--reps", type=int, default=7, help="timed repetitions (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed repetitions first (default: %(default)s)")
+    p.add_argument("--transports", default="shm,inline", help="(default: %(default)s)")
+    p.add_argument("--l1-size-gb", type=float, default=2.0, help="server L1 size (default: %(default)s)")
+    p.add_argument("--json", default=None, help="also write the results as JSON to this path")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run, not for quoting)")
+
+
+@dataclass
+class Row:
+    metric: str
+    value: str
+    limit: str
+    ratio: str
+    target: str = ""
+
+
+def _pin_threads() -> None:
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = "1"
+
+
+def _wait_server_prefault(http_port: int, timeout_s: float = 300) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/status", timeout=5) as r:
+            pf = json.load(r)["l1"]["prefault"]
+        if pf["finished"]:
+            return time.monotonic() - t0
+        time.sleep(0.2)
+    raise RuntimeError("server prefault did not finish")
+
+
+def _raw_zmq_rtt(url: str, n: int) -> list[float]:
+    """A ROUTER echo in this process: the floor under any Python request/reply over ``url``."""
+    import threading
+
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    ep = url if url.startswith("ipc://") else "tcp://127.0.0.1:%d" % free_port()
+    router.bind(ep)
+    stop = threading.Event()
+
+    def echo() -> None:
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        while not stop.is_set():
+            if poller.poll(50):
+                router.send_multipart(router.recv_multipart())
+
+    t = threading.Thread(target=echo, daemon=True)
+    t.start()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(ep)
+    out = []
+    for i in range(n + 100):
+        t0 = time.perf_counter()
+        dealer.send_multipart([b"h", b"b"])
+        dealer.recv_multipart()
+        if i >= 100:
+            out.append(time.perf_counter() - t0)
+    stop.set()
+    t.join()
+    dealer.close(0)
+    router.close(0)
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    from kvdepot.client.client import KVClient
+
+    _pin_threads()
+    reps, warmup = (3, 1) if args.quick else (args.reps, args.warmup)
+    sizes = [int(s) for s in args.sizes_mib.split(",")]
+    transports = args.transports.split(",")
+    tmp = tempfile.mkdtemp(prefix="kvdepot-bench-")
+    http_port = free_port()
+    load_start = loadavg()
+    server = ServerProcess(
+        args=["--l1-size-gb", str(args.l1_size_gb), "--log-level", "warning"],
+        http_port=http_port,
+        ipc_path=os.path.join(tmp, "kvdepot.sock"),
+        env={"OMP_NUM_THREADS": "1"},
+        log_path=os.path.join(tmp, "server.log"),
+    )
+    rows: list[Row] = []
+    raw: dict = {"load_start": load_start, "sizes_mib": sizes, "chunks": args.chunks, "reps": reps}
+    with server:
+        prefault_s = _wait_server_prefault(http_port)
+        print(f"# server arena ({args.l1_size_gb} GiB) pre-faulted in {prefault_s:.1f}s; load {load_start}", file=sys.stderr)
+        for size in sizes:
+            rows += _bench_size(server, size, args.chunks, transports, reps, warmup, raw)
+        rows += _bench_latency(server, reps, raw)
+    raw["load_end"] = loadavg()
+    _print_table(rows, raw)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": [asdict(r) for r in rows], "raw": raw}, f, indent=2, default=str)
+    return 0
+
+
+def _layout_for(size_mib: int) -> tuple[KVLayout, int]:
+    chunk_size = size_mib * MiB // BENCH_LAYOUT.bytes_per_token
+    if chunk_size < BLOCK_SIZE or chunk_size % BLOCK_SIZE:
+        raise ValueError(f"{size_mib} MiB is not a whole number of {BLOCK_SIZE}-token blocks of this layout")
+    return BENCH_LAYOUT, chunk_size
+
+
+def _bench_size(server: ServerProcess, size_mib: int, n: int, transports: list[str], reps: int, warmup: int, raw: dict) -> list[Row]:
+    from kvdepot.client.client import KVClient
+
+    layout, cs = _layout_for(size_mib)
+    nbytes = size_mib * MiB * n
+    memcpy = memcpy_gbps(size_mib * MiB, n, reps)
+    raw[f"memcpy_{size_mib}MiB"] = asdict(memcpy)
+    rows = [Row(f"memcpy {n} x {size_mib} MiB (1 thread)", memcpy.fmt("GB/s"), "—", "1.00")]
+    tokens = np.arange(n * cs, dtype=np.uint32) + size_mib * 1_000_000
+    kv = np.random.default_rng(0).integers(0, 1 << 15, size=layout.chunk_shape(n * cs), dtype=np.uint16).view(np.float16)
+    out = np.zeros_like(kv)
+    # A paged cache holding the same tokens in shuffled blocks (vLLM flash-attn layout, one array per layer).
+    nblocks = n * cs // BLOCK_SIZE
+    rng = np.random.default_rng(1)
+    table = rng.permutation(nblocks + 32)[:nblocks]
+    caches = [np.zeros((2, nblocks + 32, BLOCK_SIZE, layout.num_kv_heads, layout.head_dim), np.float16) for _ in range(layout.num_layers)]
+    per_chunk = cs // BLOCK_SIZE
+    block_ids = [table[i * per_chunk : (i + 1) * per_chunk] for i in range(n)]
+    for tr in transports:
+        url = server.ipc_url if tr == "inline" else server.url
+        with KVClient(url, "bench", layout, chunk_size=cs, transport=tr, timeout_s=60) as c:
+            c.wait_prefault(120)
+            hashes = c.hashes(tokens)
+            label = f"{tr}{' (ipc)' if tr == 'inline' else ''} {n} x {size_mib} MiB"
+
+            def store() -> None:
+                assert c.store(tokens, kv) == n * cs
+
+            def retrieve() -> None:
+                assert c.retrieve(tokens, out=out).shape[2] == n * cs
+
+            def store_gather() -> None:
+                with c.prepare_store(hashes) as slots:
+                    for slot, ids in zip(slots, block_ids):
+                        gather_chunk(caches, ids, slot)
+
+            def retrieve_scatter() -> None:
+                with c.prepare_retrieve(hashes) as views:
+                    assert len(views) == n
+                    for view, ids in zip(views, block_ids):
+                        scatter_chunk(view, caches, ids)
+
+            st = gbps(nbytes, timed(store, reps, warmup, setup=c.clear))
+            rt = gbps(nbytes, timed(retrieve, reps, warmup))
+            assert np.array_equal(out, kv), "retrieved bytes differ from stored ones"
+            sg = gbps(nbytes, timed(store_gather, reps, warmup, setup=c.clear))
+            rs = gbps(nbytes, timed(retrieve_scatter, reps, warmup))
+            raw[f"{tr}_{size_mib}MiB"] = {k: asdict(v) for k, v in {"store": st, "retrieve": rt, "store_gather": sg, "retrieve_scatter": rs}.items()}
+            shm = tr == "shm"
+            for name, s, target in (
+                ("store", st, "≥ 0.9" if shm else "≥ 3 GB/s"),
+                ("retrieve", rt, "≥ 0.9" if shm else "≥ 3 GB/s"),
+                ("store incl. paged gather", sg, "≥ 0.5" if shm else ""),
+                ("retrieve incl. paged scatter", rs, "≥ 0.5" if shm else ""),
+            ):
+                rows.append(Row(f"{label} {name}", s.fmt("GB/s"), f"{memcpy.median:.2f} GB/s", f"{s.median / memcpy.median:.2f}", target))
+            c.clear()
+    return rows
+
+
+def _bench_latency(server: ServerProcess, reps: int, raw: dict) -> list[Row]:
+    from kvdepot.client.client import KVClient
+
+    rows = []
+    tiny = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16)
+    n_ping = 2000
+    for name, url in (("tcp", server.url), ("ipc", server.ipc_url)):
+        floor = _raw_zmq_rtt(url, n_ping)
+        with KVClient(url, "bench-latency", tiny, transport="inline", heartbeat=False) as c:
+            pings = timed(c.ping, n_ping, warmup=100)
+            p50, p99 = percentile(pings, 50), percentile(pings, 99)
+            f50 = percentile(floor, 50)
+            raw[f"ping_{name}"] = {"p50_us": p50 * 1e6, "p99_us": p99 * 1e6, "raw_zmq_p50_us": f50 * 1e6}
+            rows.append(Row(f"PING {name} p50 / p99", f"{p50 * 1e6:.0f} / {p99 * 1e6:.0f} µs", f"{f50 * 1e6:.0f} µs raw ZMQ RTT", f"{f50 / p50:.2f}", "≤ 80 µs (ipc)"))
+            for n_tokens in (8192, 32768):
+                tokens = np.arange(n_tokens, dtype=np.uint32) + 7
+                kv = np.zeros(tiny.chunk_shape(n_tokens), np.float16)
+                c.store(tokens, kv)
+                assert c.lookup(tokens) == n_tokens
+                hashes = c.hashes(tokens)
+                full = timed(lambda: c.lookup(tokens), 500, warmup=50)
+                server_only = timed(lambda: c.lookup_chunks(hashes), 500, warmup=50)
+                hash_only = timed(lambda: c.hashes(tokens), 200, warmup=20)
+                raw[f"lookup_{name}_{n_tokens}"] = {
+                    "p50_us": percentile(full, 50) * 1e6,
+                    "p99_us": percentile(full, 99) * 1e6,
+                    "precomputed_hashes_p50_us": percentile(server_only, 50) * 1e6,
+                    "hashing_p50_us": percentile(hash_only, 50) * 1e6,
+                }
+                p50 = percentile(full, 50)
+                rows.append(
+                    Row(
+                        f"LOOKUP {n_tokens // 1024}k tokens {name} p50 (hashing {percentile(hash_only, 50) * 1e6:.0f} µs incl.)",
+                        f"{p50 * 1e6:.0f} µs (p99 {percentile(full, 99) * 1e6:.0f})",
+                        f"{f50 * 1e6:.0f} µs raw ZMQ RTT",
+                        f"{f50 / p50:.2f}",
+                        "≤ 300 µs" if n_tokens == 32768 else "",
+                    )
+                )
+            c.clear()
+    return rows
+
+
+def _print_table(rows: list[Row], raw: dict) -> None:
+    print("| metric | median (min-max) | physical limit, same run | ratio | target |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r.metric} | {r.value} | {r.limit} | {r.ratio} | {r.target} |")
+    print(f"\nload average: start {raw['load_start']}, end {raw['load_end']}; {raw['reps']} timed reps each")

@@ -1,0 +1,100 @@
+"""The ``kvdepot`` command: ``server``, ``status``, ``demo``, ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import urllib.error
+import urllib.request
+
+from kvdepot import __version__
+from kvdepot.config import add_server_args, server_from_args
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def cmd_server(args: argparse.Namespace) -> int:
+    try:
+        config = server_from_args(args)
+    except ValueError as exc:
+        print(f"kvdepot server: {exc}", file=sys.stderr)
+        return 2
+    _setup_logging(config.log_level)
+    from kvdepot.server.main import KVDepotServer
+
+    KVDepotServer(config).serve_forever()
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    url = f"http://{args.http_host}:{args.http_port}/status"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            print(json.dumps(json.load(resp), indent=2))
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"kvdepot status: cannot reach {url}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    _setup_logging("warning")
+    from kvdepot.bench.demo import run_demo
+
+    return run_demo(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    _setup_logging("warning")
+    from kvdepot.bench import transfer
+
+    if args.workload == "transfer":
+        return transfer.main(args)
+    print(f"unknown workload {args.workload}", file=sys.stderr)
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvdepot", description="A KV-cache server for LLM inference engines.")
+    p.add_argument("--version", action="version", version=f"kvdepot {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("server", help="run the KV-cache server", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_server_args(s)
+    s.set_defaults(func=cmd_server)
+
+    st = sub.add_parser("status", help="print a running server's /status")
+    st.add_argument("--http-host", default="127.0.0.1")
+    st.add_argument("--http-port", type=int, default=8080)
+    st.set_defaults(func=cmd_status)
+
+    d = sub.add_parser("demo", help="start a server on embedded defaults and run a short workload against it")
+    d.add_argument("--l1-size-gb", type=float, default=1.0, help="L1 size of the demo server (default: %(default)s)")
+    d.add_argument("--port", type=int, default=0, help="TCP port of the demo server; 0 picks a free one")
+    d.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("bench", help="run a benchmark workload")
+    bsub = b.add_subparsers(dest="workload", required=True)
+    from kvdepot.bench.transfer import add_args as add_transfer_args
+
+    bt = bsub.add_parser("transfer", help="store/retrieve GB/s (shm, inline), lookup latency, ping, vs memcpy")
+    add_transfer_args(bt)
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The engine side: ``KVClient`` and how it reaches the server's arena."""

@@ -1,0 +1,105 @@
+"""Exceptions and the wire error codes.
+
+``ErrorCode`` values travel on the wire: they are explicit and only ever appended to.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ErrorCode(IntEnum):
+    OK = 0
+    INTERNAL = 1
+    BAD_REQUEST = 2
+    UNKNOWN_REQUEST_TYPE = 3
+    VERSION_MISMATCH = 4
+    UNKNOWN_CONTEXT = 5
+    PAYLOAD_MISMATCH = 6
+    MESSAGE_TOO_LARGE = 7
+    NO_SPACE = 8
+    ILLEGAL_STATE = 9
+    UNKNOWN_LEASE = 10
+    LEASE_EXPIRED = 11
+    TIMEOUT = 12
+    DEADLINE_EXCEEDED = 13
+    TRANSPORT_UNAVAILABLE = 14
+    SHUTTING_DOWN = 15
+    CONNECTION = 16
+    UNKNOWN_SESSION = 17
+
+
+class KVDepotError(Exception):
+    """Base of every error kvdepot raises; ``code`` is the server's (or the client's) ErrorCode."""
+
+    code: ErrorCode = ErrorCode.INTERNAL
+
+    def __init__(self, message: str, code: ErrorCode | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"[{self.code.name}] {self.message}"
+
+
+class BadRequest(KVDepotError):
+    code = ErrorCode.BAD_REQUEST
+
+
+class UnknownContext(KVDepotError):
+    code = ErrorCode.UNKNOWN_CONTEXT
+
+
+class PayloadMismatch(KVDepotError):
+    code = ErrorCode.PAYLOAD_MISMATCH
+
+
+class IllegalTransition(KVDepotError):
+    """A state-machine transition was asked for from the wrong state; nothing was changed."""
+
+    code = ErrorCode.ILLEGAL_STATE
+
+
+class UnknownLease(KVDepotError):
+    code = ErrorCode.UNKNOWN_LEASE
+
+
+class LeaseExpired(KVDepotError):
+    """The lease ran out (TTL or client gone) before it was finished: its data must not be trusted."""
+
+    code = ErrorCode.LEASE_EXPIRED
+
+
+class KVDepotTimeout(KVDepotError):
+    code = ErrorCode.TIMEOUT
+
+
+class TransportUnavailable(KVDepotError):
+    code = ErrorCode.TRANSPORT_UNAVAILABLE
+
+
+_BY_CODE: dict[ErrorCode, type[KVDepotError]] = {
+    cls.code: cls
+    for cls in (
+        BadRequest,
+        UnknownContext,
+        PayloadMismatch,
+        IllegalTransition,
+        UnknownLease,
+        LeaseExpired,
+        KVDepotTimeout,
+        TransportUnavailable,
+    )
+}
+
+
+def error_from_code(code: int, message: str) -> KVDepotError:
+    """Rebuild the most specific exception for a code received from the server."""
+    try:
+        ec = ErrorCode(code)
+    except ValueError:
+        return KVDepotError(f"{message} (unknown error code {code})", ErrorCode.INTERNAL)
+    cls = _BY_CODE.get(ec, KVDepotError)
+    return cls(message, ec)

@@ -1,0 +1,104 @@
+"""Chained chunk hashing: a pure function shared by client and server.
+
+``h[i] = H(h[i-1] || tokens[i*C:(i+1)*C] as little-endian uint32)`` with ``h[-1]`` empty. With sha256
+and a chunk that equals one page, this is SGLang HiCache's page key. Only complete chunks get a hash.
+Model, rank, layout and salt are deliberately *not* mixed in here: they form the object's namespace
+(``kvdepot.storage.keys``), so the same token chain can be compared across deployments.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from enum import Enum
+
+import numpy as np
+
+from kvdepot.types import ChunkHash
+
+
+class HashAlgorithm(str, Enum):
+    SHA256 = "sha256"
+    BLAKE3 = "blake3"
+    XXH3_128 = "xxh3_128"  # not collision resistant: only for trusted deployments
+
+    @property
+    def digest_size(self) -> int:
+        return 16 if self is HashAlgorithm.XXH3_128 else 32
+
+
+_Hasher = Callable[[bytes, memoryview], bytes]
+
+
+def _sha256(prev: bytes, data: memoryview) -> bytes:
+    h = hashlib.sha256(prev)
+    h.update(data)
+    return h.digest()
+
+
+def _blake3(prev: bytes, data: memoryview) -> bytes:
+    import blake3
+
+    h = blake3.blake3(prev)
+    h.update(data)
+    return h.digest()
+
+
+def _xxh3_128(prev: bytes, data: memoryview) -> bytes:
+    import xxhash
+
+    h = xxhash.xxh3_128(prev)
+    h.update(data)
+    return h.digest()
+
+
+_HASHERS: dict[HashAlgorithm, _Hasher] = {
+    HashAlgorithm.SHA256: _sha256,
+    HashAlgorithm.BLAKE3: _blake3,
+    HashAlgorithm.XXH3_128: _xxh3_128,
+}
+
+
+def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> memoryview:
+    """Token ids as little-endian uint32 bytes; raises ValueError for ids outside [0, 2**32)."""
+    if isinstance(tokens, np.ndarray):
+        arr = tokens
+        if arr.ndim != 1:
+            raise ValueError(f"tokens must be one-dimensional, got shape {arr.shape}")
+        if arr.dtype != np.dtype("<u4"):
+            if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+                raise ValueError("token ids must lie in [0, 2**32)")
+            arr = arr.astype("<u4")
+    else:
+        try:
+            arr = np.asarray(tokens, dtype="<u4")
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
+        if arr.ndim != 1:
+            raise ValueError("tokens must be a flat sequence of integers")
+    return memoryview(np.ascontiguousarray(arr)).cast("B")
+
+
+def chunk_hashes(
+    tokens: Sequence[int] | np.ndarray,
+    chunk_size: int,
+    algorithm: HashAlgorithm | str = HashAlgorithm.SHA256,
+    prefix: bytes = b"",
+) -> list[ChunkHash]:
+    """The chained hashes of every complete chunk of ``tokens``.
+
+    ``prefix`` is ``h[-1]``: empty for a prompt's start, or the last hash of a known prefix, so a caller
+    can extend a chain without rehashing it.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    hasher = _HASHERS[HashAlgorithm(algorithm)]
+    data = tokens_to_bytes(tokens)
+    step = chunk_size * 4
+    n_chunks = len(data) // step
+    out: list[ChunkHash] = []
+    prev = prefix
+    for i in range(n_chunks):
+        prev = hasher(prev, data[i * step : (i + 1) * step])
+        out.append(ChunkHash(prev))
+    return out

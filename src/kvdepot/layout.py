@@ -1,0 +1,103 @@
+"""KVLayout: what one token's KV looks like, and therefore what a chunk object is.
+
+A chunk is a contiguous array ``[K, L, T, H, D]``: K = 2 (keys, values; 1 for MLA's shared latent),
+L layers, T = chunk_size tokens, H KV heads, D head dim. Every object of a context has the same
+byte size, so the server can check payload sizes without looking inside them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# dtype name -> numpy dtype used to hold the bytes. numpy has no bfloat16 or fp8: those travel as
+# same-width unsigned integers, which is all a cache needs (it never does arithmetic on them).
+_STORAGE_DTYPES: dict[str, np.dtype] = {
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(np.uint16),
+    "float32": np.dtype(np.float32),
+    "float8_e4m3fn": np.dtype(np.uint8),
+    "float8_e5m2": np.dtype(np.uint8),
+    "int8": np.dtype(np.int8),
+    "uint8": np.dtype(np.uint8),
+}
+
+
+def supported_dtypes() -> list[str]:
+    return sorted(_STORAGE_DTYPES)
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "float16"
+    use_mla: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+        if self.dtype not in _STORAGE_DTYPES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {supported_dtypes()}")
+
+    @property
+    def kv_factor(self) -> int:
+        return 1 if self.use_mla else 2
+
+    @property
+    def storage_dtype(self) -> np.dtype:
+        return _STORAGE_DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return self.storage_dtype.itemsize
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.kv_factor * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
+
+    def chunk_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
+        return (self.kv_factor, self.num_layers, num_tokens, self.num_kv_heads, self.head_dim)
+
+    def chunk_bytes(self, chunk_size: int) -> int:
+        return self.bytes_per_token * chunk_size
+
+    def fingerprint(self) -> str:
+        """A stable string naming everything that decides how the bytes are to be read."""
+        return (
+            f"{self.dtype}:K{self.kv_factor}xL{self.num_layers}xH{self.num_kv_heads}xD{self.head_dim}"
+        )
+
+    def empty(self, num_tokens: int) -> np.ndarray:
+        return np.empty(self.chunk_shape(num_tokens), dtype=self.storage_dtype)
+
+    def view_chunk(self, buffer, chunk_size: int, writable: bool = True) -> np.ndarray:
+        """An ndarray ``[K, L, chunk_size, H, D]`` over ``buffer`` (no copy)."""
+        arr = np.frombuffer(buffer, dtype=self.storage_dtype, count=self.chunk_bytes(chunk_size) // self.itemsize)
+        arr = arr.reshape(self.chunk_shape(chunk_size))
+        if not writable:
+            arr.flags.writeable = False
+        return arr
+
+
+def as_numpy(array) -> np.ndarray:
+    """Accept a numpy array or a CPU torch tensor; return a numpy view sharing its memory (no copy)."""
+    if isinstance(array, np.ndarray):
+        return array
+    module = type(array).__module__
+    if module.startswith("torch"):
+        import torch
+
+        tensor = array.detach()
+        if tensor.device.type != "cpu":
+            raise ValueError(f"only CPU tensors can be viewed as numpy, got device {tensor.device}")
+        if tensor.dtype == torch.bfloat16:
+            tensor = tensor.view(torch.int16)
+        elif tensor.dtype in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)):
+            tensor = tensor.view(torch.uint8)
+        return tensor.numpy()
+    return np.asarray(array)

@@ -1,0 +1,1 @@
+"""The wire protocol: typed messages (``messages``) and their framing (``codec``). No sockets here."""

@@ -1,0 +1,306 @@
+"""Every request and reply body, and the registry pairing each RequestType with its classes.
+
+Rules (they are the protocol's compatibility contract):
+- ``RequestType`` values are explicit integers and only ever appended; never renumber or reuse one.
+- Each request type maps to exactly one request struct and one reply struct (``REGISTRY``), checked at
+  import, so a handler can never answer with the wrong shape.
+- KV bytes never appear in these structs: they travel as raw payload frames after the body frame.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class RequestType(IntEnum):
+    PING = 1
+    REGISTER_CONTEXT = 2
+    UNREGISTER_CONTEXT = 3
+    GET_CHUNK_SIZE = 4
+    LOOKUP = 5
+    QUERY_PREFETCH_STATUS = 6
+    FREE_LOOKUP_LOCKS = 7
+    PREPARE_STORE = 8
+    COMMIT_STORE = 9
+    PREPARE_RETRIEVE = 10
+    COMMIT_RETRIEVE = 11
+    STORE_INLINE = 12
+    RETRIEVE_INLINE = 13
+    END_SESSION = 14
+    CLEAR = 15
+    REPORT_BLOCK_ALLOCATION = 16
+
+
+class SlotStatus(IntEnum):
+    """Per-chunk outcome of a store reservation (wire values, append-only)."""
+
+    ALLOCATED = 0  # a slot was reserved: write it, then commit
+    EXISTS = 1  # already stored (READY): nothing to write
+    BUSY = 2  # another writer holds it: nothing to write
+    NO_SPACE = 3  # L1 is full of locked objects: not stored
+
+
+class _Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+# --- framing headers ------------------------------------------------------------------------------
+
+
+class RequestHeader(msgspec.Struct, array_like=True):
+    version: int
+    request_id: int
+    type: int
+    timeout_ms: int = 0  # the client's remaining patience; 0 = none
+
+
+class ReplyHeader(msgspec.Struct, array_like=True):
+    version: int
+    request_id: int
+    status: int  # ErrorCode; 0 = OK, else the body is an ErrorReply
+
+
+class ErrorReply(_Body):
+    code: int
+    message: str
+
+
+# --- shared pieces ---------------------------------------------------------------------------------
+
+
+class LayoutSpec(_Body):
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "float16"
+    use_mla: bool = False
+
+
+class ClientInfo(_Body):
+    """Lets a same-host server watch the client process and free its leases the moment it dies."""
+
+    pid: int = 0
+    hostname: str = ""
+    boot_id: str = ""
+    pid_namespace: int = 0
+
+
+class ShmInfo(_Body):
+    path: str
+    size: int
+    nonce: bytes
+
+
+class Ack(_Body):
+    ok: bool = True
+
+
+# --- requests and replies --------------------------------------------------------------------------
+
+
+class PingRequest(_Body):
+    pass
+
+
+class PingReply(_Body):
+    ok: bool = True
+
+
+class RegisterContextRequest(_Body):
+    protocol_version: int
+    model: str
+    layout: LayoutSpec
+    world_size: int = 1
+    rank: int = 0
+    chunk_size: int = 0  # 0: the server's default
+    client: ClientInfo = msgspec.field(default_factory=ClientInfo)
+
+
+class RegisterContextReply(_Body):
+    context_id: int
+    chunk_size: int
+    chunk_bytes: int
+    hash_algorithm: str
+    server_version: str
+    max_frame_bytes: int
+    heartbeat_interval_s: float
+    lease_ttl_s: float
+    shm: ShmInfo | None = None
+
+
+class UnregisterContextRequest(_Body):
+    context_id: int
+
+
+class GetChunkSizeRequest(_Body):
+    pass
+
+
+class ChunkSizeReply(_Body):
+    chunk_size: int
+
+
+class LookupRequest(_Body):
+    context_id: int
+    keys: list[bytes]
+    cache_salt: str = ""
+    session_id: str = ""  # set: lock the hits for this session until retrieve / free / end
+
+
+class LookupReply(_Body):
+    hits: int | None  # leading chunks found; None while a prefetch is still running
+    locked: bool = False
+
+
+class QueryPrefetchStatusRequest(_Body):
+    context_id: int
+    session_id: str
+
+
+class FreeLookupLocksRequest(_Body):
+    context_id: int
+    session_id: str
+    start: int = 0  # release the session's locks on chunks [start, end)
+    end: int = -1  # -1: to the end
+
+
+class FreeLookupLocksReply(_Body):
+    released: int
+
+
+class PrepareStoreRequest(_Body):
+    context_id: int
+    keys: list[bytes]
+    cache_salt: str = ""
+
+
+class PrepareStoreReply(_Body):
+    lease_id: int
+    offsets: list[int]  # arena offset per key, -1 where status is not ALLOCATED
+    statuses: list[int]  # SlotStatus per key
+
+
+class CommitStoreRequest(_Body):
+    context_id: int
+    lease_id: int
+    abort: bool = False
+
+
+class CommitStoreReply(_Body):
+    committed: int
+
+
+class PrepareRetrieveRequest(_Body):
+    """Lock and locate chunks ``keys[start:]`` (the leading run of them found). ``keys`` is the whole
+    chain from chunk 0, so the server can reuse the locks this session's LOOKUP took."""
+
+    context_id: int
+    keys: list[bytes]
+    cache_salt: str = ""
+    session_id: str = ""
+    start: int = 0
+
+
+class PrepareRetrieveReply(_Body):
+    lease_id: int
+    offsets: list[int]  # one per chunk found, from keys[start] on
+
+
+class CommitRetrieveRequest(_Body):
+    context_id: int
+    lease_id: int
+
+
+class StoreInlineRequest(_Body):
+    """Followed by payload frames: the chunks ``keys[first:]`` in order, each split into frames of
+    ``rows_per_frame`` rows (see ``codec``); the chunks before ``first`` are known to be stored."""
+
+    context_id: int
+    keys: list[bytes]
+    rows_per_frame: int
+    cache_salt: str = ""
+    first: int = 0
+
+
+class StoreInlineReply(_Body):
+    statuses: list[int]  # SlotStatus per key sent (keys[first:])
+
+
+class RetrieveInlineRequest(_Body):
+    """As PrepareRetrieveRequest, but the bytes come back as payload frames."""
+
+    context_id: int
+    keys: list[bytes]
+    cache_salt: str = ""
+    session_id: str = ""
+    start: int = 0
+
+
+class RetrieveInlineReply(_Body):
+    """Followed by the payload frames of the ``found`` chunks from ``keys[start]`` on, each split into
+    frames of ``rows_per_frame`` rows."""
+
+    found: int
+    rows_per_frame: int = 0
+
+
+class EndSessionRequest(_Body):
+    context_id: int
+    session_id: str
+
+
+class ClearRequest(_Body):
+    pass
+
+
+class ClearReply(_Body):
+    removed: int
+
+
+class ReportBlockAllocationRequest(_Body):
+    context_id: int
+    allocated_blocks: int = 0
+    freed_blocks: int = 0
+
+
+# --- the registry ----------------------------------------------------------------------------------
+
+REGISTRY: dict[RequestType, tuple[type[_Body], type[_Body]]] = {
+    RequestType.PING: (PingRequest, PingReply),
+    RequestType.REGISTER_CONTEXT: (RegisterContextRequest, RegisterContextReply),
+    RequestType.UNREGISTER_CONTEXT: (UnregisterContextRequest, Ack),
+    RequestType.GET_CHUNK_SIZE: (GetChunkSizeRequest, ChunkSizeReply),
+    RequestType.LOOKUP: (LookupRequest, LookupReply),
+    RequestType.QUERY_PREFETCH_STATUS: (QueryPrefetchStatusRequest, LookupReply),
+    RequestType.FREE_LOOKUP_LOCKS: (FreeLookupLocksRequest, FreeLookupLocksReply),
+    RequestType.PREPARE_STORE: (PrepareStoreRequest, PrepareStoreReply),
+    RequestType.COMMIT_STORE: (CommitStoreRequest, CommitStoreReply),
+    RequestType.PREPARE_RETRIEVE: (PrepareRetrieveRequest, PrepareRetrieveReply),
+    RequestType.COMMIT_RETRIEVE: (CommitRetrieveRequest, Ack),
+    RequestType.STORE_INLINE: (StoreInlineRequest, StoreInlineReply),
+    RequestType.RETRIEVE_INLINE: (RetrieveInlineRequest, RetrieveInlineReply),
+    RequestType.END_SESSION: (EndSessionRequest, Ack),
+    RequestType.CLEAR: (ClearRequest, ClearReply),
+    RequestType.REPORT_BLOCK_ALLOCATION: (ReportBlockAllocationRequest, Ack),
+}
+
+
+def _check_registry() -> None:
+    missing = set(RequestType) - set(REGISTRY)
+    if missing:
+        raise RuntimeError(f"request types without message classes: {sorted(m.name for m in missing)}")
+    seen: dict[type, RequestType] = {}
+    for rtype, (req_cls, _) in REGISTRY.items():
+        if req_cls in seen:
+            raise RuntimeError(f"{req_cls.__name__} is used by both {seen[req_cls].name} and {rtype.name}")
+        seen[req_cls] = rtype
+    values = [int(t) for t in RequestType]
+    if len(values) != len(set(values)):
+        raise RuntimeError("duplicate RequestType values")
+
+
+_check_registry()

@@ -1,0 +1,134 @@
+"""The composition root: build every part, start them in order, serve, close them in reverse order.
+
+Nothing starts a thread in a constructor; ``start`` does, and ``close`` undoes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+from kvdepot import __version__
+from kvdepot.config import ServerConfig
+from kvdepot.server.liveness import LivenessTracker
+from kvdepot.server.modules import ServerContext
+from kvdepot.server.modules.lookup import LookupModule
+from kvdepot.server.modules.management import ManagementModule
+from kvdepot.server.modules.transfer import TransferModule
+from kvdepot.server.rpc import RpcServer
+from kvdepot.storage.manager import StorageManager
+
+log = logging.getLogger(__name__)
+
+
+class KVDepotServer:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.storage = StorageManager(config.storage)
+        self.ctx = ServerContext(config, self.storage, LivenessTracker(config.rpc.client_timeout_s))
+        self.management = ManagementModule(self.ctx)
+        modules = [self.management, LookupModule(self.ctx), TransferModule(self.ctx)]
+        self.rpc = RpcServer(
+            config.rpc.endpoints,
+            [spec for module in modules for spec in module.handlers()],
+            self.ctx.liveness,
+            on_client_gone=self.management.client_gone,
+            workers=config.rpc.workers,
+            max_frame_bytes=config.rpc.max_frame_bytes,
+            housekeeping=self._housekeeping,
+        )
+        self.http = None
+        if config.http.port:
+            from kvdepot.admin.http import HttpServer
+
+            self.http = HttpServer(self, config.http)
+        self._stopped = threading.Event()
+
+    def _housekeeping(self) -> None:
+        expired = self.storage.table.expire()
+        if expired:
+            log.info("%d leases expired (TTL %.1fs)", expired, self.config.storage.lease_ttl_s)
+
+    def start(self) -> None:
+        self.storage.start()
+        self.rpc.start()
+        if self.http is not None:
+            self.http.start()
+        log.info(
+            "kvdepot %s serving on %s (L1 %.2f GiB at %s, chunk %d tokens, hash %s, http %s)",
+            __version__,
+            ", ".join(self.config.rpc.endpoints),
+            self.config.storage.l1_size_gb,
+            self.storage.arena.path,
+            self.config.storage.chunk_size,
+            self.config.storage.hash_algorithm,
+            f"{self.config.http.host}:{self.config.http.port}" if self.http else "off",
+        )
+
+    def close(self) -> None:
+        if self.http is not None:
+            self.http.close()
+        self.rpc.close()
+        self.storage.close()
+        self._stopped.set()
+
+    def serve_forever(self) -> None:
+        """Start, block until SIGINT/SIGTERM, then close."""
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        self.start()
+        try:
+            while not stop.wait(0.5):
+                pass
+        finally:
+            log.info("shutting down")
+            self.close()
+
+    def rpc_alive(self) -> bool:
+        return self.rpc.alive
+
+    def status(self) -> dict:
+        """The /status document (and ``kvdepot status``)."""
+        l1 = self.storage.stats()
+        pf = self.storage.prefault_status()
+        return {
+            "version": __version__,
+            "chunk_size": self.config.storage.chunk_size,
+            "hash_algorithm": self.config.storage.hash_algorithm,
+            "endpoints": self.config.rpc.endpoints,
+            "l1": {
+                "capacity_bytes": l1.capacity_bytes,
+                "used_bytes": l1.used_bytes,
+                "objects": l1.objects,
+                "ready": l1.ready,
+                "writing": l1.writing,
+                "read_locked": l1.read_locked,
+                "fragmentation": round(l1.fragmentation, 4),
+                "largest_free_bytes": l1.largest_free_bytes,
+                "evicted_objects": l1.evicted_objects,
+                "eviction_policy": self.config.storage.eviction_policy,
+                "shm_path": self.storage.arena.path,
+                "prefault": {"progress": round(pf.progress, 4), "finished": pf.finished, "supported": pf.supported},
+            },
+            "leases": l1.leases,
+            "expired_leases": l1.expired_leases,
+            "contexts": len(self.ctx.contexts),
+            "sessions": len(self.ctx.sessions),
+            "clients": len(self.ctx.liveness),
+            "requests": _snapshot(self.rpc.stats.requests),
+            "errors": _snapshot(self.rpc.stats.errors),
+            "block_events": _snapshot(self.ctx.block_events),
+            "tiers": [],
+        }
+
+
+def _snapshot(counts: dict) -> dict:
+    """Copy a dict another thread may be adding keys to (a copy can race with an insert)."""
+    for _ in range(10):
+        try:
+            return dict(counts)
+        except RuntimeError:
+            continue
+    return {}

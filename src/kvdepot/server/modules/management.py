@@ -1,0 +1,125 @@
+"""Registration, sessions, clear, ping: everything that is not lookup or data transfer."""
+
+from __future__ import annotations
+
+import logging
+
+from kvdepot import __version__
+from kvdepot.errors import BadRequest, ErrorCode, KVDepotError
+from kvdepot.layout import KVLayout
+from kvdepot.protocol import messages as m
+from kvdepot.server.modules import ServerContext
+from kvdepot.server.rpc import Call, HandlerMode, HandlerSpec, Reply
+from kvdepot.storage.keys import NamespaceSpec
+from kvdepot.types import ClientId, ContextId
+
+log = logging.getLogger(__name__)
+
+
+class ManagementModule:
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    def handlers(self) -> list[HandlerSpec]:
+        R, S, B = m.RequestType, HandlerMode.SYNC, HandlerMode.BLOCKING
+        return [
+            HandlerSpec(R.PING, self.ping, S),
+            HandlerSpec(R.REGISTER_CONTEXT, self.register, S),
+            HandlerSpec(R.UNREGISTER_CONTEXT, self.unregister, S),
+            HandlerSpec(R.GET_CHUNK_SIZE, self.get_chunk_size, S),
+            HandlerSpec(R.END_SESSION, self.end_session, S),
+            HandlerSpec(R.CLEAR, self.clear, B),
+            HandlerSpec(R.REPORT_BLOCK_ALLOCATION, self.report_block_allocation, S),
+        ]
+
+    def ping(self, call: Call) -> Reply:
+        return Reply(m.PingReply())
+
+    def register(self, call: Call) -> Reply:
+        body: m.RegisterContextRequest = call.body
+        if body.protocol_version != m.PROTOCOL_VERSION:
+            raise KVDepotError(
+                f"client speaks protocol {body.protocol_version}, server {m.PROTOCOL_VERSION}",
+                ErrorCode.VERSION_MISMATCH,
+            )
+        cfg = self.ctx.config
+        try:
+            layout = KVLayout(**{f: getattr(body.layout, f) for f in body.layout.__struct_fields__})
+        except (TypeError, ValueError) as exc:
+            raise BadRequest(f"bad layout: {exc}") from None
+        if not 0 <= body.rank < body.world_size:
+            raise BadRequest(f"rank {body.rank} is outside world_size {body.world_size}")
+        if not body.model:
+            raise BadRequest("model must be named")
+        chunk_size = body.chunk_size or cfg.storage.chunk_size
+        if chunk_size <= 0 or chunk_size > 1 << 20:
+            raise BadRequest(f"chunk_size {chunk_size} is out of range")
+        chunk_bytes = layout.chunk_bytes(chunk_size)
+        if chunk_bytes > self.ctx.storage.table.capacity:
+            raise BadRequest(f"one chunk ({chunk_bytes} bytes) is larger than L1 ({self.ctx.storage.table.capacity})")
+        spec = NamespaceSpec(body.model, body.world_size, body.rank, layout.fingerprint(), chunk_size)
+        self.ctx.liveness.register(call.client, body.client)
+        context = self.ctx.contexts.add(call.client, layout, spec)
+        arena = self.ctx.storage.arena
+        log.info(
+            "context %d registered: model=%s rank=%d/%d layout=%s chunk=%d tokens (%d bytes)",
+            context.id, body.model, body.rank, body.world_size, layout.fingerprint(), chunk_size, chunk_bytes,
+        )
+        return Reply(
+            m.RegisterContextReply(
+                context_id=context.id,
+                chunk_size=chunk_size,
+                chunk_bytes=chunk_bytes,
+                hash_algorithm=cfg.storage.hash_algorithm,
+                server_version=__version__,
+                max_frame_bytes=cfg.rpc.max_frame_bytes,
+                heartbeat_interval_s=cfg.rpc.heartbeat_interval_s,
+                lease_ttl_s=cfg.storage.lease_ttl_s,
+                shm=m.ShmInfo(path=arena.path, size=arena.size, nonce=arena.nonce),
+            )
+        )
+
+    def unregister(self, call: Call) -> Reply:
+        context = self.ctx.contexts.remove(call.body.context_id, call.client)
+        self._drop_sessions(context.id, call.client)
+        if not self.ctx.contexts.owned_by(call.client) and not self.ctx.storage.table.leases_of(call.client):
+            self.ctx.liveness.forget(call.client)  # a clean goodbye: stop watching it (SYNC: loop thread)
+        return Reply(m.Ack())
+
+    def get_chunk_size(self, call: Call) -> Reply:
+        return Reply(m.ChunkSizeReply(chunk_size=self.ctx.config.storage.chunk_size))
+
+    def end_session(self, call: Call) -> Reply:
+        context = self.ctx.contexts.get(call.body.context_id, call.client)
+        session = self.ctx.sessions.pop(context.id, call.body.session_id)
+        if session is not None:
+            self._release_quietly(session.lease_id, call.client)
+        return Reply(m.Ack())
+
+    def clear(self, call: Call) -> Reply:
+        return Reply(m.ClearReply(removed=self.ctx.storage.table.clear()))
+
+    def report_block_allocation(self, call: Call) -> Reply:
+        body: m.ReportBlockAllocationRequest = call.body
+        self.ctx.contexts.get(body.context_id, call.client)
+        self.ctx.block_events["allocated"] += max(0, body.allocated_blocks)
+        self.ctx.block_events["freed"] += max(0, body.freed_blocks)
+        return Reply(m.Ack())
+
+    def client_gone(self, client: ClientId, why: str) -> None:
+        """Called by the RPC loop when a client died or went silent: free everything it held."""
+        contexts = self.ctx.contexts.remove_owner(client)
+        for c in contexts:
+            self.ctx.sessions.pop_context(c.id)
+        released = self.ctx.storage.table.release_owner(client)
+        log.info("client %s gone (%s): %d leases released, %d contexts dropped", client.hex()[:12], why, released, len(contexts))
+
+    def _drop_sessions(self, context_id: ContextId, owner: ClientId) -> None:
+        for session in self.ctx.sessions.pop_context(context_id):
+            self._release_quietly(session.lease_id, owner)
+
+    def _release_quietly(self, lease_id, owner: ClientId) -> None:
+        try:
+            self.ctx.storage.table.release_read(lease_id, owner)
+        except KVDepotError:
+            pass  # already expired or released

@@ -1,0 +1,139 @@
+"""Moving KV bytes: the shm path (PREPARE/COMMIT against arena slots the worker writes or reads itself)
+and the inline path (raw payload frames over the socket).
+
+Table-only steps (prepare, commit, and the zero-copy inline retrieve) are SYNC: they take microseconds.
+The inline store copies up to hundreds of MiB into the arena, so it is BLOCKING.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from kvdepot.errors import BadRequest, KVDepotError
+from kvdepot.protocol import codec
+from kvdepot.protocol import messages as m
+from kvdepot.server.modules import ServerContext
+from kvdepot.server.modules.common import context_and_keys
+from kvdepot.server.rpc import Call, HandlerMode, HandlerSpec, Reply
+from kvdepot.server.state import Context
+from kvdepot.storage.l1 import NO_LEASE, ReadLock
+from kvdepot.types import LeaseId, ObjectKey
+
+log = logging.getLogger(__name__)
+
+
+class TransferModule:
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+        self.table = ctx.storage.table
+        self.arena = ctx.storage.arena
+
+    def handlers(self) -> list[HandlerSpec]:
+        R, S, B = m.RequestType, HandlerMode.SYNC, HandlerMode.BLOCKING
+        return [
+            HandlerSpec(R.PREPARE_STORE, self.prepare_store, S),
+            HandlerSpec(R.COMMIT_STORE, self.commit_store, S),
+            HandlerSpec(R.PREPARE_RETRIEVE, self.prepare_retrieve, S),
+            HandlerSpec(R.COMMIT_RETRIEVE, self.commit_retrieve, S),
+            HandlerSpec(R.STORE_INLINE, self.store_inline, B),
+            HandlerSpec(R.RETRIEVE_INLINE, self.retrieve_inline, S),
+        ]
+
+    # --- store ---------------------------------------------------------------------------------------
+
+    def prepare_store(self, call: Call) -> Reply:
+        context, keys = context_and_keys(self.ctx, call)
+        res = self.table.reserve_write(keys, context.chunk_bytes, call.client, call.body.cache_salt)
+        self.ctx.storage.eviction.kick()
+        return Reply(m.PrepareStoreReply(lease_id=res.lease_id, offsets=res.offsets, statuses=[int(s) for s in res.statuses]))
+
+    def commit_store(self, call: Call) -> Reply:
+        body: m.CommitStoreRequest = call.body
+        self.ctx.contexts.get(body.context_id, call.client)
+        lease = LeaseId(body.lease_id)
+        if body.abort:
+            self.table.abort_write(lease, call.client)
+            return Reply(m.CommitStoreReply(committed=0))
+        return Reply(m.CommitStoreReply(committed=self.table.commit_write(lease, call.client)))
+
+    def store_inline(self, call: Call) -> Reply:
+        body: m.StoreInlineRequest = call.body
+        context, keys = context_and_keys(self.ctx, call)
+        if not 0 <= body.first <= len(keys):
+            raise BadRequest(f"first={body.first} is outside the {len(keys)} keys")
+        sent = keys[body.first :]
+        size = context.chunk_bytes
+        max_frame = self.ctx.config.rpc.max_frame_bytes
+        per = codec.check_payload(call.payload, len(sent), size, context.rows, body.rows_per_frame, max_frame, call.request_id)
+        res = self.table.reserve_write(sent, size, call.client, body.cache_salt)
+        self.ctx.storage.eviction.kick()
+        try:
+            for i, (offset, status) in enumerate(zip(res.offsets, res.statuses)):
+                if status != m.SlotStatus.ALLOCATED:
+                    continue
+                pos = offset
+                for frame in call.payload[i * per : (i + 1) * per]:
+                    src = np.frombuffer(frame.buffer, dtype=np.uint8)
+                    self.arena.buffer[pos : pos + src.size] = src
+                    pos += src.size
+        except BaseException:
+            self.table.abort_write(res.lease_id, call.client)
+            raise
+        self.table.commit_write(res.lease_id, call.client)
+        return Reply(m.StoreInlineReply(statuses=[int(s) for s in res.statuses]))
+
+    # --- retrieve ------------------------------------------------------------------------------------
+
+    def _lock_for_retrieve(self, call: Call) -> tuple[Context, ReadLock]:
+        """Lock chunks ``keys[start:]``, reusing the session's lookup locks when they cover them."""
+        body = call.body
+        context, keys = context_and_keys(self.ctx, call)
+        if not 0 <= body.start <= len(keys):
+            raise BadRequest(f"start={body.start} is outside the {len(keys)} keys")
+        if body.session_id:
+            session = self.ctx.sessions.get(context.id, body.session_id)
+            if session is not None and session.lease_id and _same_prefix(session.keys, keys, body.start):
+                lease, session.lease_id = session.lease_id, NO_LEASE  # the retrieve now owns the locks
+                try:
+                    offsets = self.table.read_lease_offsets(lease, call.client, body.start)[: len(keys) - body.start]
+                    return context, ReadLock(lease, offsets, context.chunk_bytes)
+                except KVDepotError:
+                    pass  # expired meanwhile: lock afresh below
+        return context, self.table.acquire_read(keys[body.start :], call.client)
+
+    def prepare_retrieve(self, call: Call) -> Reply:
+        _, lock = self._lock_for_retrieve(call)
+        return Reply(m.PrepareRetrieveReply(lease_id=lock.lease_id, offsets=lock.offsets))
+
+    def commit_retrieve(self, call: Call) -> Reply:
+        body: m.CommitRetrieveRequest = call.body
+        self.ctx.contexts.get(body.context_id, call.client)
+        self.table.release_read(LeaseId(body.lease_id), call.client)  # LeaseExpired: the reads were unsafe
+        return Reply(m.Ack())
+
+    def retrieve_inline(self, call: Call) -> Reply:
+        context, lock = self._lock_for_retrieve(call)
+        if not lock.offsets:
+            return Reply(m.RetrieveInlineReply(found=0))
+        size = context.chunk_bytes
+        max_frame = self.ctx.config.rpc.max_frame_bytes
+        rpf = codec.rows_per_frame_for(size, context.rows, max_frame)
+        payload = []
+        for offset in lock.offsets:
+            payload.extend(codec.split_object(self.arena.buffer[offset : offset + size], context.rows, rpf, max_frame))
+        owner, lease = call.client, lock.lease_id
+
+        def release() -> None:  # once ZeroMQ no longer reads the arena
+            try:
+                self.table.release_read(lease, owner)
+            except KVDepotError:
+                pass
+
+        return Reply(m.RetrieveInlineReply(found=len(lock.offsets), rows_per_frame=rpf), payload, on_sent=release)
+
+
+def _same_prefix(locked: list[ObjectKey], keys: list[ObjectKey], start: int) -> bool:
+    n = min(len(locked), len(keys))
+    return n > start and locked[start:n] == keys[start:n]

@@ -1,0 +1,357 @@
+"""The ROUTER loop: receive → decode → dispatch → exactly one reply per request.
+
+SYNC handlers run on the loop thread and must be quick (no big copies). BLOCKING handlers run on a
+thread pool; their replies come back to the loop through an inproc PUSH/PULL pair, because a ZeroMQ
+socket belongs to one thread. Any exception a handler raises becomes an error reply: a request is never
+left unanswered. A reply may carry raw payload frames sent without a copy (``copy=False``); its
+``on_sent`` callback runs once ZeroMQ has let go of those buffers, so the read locks that keep them
+valid are released only then.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import msgspec
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from kvdepot.errors import ErrorCode, KVDepotError
+from kvdepot.protocol import codec
+from kvdepot.protocol.messages import RequestType
+from kvdepot.server.liveness import LivenessTracker
+from kvdepot.types import ClientId
+
+log = logging.getLogger(__name__)
+
+
+class HandlerMode(Enum):
+    SYNC = "sync"
+    BLOCKING = "blocking"
+
+
+@dataclass(slots=True)
+class Call:
+    client: ClientId
+    request_id: int
+    rtype: RequestType
+    body: Any
+    payload: list[zmq.Frame]
+    deadline: float  # monotonic; inf when the client set none
+
+
+@dataclass(slots=True)
+class Reply:
+    body: msgspec.Struct
+    payload: Sequence[Any] = ()
+    on_sent: Callable[[], None] | None = None
+
+
+Handler = Callable[[Call], Reply]
+
+
+@dataclass(frozen=True, slots=True)
+class HandlerSpec:
+    rtype: RequestType
+    fn: Handler
+    mode: HandlerMode
+
+
+@dataclass
+class RpcStats:
+    requests: Counter = field(default_factory=Counter)
+    errors: Counter = field(default_factory=Counter)
+    dropped_frames: int = 0
+    disconnects: int = 0
+
+
+class RpcServer:
+    def __init__(
+        self,
+        endpoints: list[str],
+        handlers: list[HandlerSpec],
+        liveness: LivenessTracker,
+        on_client_gone: Callable[[ClientId, str], None],
+        workers: int = 4,
+        max_frame_bytes: int = codec.MAX_FRAME_BYTES,
+        housekeeping: Callable[[], None] | None = None,
+        housekeeping_interval_s: float = 0.1,
+    ) -> None:
+        self._endpoints = endpoints
+        self._handlers: dict[RequestType, HandlerSpec] = {}
+        for spec in handlers:
+            if spec.rtype in self._handlers:
+                raise ValueError(f"two handlers for {spec.rtype.name}")
+            self._handlers[spec.rtype] = spec
+        self._liveness = liveness
+        self._on_client_gone = on_client_gone
+        self._workers = workers
+        self._max_frame = max_frame_bytes
+        self._housekeeping = housekeeping
+        self._hk_interval = housekeeping_interval_s
+        self.stats = RpcStats()
+        self._ctx: zmq.Context | None = None
+        self._thread: threading.Thread | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._local = threading.local()
+        self._reply_addr = f"inproc://kvdepot-replies-{id(self)}"
+        self._trackers: deque[tuple[zmq.MessageTracker, Callable[[], None]]] = deque()
+        self._tracker_lock = threading.Lock()
+
+    # --- life cycle ----------------------------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    def start(self) -> None:
+        self._ctx = zmq.Context()
+        self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="kvdepot-worker")
+        self._thread = threading.Thread(target=self._run, name="kvdepot-rpc", daemon=True)
+        self._thread.start()
+        self._ready.wait(10)
+        if self._start_error is not None:
+            raise self._start_error
+
+    def close(self, drain_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._thread is not None:
+            self._thread.join(timeout=drain_s + 5)
+        if self._ctx is not None:
+            self._ctx.term()
+
+    # --- the loop ------------------------------------------------------------------------------------
+
+    def _bind(self) -> tuple[zmq.Socket, zmq.Socket, zmq.Socket]:
+        assert self._ctx is not None
+        router = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        # Hard limit per frame: anything larger makes ZeroMQ drop the connection (logged through the
+        # monitor); frames between max_frame and this limit get a MESSAGE_TOO_LARGE reply.
+        router.setsockopt(zmq.MAXMSGSIZE, 4 * max(self._max_frame, codec.MAX_BODY_BYTES) + (1 << 20))
+        router.setsockopt(zmq.RCVHWM, 0)
+        router.setsockopt(zmq.SNDHWM, 0)
+        for ep in self._endpoints:
+            router.bind(ep)
+        monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        pull = self._ctx.socket(zmq.PULL)
+        pull.bind(self._reply_addr)
+        return router, pull, monitor
+
+    def _run(self) -> None:
+        try:
+            router, pull, monitor = self._bind()
+        except BaseException as exc:
+            self._start_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(pull, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        watched_fds: set[int] = set()
+        next_hk = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                for fd in set(self._liveness.pidfds()) - watched_fds:
+                    poller.register(fd, zmq.POLLIN)
+                    watched_fds.add(fd)
+                timeout = 20 if self._trackers else int(self._hk_interval * 1000)
+                events = dict(poller.poll(timeout))
+                if pull in events:
+                    self._forward_replies(pull, router)
+                if router in events:
+                    self._receive(router)
+                if monitor in events:
+                    self._drain_monitor(monitor)
+                for fd in [fd for fd in watched_fds if fd in events]:
+                    client = self._liveness.client_of_pidfd(fd)
+                    poller.unregister(fd)
+                    watched_fds.discard(fd)
+                    if client is not None:
+                        self._client_gone(client, "process exited")
+                self._run_trackers()
+                now = time.monotonic()
+                if now >= next_hk:
+                    next_hk = now + self._hk_interval
+                    for client in self._liveness.timed_out():
+                        self._client_gone(client, "missed heartbeats")
+                    if self._housekeeping is not None:
+                        try:
+                            self._housekeeping()
+                        except Exception:
+                            log.exception("housekeeping failed")
+            # Drain: answer what the workers finished, then stop.
+            self._forward_replies(pull, router)
+        finally:
+            self._run_trackers(force=True)
+            for fd in watched_fds:
+                poller.unregister(fd)
+            router.disable_monitor()
+            for s in (router, pull, monitor):
+                s.close(linger=0)
+            self._liveness.close()
+
+    def _client_gone(self, client: ClientId, why: str) -> None:
+        self._liveness.forget(client)
+        try:
+            self._on_client_gone(client, why)
+        except Exception:
+            log.exception("cleaning up after client %s failed", client.hex())
+
+    def _drain_monitor(self, monitor: zmq.Socket) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self.stats.disconnects += 1
+                log.info(
+                    "connection closed (peer left, or it sent a frame over the hard size limit): %s",
+                    event.get("endpoint", b"").decode(errors="replace"),
+                )
+
+    def _receive(self, router: zmq.Socket) -> None:
+        for _ in range(256):  # bounded, so replies and housekeeping are not starved
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._dispatch(router, frames)
+
+    def _dispatch(self, router: zmq.Socket, frames: list[zmq.Frame]) -> None:
+        ident = frames[0].bytes
+        client = ClientId(ident)
+        received = time.monotonic()
+        if len(frames) < 3:
+            self.stats.dropped_frames += 1
+            self._send_error(router, ident, 0, ErrorCode.BAD_REQUEST, f"a request needs header and body frames, got {len(frames) - 1} frames")
+            return
+        try:
+            header = codec.decode_request_header(frames[1].buffer)
+            rtype, body = codec.decode_request_body(header, frames[2].buffer)
+            payload = frames[3:]
+            for i, f in enumerate(payload):
+                if len(f) > self._max_frame:
+                    raise codec.ProtocolViolation(
+                        f"payload frame {i} has {len(f)} bytes, over the {self._max_frame}-byte frame limit",
+                        ErrorCode.MESSAGE_TOO_LARGE,
+                        header.request_id,
+                    )
+        except codec.ProtocolViolation as exc:
+            self.stats.errors[exc.code.name] += 1
+            log.warning("rejected a request from %s: %s", ident.hex()[:12], exc)
+            self._send_error(router, ident, exc.request_id, exc.code, exc.message)
+            return
+        spec = self._handlers.get(rtype)
+        if spec is None:
+            self._send_error(router, ident, header.request_id, ErrorCode.UNKNOWN_REQUEST_TYPE, f"{rtype.name} is not served here")
+            return
+        self.stats.requests[rtype.name] += 1
+        deadline = received + header.timeout_ms / 1000 if header.timeout_ms > 0 else float("inf")
+        call = Call(client, header.request_id, rtype, body, payload, deadline)
+        self._liveness.request_started(client)
+        if spec.mode is HandlerMode.SYNC:
+            self._send(router, ident, call, self._invoke(spec, call))
+            self._liveness.request_finished(client)
+        else:
+            assert self._pool is not None
+            try:
+                self._pool.submit(self._run_blocking, spec, call)
+            except RuntimeError:  # shutting down
+                self._send_error(router, ident, call.request_id, ErrorCode.SHUTTING_DOWN, "server is shutting down")
+                self._liveness.request_finished(client)
+
+    def _invoke(self, spec: HandlerSpec, call: Call) -> list[Any] | tuple[list[Any], Reply]:
+        """Run a handler; returns the frames to send (and the Reply when it has payload/on_sent)."""
+        if time.monotonic() > call.deadline:
+            return self._error_frames(call, ErrorCode.DEADLINE_EXCEEDED, "the request waited past its deadline")
+        try:
+            reply = spec.fn(call)
+        except KVDepotError as exc:
+            return self._error_frames(call, exc.code, exc.message)
+        except Exception as exc:
+            log.exception("%s handler failed", call.rtype.name)
+            return self._error_frames(call, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        return codec.encode_reply(call.request_id, reply.body), reply
+
+    def _error_frames(self, call: Call, code: ErrorCode, message: str) -> list[Any]:
+        self.stats.errors[code.name] += 1
+        return codec.encode_error(call.request_id, code, message)
+
+    def _send(self, sock: zmq.Socket, ident: bytes, call: Call, result) -> None:
+        if isinstance(result, tuple):
+            frames, reply = result
+            out = [ident, *frames, *reply.payload]
+            if reply.on_sent is not None:
+                try:
+                    tracker = sock.send_multipart(out, copy=False, track=True)
+                except BaseException:
+                    reply.on_sent()
+                    raise
+                with self._tracker_lock:
+                    self._trackers.append((tracker, reply.on_sent))
+                return
+            sock.send_multipart(out, copy=False)
+        else:
+            sock.send_multipart([ident, *result])
+
+    def _send_error(self, router: zmq.Socket, ident: bytes, request_id: int, code: ErrorCode, message: str) -> None:
+        router.send_multipart([ident, *codec.encode_error(request_id, code, message)])
+
+    def _run_blocking(self, spec: HandlerSpec, call: Call) -> None:
+        result = self._invoke(spec, call)
+        push = getattr(self._local, "push", None)
+        if push is None:
+            assert self._ctx is not None
+            push = self._local.push = self._ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.setsockopt(zmq.SNDHWM, 0)
+            push.connect(self._reply_addr)
+        try:
+            self._send(push, call.client, call, result)
+        except zmq.ZMQError:
+            log.warning("could not hand the %s reply to the loop (shutting down?)", call.rtype.name)
+
+    def _forward_replies(self, pull: zmq.Socket, router: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = pull.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            router.send_multipart(frames, copy=False)
+            self._liveness.request_finished(ClientId(frames[0].bytes))
+
+    def _run_trackers(self, force: bool = False) -> None:
+        if not self._trackers:
+            return
+        with self._tracker_lock:
+            pending = list(self._trackers)
+            self._trackers.clear()
+        keep = []
+        for tracker, callback in pending:
+            if force or tracker.done:
+                try:
+                    callback()
+                except Exception:
+                    log.exception("post-send callback failed")
+            else:
+                keep.append((tracker, callback))
+        if keep:
+            with self._tracker_lock:
+                self._trackers.extendleft(reversed(keep))

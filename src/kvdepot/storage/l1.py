@@ -1,0 +1,463 @@
+"""The L1 object table: the state machine of every object in the arena, and the leases that lock them.
+
+::
+
+    absent ──reserve_write──► WRITING ──commit_write──► READY ◄──release_read── READ-LOCKED(n)
+               │   (one writer, invisible)   │            │ ──acquire_read──►
+               └──abort / lease expiry / writer gone──► absent          READY & unlocked: evictable
+
+Every lock is a lease owned by a client, with a TTL. A lease ends at commit/finish, at expiry, or when
+the client is declared gone (``release_owner``), whichever comes first: a crashed writer's space comes
+back and a crashed reader never pins memory. Every public method is atomic over its batch of keys and
+holds one lock; listeners are called after the lock is released.
+
+An illegal transition (committing another client's lease, releasing an unknown lease) raises a typed
+error and changes nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kvdepot.errors import IllegalTransition, LeaseExpired, UnknownLease
+from kvdepot.protocol.messages import SlotStatus
+from kvdepot.storage.allocator import ExtentAllocator
+from kvdepot.storage.eviction import EvictionPolicy
+from kvdepot.types import ClientId, LeaseId, ObjectKey
+
+NO_LEASE = LeaseId(0)
+
+
+class ObjectState(Enum):
+    WRITING = "writing"
+    READY = "ready"
+
+
+class LeaseKind(Enum):
+    READ = "read"
+    WRITE = "write"
+
+
+@dataclass(slots=True)
+class L1Object:
+    key: ObjectKey
+    offset: int
+    size: int
+    state: ObjectState
+    salt: str = ""
+    readers: int = 0
+    writer: LeaseId = NO_LEASE
+    doomed: bool = False  # cleared while locked: removed as soon as the last lock goes
+
+
+@dataclass(slots=True)
+class Lease:
+    id: LeaseId
+    kind: LeaseKind
+    owner: ClientId
+    keys: list[ObjectKey | None]  # None: released early (FREE_LOOKUP_LOCKS on part of a read lease)
+    expires_at: float
+    session: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    lease_id: LeaseId
+    offsets: list[int]  # -1 where the status is not ALLOCATED
+    statuses: list[SlotStatus]
+
+
+@dataclass(frozen=True, slots=True)
+class ReadLock:
+    lease_id: LeaseId  # NO_LEASE when nothing was found
+    offsets: list[int]  # one per leading chunk found
+    size: int = 0  # bytes per object (all objects of one lookup share a context, so one size)
+
+
+@dataclass(frozen=True, slots=True)
+class L1Stats:
+    capacity_bytes: int
+    used_bytes: int
+    objects: int
+    ready: int
+    writing: int
+    read_locked: int
+    leases: int
+    fragmentation: float
+    largest_free_bytes: int
+    evicted_objects: int
+    expired_leases: int
+
+
+@dataclass
+class _Counters:
+    evicted: int = 0
+    expired: int = 0
+
+
+ReadyListener = Callable[[list[ObjectKey]], None]
+
+
+class ObjectTable:
+    def __init__(
+        self,
+        allocator: ExtentAllocator,
+        policy: EvictionPolicy,
+        lease_ttl_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._alloc = allocator
+        self._policy = policy
+        self._ttl = lease_ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._objects: dict[ObjectKey, L1Object] = {}
+        self._leases: dict[LeaseId, Lease] = {}
+        self._by_owner: dict[ClientId, set[LeaseId]] = {}
+        self._expired: OrderedDict[LeaseId, None] = OrderedDict()  # recently ended by TTL / owner gone
+        self._ids = itertools.count(1)
+        self._counters = _Counters()
+        self._ready_listeners: list[ReadyListener] = []
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return f"ObjectTable(objects={s.objects}, used={s.used_bytes}/{s.capacity_bytes}, leases={s.leases})"
+
+    @property
+    def capacity(self) -> int:
+        return self._alloc.capacity
+
+    def add_ready_listener(self, listener: ReadyListener) -> None:
+        self._ready_listeners.append(listener)
+
+    # --- writes ----------------------------------------------------------------------------------
+
+    def reserve_write(
+        self, keys: Sequence[ObjectKey], size: int, owner: ClientId, salt: str = "", ttl_s: float | None = None
+    ) -> Reservation:
+        """Reserve a slot of ``size`` bytes per absent key, evicting if needed.
+
+        Keys already READY are EXISTS and keys another writer holds are BUSY. Once a key cannot get
+        space, it and every later key are NO_SPACE: a chunk after a gap can never be a prefix hit.
+        """
+        offsets: list[int] = []
+        statuses: list[SlotStatus] = []
+        with self._lock:
+            lease_id = LeaseId(next(self._ids))
+            reserved: list[ObjectKey] = []
+            out_of_space = False
+            for key in keys:
+                obj = self._objects.get(key)
+                if obj is not None and not obj.doomed:
+                    statuses.append(SlotStatus.EXISTS if obj.state is ObjectState.READY else SlotStatus.BUSY)
+                    offsets.append(-1)
+                    if obj.state is ObjectState.READY:
+                        self._policy.on_access(key)
+                    continue
+                offset = None if out_of_space or obj is not None else self._allocate_locked(size)
+                if offset is None:
+                    out_of_space = True
+                    statuses.append(SlotStatus.NO_SPACE)
+                    offsets.append(-1)
+                    continue
+                self._objects[key] = L1Object(key, offset, size, ObjectState.WRITING, salt, writer=lease_id)
+                reserved.append(key)
+                statuses.append(SlotStatus.ALLOCATED)
+                offsets.append(offset)
+            if reserved:
+                self._add_lease_locked(Lease(lease_id, LeaseKind.WRITE, owner, list(reserved), self._deadline(ttl_s)))
+            else:
+                lease_id = NO_LEASE
+        return Reservation(lease_id, offsets, statuses)
+
+    def commit_write(self, lease_id: LeaseId, owner: ClientId) -> int:
+        """WRITING -> READY for every object of the lease; returns how many became visible."""
+        if lease_id == NO_LEASE:
+            return 0
+        with self._lock:
+            lease = self._take_lease_locked(lease_id, owner, LeaseKind.WRITE)
+            ready: list[ObjectKey] = []
+            for key in lease.keys:
+                obj = self._objects.get(key) if key is not None else None
+                if obj is None or obj.writer != lease_id:
+                    continue
+                if obj.doomed:
+                    self._remove_locked(obj)
+                    continue
+                obj.state = ObjectState.READY
+                obj.writer = NO_LEASE
+                self._policy.on_ready(key)
+                ready.append(key)
+        for listener in self._ready_listeners:
+            listener(ready)
+        return len(ready)
+
+    def abort_write(self, lease_id: LeaseId, owner: ClientId) -> int:
+        """Drop a reservation: its objects vanish and their space is free again."""
+        if lease_id == NO_LEASE:
+            return 0
+        with self._lock:
+            lease = self._take_lease_locked(lease_id, owner, LeaseKind.WRITE)
+            return self._drop_write_locked(lease)
+
+    # --- reads -----------------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[ObjectKey]) -> int:
+        """How many leading keys are READY (no lock taken)."""
+        with self._lock:
+            n = 0
+            for key in keys:
+                obj = self._objects.get(key)
+                if obj is None or obj.state is not ObjectState.READY or obj.doomed:
+                    break
+                self._policy.on_access(key)
+                n += 1
+            return n
+
+    def acquire_read(
+        self, keys: Sequence[ObjectKey], owner: ClientId, session: str = "", ttl_s: float | None = None
+    ) -> ReadLock:
+        """Read-lock the leading READY keys under one lease; they cannot be evicted until released."""
+        with self._lock:
+            found: list[L1Object] = []
+            for key in keys:
+                obj = self._objects.get(key)
+                if obj is None or obj.state is not ObjectState.READY or obj.doomed:
+                    break
+                found.append(obj)
+            if not found:
+                return ReadLock(NO_LEASE, [])
+            lease_id = LeaseId(next(self._ids))
+            for obj in found:
+                obj.readers += 1
+                self._policy.on_access(obj.key)
+            self._add_lease_locked(
+                Lease(lease_id, LeaseKind.READ, owner, [o.key for o in found], self._deadline(ttl_s), session)
+            )
+            return ReadLock(lease_id, [o.offset for o in found], found[0].size)
+
+    def read_lease_offsets(self, lease_id: LeaseId, owner: ClientId, start: int = 0) -> list[int]:
+        """Offsets of a read lease's objects from ``keys[start]`` up to the first released one (so a
+        retrieve can reuse the locks its lookup took)."""
+        with self._lock:
+            lease = self._get_lease_locked(lease_id, owner, LeaseKind.READ)
+            out = []
+            for key in lease.keys[start:]:
+                if key is None:
+                    break
+                out.append(self._objects[key].offset)
+            return out
+
+    def release_read(self, lease_id: LeaseId, owner: ClientId, start: int = 0, end: int | None = None) -> int:
+        """Release the read locks on ``keys[start:end]`` of a lease (all by default); returns how many.
+
+        The lease ends when none of its locks is left.
+        """
+        if lease_id == NO_LEASE:
+            return 0
+        with self._lock:
+            lease = self._get_lease_locked(lease_id, owner, LeaseKind.READ)
+            stop = len(lease.keys) if end is None or end < 0 else min(end, len(lease.keys))
+            released = 0
+            for i in range(max(0, start), stop):
+                key = lease.keys[i]
+                if key is None:
+                    continue
+                self._unlock_read_locked(key)
+                lease.keys[i] = None
+                released += 1
+            if all(k is None for k in lease.keys):
+                self._forget_lease_locked(lease)
+            return released
+
+    # --- lease life ------------------------------------------------------------------------------
+
+    def expire(self, now: float | None = None) -> int:
+        """End every lease whose TTL has passed; returns how many ended."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            due = [lease for lease in self._leases.values() if lease.expires_at <= now]
+            for lease in due:
+                self._end_lease_locked(lease)
+            self._counters.expired += len(due)
+            return len(due)
+
+    def release_owner(self, owner: ClientId) -> int:
+        """The client is gone: end all its leases (writes are dropped, read locks released)."""
+        with self._lock:
+            ids = list(self._by_owner.get(owner, ()))
+            for lease_id in ids:
+                self._end_lease_locked(self._leases[lease_id])
+            return len(ids)
+
+    def leases_of(self, owner: ClientId) -> int:
+        with self._lock:
+            return len(self._by_owner.get(owner, ()))
+
+    # --- capacity --------------------------------------------------------------------------------
+
+    def evict_to(self, target_used_bytes: int) -> int:
+        """Evict unlocked READY objects in policy order until usage is at most the target."""
+        with self._lock:
+            return self._evict_locked(lambda: self._alloc.stats().used <= target_used_bytes)
+
+    def clear(self) -> int:
+        """Remove every object. Locked or half-written ones are doomed: they go when their lease ends."""
+        with self._lock:
+            removed = 0
+            for obj in list(self._objects.values()):
+                if obj.state is ObjectState.READY and obj.readers == 0:
+                    self._remove_locked(obj)
+                    removed += 1
+                else:
+                    obj.doomed = True
+            return removed
+
+    def stats(self) -> L1Stats:
+        with self._lock:
+            a = self._alloc.stats()
+            ready = sum(1 for o in self._objects.values() if o.state is ObjectState.READY)
+            locked = sum(1 for o in self._objects.values() if o.readers)
+            return L1Stats(
+                capacity_bytes=a.capacity,
+                used_bytes=a.used,
+                objects=len(self._objects),
+                ready=ready,
+                writing=len(self._objects) - ready,
+                read_locked=locked,
+                leases=len(self._leases),
+                fragmentation=a.fragmentation,
+                largest_free_bytes=a.largest_free,
+                evicted_objects=self._counters.evicted,
+                expired_leases=self._counters.expired,
+            )
+
+    def get(self, key: ObjectKey) -> L1Object | None:
+        """A snapshot of one object (for tests and introspection)."""
+        with self._lock:
+            obj = self._objects.get(key)
+            return None if obj is None else L1Object(**{f: getattr(obj, f) for f in L1Object.__slots__})
+
+    def check_invariants(self) -> None:
+        """For tests: leases, reader counts and allocations agree with each other."""
+        with self._lock:
+            readers: dict[ObjectKey, int] = {}
+            for lease in self._leases.values():
+                for key in lease.keys:
+                    if key is None:
+                        continue
+                    obj = self._objects[key]
+                    if lease.kind is LeaseKind.READ:
+                        assert obj.state is ObjectState.READY
+                        readers[key] = readers.get(key, 0) + 1
+                    else:
+                        assert obj.state is ObjectState.WRITING and obj.writer == lease.id
+            for key, obj in self._objects.items():
+                assert obj.readers == readers.get(key, 0), f"reader count of {key.hex()} is off"
+                assert self._alloc.size_of(obj.offset) >= obj.size
+                if obj.state is ObjectState.WRITING:
+                    assert obj.writer in self._leases
+            assert self._alloc.stats().allocations == len(self._objects)
+            self._alloc.check_invariants()
+
+    # --- internals (lock held) -------------------------------------------------------------------
+
+    def _deadline(self, ttl_s: float | None) -> float:
+        return self._clock() + (self._ttl if ttl_s is None else ttl_s)
+
+    def _allocate_locked(self, size: int) -> int | None:
+        offset = self._alloc.allocate(size)
+        if offset is None:
+            self._evict_locked(lambda: self._alloc.can_allocate(size))
+            offset = self._alloc.allocate(size)
+        return offset
+
+    def _evict_locked(self, enough: Callable[[], bool]) -> int:
+        evicted = 0
+        while not enough():
+            # Collect a batch first (the policy must not change while we iterate it), then remove.
+            batch: list[L1Object] = []
+            for key in self._policy.candidates():
+                obj = self._objects.get(key)
+                if obj is None or obj.state is not ObjectState.READY or obj.readers:
+                    continue
+                batch.append(obj)
+                if len(batch) >= 32:
+                    break
+            if not batch:
+                break
+            for obj in batch:
+                if enough():
+                    break
+                self._remove_locked(obj)
+                evicted += 1
+        self._counters.evicted += evicted
+        return evicted
+
+    def _remove_locked(self, obj: L1Object) -> None:
+        del self._objects[obj.key]
+        self._alloc.free(obj.offset)
+        self._policy.on_remove(obj.key)
+
+    def _unlock_read_locked(self, key: ObjectKey) -> None:
+        obj = self._objects[key]
+        obj.readers -= 1
+        if obj.readers == 0 and obj.doomed:
+            self._remove_locked(obj)
+
+    def _add_lease_locked(self, lease: Lease) -> None:
+        self._leases[lease.id] = lease
+        self._by_owner.setdefault(lease.owner, set()).add(lease.id)
+
+    def _forget_lease_locked(self, lease: Lease) -> None:
+        del self._leases[lease.id]
+        owned = self._by_owner.get(lease.owner)
+        if owned is not None:
+            owned.discard(lease.id)
+            if not owned:
+                del self._by_owner[lease.owner]
+
+    def _get_lease_locked(self, lease_id: LeaseId, owner: ClientId, kind: LeaseKind) -> Lease:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            if lease_id in self._expired:
+                raise LeaseExpired(f"lease {lease_id} expired before it was finished")
+            raise UnknownLease(f"no lease {lease_id}")
+        if lease.owner != owner:
+            raise UnknownLease(f"lease {lease_id} belongs to another client")
+        if lease.kind is not kind:
+            raise IllegalTransition(f"lease {lease_id} is a {lease.kind.value} lease, not {kind.value}")
+        return lease
+
+    def _take_lease_locked(self, lease_id: LeaseId, owner: ClientId, kind: LeaseKind) -> Lease:
+        lease = self._get_lease_locked(lease_id, owner, kind)
+        self._forget_lease_locked(lease)
+        return lease
+
+    def _drop_write_locked(self, lease: Lease) -> int:
+        dropped = 0
+        for key in lease.keys:
+            obj = self._objects.get(key) if key is not None else None
+            if obj is not None and obj.writer == lease.id:
+                self._remove_locked(obj)
+                dropped += 1
+        return dropped
+
+    def _end_lease_locked(self, lease: Lease) -> None:
+        """Forced end (TTL or owner gone): remembered so a late commit gets LeaseExpired."""
+        self._forget_lease_locked(lease)
+        if lease.kind is LeaseKind.WRITE:
+            self._drop_write_locked(lease)
+        else:
+            for key in lease.keys:
+                if key is not None:
+                    self._unlock_read_locked(key)
+        self._expired[lease.id] = None
+        while len(self._expired) > 65536:
+            self._expired.popitem(last=False)

@@ -1,0 +1,100 @@
+"""StorageManager: the facade the server's handlers see. It owns the arena, the object table and the
+background work that keeps L1 healthy (prefault, watermark eviction, lease expiry)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+from kvdepot.config import StorageConfig
+from kvdepot.storage.allocator import ExtentAllocator
+from kvdepot.storage.arena import HEADER_BYTES, Prefaulter, SharedArena
+from kvdepot.storage.eviction import make_policy
+from kvdepot.storage.l1 import L1Stats, ObjectTable
+
+log = logging.getLogger(__name__)
+
+ALIGNMENT = 4096
+
+
+class EvictionController:
+    """Keeps L1 usage under the high watermark by evicting down to the low one.
+
+    It wakes every ``interval_s`` or when ``kick`` is called (after a store reserved space).
+    """
+
+    def __init__(self, table: ObjectTable, high: float, low: float, interval_s: float = 0.1) -> None:
+        self._table = table
+        self._high = int(high * table.capacity)
+        self._low = int(low * table.capacity)
+        self._interval = interval_s
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvdepot-eviction", daemon=True)
+        self._thread.start()
+
+    def kick(self) -> None:
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def run_once(self) -> int:
+        if self._table.stats().used_bytes > self._high:
+            return self._table.evict_to(self._low)
+        return 0
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self._interval)
+            self._wake.clear()
+            try:
+                n = self.run_once()
+                if n:
+                    log.debug("evicted %d objects to the low watermark", n)
+            except Exception:  # never let the controller die silently
+                log.exception("eviction pass failed")
+
+
+@dataclass(frozen=True)
+class PrefaultStatus:
+    progress: float
+    finished: bool
+    supported: bool
+
+
+class StorageManager:
+    def __init__(self, config: StorageConfig) -> None:
+        self.config = config
+        self.arena = SharedArena.create(config.l1_size_bytes + HEADER_BYTES, shm_dir=config.shm_dir)
+        allocator = ExtentAllocator(config.l1_size_bytes, alignment=ALIGNMENT, base=HEADER_BYTES)
+        self.table = ObjectTable(allocator, make_policy(config.eviction_policy), lease_ttl_s=config.lease_ttl_s)
+        self.eviction = EvictionController(self.table, config.high_watermark, config.low_watermark)
+        self.prefaulter = Prefaulter(self.arena) if config.prefault else None
+
+    def start(self) -> None:
+        if self.prefaulter is not None:
+            self.prefaulter.start()
+        self.eviction.start()
+
+    def close(self) -> None:
+        self.eviction.stop()
+        if self.prefaulter is not None:
+            self.prefaulter.stop()
+        self.arena.close()
+
+    def stats(self) -> L1Stats:
+        return self.table.stats()
+
+    def prefault_status(self) -> PrefaultStatus:
+        p = self.prefaulter
+        if p is None:
+            return PrefaultStatus(0.0, True, False)
+        return PrefaultStatus(p.progress, p.finished, p.supported)
