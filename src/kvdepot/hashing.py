@@ -27,29 +27,23 @@ class HashAlgorithm(str, Enum):
         return 16 if self is HashAlgorithm.XXH3_128 else 32
 
 
-_Hasher = Callable[[bytes, memoryview], bytes]
+_Hasher = Callable[[bytes], bytes]  # digest of (previous hash || chunk bytes)
 
 
-def _sha256(prev: bytes, data: memoryview) -> bytes:
-    h = hashlib.sha256(prev)
-    h.update(data)
-    return h.digest()
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
 
 
-def _blake3(prev: bytes, data: memoryview) -> bytes:
+def _blake3(data: bytes) -> bytes:
     import blake3
 
-    h = blake3.blake3(prev)
-    h.update(data)
-    return h.digest()
+    return blake3.blake3(data).digest()
 
 
-def _xxh3_128(prev: bytes, data: memoryview) -> bytes:
+def _xxh3_128(data: bytes) -> bytes:
     import xxhash
 
-    h = xxhash.xxh3_128(prev)
-    h.update(data)
-    return h.digest()
+    return xxhash.xxh3_128_digest(data)
 
 
 _HASHERS: dict[HashAlgorithm, _Hasher] = {
@@ -93,12 +87,13 @@ def chunk_hashes(
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     hasher = _HASHERS[HashAlgorithm(algorithm)]
-    data = tokens_to_bytes(tokens)
+    data = tokens_to_bytes(tokens).tobytes()
     step = chunk_size * 4
-    n_chunks = len(data) // step
+    end = len(data) - len(data) % step
     out: list[ChunkHash] = []
     prev = prefix
-    for i in range(n_chunks):
-        prev = hasher(prev, data[i * step : (i + 1) * step])
+    # One call per chunk on (prev || chunk): measurably faster than update() chains for 1 KiB chunks.
+    for i in range(0, end, step):
+        prev = hasher(prev + data[i : i + step])
         out.append(ChunkHash(prev))
     return out

@@ -87,6 +87,7 @@ class KVClient:
         self._requested_chunk_size = chunk_size
         self._prefault = prefault
         self._ids = itertools.count(1)
+        self._rcvtimeo = -1
         self._lock = threading.RLock()
         self._last_request = time.monotonic()
         self._zctx = zmq.Context.instance()
@@ -479,23 +480,39 @@ class KVClient:
         with self._lock:
             if self._closed and rtype is not m.RequestType.UNREGISTER_CONTEXT:
                 raise KVDepotError("client is closed", ErrorCode.CONNECTION)
+            sock = self._sock
             rid = next(self._ids)
-            frames = codec.encode_request(rid, body, int(timeout * 1000))
-            self._sock.send_multipart([*frames, *payload], copy=False)
-            self._last_request = time.monotonic()
-            deadline = self._last_request + timeout
+            header, encoded = codec.encode_request(rid, body, int(timeout * 1000))
+            # Small frames are copied (cheaper than zero-copy bookkeeping); KV payload is not.
+            if payload:
+                sock.send(header, zmq.SNDMORE)
+                sock.send(encoded, zmq.SNDMORE)
+                sock.send_multipart(payload, copy=False)
+            else:
+                sock.send_multipart((header, encoded))
+            self._last_request = now = time.monotonic()
+            deadline = now + timeout
             while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self._sock.poll(max(1, int(remaining * 1000))):
-                    raise KVDepotTimeout(f"{rtype.name} got no reply from {self.url} within {timeout:.1f}s")
-                reply = self._sock.recv_multipart(copy=False)
-                if len(reply) < 2:
-                    continue
-                header = codec.decode_reply_header(reply[0].buffer)
-                if header.request_id != rid:
+                # A blocking recv with RCVTIMEO saves the poll() syscall per request.
+                remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
+                if remaining_ms != self._rcvtimeo:
+                    sock.setsockopt(zmq.RCVTIMEO, remaining_ms)
+                    self._rcvtimeo = remaining_ms
+                try:
+                    reply_header = sock.recv()
+                    reply_body = sock.recv() if sock.getsockopt(zmq.RCVMORE) else b""
+                    frames = []
+                    while sock.getsockopt(zmq.RCVMORE):
+                        frames.append(sock.recv(copy=False))
+                except zmq.Again:
+                    raise KVDepotTimeout(f"{rtype.name} got no reply from {self.url} within {timeout:.1f}s") from None
+                header_msg = codec.decode_reply_header(reply_header)
+                if header_msg.request_id != rid:
+                    if time.monotonic() >= deadline:
+                        raise KVDepotTimeout(f"{rtype.name} got no reply from {self.url} within {timeout:.1f}s")
                     continue  # a late reply to a request we already gave up on
-                result = codec.decode_reply_body(rtype, header, reply[1].buffer)
-                return (result, reply[2:]) if want_payload else result
+                result = codec.decode_reply_body(rtype, header_msg, reply_body)
+                return (result, frames) if want_payload else result
 
     def _heartbeat(self) -> None:
         interval = self._reg.heartbeat_interval_s

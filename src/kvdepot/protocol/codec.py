@@ -40,6 +40,7 @@ _error_decoder = msgspec.msgpack.Decoder(ErrorReply)
 _request_decoders = {t: msgspec.msgpack.Decoder(req) for t, (req, _) in REGISTRY.items()}
 _reply_decoders = {t: msgspec.msgpack.Decoder(rep) for t, (_, rep) in REGISTRY.items()}
 _request_types = {req: t for t, (req, _) in REGISTRY.items()}
+_types_by_value = {int(t): t for t in REGISTRY}  # int -> RequestType without Enum.__call__ per message
 
 
 # --- requests ---------------------------------------------------------------------------------------
@@ -68,12 +69,11 @@ def decode_request_header(frame: bytes | memoryview) -> RequestHeader:
 
 
 def decode_request_body(header: RequestHeader, frame: bytes | memoryview) -> tuple[RequestType, msgspec.Struct]:
-    try:
-        rtype = RequestType(header.type)
-    except ValueError:
+    rtype = _types_by_value.get(header.type)
+    if rtype is None:
         raise ProtocolViolation(
             f"unknown request type {header.type}", ErrorCode.UNKNOWN_REQUEST_TYPE, header.request_id
-        ) from None
+        )
     if len(frame) > MAX_BODY_BYTES:
         raise ProtocolViolation(
             f"request body of {len(frame)} bytes exceeds {MAX_BODY_BYTES}",

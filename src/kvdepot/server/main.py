@@ -52,9 +52,9 @@ class KVDepotServer:
 
     def start(self) -> None:
         self.storage.start()
-        self.rpc.start()
         if self.http is not None:
-            self.http.start()
+            self.http.start()  # before RPC: a PING reply then means every part is up
+        self.rpc.start()
         log.info(
             "kvdepot %s serving on %s (L1 %.2f GiB at %s, chunk %d tokens, hash %s, http %s)",
             __version__,
@@ -117,7 +117,7 @@ class KVDepotServer:
             "contexts": len(self.ctx.contexts),
             "sessions": len(self.ctx.sessions),
             "clients": len(self.ctx.liveness),
-            "requests": _snapshot(self.rpc.stats.requests),
+            "requests": {getattr(k, "name", str(k)): v for k, v in _snapshot(self.rpc.stats.requests).items()},
             "errors": _snapshot(self.rpc.stats.errors),
             "block_events": _snapshot(self.ctx.block_events),
             "tiers": [],

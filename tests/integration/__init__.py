@@ -1,0 +1,1 @@
+"""Integration tests: a real kvdepot server process over real sockets."""

@@ -1,0 +1,285 @@
+"""Shared fixtures for the integration tests: real ``kvdepot server`` processes, real sockets.
+
+Every server here is a child process started through ``kvdepot.bench.serverproc.ServerProcess``; the
+tests talk to it over tcp://127.0.0.1 and ipc://, and read its HTTP ``/status``. Servers are small
+(16-64 MiB of L1, chunks of 16 tokens) so the whole suite stays quick on two cores.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from kvdepot import KVClient, KVLayout
+from kvdepot.bench.serverproc import ServerProcess, free_port
+from kvdepot.protocol import codec
+from kvdepot.protocol import messages as m
+
+CHUNK = 16
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32)  # 512 bytes a token, 8 KiB a chunk
+MODEL = "itest-model"
+SMALL_L1 = "0.0625"  # GiB: 64 MiB
+
+
+# --- small helpers ----------------------------------------------------------------------------------
+
+
+def wait_until(predicate: Callable[[], object], timeout_s: float = 20.0, interval_s: float = 0.05, what: str = "") -> object:
+    """Poll ``predicate`` until it returns something truthy (bounded); fail the test otherwise."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval_s)
+    pytest.fail(f"timed out after {timeout_s}s waiting for {what or predicate} (last value {last!r})")
+
+
+def make_tokens(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 50_000, size=n, dtype=np.int64)
+
+
+def make_kv(layout: KVLayout, n_tokens: int, seed: int) -> np.ndarray:
+    """Random KV ``[K, L, n, H, D]`` whose every bit pattern is random (NaNs and all): only a byte-exact
+    round trip compares equal."""
+    rng = np.random.default_rng(seed + 1_000_003)
+    dt = layout.storage_dtype
+    raw = rng.integers(0, 256, size=int(np.prod(layout.chunk_shape(n_tokens))) * dt.itemsize, dtype=np.uint8)
+    return raw.view(dt).reshape(layout.chunk_shape(n_tokens))
+
+
+def as_bits(a: np.ndarray) -> np.ndarray:
+    """The same array with an unsigned-int dtype of the same width (NaN-safe exact comparison)."""
+    return a.view(np.dtype(f"u{a.dtype.itemsize}"))
+
+
+def assert_bytes_equal(got: np.ndarray, want: np.ndarray) -> None:
+    assert got.shape == want.shape, f"shape {got.shape} != {want.shape}"
+    assert np.array_equal(as_bits(np.asarray(got)), as_bits(np.asarray(want))), "bytes differ"
+
+
+# --- servers ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    """A running ``kvdepot server`` child process, with HTTP helpers."""
+
+    proc: ServerProcess
+    log_path: Path
+    ipc_dir: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return self.proc.url
+
+    @property
+    def ipc_url(self) -> str:
+        return self.proc.ipc_url
+
+    @property
+    def port(self) -> int:
+        return self.proc.port
+
+    @property
+    def http_port(self) -> int:
+        return self.proc.http_port
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.proc.http_port}"
+
+    def status(self) -> dict:
+        r = httpx.get(f"{self.http}/status", timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def leases(self) -> int:
+        return self.status()["leases"]
+
+    def clear(self) -> dict:
+        r = httpx.post(f"{self.http}/cache/clear", timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def alive(self) -> bool:
+        return self.proc.proc is not None and self.proc.proc.poll() is None
+
+    def client(self, url: str | None = None, **kw) -> KVClient:
+        kw.setdefault("model", MODEL)
+        kw.setdefault("layout", LAYOUT)
+        kw.setdefault("timeout_s", 10.0)
+        return KVClient(url or self.url, **kw)
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self) -> int | None:
+        return self.proc.stop()
+
+
+def _start_server(log_dir: Path, name: str, args: list[str], http: bool = True, ipc: bool = True, port: int = 0) -> Server:
+    ipc_dir = tempfile.mkdtemp(prefix="kvd-")  # short: ipc paths are limited to ~107 bytes
+    log_path = log_dir / f"{name}.log"
+    proc = ServerProcess(
+        args=["--chunk-size", str(CHUNK), "--l1-size-gb", SMALL_L1, *args],
+        port=port,
+        http_port=free_port() if http else 0,
+        ipc_path=os.path.join(ipc_dir, "s.ipc") if ipc else None,
+        log_path=str(log_path),
+    )
+    proc.start()
+    return Server(proc, log_path, ipc_dir)
+
+
+def _stop_server(server: Server) -> None:
+    try:
+        server.stop()
+    finally:
+        if server.ipc_dir:
+            shutil.rmtree(server.ipc_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[Server]:
+    """One default server shared by a test module (tests use distinct tokens and clean up their locks)."""
+    log_dir = tmp_path_factory.mktemp("server")
+    s = _start_server(log_dir, "shared", [])
+    yield s
+    _stop_server(s)
+
+
+@pytest.fixture
+def make_server(tmp_path) -> Iterator[Callable[..., Server]]:
+    """Start servers with extra options for one test; all are stopped in teardown."""
+    started: list[Server] = []
+
+    def start(*args: str, http: bool = True, ipc: bool = True, port: int = 0, name: str | None = None) -> Server:
+        s = _start_server(tmp_path, name or f"server{len(started)}", list(args), http=http, ipc=ipc, port=port)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        _stop_server(s)
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """A per-test seed so different tests never share token chains on a shared server."""
+    return zlib.crc32(request.node.nodeid.encode()) % (1 << 31)
+
+
+# --- raw protocol peers -----------------------------------------------------------------------------
+
+
+class RawPeer:
+    """A bare ZeroMQ DEALER speaking kvdepot's framing by hand (for malformed and hostile input)."""
+
+    _enc = msgspec.msgpack.Encoder()
+
+    def __init__(self, url: str, routing_id: bytes | None = None) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.ROUTING_ID, routing_id or os.urandom(12))
+        self.sock.connect(url)
+        self._rid = 1000
+        self.context_id = 0
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+    def __enter__(self) -> RawPeer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def next_id(self) -> int:
+        self._rid += 1
+        return self._rid
+
+    def send_frames(self, frames: list) -> None:
+        self.sock.send_multipart(frames, copy=True)
+
+    def recv(self, timeout_s: float = 10.0) -> list[bytes]:
+        if not self.sock.poll(int(timeout_s * 1000)):
+            raise AssertionError(f"no reply within {timeout_s}s")
+        return self.sock.recv_multipart()
+
+    def reply_header(self, frames: list[bytes]) -> m.ReplyHeader:
+        return codec.decode_reply_header(frames[0])
+
+    def roundtrip(self, frames: list, timeout_s: float = 10.0) -> tuple[m.ReplyHeader, list[bytes]]:
+        self.send_frames(frames)
+        reply = self.recv(timeout_s)
+        assert len(reply) >= 2, f"a reply has header and body frames, got {len(reply)}"
+        return self.reply_header(reply), reply
+
+    def error_of(self, frames: list, timeout_s: float = 10.0) -> tuple[int, int, str]:
+        """Send; expect an error reply; returns (status code, request id, message)."""
+        header, reply = self.roundtrip(frames, timeout_s)
+        assert header.status != 0, "expected an error reply, got a success"
+        err = msgspec.msgpack.decode(reply[1], type=m.ErrorReply)
+        assert err.code == header.status
+        return header.status, header.request_id, err.message
+
+    def request(self, body: msgspec.Struct, payload: list = (), timeout_s: float = 10.0, version: int | None = None):
+        """A well-formed request (optionally with a chosen protocol version); returns (header, frames)."""
+        rid = self.next_id()
+        frames = codec.encode_request(rid, body)
+        if version is not None:
+            rtype = codec.request_type_of(body)
+            frames[0] = self._enc.encode(m.RequestHeader(version, rid, int(rtype), 0))
+        header, reply = self.roundtrip([*frames, *payload], timeout_s)
+        assert header.request_id == rid
+        return header, reply
+
+    def call(self, body: msgspec.Struct, payload: list = (), timeout_s: float = 10.0):
+        """A well-formed request; returns the typed reply or raises the server's KVDepotError."""
+        header, reply = self.request(body, payload, timeout_s)
+        return codec.decode_reply_body(codec.request_type_of(body), header, reply[1])
+
+    def register(self, layout: KVLayout = LAYOUT, model: str = MODEL, chunk_size: int = 0) -> m.RegisterContextReply:
+        reply = self.call(
+            m.RegisterContextRequest(
+                protocol_version=m.PROTOCOL_VERSION,
+                model=model,
+                layout=m.LayoutSpec(
+                    num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=layout.dtype
+                ),
+                chunk_size=chunk_size,
+            )
+        )
+        self.context_id = reply.context_id
+        return reply
+
+    def ping(self, timeout_s: float = 10.0) -> bool:
+        return self.call(m.PingRequest(), timeout_s=timeout_s).ok
+
+
+def raw_header(version: int, request_id: int, rtype: int, timeout_ms: int = 0) -> bytes:
+    return msgspec.msgpack.encode(m.RequestHeader(version, request_id, rtype, timeout_ms))
+
+
+def encode_body(body: msgspec.Struct) -> bytes:
+    return msgspec.msgpack.encode(body)

@@ -1,0 +1,204 @@
+"""Leases end when their holder dies, goes silent, or runs past the TTL (ARCHITECTURE.md §5): a crashed
+writer's space comes back and the same tokens can be stored; a crashed reader never pins memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvdepot.errors import ErrorCode, LeaseExpired
+from kvdepot.protocol import messages as m
+from kvdepot.protocol.messages import SlotStatus
+
+from .conftest import CHUNK, LAYOUT, MODEL, assert_bytes_equal, make_kv, make_tokens, wait_until
+
+WORKER = Path(__file__).with_name("_worker.py")
+
+# Only one mechanism may free the lease in each scenario: the others are set far out of reach.
+SERVER_ARGS = {
+    "pidfd": ["--client-timeout-s", "600", "--lease-ttl-s", "600"],
+    "heartbeat": ["--client-timeout-s", "1", "--heartbeat-interval-s", "0.2", "--lease-ttl-s", "600"],
+}
+
+
+class Worker:
+    def __init__(self, url: str, mode: str, tokens, pid0: bool, log_path: Path) -> None:
+        args = {
+            "url": url,
+            "mode": mode,
+            "tokens": [int(t) for t in tokens],
+            "pid0": pid0,
+            "layout": [LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim],
+            "model": MODEL,
+        }
+        self.stderr = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(WORKER), json.dumps(args)], stdout=subprocess.PIPE, stderr=self.stderr, text=True
+        )
+
+    def wait_ready(self) -> dict:
+        line = self.proc.stdout.readline()  # the worker prints exactly one line, then blocks
+        if not line:
+            self.proc.wait(10)
+            pytest.fail(f"worker exited ({self.proc.returncode}) before it was ready; see {self.stderr.name}")
+        return json.loads(line)
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        assert self.proc.wait(10) == -signal.SIGKILL
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc.stdout.close()
+        self.stderr.close()
+
+
+@pytest.fixture
+def spawn(tmp_path):
+    workers: list[Worker] = []
+
+    def start(url, mode, tokens, pid0=False) -> Worker:
+        w = Worker(url, mode, tokens, pid0, tmp_path / f"worker{len(workers)}.log")
+        workers.append(w)
+        return w
+
+    yield start
+    for w in workers:
+        w.close()
+
+
+@pytest.mark.parametrize("how", ["pidfd", "heartbeat"])
+@pytest.mark.parametrize("endpoint", ["tcp", "ipc"])
+def test_killed_writer_gives_its_space_back(make_server, spawn, how, endpoint, seed):
+    srv = make_server(*SERVER_ARGS[how])
+    url = srv.url if endpoint == "tcp" else srv.ipc_url
+    n = 6
+    tokens = make_tokens(n * CHUNK, seed)
+    kv = make_kv(LAYOUT, len(tokens), seed)
+
+    worker = spawn(url, "store", tokens, pid0=(how == "heartbeat"))
+    info = worker.wait_ready()
+    assert info == {"ready": True, "transport": "shm", "slots": n}
+    during = srv.status()
+    assert during["leases"] == 1
+    assert during["l1"]["writing"] == n
+    assert during["l1"]["used_bytes"] == n * LAYOUT.chunk_bytes(CHUNK)
+    assert during["contexts"] == 1
+
+    worker.kill()
+    wait_until(lambda: srv.status()["leases"] == 0, what=f"the dead writer's lease to end ({how})")
+    after = srv.status()
+    assert after["l1"]["objects"] == 0
+    assert after["l1"]["used_bytes"] == 0
+    assert after["contexts"] == 0, "the dead client's context must be dropped"
+
+    with srv.client(url) as c:
+        assert c.lookup(tokens) == 0  # the zeros it wrote never became visible
+        with c.prepare_store(tokens) as slots:
+            assert slots.statuses == [SlotStatus.ALLOCATED] * n
+            for i, slot in enumerate(slots):
+                slot[...] = kv[:, :, i * CHUNK : (i + 1) * CHUNK]
+        assert c.lookup(tokens) == n * CHUNK
+        assert_bytes_equal(c.retrieve(tokens), kv)
+    assert srv.status()["leases"] == 0
+
+
+@pytest.mark.parametrize("how", ["pidfd", "heartbeat"])
+def test_killed_reader_does_not_pin_memory(make_server, spawn, how, seed):
+    srv = make_server(*SERVER_ARGS[how])
+    n = 4
+    tokens = make_tokens(n * CHUNK, seed)
+    kv = make_kv(LAYOUT, len(tokens), seed)
+    with srv.client() as c:
+        assert c.store(tokens, kv) == n * CHUNK
+
+    worker = spawn(srv.ipc_url, "retrieve", tokens, pid0=(how == "heartbeat"))
+    assert worker.wait_ready() == {"ready": True, "transport": "shm", "views": n}
+    during = srv.status()
+    assert during["leases"] == 1
+    assert during["l1"]["read_locked"] == n
+    # A locked object survives a clear (it is only doomed) ...
+    assert srv.clear()["removed"] == 0
+    assert srv.status()["l1"]["objects"] == n
+
+    worker.kill()
+    wait_until(lambda: srv.status()["leases"] == 0, what=f"the dead reader's lease to end ({how})")
+    after = srv.status()
+    assert after["l1"]["read_locked"] == 0
+    # ... and goes as soon as the dead reader's lock does: nothing stays pinned.
+    assert after["l1"]["objects"] == 0
+    assert after["l1"]["used_bytes"] == 0
+    with srv.client() as c:
+        assert c.lookup(tokens) == 0
+        assert c.store(tokens, kv) == n * CHUNK
+        assert_bytes_equal(c.retrieve(tokens), kv)
+
+
+def test_killed_reader_without_clear_leaves_data_evictable(make_server, spawn, seed):
+    srv = make_server(*SERVER_ARGS["pidfd"])
+    n = 3
+    tokens = make_tokens(n * CHUNK, seed)
+    kv = make_kv(LAYOUT, len(tokens), seed)
+    with srv.client() as c:
+        assert c.store(tokens, kv) == n * CHUNK
+        worker = spawn(srv.url, "retrieve", tokens)
+        assert worker.wait_ready()["views"] == n
+        assert srv.status()["l1"]["read_locked"] == n
+        worker.kill()
+        wait_until(lambda: srv.status()["leases"] == 0, what="the dead reader's lease to end")
+        assert srv.status()["l1"]["read_locked"] == 0
+        assert_bytes_equal(c.retrieve(tokens), kv)  # the data itself is intact
+        assert srv.clear()["removed"] == n  # and unlocked
+
+
+def test_lease_ttl_ends_an_abandoned_store(make_server, seed):
+    srv = make_server("--lease-ttl-s", "1")
+    n = 5
+    tokens = make_tokens(n * CHUNK, seed)
+    kv = make_kv(LAYOUT, len(tokens), seed)
+    with srv.client() as c:
+        hashes = c.hashes(tokens)
+        reply = c._call_ctx(m.PrepareStoreRequest(context_id=0, keys=hashes))
+        assert reply.lease_id != 0
+        assert reply.statuses == [int(SlotStatus.ALLOCATED)] * n
+        assert c.lookup(tokens) == 0  # WRITING objects are invisible
+        # The client stays alive (it heart-beats) but never commits: the TTL ends the lease.
+        wait_until(lambda: srv.status()["leases"] == 0, what="the abandoned write lease to expire")
+        status = srv.status()
+        assert status["expired_leases"] >= 1
+        assert status["l1"]["objects"] == 0 and status["l1"]["used_bytes"] == 0
+        assert status["contexts"] == 1, "the client itself is still alive"
+        assert c.ping()
+
+        assert c.store(tokens, kv) == n * CHUNK
+        assert_bytes_equal(c.retrieve(tokens), kv)
+
+        with pytest.raises(LeaseExpired) as exc_info:
+            c._call(m.CommitStoreRequest(context_id=c.context_id, lease_id=reply.lease_id))
+        assert exc_info.value.code == ErrorCode.LEASE_EXPIRED
+        # The late commit changed nothing.
+        assert_bytes_equal(c.retrieve(tokens), kv)
+        assert srv.status()["l1"]["objects"] == n
+
+
+def test_lease_ttl_ends_a_read_held_too_long(make_server, seed):
+    srv = make_server("--lease-ttl-s", "1")
+    tokens = make_tokens(2 * CHUNK, seed)
+    kv = make_kv(LAYOUT, len(tokens), seed)
+    with srv.client() as c:
+        assert c.store(tokens, kv) == 2 * CHUNK
+        with pytest.raises(LeaseExpired):
+            with c.prepare_retrieve(tokens) as views:
+                assert len(views) == 2
+                wait_until(lambda: srv.status()["leases"] == 0, what="the read lease to expire")
+        # The objects are unlocked again and can be evicted / cleared.
+        assert srv.status()["l1"]["read_locked"] == 0
+        assert srv.clear()["removed"] == 2

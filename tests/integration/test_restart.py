@@ -1,0 +1,107 @@
+"""A KVClient survives a server restart on the same endpoint: it registers again on UNKNOWN_CONTEXT and
+maps the new arena. The old data is gone; new stores and retrieves work."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvdepot.bench.serverproc import ServerProcess
+
+from .conftest import CHUNK, LAYOUT, assert_bytes_equal, make_kv, make_tokens, wait_until
+
+
+def _restart(srv) -> None:
+    """Stop the server process and start a new one with the very same ports and ipc path."""
+    old = srv.proc
+    assert old.stop() == 0, "the server must exit cleanly on SIGTERM"
+    new = ServerProcess(
+        args=list(old.args), port=old.port, http_port=old.http_port, ipc_path=old.ipc_path, log_path=str(srv.log_path)
+    )
+    new.start()
+    srv.proc = new
+
+
+@pytest.mark.parametrize("endpoint", ["tcp", "ipc"])
+@pytest.mark.parametrize("transport", ["auto", "inline"])
+def test_client_keeps_working_across_a_restart(make_server, endpoint, transport, seed):
+    srv = make_server()
+    url = srv.url if endpoint == "tcp" else srv.ipc_url
+    t1 = make_tokens(4 * CHUNK, seed)
+    kv1 = make_kv(LAYOUT, len(t1), seed)
+    with srv.client(url, transport=transport) as c:
+        want = "shm" if transport == "auto" else "inline"
+        assert c.transport == want
+        assert c.store(t1, kv1) == 4 * CHUNK
+        shm_before = srv.status()["l1"]["shm_path"]
+
+        _restart(srv)
+        assert srv.status()["l1"]["shm_path"] != shm_before  # a new arena
+
+        # The first call finds its context unknown, registers again and goes on.
+        assert c.lookup(t1) == 0, "a restarted server has no data"
+        assert c.transport == want
+        assert srv.status()["contexts"] == 1
+
+        t2 = make_tokens(5 * CHUNK, seed + 1)
+        kv2 = make_kv(LAYOUT, len(t2), seed + 1)
+        assert c.store(t2, kv2) == 5 * CHUNK
+        assert_bytes_equal(c.retrieve(t2), kv2)
+        assert c.store(t1, kv1) == 4 * CHUNK
+        assert_bytes_equal(c.retrieve(t1), kv1)
+        # An independent reader over the socket sees the same bytes: the shm writes went to the new
+        # arena, not to a stale mapping of the old one (where the client would only read itself back).
+        with srv.client(srv.url, transport="inline") as other:
+            assert_bytes_equal(other.retrieve(t2), kv2)
+            assert_bytes_equal(other.retrieve(t1), kv1)
+        with c.prepare_retrieve(t2) as views:
+            assert len(views) == 5
+            assert_bytes_equal(views[4], kv2[:, :, 4 * CHUNK :])
+        assert srv.status()["leases"] == 0
+
+        # A second restart works just as well (the client remaps again).
+        _restart(srv)
+        assert c.store(t2, kv2) == 5 * CHUNK
+        assert_bytes_equal(c.retrieve(t2), kv2)
+        assert srv.status()["l1"]["objects"] == 5
+        with srv.client(srv.ipc_url, transport="inline") as other:
+            assert_bytes_equal(other.retrieve(t2), kv2)
+
+
+def test_client_operations_right_after_restart_with_prepare_store(make_server, seed):
+    srv = make_server()
+    t = make_tokens(3 * CHUNK, seed)
+    kv = make_kv(LAYOUT, len(t), seed)
+    with srv.client() as c:
+        assert c.store(t, kv) == 3 * CHUNK
+        _restart(srv)
+        # The very first request after the restart is a PREPARE_STORE on the shm path: the slots it
+        # hands out must be in the *new* arena, or the server would never see the bytes.
+        with c.prepare_store(t) as slots:
+            assert all(s is not None for s in slots)
+            for i, s in enumerate(slots):
+                s[...] = kv[:, :, i * CHUNK : (i + 1) * CHUNK]
+        assert c.lookup(t) == 3 * CHUNK
+        with srv.client(srv.ipc_url, transport="inline") as other:  # read through the socket instead
+            assert_bytes_equal(other.retrieve(t), kv)
+
+
+def test_heartbeats_survive_a_restart(make_server, seed):
+    """While the server is down the heartbeat fails quietly; afterwards the client is usable again."""
+    srv = make_server("--heartbeat-interval-s", "0.2")
+    with srv.client() as c:
+        old = srv.proc
+        assert old.stop() == 0
+        # Let a few heartbeats fail against the dead endpoint (bounded wait for them to have happened).
+        hb = c._reg.heartbeat_interval_s
+        assert hb == pytest.approx(0.2)
+        time.sleep(5 * hb)
+        new = ServerProcess(args=list(old.args), port=old.port, http_port=old.http_port, ipc_path=old.ipc_path, log_path=str(srv.log_path))
+        new.start()
+        srv.proc = new
+        assert c.ping()
+        t = make_tokens(2 * CHUNK, seed)
+        kv = make_kv(LAYOUT, len(t), seed)
+        wait_until(lambda: c.store(t, kv) == 2 * CHUNK, what="a store after the restart")
+        assert_bytes_equal(c.retrieve(t), kv)

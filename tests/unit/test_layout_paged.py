@@ -1,0 +1,306 @@
+"""KVLayout arithmetic and views; gather/scatter between paged caches and chunks, against a naive loop."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from kvdepot.layout import KVLayout, as_numpy, supported_dtypes
+from kvdepot.paged import PagedFormat, canonical_view, gather_chunk, scatter_chunk
+
+# --- KVLayout ---------------------------------------------------------------------------------------
+
+
+def test_chunk_bytes_and_shape():
+    layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+    assert layout.kv_factor == 2
+    assert layout.itemsize == 2
+    assert layout.bytes_per_token == 2 * 32 * 8 * 128 * 2
+    assert layout.chunk_bytes(256) == 33_554_432
+    assert layout.chunk_shape(256) == (2, 32, 256, 8, 128)
+
+
+def test_mla_has_one_kv_plane():
+    layout = KVLayout(num_layers=61, num_kv_heads=1, head_dim=576, dtype="bfloat16", use_mla=True)
+    assert layout.kv_factor == 1
+    assert layout.chunk_bytes(64) == 61 * 576 * 2 * 64
+    assert layout.chunk_shape(64) == (1, 61, 64, 1, 576)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "storage", "itemsize"),
+    [
+        ("float16", np.float16, 2),
+        ("bfloat16", np.uint16, 2),
+        ("float32", np.float32, 4),
+        ("float8_e4m3fn", np.uint8, 1),
+        ("float8_e5m2", np.uint8, 1),
+        ("int8", np.int8, 1),
+        ("uint8", np.uint8, 1),
+    ],
+)
+def test_storage_dtypes(dtype, storage, itemsize):
+    layout = KVLayout(2, 2, 4, dtype)
+    assert layout.storage_dtype == np.dtype(storage)
+    assert layout.itemsize == itemsize
+    assert layout.chunk_bytes(3) == 2 * 2 * 2 * 4 * itemsize * 3
+
+
+def test_supported_dtypes_is_sorted_and_complete():
+    assert supported_dtypes() == [
+        "bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int8", "uint8"
+    ]
+
+
+def test_fingerprint_names_dtype_and_shape():
+    assert KVLayout(32, 8, 128, "bfloat16").fingerprint() == "bfloat16:K2xL32xH8xD128"
+    assert KVLayout(61, 1, 576, "bfloat16", use_mla=True).fingerprint() == "bfloat16:K1xL61xH1xD576"
+    assert KVLayout(32, 8, 128, "float16").fingerprint() != KVLayout(32, 8, 128, "bfloat16").fingerprint()
+    assert KVLayout(32, 8, 128).fingerprint() != KVLayout(32, 8, 64).fingerprint()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"num_layers": 0, "num_kv_heads": 8, "head_dim": 128},
+        {"num_layers": -1, "num_kv_heads": 8, "head_dim": 128},
+        {"num_layers": 2, "num_kv_heads": 0, "head_dim": 128},
+        {"num_layers": 2, "num_kv_heads": 8, "head_dim": 0},
+        {"num_layers": 2.0, "num_kv_heads": 8, "head_dim": 128},
+        {"num_layers": "2", "num_kv_heads": 8, "head_dim": 128},
+        {"num_layers": 2, "num_kv_heads": 8, "head_dim": 128, "dtype": "float64"},
+        {"num_layers": 2, "num_kv_heads": 8, "head_dim": 128, "dtype": "bf16"},
+    ],
+)
+def test_bad_layout_values_raise(kwargs):
+    with pytest.raises(ValueError):
+        KVLayout(**kwargs)
+
+
+def test_view_chunk_shares_memory_with_the_buffer():
+    layout = KVLayout(num_layers=2, num_kv_heads=3, head_dim=4, dtype="float16")
+    buf = bytearray(layout.chunk_bytes(5))
+    view = layout.view_chunk(buf, 5)
+    assert view.shape == (2, 2, 5, 3, 4) and view.dtype == np.float16
+    view[1, 1, 4, 2, 3] = 1.0  # the very last element
+    assert bytes(buf[-2:]) == np.float16(1.0).tobytes()
+    assert bytes(buf[:-2]) == bytes(len(buf) - 2)
+
+
+def test_view_chunk_of_a_larger_buffer_uses_its_start():
+    layout = KVLayout(1, 1, 2, "uint8")
+    buf = bytearray(range(10))
+    view = layout.view_chunk(buf, 2)  # 2*1*2*1*2 = 8 bytes
+    assert view.tobytes() == bytes(range(8))
+
+
+def test_read_only_view_cannot_be_written():
+    layout = KVLayout(1, 1, 2, "float16")
+    buf = bytearray(layout.chunk_bytes(2))
+    view = layout.view_chunk(buf, 2, writable=False)
+    with pytest.raises(ValueError):
+        view[0, 0, 0, 0, 0] = 1
+
+
+def test_view_chunk_of_a_too_small_buffer_raises():
+    layout = KVLayout(1, 1, 2, "float16")
+    with pytest.raises(ValueError):
+        layout.view_chunk(bytearray(layout.chunk_bytes(2) - 1), 2)
+
+
+def test_empty_has_chunk_shape():
+    layout = KVLayout(3, 2, 4, "bfloat16")
+    arr = layout.empty(7)
+    assert arr.shape == (2, 3, 7, 2, 4) and arr.dtype == np.uint16
+
+
+def test_as_numpy_passes_numpy_through_and_converts_sequences():
+    arr = np.arange(4)
+    assert as_numpy(arr) is arr
+    assert as_numpy([1, 2]).tolist() == [1, 2]
+
+
+def test_as_numpy_views_torch_tensors_without_copy():
+    torch = pytest.importorskip("torch")
+    t = torch.arange(6, dtype=torch.float16).reshape(2, 3)
+    a = as_numpy(t)
+    a[0, 0] = 7
+    assert t[0, 0].item() == 7
+    bf = torch.zeros(4, dtype=torch.bfloat16)
+    view = as_numpy(bf)
+    assert view.dtype == np.int16 and view.shape == (4,)
+    view[1] = 0x3F80  # bfloat16 1.0
+    assert bf[1].item() == 1.0
+
+
+# --- gather / scatter -------------------------------------------------------------------------------
+
+K, NB, BS, H, D, L = 2, 6, 3, 2, 4, 3
+
+
+def make_caches(fmt: str, kf: int = K, nb: int = NB, layers: int = L, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    shape = {
+        "kv_first": (kf, nb, BS, H, D),
+        "block_first": (nb, kf, BS, H, D),
+        "vllm_cpu": (nb, H, kf * BS, D),
+    }[fmt]
+    return [rng.integers(0, 60000, size=shape).astype(np.uint16) for _ in range(layers)]
+
+
+def naive_element(cache: np.ndarray, fmt: str, k: int, block: int, t: int, h: int, d: int):
+    if fmt == "kv_first":
+        return cache[k, block, t, h, d]
+    if fmt == "block_first":
+        return cache[block, k, t, h, d]
+    return cache[block, h, k * BS + t, d]  # vllm_cpu: per head, the K rows then the V rows
+
+
+def naive_gather(caches, ids, fmt, kf=K) -> np.ndarray:
+    out = np.zeros((kf, len(caches), len(ids) * BS, H, D), dtype=caches[0].dtype)
+    for layer, cache in enumerate(caches):
+        for k, (j, block), t, h, d in itertools.product(range(kf), enumerate(ids), range(BS), range(H), range(D)):
+            out[k, layer, j * BS + t, h, d] = naive_element(cache, fmt, k, block, t, h, d)
+    return out
+
+
+FORMATS = [f.value for f in PagedFormat]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("ids", [[0], [5, 0, 3], [2, 2], [], [1, 2, 3, 4, 5, 0]])
+def test_gather_matches_a_naive_loop(fmt, ids):
+    caches = make_caches(fmt)
+    out = np.zeros((K, L, len(ids) * BS, H, D), dtype=np.uint16)
+    assert gather_chunk(caches, ids, out, fmt) is out
+    assert np.array_equal(out, naive_gather(caches, ids, fmt))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gather_with_mla_kv_factor_one(fmt):
+    caches = make_caches(fmt, kf=1)
+    out = np.zeros((1, L, 2 * BS, H, D), dtype=np.uint16)
+    gather_chunk(caches, [4, 1], out, fmt)
+    assert np.array_equal(out, naive_gather(caches, [4, 1], fmt, kf=1))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_scatter_matches_a_naive_loop_and_touches_only_the_named_blocks(fmt):
+    caches = make_caches(fmt)
+    originals = [c.copy() for c in caches]
+    ids = [4, 1]
+    rng = np.random.default_rng(1)
+    chunk = rng.integers(0, 60000, size=(K, L, len(ids) * BS, H, D)).astype(np.uint16)
+    scatter_chunk(chunk, caches, ids, fmt)
+    for layer, (cache, orig) in enumerate(zip(caches, originals)):
+        for k, block, t, h, d in itertools.product(range(K), range(NB), range(BS), range(H), range(D)):
+            got = naive_element(cache, fmt, k, block, t, h, d)
+            if block in ids:
+                want = chunk[k, layer, ids.index(block) * BS + t, h, d]
+            else:
+                want = naive_element(orig, fmt, k, block, t, h, d)
+            assert got == want, (layer, k, block, t, h, d)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gather_then_scatter_into_a_fresh_cache_round_trips(fmt):
+    src = make_caches(fmt)
+    dst = [np.zeros_like(c) for c in src]
+    ids = [3, 0, 5]
+    chunk = np.empty((K, L, len(ids) * BS, H, D), dtype=np.uint16)
+    gather_chunk(src, ids, chunk, fmt)
+    scatter_chunk(chunk, dst, ids, fmt)
+    for s, d in zip(src, dst):
+        sv, dv = canonical_view(s, fmt), canonical_view(d, fmt)
+        for block in range(NB):
+            if block in ids:
+                assert sv[:, block].tobytes() == dv[:, block].tobytes()
+            else:
+                assert not dv[:, block].any()
+
+
+def test_gather_into_a_shared_memory_style_view():
+    layout = KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="bfloat16")
+    caches = make_caches("kv_first")
+    buf = bytearray(layout.chunk_bytes(2 * BS))
+    gather_chunk(caches, [2, 3], layout.view_chunk(buf, 2 * BS), "kv_first")
+    assert bytes(buf) == naive_gather(caches, [2, 3], "kv_first").tobytes()
+
+
+def test_canonical_views_of_the_three_formats_agree():
+    kv = make_caches("kv_first", layers=1)[0]
+    bf = np.ascontiguousarray(kv.transpose(1, 0, 2, 3, 4))
+    cpu = np.ascontiguousarray(kv.transpose(1, 3, 0, 2, 4)).reshape(NB, H, K * BS, D)
+    for fmt, arr in (("kv_first", kv), ("block_first", bf), ("vllm_cpu", cpu)):
+        view = canonical_view(arr, fmt)
+        assert view.shape == (K, NB, BS, H, D)
+        assert np.array_equal(view, kv), fmt
+        assert np.shares_memory(view, arr)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("bad", [[NB], [-1], [0, NB + 3]])
+def test_out_of_range_block_ids_raise_index_error_and_write_nothing(fmt, bad):
+    caches = make_caches(fmt)
+    originals = [c.copy() for c in caches]
+    out = np.zeros((K, L, len(bad) * BS, H, D), dtype=np.uint16)
+    with pytest.raises(IndexError):
+        gather_chunk(caches, bad, out, fmt)
+    assert not out.any()
+    with pytest.raises(IndexError):
+        scatter_chunk(np.ones_like(out), caches, bad, fmt)
+    assert all(np.array_equal(c, o) for c, o in zip(caches, originals))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: paged.py gather_chunk/scatter_chunk check block ids only against layer 0's block count; "
+    "gather then clips (np.take mode='clip') a too-large id to another layer's last block silently",
+)
+def test_block_ids_are_checked_against_every_layer():
+    caches = [make_caches("kv_first", nb=NB, layers=1)[0], make_caches("kv_first", nb=NB - 2, layers=1)[0]]
+    out = np.zeros((K, 2, BS, H, D), dtype=np.uint16)
+    with pytest.raises((IndexError, ValueError)):
+        gather_chunk(caches, [NB - 1], out, "kv_first")
+
+
+@pytest.mark.parametrize(
+    ("fmt", "cache_shape"),
+    [
+        ("kv_first", (3, NB, BS, H, D)),  # K does not match out's
+        ("kv_first", (NB, BS, H, D)),  # 4-D
+        ("block_first", (NB, 3, BS, H, D)),
+        ("block_first", (K, NB, BS, H)),
+        ("vllm_cpu", (NB, H, K * BS + 1, D)),  # K*block_size not divisible by K
+        ("vllm_cpu", (NB, H, K * BS, D, 1)),  # 5-D
+    ],
+)
+def test_wrong_cache_shapes_raise_value_error(fmt, cache_shape):
+    caches = [np.zeros(cache_shape, dtype=np.uint16) for _ in range(L)]
+    out = np.zeros((K, L, BS, H, D), dtype=np.uint16)
+    with pytest.raises(ValueError):
+        gather_chunk(caches, [0], out, fmt)
+    with pytest.raises(ValueError):
+        scatter_chunk(out, caches, [0], fmt)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_wrong_chunk_shapes_raise_value_error(fmt):
+    caches = make_caches(fmt)
+    with pytest.raises(ValueError):  # one layer too few
+        gather_chunk(caches, [0], np.zeros((K, L - 1, BS, H, D), dtype=np.uint16), fmt)
+    with pytest.raises(ValueError):  # tokens do not match two blocks
+        gather_chunk(caches, [0, 1], np.zeros((K, L, BS, H, D), dtype=np.uint16), fmt)
+    with pytest.raises(ValueError):
+        scatter_chunk(np.zeros((K, L + 1, BS, H, D), dtype=np.uint16), caches, [0], fmt)
+    with pytest.raises(ValueError):
+        scatter_chunk(np.zeros((K, L, 2 * BS, H, D), dtype=np.uint16), caches, [0], fmt)
+    with pytest.raises(ValueError):  # 2-D block ids
+        gather_chunk(caches, [[0], [1]], np.zeros((K, L, 2 * BS, H, D), dtype=np.uint16), fmt)
+
+
+def test_unknown_format_raises_value_error():
+    with pytest.raises(ValueError):
+        canonical_view(np.zeros((K, NB, BS, H, D)), "nhd")
