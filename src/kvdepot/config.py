@@ -79,6 +79,12 @@ def add_rpc_args(p: argparse.ArgumentParser) -> None:
 def rpc_from_args(a: argparse.Namespace) -> RpcConfig:
     if a.port == 0 and not a.ipc_path:
         raise ValueError("no endpoint: give --port or --ipc-path")
+    if not 0 <= a.port <= 65535:
+        raise ValueError(f"--port {a.port} is not a TCP port")
+    if a.heartbeat_interval_s <= 0 or a.client_timeout_s <= 0:
+        raise ValueError("--heartbeat-interval-s and --client-timeout-s must be positive")
+    if a.client_timeout_s <= a.heartbeat_interval_s:
+        raise ValueError("--client-timeout-s must be longer than --heartbeat-interval-s")
     if a.workers < 1:
         raise ValueError("--workers must be at least 1")
     if not 1 <= a.max_frame_mib <= 256:
@@ -138,6 +144,8 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
 
 
 def http_from_args(a: argparse.Namespace) -> HttpConfig:
+    if not 0 <= a.http_port <= 65535:
+        raise ValueError(f"--http-port {a.http_port} is not a TCP port")
     return HttpConfig(host=a.http_host or a.host, port=a.http_port)
 
 

@@ -54,22 +54,21 @@ _HASHERS: dict[HashAlgorithm, _Hasher] = {
 
 
 def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> memoryview:
-    """Token ids as little-endian uint32 bytes; raises ValueError for ids outside [0, 2**32)."""
-    if isinstance(tokens, np.ndarray):
-        arr = tokens
-        if arr.ndim != 1:
-            raise ValueError(f"tokens must be one-dimensional, got shape {arr.shape}")
-        if arr.dtype != np.dtype("<u4"):
-            if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
-                raise ValueError("token ids must lie in [0, 2**32)")
-            arr = arr.astype("<u4")
-    else:
-        try:
-            arr = np.asarray(tokens, dtype="<u4")
-        except (OverflowError, TypeError, ValueError) as exc:
-            raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
-        if arr.ndim != 1:
-            raise ValueError("tokens must be a flat sequence of integers")
+    """Token ids as little-endian uint32 bytes; raises ValueError for anything but integers in [0, 2**32)."""
+    try:
+        arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"token ids must be integers: {exc}") from None
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be a flat sequence of integers, got shape {arr.shape}")
+    if arr.size == 0:
+        return memoryview(b"")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.dtype != np.dtype("<u4"):
+        if arr.min() < 0 or arr.max() > 0xFFFFFFFF:
+            raise ValueError("token ids must lie in [0, 2**32)")
+        arr = arr.astype("<u4")
     return memoryview(np.ascontiguousarray(arr)).cast("B")
 
 

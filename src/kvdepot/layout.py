@@ -39,7 +39,7 @@ class KVLayout:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
         if self.dtype not in _STORAGE_DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {supported_dtypes()}")
@@ -96,7 +96,7 @@ def as_numpy(array) -> np.ndarray:
         if tensor.device.type != "cpu":
             raise ValueError(f"only CPU tensors can be viewed as numpy, got device {tensor.device}")
         if tensor.dtype == torch.bfloat16:
-            tensor = tensor.view(torch.int16)
+            tensor = tensor.view(torch.uint16)  # the same width KVLayout uses for bf16
         elif tensor.dtype in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)):
             tensor = tensor.view(torch.uint8)
         return tensor.numpy()

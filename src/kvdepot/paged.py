@@ -47,6 +47,53 @@ def canonical_view(layer_cache, fmt: PagedFormat | str, kv_factor: int = 2) -> n
     return arr.reshape(nb, h, kv_factor, kbs // kv_factor, d).transpose(2, 0, 3, 1, 4)
 
 
+def _views(layer_caches: Sequence, fmt: PagedFormat | str, like: np.ndarray) -> list[np.ndarray]:
+    """Canonical views of every layer, all of one shape, reinterpreted to ``like``'s dtype when only
+    the name differs (bf16 arrives as int16 from torch and as uint16 from KVLayout)."""
+    views = [canonical_view(c, fmt, like.shape[0]) for c in layer_caches]
+    if len(views) != like.shape[1]:
+        raise ValueError(f"the chunk has {like.shape[1]} layers but {len(views)} layer caches were given")
+    shape = views[0].shape
+    for i, v in enumerate(views):
+        if v.shape != shape:
+            raise ValueError(f"layer {i} cache has shape {v.shape}, layer 0 has {shape}")
+    if views[0].dtype != like.dtype:
+        if views[0].dtype.itemsize != like.dtype.itemsize:
+            raise ValueError(f"cache dtype {views[0].dtype} does not match chunk dtype {like.dtype}")
+        views = [v.view(like.dtype) for v in views]
+    return views
+
+
+def stack_layers(views: list[np.ndarray]) -> np.ndarray | None:
+    """One ``[L, K, num_blocks, block_size, H, D]`` view over all layers, when the layer views are
+    evenly spaced in one allocation (vLLM allocates them so); None otherwise.
+
+    It lets gather/scatter do one vectorised call for all layers instead of one per layer, which
+    matters for small chunks where per-call overhead rivals the copy itself.
+    """
+    if len(views) < 2:
+        return None
+    first = views[0]
+    addr0 = first.__array_interface__["data"][0]
+    step = views[1].__array_interface__["data"][0] - addr0
+    for i, v in enumerate(views):
+        if v.strides != first.strides or v.__array_interface__["data"][0] != addr0 + i * step:
+            return None
+    base = first
+    while isinstance(base.base, np.ndarray):
+        base = base.base
+    lo = min(addr0, addr0 + step * (len(views) - 1))
+    span_end = max(addr0, addr0 + step * (len(views) - 1)) + max(
+        0, sum((n - 1) * st for n, st in zip(first.shape, first.strides) if st > 0)
+    ) + first.itemsize
+    base_addr = base.__array_interface__["data"][0]
+    if lo < base_addr or span_end > base_addr + base.nbytes:
+        return None  # the layers do not all lie inside one array we can see: stay per layer
+    return np.lib.stride_tricks.as_strided(
+        first, shape=(len(views), *first.shape), strides=(step, *first.strides), writeable=first.flags.writeable
+    )
+
+
 def _check_ids(block_ids: Sequence[int], num_blocks: int) -> np.ndarray:
     ids = np.asarray(block_ids, dtype=np.intp)
     if ids.ndim != 1:
@@ -56,24 +103,40 @@ def _check_ids(block_ids: Sequence[int], num_blocks: int) -> np.ndarray:
     return ids
 
 
+def _block_pairs(views: list[np.ndarray], chunk: np.ndarray, ids: np.ndarray):
+    """Yield (cache block view, chunk block view) pairs, each a whole block of every layer when the
+    layers can be stacked, else one layer's block. A per-block copy moves a contiguous
+    block_size*H*D run per (layer, K): measured 3-4x faster than ``np.take`` into a strided chunk."""
+    k, nl, _, h, d = chunk.shape
+    bs = views[0].shape[2]
+    blocks = np.reshape(chunk.transpose(1, 0, 2, 3, 4), (nl, k, ids.size, bs, h, d), copy=False)
+    stacked = stack_layers(views)
+    if stacked is not None:
+        for j, b in enumerate(ids):
+            yield stacked[:, :, b], blocks[:, :, j]
+    else:
+        for layer, view in enumerate(views):
+            for j, b in enumerate(ids):
+                yield view[:, b], blocks[layer, :, j]
+
+
+def _checked(layer_caches: Sequence, block_ids: Sequence[int], chunk: np.ndarray, fmt) -> tuple[list[np.ndarray], np.ndarray]:
+    views = _views(layer_caches, fmt, chunk)
+    ids = _check_ids(block_ids, views[0].shape[1])
+    bs = views[0].shape[2]
+    if chunk.shape[2] != ids.size * bs:
+        raise ValueError(f"the chunk holds {chunk.shape[2]} tokens, the blocks give {ids.size * bs}")
+    return views, ids
+
+
 def gather_chunk(
     layer_caches: Sequence, block_ids: Sequence[int], out: np.ndarray, fmt: PagedFormat | str = "kv_first"
 ) -> np.ndarray:
     """Copy the blocks ``block_ids`` of every layer into ``out`` ``[K, L, len(ids)*block_size, H, D]``."""
     out = as_numpy(out)
-    kf = out.shape[0]
-    views = [canonical_view(c, fmt, kf) for c in layer_caches]
-    if len(views) != out.shape[1]:
-        raise ValueError(f"out has {out.shape[1]} layers but {len(views)} layer caches were given")
-    ids = _check_ids(block_ids, views[0].shape[1])
-    bs = views[0].shape[2]
-    if out.shape[2] != ids.size * bs:
-        raise ValueError(f"out holds {out.shape[2]} tokens, blocks give {ids.size * bs}")
-    k, _, _, h, d = out.shape
-    for layer, view in enumerate(views):
-        dst = out[:, layer].reshape(k, ids.size, bs, h, d)
-        # mode="clip" (ids are checked above) keeps numpy from buffering ``out``.
-        np.take(view, ids, axis=1, out=dst, mode="clip")
+    views, ids = _checked(layer_caches, block_ids, out, fmt)
+    for cache_block, chunk_block in _block_pairs(views, out, ids):
+        np.copyto(chunk_block, cache_block)
     return out
 
 
@@ -82,15 +145,6 @@ def scatter_chunk(
 ) -> None:
     """Copy ``chunk`` ``[K, L, T, H, D]`` into the blocks ``block_ids`` of every layer."""
     chunk = as_numpy(chunk)
-    kf = chunk.shape[0]
-    views = [canonical_view(c, fmt, kf) for c in layer_caches]
-    if len(views) != chunk.shape[1]:
-        raise ValueError(f"chunk has {chunk.shape[1]} layers but {len(views)} layer caches were given")
-    ids = _check_ids(block_ids, views[0].shape[1])
-    bs = views[0].shape[2]
-    if chunk.shape[2] != ids.size * bs:
-        raise ValueError(f"chunk holds {chunk.shape[2]} tokens, blocks give {ids.size * bs}")
-    k, _, _, h, d = chunk.shape
-    for layer, view in enumerate(views):
-        src = chunk[:, layer].reshape(k, ids.size, bs, h, d)
-        view[:, ids] = src  # one advanced-index assignment per layer
+    views, ids = _checked(layer_caches, block_ids, chunk, fmt)
+    for cache_block, chunk_block in _block_pairs(views, chunk, ids):
+        np.copyto(cache_block, chunk_block)

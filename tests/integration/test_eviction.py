@@ -98,3 +98,31 @@ def test_noop_policy_refuses_new_stores_and_keeps_old_data(make_server, transpor
         kv = make_kv(BIG, len(t), 20)
         assert c.store(t, kv) == chunks_per_prompt * CHUNK
         assert_bytes_equal(c.retrieve(t), kv)
+
+
+def test_locked_objects_are_never_evicted_or_overwritten(make_server, seed):
+    srv = make_server("--l1-size-gb", L1_GB)
+    chunks_per_prompt = 32
+    tokens = make_tokens(chunks_per_prompt * CHUNK, seed)
+    kv = make_kv(BIG, len(tokens), seed)
+    session_tokens = make_tokens(16 * CHUNK, seed + 1)
+    session_kv = make_kv(BIG, len(session_tokens), seed + 1)
+    with srv.client(layout=BIG) as reader, srv.client(srv.ipc_url, layout=BIG, transport="inline") as flood:
+        assert reader.store(tokens, kv) == len(tokens)
+        assert reader.store(session_tokens, session_kv) == len(session_tokens)
+        assert reader.lookup_chunks(reader.hashes(session_tokens), session_id="keep") == 16
+        with reader.prepare_retrieve(tokens) as views:  # zero-copy views straight into the arena
+            assert len(views) == chunks_per_prompt
+            for i in range(24):  # 48 MiB through a 16 MiB L1 with 3 MiB of it locked
+                t = make_tokens(chunks_per_prompt * CHUNK, seed * 1000 + i)
+                assert flood.store(t, make_kv(BIG, len(t), i)) == len(t)
+                assert srv.status()["l1"]["used_bytes"] <= 16 << 20
+            for i, v in enumerate(views):  # not a byte of the locked slots was reused
+                assert_bytes_equal(v, kv[:, :, i * CHUNK : (i + 1) * CHUNK])
+        assert srv.status()["l1"]["evicted_objects"] > 0
+        with reader.prepare_retrieve(session_tokens, session_id="keep") as views:
+            assert len(views) == 16
+            for i, v in enumerate(views):
+                assert_bytes_equal(v, session_kv[:, :, i * CHUNK : (i + 1) * CHUNK])
+        reader.end_session("keep")
+        assert srv.status()["leases"] == 0

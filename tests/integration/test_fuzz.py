@@ -341,6 +341,8 @@ def test_fuzz_storm_leaves_the_server_healthy(fuzz_server):
                     f.send_batch(BATCH)
                 for f in fuzzers:
                     f.drain()
+            for f in fuzzers:  # nothing more trickles in: exactly one reply per message
+                assert not f.peer.sock.poll(300), f"seed {SEED}: a reply too many"
         finally:
             for p in peers:
                 p.close()

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -202,3 +203,20 @@ def test_lease_ttl_ends_a_read_held_too_long(make_server, seed):
         # The objects are unlocked again and can be evicted / cleared.
         assert srv.status()["l1"]["read_locked"] == 0
         assert srv.clear()["removed"] == 2
+
+
+def test_a_heart_beating_idle_client_keeps_its_leases(make_server, seed):
+    """The other side of the missed-heartbeat rule: an idle client that heart-beats is not 'gone'."""
+    srv = make_server(*SERVER_ARGS["heartbeat"])
+    n = 3
+    tokens = make_tokens(n * CHUNK, seed)
+    kv = make_kv(LAYOUT, len(tokens), seed)
+    with srv.client() as c:
+        ctx = c.context_id
+        with c.prepare_store(tokens) as slots:
+            for i, slot in enumerate(slots):
+                slot[...] = kv[:, :, i * CHUNK : (i + 1) * CHUNK]
+            time.sleep(2.5)  # idle for 2.5 client timeouts; only the heartbeat speaks for it
+            assert srv.status()["leases"] == 1
+        assert c.context_id == ctx, "the client was never declared gone, so it never re-registered"
+        assert_bytes_equal(c.retrieve(tokens), kv)

@@ -292,3 +292,31 @@ def test_other_model_rank_layout_never_see_objects(server, other, seed):
             assert stranger.store(tokens, skv) == len(stranger.hashes(tokens)) * stranger.chunk_size
             assert_bytes_equal(stranger.retrieve(tokens), skv[:, :, : stranger.lookup(tokens)])
         assert_bytes_equal(owner.retrieve(tokens), kv)
+
+
+# --- hash algorithms ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("algorithm, digest", [("blake3", 32), ("xxh3_128", 16)])
+def test_other_hash_algorithms(make_server, algorithm, digest, seed):
+    from kvdepot.errors import ErrorCode, KVDepotError
+    from kvdepot.hashing import chunk_hashes
+
+    srv = make_server("--hash-algorithm", algorithm)
+    tokens = make_tokens(4 * CHUNK, seed)
+    kv = make_kv(LAYOUT, len(tokens), seed)
+    with srv.client() as c, srv.client(srv.ipc_url, transport="inline") as ci:
+        assert c.hash_algorithm.value == algorithm
+        hashes = c.hashes(tokens)
+        assert hashes == chunk_hashes(tokens, CHUNK, algorithm)
+        assert all(len(h) == digest for h in hashes)
+        assert c.store(tokens, kv) == 4 * CHUNK
+        assert_bytes_equal(ci.retrieve(tokens), kv)
+        # sha256-sized keys are the wrong length here (or, for blake3, simply other keys).
+        sha = chunk_hashes(tokens, CHUNK, "sha256")
+        if digest != 32:
+            with pytest.raises(KVDepotError) as exc_info:
+                c.lookup_chunks(sha)
+            assert exc_info.value.code == ErrorCode.BAD_REQUEST
+        else:
+            assert c.lookup_chunks(sha) == 0

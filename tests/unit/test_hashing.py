@@ -130,11 +130,6 @@ def test_bad_tokens_raise_value_error(tokens):
 
 
 @pytest.mark.parametrize("tokens", [[1.5, 2.0], np.array([1.5, 2.0])], ids=["list", "numpy"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: hashing.tokens_to_bytes silently truncates non-integer token ids (1.5 -> 1) instead of "
-    "raising ValueError, so [1.5, 2] and [1, 2] get the same chunk hash",
-)
 def test_non_integer_tokens_raise_value_error(tokens):
     with pytest.raises(ValueError):
         tokens_to_bytes(tokens)

@@ -397,11 +397,6 @@ def test_eviction_of_a_larger_size_frees_adjacent_space(make_table):
     assert present(t, [1, 2, 3, 4]) == [3, 4]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: storage/l1.py _allocate_locked evicts every unlocked READY object when the requested size "
-    "can never fit (size > capacity), then fails anyway",
-)
 def test_an_object_larger_than_l1_does_not_flush_the_cache(make_table):
     t = make_table(4)
     store(t, [1, 2, 3])
@@ -409,11 +404,6 @@ def test_an_object_larger_than_l1_does_not_flush_the_cache(make_table):
     assert present(t, [1, 2, 3]) == [1, 2, 3]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: storage/l1.py reserve_write may evict a key it already answered EXISTS for in the same "
-    "batch, so the client skips writing it and the chunks after it are stored behind a gap",
-)
 def test_reserve_write_never_evicts_a_key_it_reported_as_existing(make_table):
     t = make_table(2)
     store(t, [1])

@@ -151,16 +151,22 @@ class ObjectTable:
         with self._lock:
             lease_id = LeaseId(next(self._ids))
             reserved: list[ObjectKey] = []
+            # Keys this batch reports as EXISTS must survive it: evicting one to make room for a later
+            # key would leave a gap in the prefix the caller believes is stored.
+            keep: set[ObjectKey] = set()
             out_of_space = False
             for key in keys:
                 obj = self._objects.get(key)
-                if obj is not None and not obj.doomed:
-                    statuses.append(SlotStatus.EXISTS if obj.state is ObjectState.READY else SlotStatus.BUSY)
-                    offsets.append(-1)
-                    if obj.state is ObjectState.READY:
+                if obj is not None:
+                    if obj.doomed or obj.state is not ObjectState.READY:
+                        statuses.append(SlotStatus.BUSY)  # being written, or cleared while still read
+                    else:
+                        statuses.append(SlotStatus.EXISTS)
+                        keep.add(key)
                         self._policy.on_access(key)
+                    offsets.append(-1)
                     continue
-                offset = None if out_of_space or obj is not None else self._allocate_locked(size)
+                offset = None if out_of_space else self._allocate_locked(size, keep)
                 if offset is None:
                     out_of_space = True
                     statuses.append(SlotStatus.NO_SPACE)
@@ -194,8 +200,9 @@ class ObjectTable:
                 obj.writer = NO_LEASE
                 self._policy.on_ready(key)
                 ready.append(key)
-        for listener in self._ready_listeners:
-            listener(ready)
+        if ready:
+            for listener in self._ready_listeners:
+                listener(ready)
         return len(ready)
 
     def abort_write(self, lease_id: LeaseId, owner: ClientId) -> int:
@@ -371,21 +378,23 @@ class ObjectTable:
     def _deadline(self, ttl_s: float | None) -> float:
         return self._clock() + (self._ttl if ttl_s is None else ttl_s)
 
-    def _allocate_locked(self, size: int) -> int | None:
+    def _allocate_locked(self, size: int, keep: set[ObjectKey] = frozenset()) -> int | None:
+        if self._alloc.round_up(size) > self._alloc.capacity:
+            return None  # can never fit: do not flush the cache trying
         offset = self._alloc.allocate(size)
         if offset is None:
-            self._evict_locked(lambda: self._alloc.can_allocate(size))
+            self._evict_locked(lambda: self._alloc.can_allocate(size), keep)
             offset = self._alloc.allocate(size)
         return offset
 
-    def _evict_locked(self, enough: Callable[[], bool]) -> int:
+    def _evict_locked(self, enough: Callable[[], bool], keep: set[ObjectKey] = frozenset()) -> int:
         evicted = 0
         while not enough():
             # Collect a batch first (the policy must not change while we iterate it), then remove.
             batch: list[L1Object] = []
             for key in self._policy.candidates():
                 obj = self._objects.get(key)
-                if obj is None or obj.state is not ObjectState.READY or obj.readers:
+                if obj is None or obj.state is not ObjectState.READY or obj.readers or key in keep:
                     continue
                 batch.append(obj)
                 if len(batch) >= 32:
