@@ -28,7 +28,7 @@ def cmd_server(args: argparse.Namespace) -> int:
         print(f"kvdepot server: {exc}", file=sys.stderr)
         return 2
     _setup_logging(config.log_level)
-    from kvdepot.server.memory import keep_large_buffers_in_heap
+    from kvdepot.malloc import keep_large_buffers_in_heap
 
     keep_large_buffers_in_heap()
     from kvdepot.server.main import KVDepotServer

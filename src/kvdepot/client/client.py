@@ -33,6 +33,7 @@ from kvdepot.errors import (
 )
 from kvdepot.hashing import HashAlgorithm, chunk_hashes
 from kvdepot.layout import KVLayout, as_numpy
+from kvdepot.malloc import keep_large_buffers_in_heap
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 from kvdepot.server.liveness import local_client_info
@@ -42,6 +43,8 @@ from kvdepot.types import ChunkHash
 log = logging.getLogger(__name__)
 
 Tokens = Sequence[int] | np.ndarray
+
+INLINE_BATCH_BYTES = 32 << 20  # inline transfers go as pipelined messages of about this size
 
 
 class StoreSlots(list):
@@ -74,6 +77,7 @@ class KVClient:
         chunk_size: int = 0,
         heartbeat: bool = True,
         prefault: bool = True,
+        tune_malloc: bool = True,
     ) -> None:
         if transport not in ("auto", "shm", "inline"):
             raise ValueError(f"transport must be auto, shm or inline, got {transport!r}")
@@ -86,6 +90,7 @@ class KVClient:
         self._requested_transport = transport
         self._requested_chunk_size = chunk_size
         self._prefault = prefault
+        self._tune_malloc = tune_malloc and not os.environ.get("KVDEPOT_NO_MALLOC_TUNING")
         self._ids = itertools.count(1)
         self._rcvtimeo = -1
         self._lock = threading.RLock()
@@ -318,14 +323,22 @@ class KVClient:
             self._stage = np.empty(max(need, 1), dtype=np.uint8)
         return self._stage[:need].reshape(n_chunks, self.chunk_bytes)
 
-    def _send_store_inline(self, hashes: list[ChunkHash], salt: str, first: int, payload: list, rpf: int) -> list[m.SlotStatus]:
-        req = m.StoreInlineRequest(context_id=0, keys=list(hashes), cache_salt=salt, first=first, rows_per_frame=rpf)
+    def _send_store_inline(self, hashes: list[ChunkHash], salt: str, first: int, chunk_frames: list[list], rpf: int) -> list[m.SlotStatus]:
+        """Store chunks ``hashes[first:]`` whose frames are ``chunk_frames`` as pipelined messages of
+        about INLINE_BATCH_BYTES each: bounded memory on both ends, and the server copies one batch
+        into L1 while the next is still on the wire."""
+        per_batch = max(1, INLINE_BATCH_BYTES // self.chunk_bytes)
+        requests = []
+        for i in range(first, len(hashes), per_batch):
+            j = min(i + per_batch, len(hashes))
+            body = m.StoreInlineRequest(context_id=self._reg.context_id, keys=list(hashes[i:j]), cache_salt=salt, rows_per_frame=rpf)
+            requests.append((body, [f for frames in chunk_frames[i - first : j - first] for f in frames]))
         try:
-            reply = self._call_ctx(req, payload)
+            replies = self._pipeline_ctx(requests)
         except BaseException:
-            self._stage = None
+            self._stage = None  # ZeroMQ may still be sending from it
             raise
-        return [m.SlotStatus(s) for s in reply.statuses]
+        return [m.SlotStatus(s) for r in replies for s in r.statuses]
 
     def _prepare_store_inline(self, hashes: list[ChunkHash], salt: str) -> Iterator[StoreSlots]:
         first = self.lookup_chunks(hashes, salt) or 0  # skip sending what is already there
@@ -338,8 +351,8 @@ class KVClient:
             return
         max_frame = self._reg.max_frame_bytes
         rpf = codec.rows_per_frame_for(self.chunk_bytes, self._rows, max_frame)
-        payload = [f for row in staging for f in codec.split_object(row, self._rows, rpf, max_frame)]
-        slots.statuses[first:] = self._send_store_inline(hashes, salt, first, payload, rpf)
+        frames = [codec.split_object(row, self._rows, rpf, max_frame) for row in staging]
+        slots.statuses[first:] = self._send_store_inline(hashes, salt, first, frames, rpf)
 
     def _store_inline_rows(self, hashes: list[ChunkHash], kv: np.ndarray, salt: str) -> int:
         """Send a C-contiguous ``kv`` without staging: each (k, layer) row of a chunk is contiguous in
@@ -356,63 +369,109 @@ class KVClient:
                     if slot is not None:
                         np.copyto(slot, kv[:, :, i * cs : (i + 1) * cs])
             return _leading_stored(slots.statuses)
-        payload = []
+        frames = []
         for i in range(first, len(hashes)):
             rows = np.reshape(kv[:, :, i * cs : (i + 1) * cs], (self._rows, -1), copy=False)
-            payload.extend(memoryview(r).cast("B") for r in rows)
-        statuses = [m.SlotStatus.EXISTS] * first + self._send_store_inline(hashes, salt, first, payload, 1)
+            frames.append([memoryview(r).cast("B") for r in rows])
+        statuses = [m.SlotStatus.EXISTS] * first + self._send_store_inline(hashes, salt, first, frames, 1)
         return _leading_stored(statuses)
 
-    def _fetch_inline(self, hashes: list[ChunkHash], salt: str, session_id: str, start: int) -> tuple[int, list, int]:
-        """(found, frames, frames per chunk) of a RETRIEVE_INLINE, with the payload checked."""
-        req = m.RetrieveInlineRequest(context_id=0, keys=list(hashes), cache_salt=salt, session_id=session_id, start=start)
-        reply, frames = self._call_ctx(req, want_payload=True)
-        per = codec.check_payload(frames, reply.found, self.chunk_bytes, self._rows, reply.rows_per_frame, self._reg.max_frame_bytes, 0)
-        return reply.found, frames, per
+    def _fetch_inline(
+        self, hashes: list[ChunkHash], salt: str, session_id: str, start: int, consume, n_found: int | None = None
+    ) -> int:
+        """Fetch the stored chunks from ``start`` on as pipelined bounded replies.
+
+        ``consume(chunk_index, frames, rows_per_frame)`` gets each chunk's checked frames as its reply
+        arrives. Returns how many chunks (from ``start``) form the prefix that was delivered.
+        """
+        if n_found is None:
+            # Objects are keyed per chunk, so this counts the stored run from ``start`` on.
+            n_found = self.lookup_chunks(hashes[start:], salt) or 0
+        per_batch = max(1, INLINE_BATCH_BYTES // self.chunk_bytes)
+        starts = list(range(start, start + n_found, per_batch))
+        requests = [
+            (
+                m.RetrieveInlineRequest(
+                    context_id=self._reg.context_id, keys=list(hashes), cache_salt=salt, session_id=session_id, start=s0, limit=per_batch
+                ),
+                (),
+            )
+            for s0 in starts
+        ]
+        got = [0] * len(starts)
+        max_frame = self._reg.max_frame_bytes
+
+        def on_reply(index: int, reply: m.RetrieveInlineReply, frames: list) -> None:
+            per = codec.check_payload(frames, reply.found, self.chunk_bytes, self._rows, reply.rows_per_frame, max_frame, 0)
+            got[index] = reply.found
+            for k in range(reply.found):
+                consume(starts[index] + k - start, frames[k * per : (k + 1) * per], reply.rows_per_frame)
+
+        if requests:
+            self._pipeline_ctx(requests, on_reply)
+        # A prefix: stop at the first batch that came back short (evicted since the lookup).
+        n = 0
+        for index, s0 in enumerate(starts):
+            n = s0 - start + got[index]
+            if got[index] < min(per_batch, start + n_found - s0):
+                break
+        return n
 
     def _retrieve_inline(self, hashes: list[ChunkHash], salt: str, session_id: str, start: int) -> list[np.ndarray]:
-        found, frames, per = self._fetch_inline(hashes, salt, session_id, start)
-        if per == 1:  # each chunk is one frame: view it where ZeroMQ received it
-            return [self.layout.view_chunk(f.buffer, self.chunk_size, writable=False) for f in frames]
-        # Multi-frame chunks are joined in a reusable buffer (views die with the ``with`` block).
-        need = found * self.chunk_bytes
-        if self._rstage is None or self._rstage.size < need:
-            self._rstage = np.empty(max(need, 1), dtype=np.uint8)
-        views, pos = [], 0
-        for i in range(found):
-            start_pos = pos
-            for f in frames[i * per : (i + 1) * per]:
+        """Views for prepare_retrieve on the inline path: a single-frame chunk is viewed where ZeroMQ
+        received it; multi-frame chunks are joined into a reusable buffer as each reply arrives, so
+        received frames are freed as we go rather than all held at once."""
+        n_found = self.lookup_chunks(hashes[start:], salt) or 0
+        if self.chunk_bytes > codec.TARGET_FRAME_BYTES:
+            need = max(1, n_found * self.chunk_bytes)
+            if self._rstage is None or self._rstage.size < need:
+                self._rstage = np.empty(need, dtype=np.uint8)
+        views: dict[int, np.ndarray] = {}
+
+        def consume(i: int, parts: list, rows_per_frame: int) -> None:
+            if len(parts) == 1:
+                views[i] = self.layout.view_chunk(parts[0].buffer, self.chunk_size, writable=False)
+                return
+            assert self._rstage is not None
+            base = pos = i * self.chunk_bytes
+            for f in parts:
                 src = np.frombuffer(f.buffer, np.uint8)
                 self._rstage[pos : pos + src.size] = src
                 pos += src.size
-            views.append(self.layout.view_chunk(self._rstage[start_pos:pos], self.chunk_size, writable=False))
-        return views
+            views[i] = self.layout.view_chunk(self._rstage[base:pos], self.chunk_size, writable=False)
+
+        n = self._fetch_inline(hashes, salt, session_id, start, consume, n_found)
+        return [views[i] for i in range(n)]
 
     def _retrieve_inline_into(self, hashes: list[ChunkHash], salt: str, out: np.ndarray | None) -> np.ndarray:
-        """Copy each received frame straight into its rows of ``out`` (one copy, no staging)."""
+        """Copy each received frame straight into its rows of ``out`` as its reply arrives (one copy)."""
         if out is not None and not as_numpy(out).flags.c_contiguous:
             result = self._retrieve_inline_into(hashes, salt, None)
             target = self._check_kv(as_numpy(out), result.shape[2])
             np.copyto(target[:, :, : result.shape[2]], result)
             return target[:, :, : result.shape[2]]
-        found, frames, per = self._fetch_inline(hashes, salt, "", 0)
         cs = self.chunk_size
-        n = found * cs
-        out = self.layout.empty(n) if out is None else self._check_kv(as_numpy(out), n)
+        if out is None:
+            n_found = self.lookup_chunks(hashes, salt) or 0
+            out = self.layout.empty(n_found * cs)
+        else:
+            out = self._check_kv(as_numpy(out), 0)
+            n_found = min(self.lookup_chunks(hashes, salt) or 0, out.shape[2] // cs)
         dtype = self.layout.storage_dtype
-        for i in range(found):
-            rows = np.reshape(out[:, :, i * cs : (i + 1) * cs], (self._rows, -1), copy=False)
+
+        def consume(c: int, parts: list, rows_per_frame: int) -> None:
+            rows = np.reshape(out[:, :, c * cs : (c + 1) * cs], (self._rows, -1), copy=False)
+            if rows_per_frame == 0:  # byte-split frames: rows larger than a frame
+                rows[...] = np.concatenate([np.frombuffer(f.buffer, dtype=dtype) for f in parts]).reshape(rows.shape)
+                return
             r = 0
-            for frame in frames[i * per : (i + 1) * per]:
-                src = np.frombuffer(frame.buffer, dtype=dtype)
-                if src.size % rows.shape[1]:  # byte-split frames (rows larger than a frame)
-                    flat = np.concatenate([np.frombuffer(f.buffer, dtype=dtype) for f in frames[i * per : (i + 1) * per]])
-                    rows[...] = flat.reshape(rows.shape)
-                    break
-                k = src.size // rows.shape[1]
-                rows[r : r + k] = src.reshape(k, -1)
-                r += k
-        return out[:, :, :n]
+            for frame in parts:
+                src = np.frombuffer(frame.buffer, dtype=dtype).reshape(-1, rows.shape[1])
+                rows[r : r + src.shape[0]] = src
+                r += src.shape[0]
+
+        n = self._fetch_inline(hashes, salt, "", 0, consume, n_found)
+        return out[:, :, : n * cs]
 
     # --- plumbing ------------------------------------------------------------------------------------
 
@@ -452,6 +511,8 @@ class KVClient:
                 if self._arena is None:
                     log.info("kvdepot: using the inline transport (%s)", why)
         self.transport = "shm" if self._arena is not None else "inline"
+        if self.transport == "inline" and self._tune_malloc:
+            keep_large_buffers_in_heap()  # received frames reuse warm heap instead of fresh pages
         log.info("kvdepot: context %d on %s, transport %s", reply.context_id, self.url, self.transport)
         return _Registration(
             reply.context_id,
@@ -474,45 +535,92 @@ class KVClient:
                 body.context_id = self._reg.context_id
                 return self._call(body, payload, want_payload=want_payload)
 
+    def _pipeline_ctx(self, requests: list[tuple[object, Sequence]], on_reply=None) -> list:
+        """``_pipeline`` on our context, registering again once if the server forgot it."""
+        with self._lock:
+            try:
+                return self._pipeline(requests, on_reply)
+            except UnknownContext:
+                self._reg = self._register()
+                for body, _ in requests:
+                    body.context_id = self._reg.context_id
+                return self._pipeline(requests, on_reply)
+
     def _call(self, body, payload: Sequence = (), timeout_s: float | None = None, want_payload: bool = False):
-        rtype = codec.request_type_of(body)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
-            if self._closed and rtype is not m.RequestType.UNREGISTER_CONTEXT:
-                raise KVDepotError("client is closed", ErrorCode.CONNECTION)
-            sock = self._sock
-            rid = next(self._ids)
-            header, encoded = codec.encode_request(rid, body, int(timeout * 1000))
-            # Small frames are copied (cheaper than zero-copy bookkeeping); KV payload is not.
-            if payload:
-                sock.send(header, zmq.SNDMORE)
-                sock.send(encoded, zmq.SNDMORE)
-                sock.send_multipart(payload, copy=False)
-            else:
-                sock.send_multipart((header, encoded))
-            self._last_request = now = time.monotonic()
-            deadline = now + timeout
+            rid = self._send(body, payload, timeout)
+            deadline = time.monotonic() + timeout
             while True:
-                # A blocking recv with RCVTIMEO saves the poll() syscall per request.
-                remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
-                if remaining_ms != self._rcvtimeo:
-                    sock.setsockopt(zmq.RCVTIMEO, remaining_ms)
-                    self._rcvtimeo = remaining_ms
-                try:
-                    reply_header = sock.recv()
-                    reply_body = sock.recv() if sock.getsockopt(zmq.RCVMORE) else b""
-                    frames = []
-                    while sock.getsockopt(zmq.RCVMORE):
-                        frames.append(sock.recv(copy=False))
-                except zmq.Again:
-                    raise KVDepotTimeout(f"{rtype.name} got no reply from {self.url} within {timeout:.1f}s") from None
-                header_msg = codec.decode_reply_header(reply_header)
-                if header_msg.request_id != rid:
-                    if time.monotonic() >= deadline:
-                        raise KVDepotTimeout(f"{rtype.name} got no reply from {self.url} within {timeout:.1f}s")
+                header, reply_body, frames = self._recv(body, deadline)
+                if header.request_id != rid:
                     continue  # a late reply to a request we already gave up on
-                result = codec.decode_reply_body(rtype, header_msg, reply_body)
+                result = codec.decode_reply_body(codec.request_type_of(body), header, reply_body)
                 return (result, frames) if want_payload else result
+
+    def _pipeline(self, requests: list[tuple[object, Sequence]], on_reply=None, window: int = 4) -> list:
+        """Send ``requests`` with up to ``window`` in flight and collect every reply (in request order).
+
+        ``on_reply(index, result, frames)`` runs as each reply arrives, so a caller can consume one
+        reply's payload while ZeroMQ is still receiving the next. The first error is raised (the other
+        replies are then discarded as stale when they arrive).
+        """
+        with self._lock:
+            results: list = [None] * len(requests)
+            pending: dict[int, int] = {}
+            deadline = time.monotonic() + self.timeout_s
+            sent = 0
+            while sent < len(requests) or pending:
+                while sent < len(requests) and len(pending) < window:
+                    body, payload = requests[sent]
+                    pending[self._send(body, payload, self.timeout_s)] = sent
+                    sent += 1
+                header, reply_body, frames = self._recv(requests[0][0], deadline)
+                index = pending.pop(header.request_id, None)
+                if index is None:
+                    continue
+                result = codec.decode_reply_body(codec.request_type_of(requests[index][0]), header, reply_body)
+                results[index] = result
+                if on_reply is not None:
+                    on_reply(index, result, frames)
+            return results
+
+    def _send(self, body, payload: Sequence, timeout: float) -> int:
+        """Send one request; returns its id. Called with the lock held."""
+        if self._closed and not isinstance(body, m.UnregisterContextRequest):
+            raise KVDepotError("client is closed", ErrorCode.CONNECTION)
+        sock = self._sock
+        rid = next(self._ids)
+        header, encoded = codec.encode_request(rid, body, int(timeout * 1000))
+        # Small frames are copied (cheaper than zero-copy bookkeeping); KV payload is not.
+        if payload:
+            sock.send(header, zmq.SNDMORE)
+            sock.send(encoded, zmq.SNDMORE)
+            sock.send_multipart(payload, copy=False)
+        else:
+            sock.send_multipart((header, encoded))
+        self._last_request = time.monotonic()
+        return rid
+
+    def _recv(self, body, deadline: float):
+        """Receive the next reply (any request id) before ``deadline``. Called with the lock held."""
+        sock = self._sock
+        # A blocking recv with RCVTIMEO saves a poll() syscall per request.
+        remaining_ms = int((deadline - time.monotonic()) * 1000)
+        if remaining_ms <= 0:
+            raise KVDepotTimeout(f"{type(body).__name__} got no reply from {self.url} in time")
+        if remaining_ms != self._rcvtimeo:
+            sock.setsockopt(zmq.RCVTIMEO, remaining_ms)
+            self._rcvtimeo = remaining_ms
+        try:
+            reply_header = sock.recv()
+            reply_body = sock.recv() if sock.getsockopt(zmq.RCVMORE) else b""
+            frames = []
+            while sock.getsockopt(zmq.RCVMORE):
+                frames.append(sock.recv(copy=False))
+        except zmq.Again:
+            raise KVDepotTimeout(f"{type(body).__name__} got no reply from {self.url} in time") from None
+        return codec.decode_reply_header(reply_header), reply_body, frames
 
     def _heartbeat(self) -> None:
         interval = self._reg.heartbeat_interval_s

@@ -231,13 +231,15 @@ class StoreInlineReply(_Body):
 
 
 class RetrieveInlineRequest(_Body):
-    """As PrepareRetrieveRequest, but the bytes come back as payload frames."""
+    """As PrepareRetrieveRequest, but the bytes come back as payload frames. ``limit`` > 0 caps the
+    chunks returned, so a client can fetch a long prefix as several pipelined, bounded replies."""
 
     context_id: int
     keys: list[bytes]
     cache_salt: str = ""
     session_id: str = ""
     start: int = 0
+    limit: int = 0
 
 
 class RetrieveInlineReply(_Body):
