@@ -68,41 +68,13 @@ def _wait_server_prefault(http_port: int, timeout_s: float = 300) -> float:
 
 
 def _raw_zmq_rtt(url: str, n: int) -> list[float]:
-    """A ROUTER echo in this process: the floor under any Python request/reply over ``url``."""
-    import threading
+    from kvdepot.bench.rawzmq import round_trips
 
-    ctx = zmq.Context.instance()
-    router = ctx.socket(zmq.ROUTER)
     if url.startswith("ipc://"):
         ep = f"ipc://{tempfile.mkdtemp(prefix='kvdepot-echo-')}/echo.sock"
     else:
         ep = f"tcp://127.0.0.1:{free_port()}"
-    router.bind(ep)
-    stop = threading.Event()
-
-    def echo() -> None:
-        poller = zmq.Poller()
-        poller.register(router, zmq.POLLIN)
-        while not stop.is_set():
-            if poller.poll(50):
-                router.send_multipart(router.recv_multipart())
-
-    t = threading.Thread(target=echo, daemon=True)
-    t.start()
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.connect(ep)
-    out = []
-    for i in range(n + 100):
-        t0 = time.perf_counter()
-        dealer.send_multipart([b"h", b"b"])
-        dealer.recv_multipart()
-        if i >= 100:
-            out.append(time.perf_counter() - t0)
-    stop.set()
-    t.join()
-    dealer.close(0)
-    router.close(0)
-    return out
+    return round_trips(ep, n)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -153,6 +125,17 @@ def _bench_size(server: ServerProcess, size_mib: int, n: int, transports: list[s
     memcpy = memcpy_gbps(size_mib * MiB, n, reps)
     raw[f"memcpy_{size_mib}MiB"] = asdict(memcpy)
     rows = [Row(f"memcpy {n} x {size_mib} MiB (1 thread)", memcpy.fmt("GB/s"), "—", "1.00")]
+    zmq_put = zmq_get = None
+    if "inline" in transports:
+        from kvdepot.bench.rawzmq import bulk_gbps
+        from kvdepot.client.client import INLINE_BATCH_BYTES
+        from kvdepot.protocol.codec import TARGET_FRAME_BYTES
+
+        ep = f"ipc://{tempfile.mkdtemp(prefix='kvdepot-raw-')}/raw.sock"
+        puts, gets = bulk_gbps(ep, nbytes, min(TARGET_FRAME_BYTES, size_mib * MiB), max(INLINE_BATCH_BYTES, size_mib * MiB), reps)
+        zmq_put, zmq_get = sample(puts), sample(gets)
+        raw[f"raw_zmq_ipc_{size_mib}MiB"] = {"put": asdict(zmq_put), "get": asdict(zmq_get)}
+        rows.append(Row(f"raw ZeroMQ ipc, same frames: send / receive", f"{zmq_put.median:.2f} / {zmq_get.median:.2f} GB/s", "—", "1.00"))
     tokens = np.arange(n * cs, dtype=np.uint32) + size_mib * 1_000_000
     kv = np.random.default_rng(0).integers(0, 1 << 15, size=layout.chunk_shape(n * cs), dtype=np.uint16).view(np.float16)
     out = np.zeros_like(kv)
@@ -224,7 +207,12 @@ def _bench_size(server: ServerProcess, size_mib: int, n: int, transports: list[s
                 "retrieve incl. paged scatter": "≥ 0.5" if shm else "",
             }
             for name, s in results.items():
-                rows.append(Row(f"{label} {name}", s.fmt("GB/s"), f"{memcpy.median:.2f} GB/s", f"{s.median / memcpy.median:.2f}", targets.get(name, "")))
+                if shm:
+                    limit, ratio = f"{memcpy.median:.2f} GB/s memcpy", s.median / memcpy.median
+                else:  # the wire is the limit: compare with raw ZeroMQ in the same direction
+                    ref = zmq_put if name.startswith("store") else zmq_get
+                    limit, ratio = f"{ref.median:.2f} GB/s raw ZeroMQ", s.median / ref.median
+                rows.append(Row(f"{label} {name}", s.fmt("GB/s"), limit, f"{ratio:.2f}", targets.get(name, "")))
             c.clear()
     return rows
 

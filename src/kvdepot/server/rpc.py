@@ -238,12 +238,17 @@ class RpcServer:
     def _receive(self, router: zmq.Socket) -> None:
         # Checking EVENTS is cheaper than a NOBLOCK recv that ends in an Again exception.
         for _ in range(256):  # bounded, so replies and housekeeping are not starved
-            self._dispatch(router, router.recv_multipart(copy=False))
+            # Routing id, header and body are small: copying them is cheaper than zero-copy Frame
+            # objects. Payload frames (KV bytes) are received without a copy.
+            frames: list = [router.recv()]
+            while router.getsockopt(zmq.RCVMORE):
+                frames.append(router.recv(copy=len(frames) < 3))
+            self._dispatch(router, frames)
             if not router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 return
 
-    def _dispatch(self, router: zmq.Socket, frames: list[zmq.Frame]) -> None:
-        ident = frames[0].bytes
+    def _dispatch(self, router: zmq.Socket, frames: list) -> None:
+        ident = frames[0]
         client = ClientId(ident)
         received = time.monotonic()
         if len(frames) < 3:
@@ -251,8 +256,8 @@ class RpcServer:
             self._send_error(router, ident, 0, ErrorCode.BAD_REQUEST, f"a request needs header and body frames, got {len(frames) - 1} frames")
             return
         try:
-            header = codec.decode_request_header(frames[1].buffer)
-            rtype, body = codec.decode_request_body(header, frames[2].buffer)
+            header = codec.decode_request_header(frames[1])
+            rtype, body = codec.decode_request_body(header, frames[2])
             payload = frames[3:]
             for i, f in enumerate(payload):
                 if len(f) > self._max_frame:
@@ -305,6 +310,11 @@ class RpcServer:
     def _send(self, sock: zmq.Socket, ident: bytes, call: Call, result) -> None:
         if isinstance(result, tuple):
             frames, reply = result
+            if not reply.payload:
+                sock.send_multipart([ident, *frames])  # small frames: plain copies
+                if reply.on_sent is not None:
+                    reply.on_sent()  # nothing of ours is in flight
+                return
             out = [ident, *frames, *reply.payload]
             if reply.on_sent is not None:
                 try:

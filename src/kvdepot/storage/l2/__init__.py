@@ -1,0 +1,1 @@
+"""L2 tiers: adapters behind one non-blocking interface (``base``), found by ``registry``."""

@@ -1,0 +1,316 @@
+"""The L2 adapter contract, and ``BackendAdapter``, which implements it over four blocking primitives.
+
+Contract (every adapter, whatever its backend):
+- ``submit_*`` never blocks on the backend: it queues the work and returns a ``TaskId`` at once.
+- When a task finishes, the adapter's ``eventfd`` becomes readable; ``completed()`` returns every
+  finished task's ``TaskResult`` exactly once (the caller owns it from then on).
+- A store is all-or-nothing per object: a failed or torn write is never visible to a lookup or load.
+- A load checks the object's checksum; a corrupt object is a miss (deleted, and counted), never bytes.
+- ``lookup_and_lock`` counts the leading keys present and pins them against the adapter's own eviction
+  until ``unlock``; a pin is a hint that ends with the process (L2 data outlives us, pins do not).
+- A backend that fails (down, full, slow) makes the adapter *unhealthy*: tasks then fail fast without
+  touching it, and it is probed again after ``retry_interval_s``, so the request path never waits on a
+  dead tier and the tier comes back on its own.
+
+Buffers: ``submit_store`` reads the given payload views until the task completes; the caller keeps
+them alive (L1 objects under a read lease). ``submit_load`` writes into the given views likewise.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Protocol
+
+from kvdepot.storage.l2.envelope import CorruptObject
+from kvdepot.types import ObjectKey
+
+log = logging.getLogger(__name__)
+
+TaskId = int
+
+
+class TaskKind(Enum):
+    STORE = "store"
+    LOOKUP = "lookup"
+    LOAD = "load"
+    UNLOCK = "unlock"
+
+
+@dataclass(frozen=True, slots=True)
+class TaskResult:
+    """``value`` per kind: STORE list[bool] (stored per key); LOOKUP int (leading keys present and
+    pinned); LOAD list[bool] (loaded and verified per key); UNLOCK None."""
+
+    task_id: TaskId
+    kind: TaskKind
+    value: Any
+    ok: bool = True  # False: the backend failed (value is then the all-miss answer)
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class L2Usage:
+    name: str
+    kind: str
+    healthy: bool
+    used_bytes: int
+    capacity_bytes: int  # 0: unbounded or unknown
+    objects: int
+    stored: int
+    loaded: int
+    corrupt: int
+    failures: int
+    last_error: str
+
+
+class L2Adapter(Protocol):
+    name: str
+    kind: str
+
+    @property
+    def eventfd(self) -> int: ...
+
+    def start(self) -> None: ...
+
+    def submit_store(self, items: Sequence[tuple[ObjectKey, memoryview]]) -> TaskId: ...
+
+    def submit_lookup_and_lock(self, keys: Sequence[ObjectKey]) -> TaskId: ...
+
+    def submit_load(self, keys: Sequence[ObjectKey], dests: Sequence[memoryview]) -> TaskId: ...
+
+    def submit_unlock(self, keys: Sequence[ObjectKey]) -> TaskId: ...
+
+    def completed(self) -> list[TaskResult]: ...
+
+    def usage(self) -> L2Usage: ...
+
+    def close(self) -> None: ...
+
+
+class BackendAdapter(ABC):
+    """Runs the four blocking backend primitives on a small thread pool and keeps the contract above."""
+
+    kind = "abstract"
+
+    def __init__(self, name: str, workers: int = 2, retry_interval_s: float = 2.0) -> None:
+        self.name = name
+        self._workers = workers
+        self._retry = retry_interval_s
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._done: deque[TaskResult] = deque()
+        self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._pool: ThreadPoolExecutor | None = None
+        self._healthy = True
+        self._down_since = 0.0
+        self._last_error = ""
+        self._stats = {"stored": 0, "loaded": 0, "corrupt": 0, "failures": 0}
+        self._pins: dict[ObjectKey, int] = {}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, healthy={self._healthy})"
+
+    # --- the contract --------------------------------------------------------------------------------
+
+    @property
+    def eventfd(self) -> int:
+        return self._efd
+
+    def start(self) -> None:
+        self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix=f"kvdepot-l2-{self.name}")
+
+    def submit_store(self, items: Sequence[tuple[ObjectKey, memoryview]]) -> TaskId:
+        items = list(items)
+        return self._submit(TaskKind.STORE, lambda: self._store_all(items), [False] * len(items))
+
+    def submit_lookup_and_lock(self, keys: Sequence[ObjectKey]) -> TaskId:
+        keys = list(keys)
+        return self._submit(TaskKind.LOOKUP, lambda: self._lookup_and_pin(keys), 0)
+
+    def submit_load(self, keys: Sequence[ObjectKey], dests: Sequence[memoryview]) -> TaskId:
+        pairs = list(zip(keys, dests, strict=True))
+        return self._submit(TaskKind.LOAD, lambda: self._load_all(pairs), [False] * len(pairs))
+
+    def submit_unlock(self, keys: Sequence[ObjectKey]) -> TaskId:
+        keys = list(keys)
+        return self._submit(TaskKind.UNLOCK, lambda: self._unpin(keys), None, always=True)
+
+    def completed(self) -> list[TaskResult]:
+        try:
+            os.eventfd_read(self._efd)
+        except BlockingIOError:
+            pass
+        with self._lock:
+            out = list(self._done)
+            self._done.clear()
+        return out
+
+    def usage(self) -> L2Usage:
+        try:
+            used, capacity, objects = self._usage()
+        except Exception as exc:  # usage is best-effort; a dead backend still reports its health
+            used = capacity = objects = 0
+            self._last_error = self._last_error or str(exc)
+        return L2Usage(
+            self.name,
+            self.kind,
+            self._healthy,
+            used,
+            capacity,
+            objects,
+            self._stats["stored"],
+            self._stats["loaded"],
+            self._stats["corrupt"],
+            self._stats["failures"],
+            self._last_error,
+        )
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        self._close_backend()
+        if self._efd >= 0:
+            os.close(self._efd)
+            self._efd = -1
+
+    # --- backend primitives (blocking; any exception counts as a backend failure) --------------------
+
+    @abstractmethod
+    def _put(self, key: ObjectKey, payload: memoryview) -> None:
+        """Store one object atomically: after a failure or crash, it is absent or whole."""
+
+    @abstractmethod
+    def _get_into(self, key: ObjectKey, dest: memoryview) -> bool:
+        """Copy the object's payload into ``dest``; False if absent; CorruptObject if bad."""
+
+    @abstractmethod
+    def _contains(self, keys: list[ObjectKey]) -> list[bool]:
+        """Presence of each key."""
+
+    @abstractmethod
+    def _delete(self, key: ObjectKey) -> None:
+        """Remove one object (absent is fine)."""
+
+    def _usage(self) -> tuple[int, int, int]:
+        """(used bytes, capacity bytes or 0, objects); backends override where they can tell."""
+        return 0, 0, 0
+
+    def _close_backend(self) -> None:
+        pass
+
+    def _on_pin_change(self) -> None:
+        """Hook for adapters whose eviction must respect pins."""
+
+    def is_pinned(self, key: ObjectKey) -> bool:
+        with self._lock:
+            return key in self._pins
+
+    # --- machinery -----------------------------------------------------------------------------------
+
+    def _submit(self, kind: TaskKind, work: Callable[[], Any], miss: Any, always: bool = False) -> TaskId:
+        task_id = next(self._ids)
+        if self._pool is None:
+            raise RuntimeError(f"L2 adapter {self.name} is not started")
+        if not always and not self._may_try():
+            self._finish(TaskResult(task_id, kind, miss, ok=False, error=f"{self.name} is down: {self._last_error}"))
+            return task_id
+        self._pool.submit(self._run, task_id, kind, work, miss)
+        return task_id
+
+    def _run(self, task_id: TaskId, kind: TaskKind, work: Callable[[], Any], miss: Any) -> None:
+        try:
+            value = work()
+        except Exception as exc:
+            self._mark_down(exc)
+            self._finish(TaskResult(task_id, kind, miss, ok=False, error=f"{type(exc).__name__}: {exc}"))
+            return
+        self._mark_up()
+        self._finish(TaskResult(task_id, kind, value))
+
+    def _finish(self, result: TaskResult) -> None:
+        with self._lock:
+            self._done.append(result)
+        try:
+            os.eventfd_write(self._efd, 1)
+        except OSError:
+            pass  # closed during shutdown
+
+    def _may_try(self) -> bool:
+        if self._healthy:
+            return True
+        if time.monotonic() - self._down_since >= self._retry:
+            self._down_since = time.monotonic()  # one probe per interval
+            return True
+        return False
+
+    def _mark_down(self, exc: Exception) -> None:
+        self._stats["failures"] += 1
+        self._last_error = f"{type(exc).__name__}: {exc}"
+        if self._healthy:
+            log.warning("L2 %s (%s) failed, serving from L1 only until it recovers: %s", self.name, self.kind, self._last_error)
+        self._healthy = False
+        self._down_since = time.monotonic()
+
+    def _mark_up(self) -> None:
+        if not self._healthy:
+            log.info("L2 %s (%s) recovered", self.name, self.kind)
+        self._healthy = True
+
+    def _store_all(self, items: list[tuple[ObjectKey, memoryview]]) -> list[bool]:
+        out = []
+        for key, payload in items:
+            self._put(key, payload)
+            self._stats["stored"] += 1
+            out.append(True)
+        return out
+
+    def _lookup_and_pin(self, keys: list[ObjectKey]) -> int:
+        present = self._contains(keys)
+        n = 0
+        for p in present:
+            if not p:
+                break
+            n += 1
+        with self._lock:
+            for key in keys[:n]:
+                self._pins[key] = self._pins.get(key, 0) + 1
+        return n
+
+    def _unpin(self, keys: list[ObjectKey]) -> None:
+        with self._lock:
+            for key in keys:
+                count = self._pins.get(key, 0) - 1
+                if count > 0:
+                    self._pins[key] = count
+                else:
+                    self._pins.pop(key, None)
+        self._on_pin_change()
+
+    def _load_all(self, pairs: list[tuple[ObjectKey, memoryview]]) -> list[bool]:
+        out = []
+        for key, dest in pairs:
+            try:
+                ok = self._get_into(key, dest)
+            except CorruptObject as exc:
+                self._stats["corrupt"] += 1
+                log.warning("L2 %s: corrupt object %s (%s): deleted, counted as a miss", self.name, key.hex()[:16], exc)
+                try:
+                    self._delete(key)
+                except Exception:
+                    pass
+                ok = False
+            if ok:
+                self._stats["loaded"] += 1
+            out.append(ok)
+        return out

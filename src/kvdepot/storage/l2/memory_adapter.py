@@ -1,0 +1,91 @@
+"""``memory``: an in-process L2 (a dict), the reference implementation the contract tests pin.
+
+Real in every way that matters to the contract (envelope, checksums, all-or-nothing stores, capacity
+with LRU), it only lacks persistence. Useful for tests and as a second, slower-than-L1 tier.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import msgspec
+
+from kvdepot.storage.l2 import envelope
+from kvdepot.storage.l2.base import BackendAdapter
+from kvdepot.storage.l2.registry import AdapterType
+from kvdepot.types import ObjectKey
+
+
+class MemoryConfig(msgspec.Struct, forbid_unknown_fields=True):
+    size_gb: float = 1.0
+    workers: int = 2
+
+
+class MemoryAdapter(BackendAdapter):
+    kind = "memory"
+
+    def __init__(self, name: str, config: MemoryConfig) -> None:
+        super().__init__(name, workers=config.workers)
+        if config.size_gb <= 0:
+            raise ValueError("memory tier: size_gb must be positive")
+        self._capacity = int(config.size_gb * (1 << 30))
+        self._objects: OrderedDict[ObjectKey, bytes] = OrderedDict()
+        self._used = 0
+        self._mu = threading.Lock()
+
+    def _put(self, key: ObjectKey, payload: memoryview) -> None:
+        blob = envelope.encode(key, payload)  # built before anything is visible
+        with self._mu:
+            old = self._objects.pop(key, None)
+            if old is not None:
+                self._used -= len(old)
+            self._make_room(len(blob))
+            self._objects[key] = blob
+            self._used += len(blob)
+
+    def _make_room(self, need: int) -> None:
+        if need > self._capacity:
+            raise OSError(f"object of {need} bytes exceeds the tier's {self._capacity}")
+        for victim in list(self._objects):
+            if self._used + need <= self._capacity:
+                return
+            if self.is_pinned(victim):
+                continue
+            self._used -= len(self._objects.pop(victim))
+        if self._used + need > self._capacity:
+            raise OSError("memory tier is full of pinned objects")
+
+    def _get_into(self, key: ObjectKey, dest: memoryview) -> bool:
+        with self._mu:
+            blob = self._objects.get(key)
+            if blob is not None:
+                self._objects.move_to_end(key)
+        if blob is None:
+            return False
+        envelope.decode_into(key, blob, dest)
+        return True
+
+    def _contains(self, keys: list[ObjectKey]) -> list[bool]:
+        with self._mu:
+            return [k in self._objects for k in keys]
+
+    def _delete(self, key: ObjectKey) -> None:
+        with self._mu:
+            blob = self._objects.pop(key, None)
+            if blob is not None:
+                self._used -= len(blob)
+
+    def _usage(self) -> tuple[int, int, int]:
+        with self._mu:
+            return self._used, self._capacity, len(self._objects)
+
+    def corrupt_for_test(self, key: ObjectKey, offset: int) -> None:
+        """Flip one stored byte (tests prove a corrupt object is a miss, never bad KV)."""
+        with self._mu:
+            blob = bytearray(self._objects[key])
+            blob[offset] ^= 0xFF
+            self._objects[key] = bytes(blob)
+
+
+ADAPTER = AdapterType("memory", MemoryConfig, MemoryAdapter, help="in-process reference tier")

@@ -1,0 +1,109 @@
+"""Finding and configuring L2 adapters.
+
+Adapters live in modules named ``*_adapter.py`` in this package (or are registered through the
+``kvdepot.l2_adapters`` entry-point group). Each such module defines ``ADAPTER = AdapterType(...)``:
+a name, a config struct (msgspec, unknown fields forbidden) and a factory.
+
+A tier is configured on the command line as ``--l2 'fs:path=/data/kv,size_gb=100'`` (repeatable) or as
+JSON: ``--l2 '{"type": "fs", "path": "/data/kv", "size_gb": 100}'``. Values are converted to the
+config's field types; unknown keys, missing required keys and bad values are start-up errors.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any
+
+import msgspec
+
+from kvdepot.storage.l2 import base
+
+ENTRY_POINT_GROUP = "kvdepot.l2_adapters"
+
+
+@dataclass(frozen=True)
+class AdapterType:
+    name: str
+    config: type[msgspec.Struct]
+    factory: Callable[[str, Any], base.L2Adapter]  # (tier name, config) -> adapter
+    help: str = ""
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """One configured tier: which adapter type, its validated config, and the name it shows under."""
+
+    type: str
+    name: str
+    config: Any
+
+
+def adapter_types() -> dict[str, AdapterType]:
+    found: dict[str, AdapterType] = {}
+    package = importlib.import_module(__package__)
+    for mod in pkgutil.iter_modules(package.__path__):
+        if mod.name.endswith("_adapter"):
+            adapter = getattr(importlib.import_module(f"{__package__}.{mod.name}"), "ADAPTER", None)
+            if isinstance(adapter, AdapterType):
+                found[adapter.name] = adapter
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        adapter = ep.load()
+        if isinstance(adapter, AdapterType):
+            found.setdefault(adapter.name, adapter)
+    return found
+
+
+def parse_spec(text: str, index: int = 0) -> TierSpec:
+    """``type:key=value,...`` or a JSON object with a ``type`` key; raises ValueError with the reason."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--l2 {text!r}: invalid JSON ({exc})") from None
+        if not isinstance(raw, dict) or "type" not in raw:
+            raise ValueError(f"--l2 {text!r}: a JSON tier needs a \"type\"")
+        kind = str(raw.pop("type"))
+        fields: dict[str, Any] = raw
+    else:
+        kind, _, rest = text.partition(":")
+        fields = {}
+        for part in filter(None, (p.strip() for p in rest.split(","))):
+            key, eq, value = part.partition("=")
+            if not eq:
+                raise ValueError(f"--l2 {text!r}: {part!r} is not key=value")
+            fields[key.strip()] = value.strip()
+    types = adapter_types()
+    if kind not in types:
+        raise ValueError(f"--l2 {text!r}: unknown tier type {kind!r}; known: {sorted(types)}")
+    name = str(fields.pop("name", f"{kind}{index}"))
+    try:
+        config = msgspec.convert(fields, types[kind].config, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"--l2 {text!r}: {exc}") from None
+    return TierSpec(kind, name, config)
+
+
+def build(spec: TierSpec) -> base.L2Adapter:
+    return adapter_types()[spec.type].factory(spec.name, spec.config)
+
+
+def config_defaults(config: type[msgspec.Struct]) -> dict[str, Any]:
+    """Field -> default (fields without one are required)."""
+    fields, defaults = config.__struct_fields__, config.__struct_defaults__
+    return dict(zip(fields[len(fields) - len(defaults) :], defaults))
+
+
+def describe() -> str:
+    """Help text listing every adapter type and its options."""
+    lines = []
+    for name, t in sorted(adapter_types().items()):
+        defaults = config_defaults(t.config)
+        opts = ", ".join(f"{f}={defaults.get(f, '(required)')}" for f in t.config.__struct_fields__)
+        lines.append(f"{name}: {t.help} [{opts}]")
+    return "; ".join(lines)
