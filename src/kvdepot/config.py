@@ -44,6 +44,9 @@ class StorageConfig:
     lease_ttl_s: float = 60.0
     prefault: bool = True
     shm_dir: str = "/dev/shm"
+    l2: tuple[str, ...] = ()  # tier specs, in lookup order (see storage/l2/registry.py)
+    l2_placement: str = "write_through"
+    l2_queue_limit: int = 65536
 
     @property
     def l1_size_bytes(self) -> int:
@@ -112,6 +115,17 @@ def add_storage_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lease-ttl-s", type=float, default=d.lease_ttl_s, help="a lock not finished within this time ends (default: %(default)s)")
     g.add_argument("--no-prefault", dest="prefault", action="store_false", help="do not populate the arena in the background at start-up")
     g.add_argument("--shm-dir", default=d.shm_dir, help="directory of the shared-memory arena (default: %(default)s)")
+    g2 = p.add_argument_group("storage (L2 tiers)")
+    g2.add_argument(
+        "--l2",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="add an L2 tier, looked up in the order given: 'TYPE:key=value,...' or JSON "
+        "'{\"type\": TYPE, ...}'. Types: " + _tier_help(),
+    )
+    g2.add_argument("--l2-placement", choices=["write_through", "skip_l1"], default=d.l2_placement, help="write_through keeps objects in L1 and every tier; skip_l1 drops them from L1 once every tier has them (default: %(default)s)")
+    g2.add_argument("--l2-queue-limit", type=int, default=d.l2_queue_limit, help="objects waiting for L2; beyond it new ones are not pushed (counted) (default: %(default)s)")
 
 
 def storage_from_args(a: argparse.Namespace) -> StorageConfig:
@@ -123,7 +137,16 @@ def storage_from_args(a: argparse.Namespace) -> StorageConfig:
         raise ValueError("need 0 < --low-watermark <= --high-watermark <= 1")
     if a.lease_ttl_s <= 0:
         raise ValueError("--lease-ttl-s must be positive")
+    from kvdepot.storage.l2.registry import parse_spec
+
+    for i, spec in enumerate(a.l2):
+        parse_spec(spec, i)  # raises ValueError naming the bad key or value
+    if a.l2_queue_limit < 1:
+        raise ValueError("--l2-queue-limit must be positive")
     return StorageConfig(
+        l2=tuple(a.l2),
+        l2_placement=a.l2_placement,
+        l2_queue_limit=a.l2_queue_limit,
         l1_size_gb=a.l1_size_gb,
         chunk_size=a.chunk_size,
         hash_algorithm=a.hash_algorithm,
@@ -134,6 +157,12 @@ def storage_from_args(a: argparse.Namespace) -> StorageConfig:
         prefault=a.prefault,
         shm_dir=a.shm_dir,
     )
+
+
+def _tier_help() -> str:
+    from kvdepot.storage.l2.registry import describe
+
+    return describe().replace("%", "%%")
 
 
 def add_http_args(p: argparse.ArgumentParser) -> None:

@@ -61,7 +61,7 @@ class L1Machine(RuleBasedStateMachine):
             ExtentAllocator(slots * SLOT, alignment=SLOT), make_policy(policy), lease_ttl_s=TTL, clock=self.clock
         )
         self.notified: list[list[ObjectKey]] = []
-        self.table.add_ready_listener(self.notified.append)
+        self.table.add_ready_listener(lambda keys, writer: self.notified.append(keys))
         self.ready: set[ObjectKey] = set()  # READY and visible
         self.doomed: set[ObjectKey] = set()  # cleared while locked or being written
         self.size: dict[ObjectKey, int] = {}  # every object in the table -> its size

@@ -222,13 +222,36 @@ def test_lease_is_not_expired_before_its_deadline(make_table, clock):
 def test_ready_listener_gets_the_committed_keys(make_table):
     t = make_table(4)
     got: list[list[ObjectKey]] = []
-    t.add_ready_listener(got.append)
+    writers = []
+    t.add_ready_listener(lambda keys, writer: (got.append(keys), writers.append(writer)))
     store(t, [1])
     r = t.reserve_write(ks(1, 2, 3), SLOT, A)  # k1 EXISTS: only k2, k3 are committed by this lease
     t.commit_write(r.lease_id, A)
     assert got == [ks(1), ks(2, 3)]
+    assert writers == [A, A]
     t.abort_write(t.reserve_write(ks(9), SLOT, A).lease_id, A)
     assert got == [ks(1), ks(2, 3)]  # an abort tells no one
+
+
+def test_finish_write_publishes_only_the_given_keys(make_table):
+    t = make_table(4)
+    r = t.reserve_write(ks(1, 2, 3), SLOT, A)
+    assert t.finish_write(r.lease_id, A, {k(1), k(3)}) == 2
+    assert t.get(k(2)) is None  # dropped: its space is free again
+    assert t.lookup(ks(1)) == 1 and t.lookup(ks(3)) == 1
+    t.check_invariants()
+
+
+def test_acquire_read_each_locks_every_ready_key_not_only_a_prefix(make_table):
+    t = make_table(4)
+    store(t, [1, 3])
+    lease, objs = t.acquire_read_each(ks(1, 2, 3), A)
+    assert [key for key, _, _ in objs] == ks(1, 3)
+    assert t.get(k(1)).readers == 1 and t.get(k(3)).readers == 1
+    assert t.discard(ks(1, 3)) == 0  # locked objects are not discarded
+    t.release_read(lease, A)
+    assert t.discard(ks(1, 3)) == 2
+    t.check_invariants()
 
 
 # --- reads ------------------------------------------------------------------------------------------

@@ -62,6 +62,7 @@ class _Registration:
     algorithm: HashAlgorithm
     max_frame_bytes: int
     heartbeat_interval_s: float
+    l2_tiers: int = 0
 
 
 class KVClient:
@@ -173,8 +174,7 @@ class KVClient:
 
     def lookup(self, tokens: Tokens, cache_salt: str | None = None) -> int:
         """How many leading tokens are stored (a multiple of chunk_size). Takes no lock."""
-        hits = self.lookup_chunks(self.hashes(tokens), cache_salt)
-        return (hits or 0) * self.chunk_size
+        return self._stored_chunks(self.hashes(tokens), cache_salt or "") * self.chunk_size
 
     def store(self, tokens: Tokens, kv, cache_salt: str | None = None) -> int:
         """Store the complete chunks of ``kv`` ``[K, L, len(tokens), H, D]``; returns the leading tokens
@@ -199,6 +199,7 @@ class KVClient:
         hashes = self.hashes(tokens)
         if self.transport == "inline":
             return self._retrieve_inline_into(hashes, cache_salt or "", out)
+        # (prepare_retrieve below waits for an L2 prefetch when the server has tiers)
         with self.prepare_retrieve(hashes, cache_salt) as views:
             n = len(views) * cs
             if out is None:
@@ -211,6 +212,26 @@ class KVClient:
 
     def clear(self) -> int:
         return self._call(m.ClearRequest()).removed
+
+    def _stored_chunks(self, hashes: list[ChunkHash], salt: str) -> int:
+        """Leading chunks stored, waiting for the server to bring missing ones in from L2 first."""
+        if not hashes:
+            return 0
+        if not self._reg.l2_tiers:
+            return self.lookup_chunks(hashes, salt) or 0
+        sid = f"_kvdepot-{os.urandom(8).hex()}"
+        req = m.LookupRequest(context_id=0, keys=list(hashes), cache_salt=salt, session_id=sid, lock=False)
+        hits = self._call_ctx(req).hits
+        deadline = time.monotonic() + self.timeout_s
+        delay = 0.0002
+        while hits is None:
+            if time.monotonic() > deadline:
+                self.end_session(sid)
+                raise KVDepotTimeout(f"the prefetch from L2 did not finish within {self.timeout_s:.1f}s")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.005)
+            hits = self.query_prefetch_status(sid)
+        return hits
 
     # --- zero-copy API -------------------------------------------------------------------------------
 
@@ -235,6 +256,8 @@ class KVClient:
         """Read-only views of the leading stored chunks (from chunk ``start``); released on exit."""
         hashes = self._as_hashes(tokens)
         salt = cache_salt or ""
+        if self._reg.l2_tiers and not session_id:
+            self._stored_chunks(hashes, salt)  # let the server bring L2 hits into L1 first
         if self.transport == "shm":
             yield from self._prepare_retrieve_shm(hashes, salt, session_id, start)
         else:
@@ -421,7 +444,7 @@ class KVClient:
         """Views for prepare_retrieve on the inline path: a single-frame chunk is viewed where ZeroMQ
         received it; multi-frame chunks are joined into a reusable buffer as each reply arrives, so
         received frames are freed as we go rather than all held at once."""
-        n_found = self.lookup_chunks(hashes[start:], salt) or 0
+        n_found = self._stored_chunks(hashes[start:], salt) if not session_id else (self.lookup_chunks(hashes[start:], salt) or 0)
         if self.chunk_bytes > codec.TARGET_FRAME_BYTES:
             need = max(1, n_found * self.chunk_bytes)
             if self._rstage is None or self._rstage.size < need:
@@ -452,11 +475,11 @@ class KVClient:
             return target[:, :, : result.shape[2]]
         cs = self.chunk_size
         if out is None:
-            n_found = self.lookup_chunks(hashes, salt) or 0
+            n_found = self._stored_chunks(hashes, salt)
             out = self.layout.empty(n_found * cs)
         else:
             out = self._check_kv(as_numpy(out), 0)
-            n_found = min(self.lookup_chunks(hashes, salt) or 0, out.shape[2] // cs)
+            n_found = min(self._stored_chunks(hashes, salt), out.shape[2] // cs)
         dtype = self.layout.storage_dtype
 
         def consume(c: int, parts: list, rows_per_frame: int) -> None:
@@ -521,6 +544,7 @@ class KVClient:
             HashAlgorithm(reply.hash_algorithm),
             reply.max_frame_bytes,
             reply.heartbeat_interval_s,
+            reply.l2_tiers,
         )
 
     def _call_ctx(self, body, payload: Sequence = (), want_payload: bool = False):

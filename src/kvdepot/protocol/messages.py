@@ -130,6 +130,7 @@ class RegisterContextReply(_Body):
     heartbeat_interval_s: float
     lease_ttl_s: float
     shm: ShmInfo | None = None
+    l2_tiers: int = 0  # > 0: lookups may complete later (prefetch from L2)
 
 
 class UnregisterContextRequest(_Body):
@@ -145,10 +146,17 @@ class ChunkSizeReply(_Body):
 
 
 class LookupRequest(_Body):
+    """With ``session_id``: the hits are tracked for that session, read-locked (``lock``) until it
+    retrieves, frees them or ends, and chunks missing from L1 are fetched from L2 (``prefetch``): the
+    reply then says ``hits=None`` and QUERY_PREFETCH_STATUS tells the final count. A session that does
+    not lock ends by itself once QUERY_PREFETCH_STATUS has reported a final count."""
+
     context_id: int
     keys: list[bytes]
     cache_salt: str = ""
-    session_id: str = ""  # set: lock the hits for this session until retrieve / free / end
+    session_id: str = ""
+    lock: bool = True
+    prefetch: bool = True
 
 
 class LookupReply(_Body):

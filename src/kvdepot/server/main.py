@@ -120,7 +120,8 @@ class KVDepotServer:
             "requests": {getattr(k, "name", str(k)): v for k, v in _snapshot(self.rpc.stats.requests).items()},
             "errors": _snapshot(self.rpc.stats.errors),
             "block_events": _snapshot(self.ctx.block_events),
-            "tiers": [],
+            "tiers": self.storage.tiers_status(),
+            "l2_controllers": self.storage.controllers_status(),
         }
 
 

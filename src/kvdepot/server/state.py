@@ -50,9 +50,14 @@ class Context:
 
 @dataclass(slots=True)
 class Session:
+    """A request's lookup state. ``hits`` is None while a prefetch from L2 runs. Fields change under
+    the SessionTable lock (the RPC loop and the L2 driver thread both touch them)."""
+
     lease_id: LeaseId
     keys: list[ObjectKey]  # the keys the lease locks, from chunk 0
-    hits: int
+    hits: int | None
+    lock: bool = True
+    all_keys: list[ObjectKey] | None = None  # the whole prompt's keys, while a prefetch runs
 
 
 class ContextRegistry:
@@ -110,6 +115,20 @@ class SessionTable:
 
     def get(self, context_id: ContextId, session_id: str) -> Session | None:
         return self._sessions.get((context_id, session_id))
+
+    @property
+    def lock(self) -> threading.Lock:
+        return self._lock
+
+    def is_current(self, context_id: ContextId, session_id: str, session: Session) -> bool:
+        """Call with ``lock`` held: is ``session`` still the one filed under this id?"""
+        return self._sessions.get((context_id, session_id)) is session
+
+    def take_lease(self, session: Session) -> LeaseId:
+        """Hand the session's locks to a retrieve (the session keeps no lease afterwards)."""
+        with self._lock:
+            lease, session.lease_id = session.lease_id, LeaseId(0)
+            return lease
 
     def pop(self, context_id: ContextId, session_id: str) -> Session | None:
         with self._lock:

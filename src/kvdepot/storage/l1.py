@@ -101,7 +101,7 @@ class _Counters:
     expired: int = 0
 
 
-ReadyListener = Callable[[list[ObjectKey]], None]
+ReadyListener = Callable[[list[ObjectKey], ClientId], None]  # (keys now READY, the writer that published them)
 
 
 class ObjectTable:
@@ -202,7 +202,31 @@ class ObjectTable:
                 ready.append(key)
         if ready:
             for listener in self._ready_listeners:
-                listener(ready)
+                listener(ready, owner)
+        return len(ready)
+
+    def finish_write(self, lease_id: LeaseId, owner: ClientId, publish: set[ObjectKey]) -> int:
+        """End a write lease, publishing only the keys in ``publish`` and dropping the rest (a loader
+        whose backend failed for some keys must not publish what it did not write)."""
+        if lease_id == NO_LEASE:
+            return 0
+        with self._lock:
+            lease = self._take_lease_locked(lease_id, owner, LeaseKind.WRITE)
+            ready: list[ObjectKey] = []
+            for key in lease.keys:
+                obj = self._objects.get(key) if key is not None else None
+                if obj is None or obj.writer != lease_id:
+                    continue
+                if obj.doomed or key not in publish:
+                    self._remove_locked(obj)
+                    continue
+                obj.state = ObjectState.READY
+                obj.writer = NO_LEASE
+                self._policy.on_ready(key)
+                ready.append(key)
+        if ready:
+            for listener in self._ready_listeners:
+                listener(ready, owner)
         return len(ready)
 
     def abort_write(self, lease_id: LeaseId, owner: ClientId) -> int:
@@ -248,6 +272,32 @@ class ObjectTable:
                 Lease(lease_id, LeaseKind.READ, owner, [o.key for o in found], self._deadline(ttl_s), session)
             )
             return ReadLock(lease_id, [o.offset for o in found], found[0].size)
+
+    def acquire_read_each(
+        self, keys: Sequence[ObjectKey], owner: ClientId, ttl_s: float | None = None
+    ) -> tuple[LeaseId, list[tuple[ObjectKey, int, int]]]:
+        """Read-lock every READY key (not only a leading run) under one lease; returns the lease and
+        (key, offset, size) of each locked object. For background readers such as the L2 store path."""
+        with self._lock:
+            found = [o for o in (self._objects.get(k) for k in keys) if o is not None and o.state is ObjectState.READY and not o.doomed]
+            if not found:
+                return NO_LEASE, []
+            lease_id = LeaseId(next(self._ids))
+            for obj in found:
+                obj.readers += 1
+            self._add_lease_locked(Lease(lease_id, LeaseKind.READ, owner, [o.key for o in found], self._deadline(ttl_s)))
+            return lease_id, [(o.key, o.offset, o.size) for o in found]
+
+    def discard(self, keys: Sequence[ObjectKey]) -> int:
+        """Remove READY objects that nobody reads (L2-only placement); returns how many went."""
+        with self._lock:
+            n = 0
+            for key in keys:
+                obj = self._objects.get(key)
+                if obj is not None and obj.state is ObjectState.READY and obj.readers == 0:
+                    self._remove_locked(obj)
+                    n += 1
+            return n
 
     def read_lease_offsets(self, lease_id: LeaseId, owner: ClientId, start: int = 0) -> list[int]:
         """Offsets of a read lease's objects from ``keys[start]`` up to the first released one (so a

@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from kvdepot.config import StorageConfig
 from kvdepot.storage.allocator import ExtentAllocator
 from kvdepot.storage.arena import HEADER_BYTES, Prefaulter, SharedArena
+from kvdepot.storage.controllers import Placement, PrefetchController, StoreController, TierDriver
 from kvdepot.storage.eviction import make_policy
 from kvdepot.storage.l1 import L1Stats, ObjectTable
+from kvdepot.storage.l2 import registry
 
 log = logging.getLogger(__name__)
 
@@ -78,17 +80,50 @@ class StorageManager:
         self.table = ObjectTable(allocator, make_policy(config.eviction_policy), lease_ttl_s=config.lease_ttl_s)
         self.eviction = EvictionController(self.table, config.high_watermark, config.low_watermark)
         self.prefaulter = Prefaulter(self.arena) if config.prefault else None
+        self.tiers = [registry.build(registry.parse_spec(spec, i)) for i, spec in enumerate(config.l2)]
+        self.driver: TierDriver | None = None
+        self.store_controller: StoreController | None = None
+        self.prefetcher: PrefetchController | None = None
+        if self.tiers:
+            self.driver = TierDriver(self.tiers)
+            self.store_controller = StoreController(
+                self.table, self.arena, self.tiers, self.driver.wake, Placement(config.l2_placement), config.l2_queue_limit
+            )
+            self.prefetcher = PrefetchController(self.table, self.arena, self.tiers, self.driver.wake)
+            self.driver.add(self.store_controller.step)
+            self.driver.add(self.prefetcher.step)
+            self.table.add_ready_listener(self.store_controller.on_ready)
 
     def start(self) -> None:
         if self.prefaulter is not None:
             self.prefaulter.start()
         self.eviction.start()
+        for tier in self.tiers:
+            tier.start()
+        if self.driver is not None:
+            self.driver.start()
 
     def close(self) -> None:
+        if self.driver is not None:
+            self.driver.stop()
+        for tier in self.tiers:
+            tier.close()
         self.eviction.stop()
         if self.prefaulter is not None:
             self.prefaulter.stop()
         self.arena.close()
+
+    def tiers_status(self) -> list[dict]:
+        out = []
+        for tier in self.tiers:
+            u = tier.usage()
+            out.append({f: getattr(u, f) for f in u.__dataclass_fields__})
+        return out
+
+    def controllers_status(self) -> dict:
+        if self.store_controller is None or self.prefetcher is None:
+            return {}
+        return {"store": vars(self.store_controller.snapshot()), "prefetch": vars(self.prefetcher.snapshot())}
 
     def stats(self) -> L1Stats:
         return self.table.stats()

@@ -1,7 +1,7 @@
 """LOOKUP and its companions: how much of a prompt's prefix is stored, optionally locked for a session.
 
-With no L2 tiers yet, a lookup completes at once; ``hits=None`` (ask again) is reserved for a prefetch
-from L2 still running, which QUERY_PREFETCH_STATUS then answers.
+A lookup answers from L1 at once. With a session and L2 tiers, chunks missing from L1 are fetched in
+the background; the reply then says ``hits=None`` and QUERY_PREFETCH_STATUS gives the final count.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from kvdepot.server.modules import ServerContext
 from kvdepot.server.modules.common import context_and_keys
 from kvdepot.server.rpc import Call, HandlerMode, HandlerSpec, Reply
 from kvdepot.server.state import Session
+from kvdepot.storage.controllers import PrefetchJob
+from kvdepot.storage.l1 import NO_LEASE
 
 
 class LookupModule:
@@ -34,12 +36,46 @@ class LookupModule:
         table = self.ctx.storage.table
         if not body.session_id:
             return Reply(m.LookupReply(hits=table.lookup(keys)))
-        lock = table.acquire_read(keys, call.client, session=body.session_id)
-        hits = len(lock.offsets)
-        old = self.ctx.sessions.put(context.id, body.session_id, Session(lock.lease_id, keys[:hits], hits))
+        if body.lock:
+            lock = table.acquire_read(keys, call.client, session=body.session_id)
+            hits, lease = len(lock.offsets), lock.lease_id
+        else:
+            hits, lease = table.lookup(keys), NO_LEASE
+        prefetcher = self.ctx.storage.prefetcher
+        prefetch = body.prefetch and prefetcher is not None and hits < len(keys)
+        if not prefetch and not body.lock:
+            return Reply(m.LookupReply(hits=hits))  # nothing to track: no session is kept
+        session = Session(lease, keys[:hits], None if prefetch else hits, body.lock, keys if prefetch else None)
+        old = self.ctx.sessions.put(context.id, body.session_id, session)
         if old is not None:
             self._release(old.lease_id, call)
-        return Reply(m.LookupReply(hits=hits, locked=hits > 0))
+        if not prefetch:
+            return Reply(m.LookupReply(hits=hits, locked=lease != NO_LEASE))
+        assert prefetcher is not None
+        client, sid = call.client, body.session_id
+        prefetcher.submit(
+            PrefetchJob(keys, hits, context.chunk_bytes, body.cache_salt, lambda n: self._prefetched(context.id, sid, session, client, hits + n))
+        )
+        return Reply(m.LookupReply(hits=None, locked=lease != NO_LEASE))
+
+    def _prefetched(self, context_id, session_id: str, session: Session, client, total: int) -> None:
+        """On the L2 driver thread: the prefetch ended with ``total`` leading chunks in L1."""
+        table = self.ctx.storage.table
+        with self.ctx.sessions.lock:
+            if not self.ctx.sessions.is_current(context_id, session_id, session):
+                return  # ended or replaced meanwhile: what was loaded stays in L1 as ordinary objects
+            keys = session.all_keys or session.keys
+            session.all_keys = None
+            if not session.lock:
+                session.hits = total
+                return
+            # Lock the whole prefix afresh, then let go of the lookup's first lock.
+            lock = table.acquire_read(keys[:total], client, session=session_id)
+            old, session.lease_id = session.lease_id, lock.lease_id
+            session.keys = keys[: len(lock.offsets)]
+            session.hits = len(lock.offsets)
+        if old:
+            self._release(old, None, client)
 
     def query_prefetch_status(self, call: Call) -> Reply:
         body: m.QueryPrefetchStatusRequest = call.body
@@ -47,7 +83,10 @@ class LookupModule:
         session = self.ctx.sessions.get(context.id, body.session_id)
         if session is None:
             raise KVDepotError(f"no lookup for session {body.session_id!r}", ErrorCode.UNKNOWN_SESSION)
-        return Reply(m.LookupReply(hits=session.hits, locked=session.lease_id != 0))
+        hits = session.hits
+        if hits is not None and not session.lock:
+            self.ctx.sessions.pop(context.id, body.session_id)  # a lock-free session ends when answered
+        return Reply(m.LookupReply(hits=hits, locked=session.lease_id != 0))
 
     def free_lookup_locks(self, call: Call) -> Reply:
         body: m.FreeLookupLocksRequest = call.body
@@ -62,9 +101,11 @@ class LookupModule:
             released = 0
         return Reply(m.FreeLookupLocksReply(released=released))
 
-    def _release(self, lease_id, call: Call) -> None:
+    def _release(self, lease_id, call: Call | None, client=None) -> None:
+        if not lease_id:
+            return
         try:
-            self.ctx.storage.table.release_read(lease_id, call.client)
+            self.ctx.storage.table.release_read(lease_id, call.client if call is not None else client)
         except KVDepotError:
             pass
 

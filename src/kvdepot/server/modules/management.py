@@ -76,6 +76,7 @@ class ManagementModule:
                 heartbeat_interval_s=cfg.rpc.heartbeat_interval_s,
                 lease_ttl_s=cfg.storage.lease_ttl_s,
                 shm=m.ShmInfo(path=arena.path, size=arena.size, nonce=arena.nonce),
+                l2_tiers=len(self.ctx.storage.tiers),
             )
         )
 

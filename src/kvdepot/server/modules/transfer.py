@@ -100,7 +100,7 @@ class TransferModule:
         if body.session_id:
             session = self.ctx.sessions.get(context.id, body.session_id)
             if session is not None and session.lease_id and _same_prefix(session.keys, keys, body.start):
-                lease, session.lease_id = session.lease_id, NO_LEASE  # the retrieve now owns the locks
+                lease = self.ctx.sessions.take_lease(session)  # the retrieve now owns the locks
                 try:
                     offsets = self.table.read_lease_offsets(lease, call.client, body.start)[: len(keys) - body.start]
                     return context, ReadLock(lease, offsets, context.chunk_bytes)

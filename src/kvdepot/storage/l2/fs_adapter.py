@@ -1,0 +1,414 @@
+"""``fs``: one file per object on a local filesystem, size-bounded with its own LRU, kept across restarts.
+
+Layout under ``path``::
+
+    .lock                 flock'd while a tier uses the directory (one tier per directory)
+    <xx>/<key hex>        one object: the envelope (header, key, payload); xx = first byte of the
+                          key's chunk-hash part, so 256 directories share the objects evenly
+    <xx>/.tmp-<random>    a write in progress; never read, removed at start-up
+
+A write goes to a temporary name in the object's directory, is written whole, fsync'd, then renamed
+over the real name (and the directory fsync'd), so a crash leaves either the old object, the new one,
+or nothing, and never a torn object under a real name. A torn file that appears anyway (a lying disk,
+an operator's ``truncate``) fails the envelope's length or checksum check on load: a miss, never bytes.
+
+The in-memory index (key -> file size, in LRU order) is the authority on what the tier holds; it is
+rebuilt in ``start()`` by scanning the directory, oldest modification time first, so the cache
+survives a restart (the order of the loads before the restart is approximated by write order).
+
+Locks: ``_mu`` guards the index and byte counts and is never held over I/O. Renaming into place and
+unlinking are paired with their index update under a per-key *name lock* (a stripe of 64), which is
+held over that one metadata call and never over data I/O; it keeps an eviction's unlink from removing
+an object that a concurrent put has just renamed into place.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import secrets
+import threading
+from collections import OrderedDict
+
+import msgspec
+
+from kvdepot.storage.l2 import envelope
+from kvdepot.storage.l2.base import BackendAdapter
+from kvdepot.storage.l2.envelope import HEADER_BYTES, CorruptObject
+from kvdepot.storage.l2.registry import AdapterType
+from kvdepot.types import NAMESPACE_BYTES, ObjectKey
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096  # O_DIRECT buffer, offset and length alignment
+TMP_PREFIX = ".tmp-"
+LOCK_NAME = ".lock"
+MAX_KEY_BYTES = 127  # the file name is the key's hex: at most 254 characters (NAME_MAX is 255)
+_NAME_LOCKS = 64
+_FANOUT = [f"{i:02x}" for i in range(256)]
+
+
+class FsConfig(msgspec.Struct, forbid_unknown_fields=True):
+    path: str
+    size_gb: float = 10.0
+    workers: int = 2
+    o_direct: bool = False
+    fsync: bool = True
+
+
+class FsAdapter(BackendAdapter):
+    kind = "fs"
+
+    def __init__(self, name: str, config: FsConfig) -> None:
+        super().__init__(name, workers=config.workers)
+        if not config.path:
+            raise ValueError("fs tier: path must not be empty")
+        if config.size_gb <= 0:
+            raise ValueError("fs tier: size_gb must be positive")
+        if config.workers < 1:
+            raise ValueError("fs tier: workers must be at least 1")
+        if config.o_direct and not hasattr(os, "O_DIRECT"):
+            raise ValueError("fs tier: o_direct=true, but this platform has no O_DIRECT")
+        self._root = os.path.abspath(config.path)
+        self._capacity = int(config.size_gb * (1 << 30))
+        self._o_direct = config.o_direct
+        self._fsync = config.fsync
+        self._index: OrderedDict[ObjectKey, int] = OrderedDict()  # key -> file bytes, oldest first
+        self._used = 0  # bytes of indexed objects
+        self._reserved = 0  # bytes of puts in flight
+        self._mu = threading.Lock()
+        self._name_locks = [threading.Lock() for _ in range(_NAME_LOCKS)]
+        self._local = threading.local()  # per worker: its aligned O_DIRECT buffer
+        self._lock_fd = -1
+
+    def __repr__(self) -> str:
+        with self._mu:
+            objects, used = len(self._index), self._used
+        return (
+            f"FsAdapter({self.name!r}, path={self._root!r}, objects={objects}, used={used}, "
+            f"capacity={self._capacity}, o_direct={self._o_direct}, healthy={self._healthy})"
+        )
+
+    # --- lifecycle -----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Take the directory, check O_DIRECT, clean up and index what is there, then start workers."""
+        os.makedirs(self._root, exist_ok=True)
+        self._take_directory()
+        try:
+            for sub in _FANOUT:
+                os.makedirs(os.path.join(self._root, sub), exist_ok=True)
+            if self._o_direct:
+                self._probe_o_direct()
+            self._rebuild_index()
+        except BaseException:
+            self._release_directory()
+            raise
+        super().start()
+
+    def _close_backend(self) -> None:
+        # the workers' O_DIRECT buffers went with their threads (thread-local, unmapped when freed)
+        self._release_directory()
+
+    def _take_directory(self) -> None:
+        fd = os.open(os.path.join(self._root, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            # a second tier would delete the first one's writes in progress and miscount its bytes
+            raise ValueError(f"fs tier {self.name}: {self._root} is in use by another fs tier") from None
+        self._lock_fd = fd
+
+    def _release_directory(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # drops the flock
+            self._lock_fd = -1
+
+    def _probe_o_direct(self) -> None:
+        """Fail at start-up, not on the first store, where the filesystem refuses O_DIRECT."""
+        probe = os.path.join(self._root, f"{TMP_PREFIX}probe-{secrets.token_hex(8)}")
+        buf = mmap.mmap(-1, ALIGN)
+        fd = -1
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_DIRECT, 0o600)
+            os.write(fd, buf)
+        except OSError as exc:
+            if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise ValueError(
+                    f"fs tier {self.name}: the filesystem at {self._root} does not support O_DIRECT "
+                    f"(tmpfs and some network filesystems refuse it); set o_direct=false"
+                ) from None
+            raise
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            buf.close()
+            try:
+                os.unlink(probe)
+            except FileNotFoundError:
+                pass
+
+    def _rebuild_index(self) -> None:
+        found: list[tuple[int, ObjectKey, int]] = []  # (mtime, key, size)
+        removed = 0
+        for name in os.listdir(self._root):
+            if name.startswith(TMP_PREFIX):
+                removed += _unlink_quiet(os.path.join(self._root, name))
+        for sub in _FANOUT:
+            with os.scandir(os.path.join(self._root, sub)) as entries:
+                for entry in entries:
+                    if entry.name.startswith(TMP_PREFIX):
+                        removed += _unlink_quiet(entry.path)
+                        continue
+                    key = _key_from_name(entry.name)
+                    if key is None or _fanout(key) != sub or not entry.is_file(follow_symlinks=False):
+                        continue  # not ours: leave it alone
+                    st = entry.stat(follow_symlinks=False)
+                    found.append((st.st_mtime_ns, key, st.st_size))
+        found.sort(key=lambda f: f[0])
+        index: OrderedDict[ObjectKey, int] = OrderedDict((key, size) for _, key, size in found)
+        used = sum(index.values())
+        over: list[ObjectKey] = []
+        while used > self._capacity and index:  # size_gb shrank since the last run
+            key, size = index.popitem(last=False)
+            used -= size
+            over.append(key)
+        with self._mu:
+            self._index, self._used, self._reserved = index, used, 0
+        for key in over:
+            _unlink_quiet(self._path(key))
+        if removed or over:
+            log.info("fs tier %s: removed %d unfinished writes, evicted %d objects over size_gb", self.name, removed, len(over))
+        log.info("fs tier %s: %d objects, %d bytes found in %s", self.name, len(index), used, self._root)
+
+    # --- backend primitives --------------------------------------------------------------------------
+
+    def _put(self, key: ObjectKey, payload: memoryview) -> None:
+        data = memoryview(payload).cast("B")
+        head = envelope.encode_header(key, data)
+        total = len(head) + data.nbytes
+        final = self._path(key)
+        directory = os.path.dirname(final)
+        with self._mu:
+            victims = self._make_room(total)
+            self._reserved += total
+        committed = False
+        tmp = os.path.join(directory, f"{TMP_PREFIX}{secrets.token_hex(8)}")
+        try:
+            self._unlink_victims(victims)
+            self._write_file(tmp, head, data, total)
+            with self._name_lock(key):
+                os.rename(tmp, final)
+                with self._mu:
+                    self._reserved -= total
+                    old = self._index.pop(key, None)
+                    if old is not None:
+                        self._used -= old
+                    self._index[key] = total
+                    self._used += total
+                committed = True
+            if self._fsync:
+                _fsync_dir(directory)  # durability only: the object is whole either way
+        finally:
+            if not committed:
+                with self._mu:
+                    self._reserved -= total
+                _unlink_quiet(tmp)
+
+    def _make_room(self, need: int) -> list[ObjectKey]:
+        """Under ``_mu``: drop unpinned objects, oldest first, until ``need`` more bytes fit.
+
+        Returns the dropped keys, whose files the caller unlinks after releasing ``_mu``."""
+        if need > self._capacity:
+            raise OSError(errno.EFBIG, f"object of {need} bytes exceeds the tier's {self._capacity}")
+        victims: list[tuple[ObjectKey, int]] = []
+        for key in list(self._index):
+            if self._used + self._reserved + need <= self._capacity:
+                break
+            if self.is_pinned(key):
+                continue
+            size = self._index.pop(key)
+            self._used -= size
+            victims.append((key, size))
+        if self._used + self._reserved + need > self._capacity:
+            for key, size in reversed(victims):  # nothing is unlinked yet: put them back, oldest first
+                self._index[key] = size
+                self._index.move_to_end(key, last=False)
+                self._used += size
+            raise OSError(errno.ENOSPC, "fs tier is full of pinned objects and writes in flight")
+        return [key for key, _ in victims]
+
+    def _unlink_victims(self, victims: list[ObjectKey]) -> None:
+        for key in victims:
+            with self._name_lock(key):
+                with self._mu:
+                    if key in self._index:
+                        continue  # stored again since it was chosen: that file is the new one
+                _unlink_quiet(self._path(key))
+
+    def _write_file(self, tmp: str, head: bytes, data: memoryview, total: int) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        if self._o_direct:
+            flags |= os.O_DIRECT
+        fd = os.open(tmp, flags, 0o644)
+        try:
+            if self._o_direct:
+                padded = -(-total // ALIGN) * ALIGN
+                buf = self._aligned_buffer(padded)
+                with memoryview(buf) as mv:
+                    mv[: len(head)] = head
+                    mv[len(head) : total] = data
+                    mv[total:padded] = bytes(padded - total)
+                    _write_all(fd, mv[:padded])
+                os.ftruncate(fd, total)  # the file is exactly the envelope, as without O_DIRECT
+            else:
+                _write_all(fd, memoryview(head))
+                _write_all(fd, data)
+            if self._fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _aligned_buffer(self, size: int) -> mmap.mmap:
+        """This worker's page-aligned buffer (mmap memory), grown as needed and reused."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < size:
+            if buf is not None:
+                buf.close()
+            buf = self._local.buf = mmap.mmap(-1, size)
+        return buf
+
+    def _get_into(self, key: ObjectKey, dest: memoryview) -> bool:
+        with self._mu:
+            if key not in self._index:
+                return False
+            self._index.move_to_end(key)
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            self._forget_if_gone(key, path)
+            return False
+        try:
+            size = os.fstat(fd).st_size
+            prefix = os.pread(fd, HEADER_BYTES + len(key), 0)
+            header = envelope.decode_header(prefix)
+            if header.key_len != len(key):
+                raise CorruptObject("object is filed under another key")
+            if size != header.total:
+                raise CorruptObject(f"file has {size} bytes, header says {header.total}")
+            dst = memoryview(dest).cast("B")
+            if dst.nbytes != header.payload_len:
+                raise CorruptObject(f"destination holds {dst.nbytes} bytes, object {header.payload_len}")
+            _read_exact(fd, dst, HEADER_BYTES + header.key_len)
+            envelope.verify(key, header, prefix[HEADER_BYTES:], dst)
+        finally:
+            os.close(fd)
+        return True
+
+    def _forget_if_gone(self, key: ObjectKey, path: str) -> None:
+        """The file vanished behind our back (an operator, another tool): drop it from the index."""
+        with self._name_lock(key):
+            if os.path.exists(path):
+                return  # a put renamed a new one into place meanwhile
+            with self._mu:
+                size = self._index.pop(key, None)
+                if size is not None:
+                    self._used -= size
+
+    def _contains(self, keys: list[ObjectKey]) -> list[bool]:
+        with self._mu:
+            return [k in self._index for k in keys]
+
+    def _delete(self, key: ObjectKey) -> None:
+        with self._name_lock(key):
+            with self._mu:
+                size = self._index.pop(key, None)
+                if size is not None:
+                    self._used -= size
+            _unlink_quiet(self._path(key))
+
+    def _usage(self) -> tuple[int, int, int]:
+        with self._mu:
+            return self._used, self._capacity, len(self._index)
+
+    # --- naming --------------------------------------------------------------------------------------
+
+    def _path(self, key: ObjectKey) -> str:
+        if not key or len(key) > MAX_KEY_BYTES:
+            raise ValueError(f"fs tier: keys must have 1 to {MAX_KEY_BYTES} bytes, not {len(key)}")
+        return os.path.join(self._root, _fanout(key), key.hex())
+
+    def path_of(self, key: ObjectKey) -> str:
+        """Where ``key``'s object lives (or would); for tests and operators."""
+        return self._path(key)
+
+    def _name_lock(self, key: ObjectKey) -> threading.Lock:
+        return self._name_locks[hash(key) % _NAME_LOCKS]
+
+    def corrupt_for_test(self, key: ObjectKey, offset: int) -> None:
+        """Flip one byte of the stored file (tests prove a corrupt object is a miss, never bad KV)."""
+        with open(self._path(key), "r+b") as f:
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _fanout(key: bytes) -> str:
+    """The first byte of the chunk-hash part as two hex digits (the namespace part is shared by many)."""
+    part = key[NAMESPACE_BYTES:] or key
+    return part[:1].hex()
+
+
+def _key_from_name(name: str) -> ObjectKey | None:
+    if not name or len(name) % 2 or len(name) > 2 * MAX_KEY_BYTES:
+        return None
+    try:
+        return ObjectKey(bytes.fromhex(name))
+    except ValueError:
+        return None
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    done = 0
+    while done < data.nbytes:
+        done += os.write(fd, data[done:])
+
+
+def _read_exact(fd: int, dest: memoryview, offset: int) -> None:
+    """``preadv`` straight into ``dest``: the payload is copied once, from the page cache."""
+    got = 0
+    while got < dest.nbytes:
+        n = os.preadv(fd, [dest[got:]], offset + got)
+        if n == 0:
+            raise CorruptObject(f"file ended after {got} of {dest.nbytes} payload bytes")
+        got += n
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quiet(path: str) -> int:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return 0
+    return 1
+
+
+ADAPTER = AdapterType(
+    "fs",
+    FsConfig,
+    FsAdapter,
+    help="local filesystem, one file per object, size-bounded LRU, survives restarts",
+)
