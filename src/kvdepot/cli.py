@@ -33,7 +33,12 @@ def cmd_server(args: argparse.Namespace) -> int:
     keep_large_buffers_in_heap()
     from kvdepot.server.main import KVDepotServer
 
-    KVDepotServer(config).serve_forever()
+    try:
+        KVDepotServer(config).serve_forever()
+    except (OSError, ValueError, RuntimeError) as exc:  # e.g. a port in use, /dev/shm too small
+        logging.getLogger("kvdepot").debug("start-up failed", exc_info=True)
+        print(f"kvdepot server: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -70,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"kvdepot {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("server", help="run the KV-cache server", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s = sub.add_parser("server", help="run the KV-cache server")  # each option's help states its default
     add_server_args(s)
     s.set_defaults(func=cmd_server)
 

@@ -6,6 +6,7 @@ Defaults live here and nowhere else; ``kvdepot server --help`` shows every one o
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, field
 
 from kvdepot.hashing import HashAlgorithm
@@ -80,6 +81,7 @@ def add_rpc_args(p: argparse.ArgumentParser) -> None:
 
 
 def rpc_from_args(a: argparse.Namespace) -> RpcConfig:
+    _finite(heartbeat_interval_s=a.heartbeat_interval_s, client_timeout_s=a.client_timeout_s)
     if a.port == 0 and not a.ipc_path:
         raise ValueError("no endpoint: give --port or --ipc-path")
     if not 0 <= a.port <= 65535:
@@ -128,7 +130,14 @@ def add_storage_args(p: argparse.ArgumentParser) -> None:
     g2.add_argument("--l2-queue-limit", type=int, default=d.l2_queue_limit, help="objects waiting for L2; beyond it new ones are not pushed (counted) (default: %(default)s)")
 
 
+def _finite(**values: float) -> None:
+    for name, value in values.items():
+        if not math.isfinite(value):
+            raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+
+
 def storage_from_args(a: argparse.Namespace) -> StorageConfig:
+    _finite(l1_size_gb=a.l1_size_gb, high_watermark=a.high_watermark, low_watermark=a.low_watermark, lease_ttl_s=a.lease_ttl_s)
     if a.l1_size_gb <= 0:
         raise ValueError("--l1-size-gb must be positive")
     if a.chunk_size <= 0:

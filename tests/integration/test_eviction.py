@@ -126,3 +126,37 @@ def test_locked_objects_are_never_evicted_or_overwritten(make_server, seed):
                 assert_bytes_equal(v, session_kv[:, :, i * CHUNK : (i + 1) * CHUNK])
         reader.end_session("keep")
         assert srv.status()["leases"] == 0
+
+
+INLINE_PREFIX_BUG = pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "BUG: the inline store sends STORE_INLINE with first=k (the k chunks its LOOKUP found) and "
+        "TransferModule.store_inline reserves only keys[first:], so ObjectTable.reserve_write's `keep` set never "
+        "protects keys[:first]: making room for the new chunks evicts the very prefix the client then reports "
+        "as stored (store() returns 264 chunks, lookup() finds 0)"
+    ),
+)
+
+
+@pytest.mark.parametrize("transport", ["shm", pytest.param("inline", marks=INLINE_PREFIX_BUG)])
+def test_a_store_never_evicts_the_prefix_it_extends(make_server, transport, seed):
+    """Extending a stored prompt by more than L1 can take: the reservation may evict anything except the
+    chunks it reports as already stored, so the count store() returns is exactly what lookup() finds."""
+    # Watermarks at 1.0: no background eviction, only the synchronous kind this test is about.
+    srv = make_server("--l1-size-gb", L1_GB, "--high-watermark", "1", "--low-watermark", "1")
+    cap_chunks = (16 << 20) // BIG.chunk_bytes(CHUNK)
+    assert cap_chunks == 256
+    prompt = make_tokens((64 + 200) * CHUNK, seed)
+    kv = make_kv(BIG, len(prompt), seed)
+    filler = make_tokens(192 * CHUNK, seed + 1)
+    with srv.client(layout=BIG, transport=transport) as c:
+        assert c.store(prompt[: 64 * CHUNK], kv[:, :, : 64 * CHUNK]) == 64 * CHUNK
+        assert c.store(filler, make_kv(BIG, len(filler), seed + 1)) == 192 * CHUNK
+        assert srv.status()["l1"]["objects"] == cap_chunks  # full
+        n = c.store(prompt, kv)
+        assert n == c.lookup(prompt), "store() reported chunks that lookup() cannot find"
+        # The 192 filler chunks make room for 192 new ones; the last 8 find no space.
+        assert n == cap_chunks * CHUNK
+        assert_bytes_equal(c.retrieve(prompt), kv[:, :, :n])
+        assert srv.status()["l1"]["used_bytes"] <= 16 << 20

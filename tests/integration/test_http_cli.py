@@ -235,6 +235,10 @@ def _start_and_classify(args: list[str], timeout_s: float = 30.0) -> tuple[int |
         (["--workers", "0"], "--workers"),
         (["--log-level", "loud"], "--log-level"),
         (["--no-such-option"], "unrecognized arguments"),
+        (["--heartbeat-interval-s", "-1"], "--heartbeat-interval-s"),
+        (["--client-timeout-s", "0"], "--client-timeout-s"),
+        (["--client-timeout-s", "0.5", "--heartbeat-interval-s", "1"], "--client-timeout-s"),
+        (["--http-port", "70000"], "--http-port"),
     ],
 )
 def test_invalid_option_values_exit_with_a_clear_message(args, needle):
@@ -255,18 +259,16 @@ def test_no_endpoint_is_refused():
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "BUG: config.storage_from_args / rpc_from_args accept --l1-size-gb nan (crashes later with a ValueError "
-        "traceback, exit 1), --heartbeat-interval-s -1 (clients then ping in a tight loop) and "
-        "--client-timeout-s 0 (every idle client is declared gone at once); they should exit 2 with a message"
+        "BUG: config.storage_from_args checks `a.l1_size_gb <= 0`, which nan (and inf) pass; the server then "
+        "dies in StorageConfig.l1_size_bytes with 'ValueError: cannot convert float NaN to integer' (traceback, "
+        "exit 1); fix: require math.isfinite(a.l1_size_gb) (and the same for the other float options)"
     ),
 )
-@pytest.mark.parametrize(
-    "args", [["--l1-size-gb", "nan"], ["--heartbeat-interval-s", "-1"], ["--client-timeout-s", "0"]], ids=["nan", "hb", "timeout"]
-)
-def test_more_invalid_values_are_refused(args):
-    rc, out = _start_and_classify(args)
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_non_finite_l1_size_is_refused(value):
+    rc, out = _start_and_classify(["--l1-size-gb", value])
     assert rc == 2, f"rc={rc}: {out[-500:]}"
-    assert args[0] in out and "Traceback" not in out
+    assert "--l1-size-gb" in out and "Traceback" not in out
 
 
 def _occupied_port() -> tuple[socket.socket, int]:

@@ -130,7 +130,7 @@ def test_as_numpy_views_torch_tensors_without_copy():
     assert t[0, 0].item() == 7
     bf = torch.zeros(4, dtype=torch.bfloat16)
     view = as_numpy(bf)
-    assert view.dtype == np.int16 and view.shape == (4,)
+    assert view.dtype == np.uint16 and view.shape == (4,)  # the width KVLayout uses for bf16
     view[1] = 0x3F80  # bfloat16 1.0
     assert bf[1].item() == 1.0
 

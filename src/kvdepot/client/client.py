@@ -354,7 +354,9 @@ class KVClient:
         requests = []
         for i in range(first, len(hashes), per_batch):
             j = min(i + per_batch, len(hashes))
-            body = m.StoreInlineRequest(context_id=self._reg.context_id, keys=list(hashes[i:j]), cache_salt=salt, rows_per_frame=rpf)
+            body = m.StoreInlineRequest(
+                context_id=self._reg.context_id, keys=list(hashes[:j]), cache_salt=salt, rows_per_frame=rpf, first=i, count=j - i
+            )
             requests.append((body, [f for frames in chunk_frames[i - first : j - first] for f in frames]))
         try:
             replies = self._pipeline_ctx(requests)
@@ -415,7 +417,12 @@ class KVClient:
         requests = [
             (
                 m.RetrieveInlineRequest(
-                    context_id=self._reg.context_id, keys=list(hashes), cache_salt=salt, session_id=session_id, start=s0, limit=per_batch
+                    context_id=self._reg.context_id,
+                    keys=list(hashes),
+                    cache_salt=salt,
+                    session_id=session_id,
+                    start=s0,
+                    limit=min(per_batch, start + n_found - s0),
                 ),
                 (),
             )
@@ -478,8 +485,8 @@ class KVClient:
             n_found = self._stored_chunks(hashes, salt)
             out = self.layout.empty(n_found * cs)
         else:
-            out = self._check_kv(as_numpy(out), 0)
-            n_found = min(self._stored_chunks(hashes, salt), out.shape[2] // cs)
+            n_found = self._stored_chunks(hashes, salt)
+            out = self._check_kv(as_numpy(out), n_found * cs)
         dtype = self.layout.storage_dtype
 
         def consume(c: int, parts: list, rows_per_frame: int) -> None:

@@ -58,8 +58,8 @@ def decode_request_header(frame: bytes | memoryview) -> RequestHeader:
         raise ProtocolViolation(f"request header of {len(frame)} bytes", ErrorCode.BAD_REQUEST)
     try:
         header = _req_header_decoder.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolViolation(f"undecodable request header: {exc}", ErrorCode.BAD_REQUEST) from None
+    except Exception as exc:  # msgspec raises more than DecodeError (e.g. UnicodeDecodeError)
+        raise ProtocolViolation(f"undecodable request header: {type(exc).__name__}: {exc}", ErrorCode.BAD_REQUEST) from None
     if header.version != PROTOCOL_VERSION:
         raise ProtocolViolation(
             f"protocol version {header.version} is not supported (server speaks {PROTOCOL_VERSION})",
@@ -83,9 +83,9 @@ def decode_request_body(header: RequestHeader, frame: bytes | memoryview) -> tup
         )
     try:
         return rtype, _request_decoders[rtype].decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except Exception as exc:  # msgspec raises more than DecodeError (e.g. UnicodeDecodeError)
         raise ProtocolViolation(
-            f"malformed {rtype.name} body: {exc}", ErrorCode.BAD_REQUEST, header.request_id
+            f"malformed {rtype.name} body: {type(exc).__name__}: {exc}", ErrorCode.BAD_REQUEST, header.request_id
         ) from None
 
 
@@ -104,7 +104,7 @@ def encode_error(request_id: int, code: ErrorCode, message: str) -> list[bytes]:
 def decode_reply_header(frame: bytes | memoryview) -> ReplyHeader:
     try:
         header = _reply_header_decoder.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except Exception as exc:
         raise ProtocolViolation(f"undecodable reply header: {exc}", ErrorCode.BAD_REQUEST) from None
     if header.version != PROTOCOL_VERSION:
         raise ProtocolViolation(
@@ -122,7 +122,9 @@ def decode_reply_body(rtype: RequestType, header: ReplyHeader, frame: bytes | me
             err = _error_decoder.decode(frame)
             raise error_from_code(err.code, err.message)
         return _reply_decoders[rtype].decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except KVDepotError:
+        raise
+    except Exception as exc:
         raise ProtocolViolation(f"malformed {rtype.name} reply: {exc}", ErrorCode.BAD_REQUEST) from None
 
 

@@ -224,14 +224,17 @@ class CommitRetrieveRequest(_Body):
 
 
 class StoreInlineRequest(_Body):
-    """Followed by payload frames: the chunks ``keys[first:]`` in order, each split into frames of
-    ``rows_per_frame`` rows (see ``codec``); the chunks before ``first`` are known to be stored."""
+    """Followed by payload frames: the chunks ``keys[first:first+count]`` (``count`` 0: to the end) in
+    order, each split into frames of ``rows_per_frame`` rows (see ``codec``). ``keys`` is the whole chain
+    from chunk 0: the chunks before ``first`` are the prefix this store extends, and making room for the
+    new chunks never evicts them."""
 
     context_id: int
     keys: list[bytes]
     rows_per_frame: int
     cache_salt: str = ""
     first: int = 0
+    count: int = 0
 
 
 class StoreInlineReply(_Body):

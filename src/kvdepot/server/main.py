@@ -51,10 +51,15 @@ class KVDepotServer:
             log.info("%d leases expired (TTL %.1fs)", expired, self.config.storage.lease_ttl_s)
 
     def start(self) -> None:
-        self.storage.start()
-        if self.http is not None:
-            self.http.start()  # before RPC: a PING reply then means every part is up
-        self.rpc.start()
+        """Start every part; if one fails, close what was started (the arena is real memory)."""
+        try:
+            self.storage.start()
+            if self.http is not None:
+                self.http.start()  # before RPC: a PING reply then means every part is up
+            self.rpc.start()
+        except BaseException:
+            self.close()
+            raise
         log.info(
             "kvdepot %s serving on %s (L1 %.2f GiB at %s, chunk %d tokens, hash %s, http %s)",
             __version__,
@@ -67,18 +72,20 @@ class KVDepotServer:
         )
 
     def close(self) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
         if self.http is not None:
             self.http.close()
         self.rpc.close()
         self.storage.close()
-        self._stopped.set()
 
     def serve_forever(self) -> None:
         """Start, block until SIGINT/SIGTERM, then close."""
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
-        self.start()
+        self.start()  # closes what it opened if it fails
         try:
             while not stop.wait(0.5):
                 pass

@@ -243,7 +243,16 @@ class RpcServer:
             frames: list = [router.recv()]
             while router.getsockopt(zmq.RCVMORE):
                 frames.append(router.recv(copy=len(frames) < 3))
-            self._dispatch(router, frames)
+            try:
+                self._dispatch(router, frames)
+            except Exception:
+                # Last line of defence: whatever a request does, the loop keeps serving.
+                log.exception("dispatching a request failed")
+                self.stats.errors["INTERNAL"] += 1
+                try:
+                    self._send_error(router, frames[0], 0, ErrorCode.INTERNAL, "the server failed to handle this request")
+                except zmq.ZMQError:
+                    pass
             if not router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 return
 

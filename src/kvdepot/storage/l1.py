@@ -139,12 +139,19 @@ class ObjectTable:
     # --- writes ----------------------------------------------------------------------------------
 
     def reserve_write(
-        self, keys: Sequence[ObjectKey], size: int, owner: ClientId, salt: str = "", ttl_s: float | None = None
+        self,
+        keys: Sequence[ObjectKey],
+        size: int,
+        owner: ClientId,
+        salt: str = "",
+        ttl_s: float | None = None,
+        protect: Sequence[ObjectKey] = (),
     ) -> Reservation:
         """Reserve a slot of ``size`` bytes per absent key, evicting if needed.
 
         Keys already READY are EXISTS and keys another writer holds are BUSY. Once a key cannot get
         space, it and every later key are NO_SPACE: a chunk after a gap can never be a prefix hit.
+        Neither the EXISTS keys nor ``protect`` (the prefix the caller extends) are evicted to make room.
         """
         offsets: list[int] = []
         statuses: list[SlotStatus] = []
@@ -153,7 +160,7 @@ class ObjectTable:
             reserved: list[ObjectKey] = []
             # Keys this batch reports as EXISTS must survive it: evicting one to make room for a later
             # key would leave a gap in the prefix the caller believes is stored.
-            keep: set[ObjectKey] = set()
+            keep: set[ObjectKey] = set(protect)
             out_of_space = False
             for key in keys:
                 obj = self._objects.get(key)

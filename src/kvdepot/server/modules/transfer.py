@@ -61,13 +61,13 @@ class TransferModule:
     def store_inline(self, call: Call) -> Reply:
         body: m.StoreInlineRequest = call.body
         context, keys = context_and_keys(self.ctx, call)
-        if not 0 <= body.first <= len(keys):
-            raise BadRequest(f"first={body.first} is outside the {len(keys)} keys")
-        sent = keys[body.first :]
+        if not 0 <= body.first <= len(keys) or body.count < 0:
+            raise BadRequest(f"first={body.first}, count={body.count} do not fit the {len(keys)} keys")
+        sent = keys[body.first : body.first + body.count] if body.count else keys[body.first :]
         size = context.chunk_bytes
         max_frame = self.ctx.config.rpc.max_frame_bytes
         per = codec.check_payload(call.payload, len(sent), size, context.rows, body.rows_per_frame, max_frame, call.request_id)
-        res = self.table.reserve_write(sent, size, call.client, body.cache_salt)
+        res = self.table.reserve_write(sent, size, call.client, body.cache_salt, protect=keys[: body.first])
         self.ctx.storage.eviction.kick()
         try:
             for i, (offset, status) in enumerate(zip(res.offsets, res.statuses)):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
 
-from kvdepot.storage.l2.envelope import CorruptObject
+from kvdepot.storage.l2.envelope import CorruptObject, DestinationMismatch, RejectedObject
 from kvdepot.types import ObjectKey
 
 log = logging.getLogger(__name__)
@@ -146,6 +146,8 @@ class BackendAdapter(ABC):
         return self._submit(TaskKind.UNLOCK, lambda: self._unpin(keys), None, always=True)
 
     def completed(self) -> list[TaskResult]:
+        if self._efd < 0:
+            return []  # closed
         try:
             os.eventfd_read(self._efd)
         except BlockingIOError:
@@ -156,11 +158,15 @@ class BackendAdapter(ABC):
         return out
 
     def usage(self) -> L2Usage:
+        """May ask the backend (remote tiers: bounded by their socket timeouts, and they ask nothing
+        while down); never call it from the RPC loop."""
         try:
             used, capacity, objects = self._usage()
         except Exception as exc:  # usage is best-effort; a dead backend still reports its health
             used = capacity = objects = 0
             self._last_error = self._last_error or str(exc)
+        with self._lock:
+            stats = dict(self._stats)
         return L2Usage(
             self.name,
             self.kind,
@@ -168,10 +174,10 @@ class BackendAdapter(ABC):
             used,
             capacity,
             objects,
-            self._stats["stored"],
-            self._stats["loaded"],
-            self._stats["corrupt"],
-            self._stats["failures"],
+            stats["stored"],
+            stats["loaded"],
+            stats["corrupt"],
+            stats["failures"],
             self._last_error,
         )
 
@@ -235,8 +241,13 @@ class BackendAdapter(ABC):
             self._mark_down(exc)
             self._finish(TaskResult(task_id, kind, miss, ok=False, error=f"{type(exc).__name__}: {exc}"))
             return
-        self._mark_up()
+        if kind is not TaskKind.UNLOCK:  # an unlock never touches the backend: it proves nothing
+            self._mark_up()
         self._finish(TaskResult(task_id, kind, value))
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._stats[name] += n
 
     def _finish(self, result: TaskResult) -> None:
         with self._lock:
@@ -255,7 +266,7 @@ class BackendAdapter(ABC):
         return False
 
     def _mark_down(self, exc: Exception) -> None:
-        self._stats["failures"] += 1
+        self._count("failures")
         self._last_error = f"{type(exc).__name__}: {exc}"
         if self._healthy:
             log.warning("L2 %s (%s) failed, serving from L1 only until it recovers: %s", self.name, self.kind, self._last_error)
@@ -268,23 +279,36 @@ class BackendAdapter(ABC):
         self._healthy = True
 
     def _store_all(self, items: list[tuple[ObjectKey, memoryview]]) -> list[bool]:
+        """Per-key outcome. A rejected object fails alone; a backend failure after some objects were
+        stored raises (the task fails) but those objects stay stored and are simply not reported."""
         out = []
         for key, payload in items:
-            self._put(key, payload)
-            self._stats["stored"] += 1
+            try:
+                self._put(key, payload)
+            except RejectedObject as exc:
+                log.info("L2 %s refused %s: %s", self.name, key.hex()[:16], exc)
+                out.append(False)
+                continue
+            self._count("stored")
             out.append(True)
         return out
 
     def _lookup_and_pin(self, keys: list[ObjectKey]) -> int:
-        present = self._contains(keys)
+        # Pin first, then look: an object seen present can no longer be evicted before its load.
+        with self._lock:
+            for key in keys:
+                self._pins[key] = self._pins.get(key, 0) + 1
+        try:
+            present = self._contains(keys)
+        except BaseException:
+            self._unpin(keys)
+            raise
         n = 0
         for p in present:
             if not p:
                 break
             n += 1
-        with self._lock:
-            for key in keys[:n]:
-                self._pins[key] = self._pins.get(key, 0) + 1
+        self._unpin(keys[n:])
         return n
 
     def _unpin(self, keys: list[ObjectKey]) -> None:
@@ -302,8 +326,11 @@ class BackendAdapter(ABC):
         for key, dest in pairs:
             try:
                 ok = self._get_into(key, dest)
+            except DestinationMismatch as exc:
+                log.error("L2 %s: load of %s into a wrong-sized buffer: %s", self.name, key.hex()[:16], exc)
+                ok = False
             except CorruptObject as exc:
-                self._stats["corrupt"] += 1
+                self._count("corrupt")
                 log.warning("L2 %s: corrupt object %s (%s): deleted, counted as a miss", self.name, key.hex()[:16], exc)
                 try:
                     self._delete(key)
@@ -311,6 +338,6 @@ class BackendAdapter(ABC):
                     pass
                 ok = False
             if ok:
-                self._stats["loaded"] += 1
+                self._count("loaded")
             out.append(ok)
         return out

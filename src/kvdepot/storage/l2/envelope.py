@@ -26,6 +26,16 @@ class CorruptObject(Exception):
     """The stored bytes do not form a valid object for the expected key."""
 
 
+class DestinationMismatch(ValueError):
+    """The caller's buffer does not have the object's size: the caller's mistake, not corruption
+    (the stored object is left alone)."""
+
+
+class RejectedObject(Exception):
+    """The backend refuses this one object (larger than the tier, tier full of pinned objects):
+    a failed store of that object, not a sign that the backend is down."""
+
+
 @dataclass(frozen=True, slots=True)
 class Header:
     key_len: int
@@ -83,6 +93,6 @@ def decode_into(key: bytes, data: bytes | memoryview, dest) -> None:
     payload = mv[HEADER_BYTES + header.key_len :]
     dst = memoryview(dest).cast("B")
     if dst.nbytes != header.payload_len:
-        raise CorruptObject(f"destination holds {dst.nbytes} bytes, object {header.payload_len}")
+        raise DestinationMismatch(f"destination holds {dst.nbytes} bytes, object {header.payload_len}")
     verify(key, header, stored_key, payload)
     dst[:] = payload

@@ -37,7 +37,7 @@ import msgspec
 
 from kvdepot.storage.l2 import envelope
 from kvdepot.storage.l2.base import BackendAdapter
-from kvdepot.storage.l2.envelope import HEADER_BYTES, CorruptObject
+from kvdepot.storage.l2.envelope import HEADER_BYTES, CorruptObject, DestinationMismatch, RejectedObject
 from kvdepot.storage.l2.registry import AdapterType
 from kvdepot.types import NAMESPACE_BYTES, ObjectKey
 
@@ -224,7 +224,7 @@ class FsAdapter(BackendAdapter):
 
         Returns the dropped keys, whose files the caller unlinks after releasing ``_mu``."""
         if need > self._capacity:
-            raise OSError(errno.EFBIG, f"object of {need} bytes exceeds the tier's {self._capacity}")
+            raise RejectedObject(f"object of {need} bytes exceeds the tier's {self._capacity}")
         victims: list[tuple[ObjectKey, int]] = []
         for key in list(self._index):
             if self._used + self._reserved + need <= self._capacity:
@@ -239,7 +239,7 @@ class FsAdapter(BackendAdapter):
                 self._index[key] = size
                 self._index.move_to_end(key, last=False)
                 self._used += size
-            raise OSError(errno.ENOSPC, "fs tier is full of pinned objects and writes in flight")
+            raise RejectedObject("fs tier is full of pinned objects and writes in flight")
         return [key for key, _ in victims]
 
     def _unlink_victims(self, victims: list[ObjectKey]) -> None:
@@ -303,7 +303,7 @@ class FsAdapter(BackendAdapter):
                 raise CorruptObject(f"file has {size} bytes, header says {header.total}")
             dst = memoryview(dest).cast("B")
             if dst.nbytes != header.payload_len:
-                raise CorruptObject(f"destination holds {dst.nbytes} bytes, object {header.payload_len}")
+                raise DestinationMismatch(f"destination holds {dst.nbytes} bytes, object {header.payload_len}")
             _read_exact(fd, dst, HEADER_BYTES + header.key_len)
             envelope.verify(key, header, prefix[HEADER_BYTES:], dst)
         finally:

@@ -12,6 +12,7 @@ from collections import OrderedDict
 import msgspec
 
 from kvdepot.storage.l2 import envelope
+from kvdepot.storage.l2.envelope import RejectedObject
 from kvdepot.storage.l2.base import BackendAdapter
 from kvdepot.storage.l2.registry import AdapterType
 from kvdepot.types import ObjectKey
@@ -46,7 +47,7 @@ class MemoryAdapter(BackendAdapter):
 
     def _make_room(self, need: int) -> None:
         if need > self._capacity:
-            raise OSError(f"object of {need} bytes exceeds the tier's {self._capacity}")
+            raise RejectedObject(f"object of {need} bytes exceeds the tier's {self._capacity}")
         for victim in list(self._objects):
             if self._used + need <= self._capacity:
                 return
@@ -54,7 +55,7 @@ class MemoryAdapter(BackendAdapter):
                 continue
             self._used -= len(self._objects.pop(victim))
         if self._used + need > self._capacity:
-            raise OSError("memory tier is full of pinned objects")
+            raise RejectedObject("memory tier is full of pinned objects")
 
     def _get_into(self, key: ObjectKey, dest: memoryview) -> bool:
         with self._mu:

