@@ -1,4 +1,6 @@
-"""The HTTP API: ``GET /healthcheck``, ``GET /status``, ``POST /cache/clear``.
+"""The HTTP API: ``GET /healthcheck``, ``GET /status``, ``POST /cache/clear``, and per-``cache_salt``
+quotas at ``GET|PUT|DELETE /quota/{cache_salt}`` (``GET /quota`` lists them; the salt-less tenant is
+``__default__``). Quotas need ``--eviction-policy isolated_lru``; otherwise they answer 409.
 
 It runs uvicorn on its own thread with its own event loop; handlers only read thread-safe snapshots
 or call the same storage methods the RPC handlers use.
@@ -12,11 +14,19 @@ import threading
 from typing import TYPE_CHECKING
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 
 from kvdepot import __version__
 from kvdepot.config import HttpConfig
+from kvdepot.storage.eviction import IsolatedLRUPolicy
+
+DEFAULT_SALT_NAME = "__default__"
+
+
+class QuotaBody(BaseModel):
+    quota_bytes: int = Field(ge=0, description="bytes of L1 this cache_salt may hold")
 
 if TYPE_CHECKING:
     from kvdepot.server.main import KVDepotServer
@@ -40,6 +50,42 @@ def build_app(server: KVDepotServer) -> FastAPI:
     @app.post("/cache/clear")
     def clear() -> dict:
         return {"removed": server.storage.table.clear()}
+
+    def quota_policy() -> IsolatedLRUPolicy:
+        policy = server.storage.table.policy
+        if not isinstance(policy, IsolatedLRUPolicy):
+            raise HTTPException(409, "per-cache_salt quotas need --eviction-policy isolated_lru")
+        return policy
+
+    def salt_of(name: str) -> str:
+        return "" if name == DEFAULT_SALT_NAME else name
+
+    def quota_doc(policy: IsolatedLRUPolicy, salt: str) -> dict:
+        return {"cache_salt": salt or DEFAULT_SALT_NAME, "quota_bytes": policy.quota(salt), "used_bytes": policy.used(salt)}
+
+    @app.get("/quota")
+    def list_quotas() -> dict:
+        policy = quota_policy()
+        return {"quotas": [quota_doc(policy, salt) for salt in sorted(policy.quotas())]}
+
+    @app.get("/quota/{cache_salt}")
+    def get_quota(cache_salt: str) -> dict:
+        return quota_doc(quota_policy(), salt_of(cache_salt))
+
+    @app.put("/quota/{cache_salt}")
+    def put_quota(cache_salt: str, body: QuotaBody) -> dict:
+        policy = quota_policy()
+        policy.set_quota(salt_of(cache_salt), body.quota_bytes)
+        server.storage.eviction.kick()  # bring the salt under its new quota now
+        return quota_doc(policy, salt_of(cache_salt))
+
+    @app.delete("/quota/{cache_salt}")
+    def delete_quota(cache_salt: str) -> dict:
+        policy = quota_policy()
+        if policy.quota(salt_of(cache_salt)) is None:
+            raise HTTPException(404, f"no quota for cache_salt {cache_salt!r}")
+        policy.set_quota(salt_of(cache_salt), None)
+        return quota_doc(policy, salt_of(cache_salt))
 
     return app
 

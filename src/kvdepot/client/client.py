@@ -409,10 +409,15 @@ class KVClient:
         ``consume(chunk_index, frames, rows_per_frame)`` gets each chunk's checked frames as its reply
         arrives. Returns how many chunks (from ``start``) form the prefix that was delivered.
         """
-        if n_found is None:
-            # Objects are keyed per chunk, so this counts the stored run from ``start`` on.
-            n_found = self.lookup_chunks(hashes[start:], salt) or 0
-        per_batch = max(1, INLINE_BATCH_BYTES // self.chunk_bytes)
+        if session_id:
+            # The session's locks decide what is found (a plain lookup cannot see chunks that are
+            # locked but cleared meanwhile): one request, whose reply says how many.
+            n_found, per_batch = len(hashes) - start, len(hashes)
+        else:
+            if n_found is None:
+                # Objects are keyed per chunk, so this counts the stored run from ``start`` on.
+                n_found = self.lookup_chunks(hashes[start:], salt) or 0
+            per_batch = max(1, INLINE_BATCH_BYTES // self.chunk_bytes)
         starts = list(range(start, start + n_found, per_batch))
         requests = [
             (
@@ -451,7 +456,7 @@ class KVClient:
         """Views for prepare_retrieve on the inline path: a single-frame chunk is viewed where ZeroMQ
         received it; multi-frame chunks are joined into a reusable buffer as each reply arrives, so
         received frames are freed as we go rather than all held at once."""
-        n_found = self._stored_chunks(hashes[start:], salt) if not session_id else (self.lookup_chunks(hashes[start:], salt) or 0)
+        n_found = len(hashes) - start if session_id else self._stored_chunks(hashes[start:], salt)
         if self.chunk_bytes > codec.TARGET_FRAME_BYTES:
             need = max(1, n_found * self.chunk_bytes)
             if self._rstage is None or self._rstage.size < need:
@@ -470,7 +475,7 @@ class KVClient:
                 pos += src.size
             views[i] = self.layout.view_chunk(self._rstage[base:pos], self.chunk_size, writable=False)
 
-        n = self._fetch_inline(hashes, salt, session_id, start, consume, n_found)
+        n = self._fetch_inline(hashes, salt, session_id, start, consume, None if session_id else n_found)
         return [views[i] for i in range(n)]
 
     def _retrieve_inline_into(self, hashes: list[ChunkHash], salt: str, out: np.ndarray | None) -> np.ndarray:

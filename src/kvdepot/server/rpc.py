@@ -132,7 +132,7 @@ class RpcServer:
         if self._thread is not None:
             self._thread.join(timeout=drain_s + 5)
         if self._ctx is not None:
-            self._ctx.term()
+            self._ctx.destroy(linger=0)  # closes any socket left (worker PUSH sockets) instead of waiting
 
     # --- the loop ------------------------------------------------------------------------------------
 
@@ -145,8 +145,12 @@ class RpcServer:
         router.setsockopt(zmq.MAXMSGSIZE, 4 * max(self._max_frame, codec.MAX_BODY_BYTES) + (1 << 20))
         router.setsockopt(zmq.RCVHWM, 0)
         router.setsockopt(zmq.SNDHWM, 0)
-        for ep in self._endpoints:
-            router.bind(ep)
+        try:
+            for ep in self._endpoints:
+                router.bind(ep)
+        except zmq.ZMQError as exc:
+            router.close(linger=0)  # an open socket would make Context.term() wait forever
+            raise OSError(f"cannot listen on {ep}: {exc}") from None
         monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         pull = self._ctx.socket(zmq.PULL)
         pull.bind(self._reply_addr)

@@ -6,7 +6,8 @@ half-written object) and calls the policy under its own lock, so policies need n
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import threading
+from collections import OrderedDict, defaultdict
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -16,8 +17,8 @@ from kvdepot.types import ObjectKey
 class EvictionPolicy(Protocol):
     name: str
 
-    def on_ready(self, key: ObjectKey) -> None:
-        """``key`` became READY (it is now a candidate)."""
+    def on_ready(self, key: ObjectKey, salt: str, size: int) -> None:
+        """``key`` (of ``cache_salt`` ``salt``, ``size`` bytes) became READY: it is now a candidate."""
 
     def on_access(self, key: ObjectKey) -> None:
         """``key`` was looked up or read."""
@@ -29,6 +30,9 @@ class EvictionPolicy(Protocol):
         """Keys in eviction order, first victim first. The table skips the ones it cannot evict, and
         must not call the other hooks while it iterates (it collects victims first, then removes)."""
 
+    def quota_excess(self) -> Iterator[ObjectKey]:
+        """Keys to evict now, regardless of free space, to bring salts back under their quotas."""
+
 
 class LRUPolicy:
     name = "lru"
@@ -39,7 +43,7 @@ class LRUPolicy:
     def __repr__(self) -> str:
         return f"LRUPolicy(tracked={len(self._order)})"
 
-    def on_ready(self, key: ObjectKey) -> None:
+    def on_ready(self, key: ObjectKey, salt: str = "", size: int = 0) -> None:
         self._order[key] = None
         self._order.move_to_end(key)
 
@@ -53,13 +57,16 @@ class LRUPolicy:
     def candidates(self) -> Iterator[ObjectKey]:
         return iter(self._order)
 
+    def quota_excess(self) -> Iterator[ObjectKey]:
+        return iter(())
+
 
 class NoopPolicy:
     """Never evicts: a full L1 refuses new stores instead."""
 
     name = "noop"
 
-    def on_ready(self, key: ObjectKey) -> None:
+    def on_ready(self, key: ObjectKey, salt: str = "", size: int = 0) -> None:
         pass
 
     def on_access(self, key: ObjectKey) -> None:
@@ -71,8 +78,82 @@ class NoopPolicy:
     def candidates(self) -> Iterator[ObjectKey]:
         return iter(())
 
+    def quota_excess(self) -> Iterator[ObjectKey]:
+        return iter(())
 
-POLICIES = {"lru": LRUPolicy, "noop": NoopPolicy}
+
+class IsolatedLRUPolicy(LRUPolicy):
+    """LRU with a byte quota per ``cache_salt`` (tenant). A salt over its quota is evicted first and
+    brought back under it by the eviction controller; salts without a quota share what is left.
+    Quotas are set at run time (HTTP ``/quota/{cache_salt}``); the hooks run under the table's lock,
+    quota changes under the policy's own."""
+
+    name = "isolated_lru"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._salt: dict[ObjectKey, str] = {}
+        self._size: dict[ObjectKey, int] = {}
+        self._used: defaultdict[str, int] = defaultdict(int)
+        self._quotas: dict[str, int] = {}
+        self._quota_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"IsolatedLRUPolicy(tracked={len(self._order)}, quotas={len(self._quotas)})"
+
+    def set_quota(self, salt: str, quota_bytes: int | None) -> None:
+        with self._quota_lock:
+            if quota_bytes is None:
+                self._quotas.pop(salt, None)
+            else:
+                self._quotas[salt] = quota_bytes
+
+    def quota(self, salt: str) -> int | None:
+        with self._quota_lock:
+            return self._quotas.get(salt)
+
+    def used(self, salt: str) -> int:
+        return self._used.get(salt, 0)
+
+    def quotas(self) -> dict[str, int]:
+        with self._quota_lock:
+            return dict(self._quotas)
+
+    def on_ready(self, key: ObjectKey, salt: str = "", size: int = 0) -> None:
+        super().on_ready(key)
+        if key not in self._salt:
+            self._salt[key] = salt
+            self._size[key] = size
+            self._used[salt] += size
+
+    def on_remove(self, key: ObjectKey) -> None:
+        super().on_remove(key)
+        salt = self._salt.pop(key, None)
+        if salt is not None:
+            self._used[salt] -= self._size.pop(key)
+            if not self._used[salt]:
+                del self._used[salt]
+
+    def _excess(self) -> dict[str, int]:
+        with self._quota_lock:
+            return {s: self._used.get(s, 0) - q for s, q in self._quotas.items() if self._used.get(s, 0) > q}
+
+    def candidates(self) -> Iterator[ObjectKey]:
+        over = self._excess()
+        if over:
+            yield from (k for k in self._order if self._salt.get(k) in over)
+        yield from (k for k in self._order if self._salt.get(k) not in over)
+
+    def quota_excess(self) -> Iterator[ObjectKey]:
+        over = self._excess()
+        for key in self._order:
+            salt = self._salt.get(key)
+            if over.get(salt, 0) > 0:
+                over[salt] -= self._size[key]
+                yield key
+
+
+POLICIES = {"lru": LRUPolicy, "isolated_lru": IsolatedLRUPolicy, "noop": NoopPolicy}
 
 
 def make_policy(name: str) -> EvictionPolicy:

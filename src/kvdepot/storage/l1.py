@@ -205,7 +205,7 @@ class ObjectTable:
                     continue
                 obj.state = ObjectState.READY
                 obj.writer = NO_LEASE
-                self._policy.on_ready(key)
+                self._policy.on_ready(key, obj.salt, obj.size)
                 ready.append(key)
         if ready:
             for listener in self._ready_listeners:
@@ -229,7 +229,7 @@ class ObjectTable:
                     continue
                 obj.state = ObjectState.READY
                 obj.writer = NO_LEASE
-                self._policy.on_ready(key)
+                self._policy.on_ready(key, obj.salt, obj.size)
                 ready.append(key)
         if ready:
             for listener in self._ready_listeners:
@@ -370,6 +370,28 @@ class ObjectTable:
         """Evict unlocked READY objects in policy order until usage is at most the target."""
         with self._lock:
             return self._evict_locked(lambda: self._alloc.stats().used <= target_used_bytes)
+
+    def used_bytes(self) -> int:
+        """O(1), for the eviction controller's frequent check (``stats`` walks every object)."""
+        with self._lock:
+            return self._alloc.stats().used
+
+    def enforce_quotas(self) -> int:
+        """Evict what the policy says is over a per-salt quota (unlocked READY objects only)."""
+        with self._lock:
+            victims = []
+            for key in self._policy.quota_excess():
+                obj = self._objects.get(key)
+                if obj is not None and obj.state is ObjectState.READY and not obj.readers:
+                    victims.append(obj)
+            for obj in victims:
+                self._remove_locked(obj)
+            self._counters.evicted += len(victims)
+            return len(victims)
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self._policy
 
     def clear(self) -> int:
         """Remove every object. Locked or half-written ones are doomed: they go when their lease ends."""

@@ -49,9 +49,10 @@ class EvictionController:
             self._thread.join(timeout=5)
 
     def run_once(self) -> int:
-        if self._table.stats().used_bytes > self._high:
-            return self._table.evict_to(self._low)
-        return 0
+        n = self._table.enforce_quotas()
+        if self._table.used_bytes() > self._high:
+            n += self._table.evict_to(self._low)
+        return n
 
     def _run(self) -> None:
         while not self._stop.is_set():
