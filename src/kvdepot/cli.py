@@ -62,10 +62,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     _setup_logging("warning")
-    from kvdepot.bench import transfer
+    from kvdepot.bench import tiers, transfer
 
     if args.workload == "transfer":
         return transfer.main(args)
+    if args.workload == "tiers":
+        return tiers.main(args)
     print(f"unknown workload {args.workload}", file=sys.stderr)
     return 2
 
@@ -95,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bt = bsub.add_parser("transfer", help="store/retrieve GB/s (shm, inline), lookup latency, ping, vs memcpy")
     add_transfer_args(bt)
+    from kvdepot.bench.tiers import add_args as add_tiers_args
+
+    btt = bsub.add_parser("tiers", help="L2 adapters' store/load GB/s vs the raw backend, and LOOKUP from L2")
+    add_tiers_args(btt)
     b.set_defaults(func=cmd_bench)
     return p
 

@@ -18,10 +18,9 @@ import urllib.request
 from dataclasses import asdict, dataclass
 
 import numpy as np
-import zmq
 
 from kvdepot.bench.serverproc import ServerProcess, free_port
-from kvdepot.bench.stats import Sample, gbps, loadavg, memcpy_gbps, percentile, sample, timed
+from kvdepot.bench.stats import gbps, loadavg, memcpy_gbps, percentile, sample, timed
 from kvdepot.layout import KVLayout
 from kvdepot.paged import gather_chunk, scatter_chunk
 
@@ -78,8 +77,6 @@ def _raw_zmq_rtt(url: str, n: int) -> list[float]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvdepot.client.client import KVClient
-
     _pin_threads()
     reps, warmup = (3, 1) if args.quick else (args.reps, args.warmup)
     sizes = [int(s) for s in args.sizes_mib.split(",")]
@@ -135,7 +132,7 @@ def _bench_size(server: ServerProcess, size_mib: int, n: int, transports: list[s
         puts, gets = bulk_gbps(ep, nbytes, min(TARGET_FRAME_BYTES, size_mib * MiB), max(INLINE_BATCH_BYTES, size_mib * MiB), reps)
         zmq_put, zmq_get = sample(puts), sample(gets)
         raw[f"raw_zmq_ipc_{size_mib}MiB"] = {"put": asdict(zmq_put), "get": asdict(zmq_get)}
-        rows.append(Row(f"raw ZeroMQ ipc, same frames: send / receive", f"{zmq_put.median:.2f} / {zmq_get.median:.2f} GB/s", "—", "1.00"))
+        rows.append(Row("raw ZeroMQ ipc, same frames: send / receive", f"{zmq_put.median:.2f} / {zmq_get.median:.2f} GB/s", "—", "1.00"))
     tokens = np.arange(n * cs, dtype=np.uint32) + size_mib * 1_000_000
     kv = np.random.default_rng(0).integers(0, 1 << 15, size=layout.chunk_shape(n * cs), dtype=np.uint16).view(np.float16)
     out = np.zeros_like(kv)

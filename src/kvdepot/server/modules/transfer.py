@@ -18,7 +18,7 @@ from kvdepot.server.modules import ServerContext
 from kvdepot.server.modules.common import context_and_keys
 from kvdepot.server.rpc import Call, HandlerMode, HandlerSpec, Reply
 from kvdepot.server.state import Context
-from kvdepot.storage.l1 import NO_LEASE, ReadLock
+from kvdepot.storage.l1 import ReadLock
 from kvdepot.types import LeaseId, ObjectKey
 
 log = logging.getLogger(__name__)

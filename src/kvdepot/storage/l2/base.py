@@ -215,6 +215,10 @@ class BackendAdapter(ABC):
     def _close_backend(self) -> None:
         pass
 
+    def _flush(self) -> None:
+        """End of a store batch, on the worker thread that ran it: make the batch durable (fs syncs
+        the directories its renames touched once per batch rather than once per object)."""
+
     def _on_pin_change(self) -> None:
         """Hook for adapters whose eviction must respect pins."""
 
@@ -291,6 +295,7 @@ class BackendAdapter(ABC):
                 continue
             self._count("stored")
             out.append(True)
+        self._flush()  # before any result is reported: a stored object is durable when acknowledged
         return out
 
     def _lookup_and_pin(self, keys: list[ObjectKey]) -> int:

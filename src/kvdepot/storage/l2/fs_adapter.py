@@ -212,12 +212,24 @@ class FsAdapter(BackendAdapter):
                     self._used += total
                 committed = True
             if self._fsync:
-                _fsync_dir(directory)  # durability only: the object is whole either way
+                # Durability only (the object is whole either way); synced once per batch in _flush.
+                self._dirty_dirs().add(directory)
         finally:
             if not committed:
                 with self._mu:
                     self._reserved -= total
                 _unlink_quiet(tmp)
+
+    def _dirty_dirs(self) -> set[str]:
+        dirs = getattr(self._local, "dirty", None)
+        if dirs is None:
+            dirs = self._local.dirty = set()
+        return dirs
+
+    def _flush(self) -> None:
+        dirs = self._dirty_dirs()
+        while dirs:
+            _fsync_dir(dirs.pop())
 
     def _make_room(self, need: int) -> list[ObjectKey]:
         """Under ``_mu``: drop unpinned objects, oldest first, until ``need`` more bytes fit.

