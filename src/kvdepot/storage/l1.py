@@ -99,6 +99,8 @@ class L1Stats:
 class _Counters:
     evicted: int = 0
     expired: int = 0
+    ready: int = 0  # objects in READY (kept as we go: stats() must not walk the table under its lock)
+    read_locked: int = 0  # objects with at least one reader
 
 
 ReadyListener = Callable[[list[ObjectKey], ClientId], None]  # (keys now READY, the writer that published them)
@@ -205,6 +207,7 @@ class ObjectTable:
                     continue
                 obj.state = ObjectState.READY
                 obj.writer = NO_LEASE
+                self._counters.ready += 1
                 self._policy.on_ready(key, obj.salt, obj.size)
                 ready.append(key)
         if ready:
@@ -229,6 +232,7 @@ class ObjectTable:
                     continue
                 obj.state = ObjectState.READY
                 obj.writer = NO_LEASE
+                self._counters.ready += 1
                 self._policy.on_ready(key, obj.salt, obj.size)
                 ready.append(key)
         if ready:
@@ -273,7 +277,7 @@ class ObjectTable:
                 return ReadLock(NO_LEASE, [])
             lease_id = LeaseId(next(self._ids))
             for obj in found:
-                obj.readers += 1
+                self._add_reader_locked(obj)
                 self._policy.on_access(obj.key)
             self._add_lease_locked(
                 Lease(lease_id, LeaseKind.READ, owner, [o.key for o in found], self._deadline(ttl_s), session)
@@ -291,7 +295,7 @@ class ObjectTable:
                 return NO_LEASE, []
             lease_id = LeaseId(next(self._ids))
             for obj in found:
-                obj.readers += 1
+                self._add_reader_locked(obj)
             self._add_lease_locked(Lease(lease_id, LeaseKind.READ, owner, [o.key for o in found], self._deadline(ttl_s)))
             return lease_id, [(o.key, o.offset, o.size) for o in found]
 
@@ -408,8 +412,7 @@ class ObjectTable:
     def stats(self) -> L1Stats:
         with self._lock:
             a = self._alloc.stats()
-            ready = sum(1 for o in self._objects.values() if o.state is ObjectState.READY)
-            locked = sum(1 for o in self._objects.values() if o.readers)
+            ready, locked = self._counters.ready, self._counters.read_locked
             return L1Stats(
                 capacity_bytes=a.capacity,
                 used_bytes=a.used,
@@ -450,6 +453,8 @@ class ObjectTable:
                 if obj.state is ObjectState.WRITING:
                     assert obj.writer in self._leases
             assert self._alloc.stats().allocations == len(self._objects)
+            assert self._counters.ready == sum(1 for o in self._objects.values() if o.state is ObjectState.READY)
+            assert self._counters.read_locked == sum(1 for o in self._objects.values() if o.readers)
             self._alloc.check_invariants()
 
     # --- internals (lock held) -------------------------------------------------------------------
@@ -492,12 +497,21 @@ class ObjectTable:
         del self._objects[obj.key]
         self._alloc.free(obj.offset)
         self._policy.on_remove(obj.key)
+        if obj.state is ObjectState.READY:
+            self._counters.ready -= 1
+
+    def _add_reader_locked(self, obj: L1Object) -> None:
+        obj.readers += 1
+        if obj.readers == 1:
+            self._counters.read_locked += 1
 
     def _unlock_read_locked(self, key: ObjectKey) -> None:
         obj = self._objects[key]
         obj.readers -= 1
-        if obj.readers == 0 and obj.doomed:
-            self._remove_locked(obj)
+        if obj.readers == 0:
+            self._counters.read_locked -= 1
+            if obj.doomed:
+                self._remove_locked(obj)
 
     def _add_lease_locked(self, lease: Lease) -> None:
         self._leases[lease.id] = lease

@@ -1,0 +1,53 @@
+"""What the scheduler half tells the worker half each step, and what the workers report back.
+
+Both travel through vLLM's executor (pickled), so they are plain dataclasses of builtins. Block ids
+always cover whole chunks, in token order: chunk ``i`` of an op is blocks
+``block_ids[i*blocks_per_chunk:(i+1)*blocks_per_chunk]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+
+@dataclass(slots=True)
+class LoadOp:
+    """Scatter the stored chunks ``hashes`` into ``block_ids``, except the first ``skip_blocks`` blocks
+    (vLLM holds those already, possibly shared with other requests)."""
+
+    req_id: str
+    hashes: list[bytes]
+    cache_salt: str
+    block_ids: list[int]
+    skip_blocks: int = 0
+    is_async: bool = False
+
+
+@dataclass(slots=True)
+class SaveOp:
+    """Gather ``block_ids`` into new chunks ``hashes`` (the server skips chunks it already has)."""
+
+    req_id: str
+    hashes: list[bytes]
+    cache_salt: str
+    block_ids: list[int]
+
+
+@dataclass
+class KVDepotConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadOp] = field(default_factory=list)
+    saves: list[SaveOp] = field(default_factory=list)
+
+
+@dataclass
+class KVDepotWorkerMetadata(KVConnectorWorkerMetadata):
+    """Request ids whose synchronous load ran in this step (on every worker: the step is collective)."""
+
+    loaded: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, KVDepotWorkerMetadata):
+            return KVDepotWorkerMetadata(self.loaded | other.loaded)
+        return self

@@ -1,0 +1,374 @@
+"""The scheduler half: which prompt prefixes kvdepot holds, and what each step loads and saves.
+
+One ``RequestState`` per live request, driven by vLLM's scheduler hooks:
+
+    NEW ──lookup──► LOOKING (the server prefetches from L2; vLLM is told "not known yet")
+     │                 │ poll
+     ▼                 ▼
+    LOOKED (hit_chunks known, locked for the request's session)
+     │ update_state_after_alloc: plan the load of the chunks vLLM lacks, unlock the ones it has
+     ▼
+    ADMITTED ──(preempted)──► NEW
+
+A load is planned once, handed to the workers by the next ``build_connector_meta`` and its locks are
+released when the workers report it done. Saves are planned every step for the chunks that the
+step completes. ``request_finished`` ends the session, which drops whatever locks are left.
+
+TP > 1: every KV rank stores its own shard under its own context, so the scheduler keeps one client
+per rank and a hit is the shortest prefix that all ranks hold.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvdepot.client.client import KVClient
+from kvdepot.connectors.vllm.config import ConnectorConfig
+from kvdepot.connectors.vllm.metadata import KVDepotConnectorMetadata, KVDepotWorkerMetadata, LoadOp, SaveOp
+from kvdepot.errors import KVDepotError
+from kvdepot.hashing import chunk_hashes
+from kvdepot.layout import KVLayout
+from kvdepot.types import ChunkHash
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class Phase(enum.Enum):
+    NEW = "new"
+    LOOKING = "looking"
+    LOOKED = "looked"
+    ADMITTED = "admitted"
+
+
+@dataclass(slots=True)
+class RequestState:
+    req_id: str
+    request: Any  # vllm Request: its all_token_ids grows as tokens are generated
+    salt: str
+    eligible: bool
+    phase: Phase = Phase.NEW
+    hashes: list[ChunkHash] = field(default_factory=list)  # chained hashes of leading complete chunks
+    rank_hits: list[int | None] = field(default_factory=list)
+    looked_at: float = 0.0
+    hit_chunks: int = 0
+    session_open: bool = False  # the server keeps a session (and maybe locks) for this request
+    pending_load: LoadOp | None = None
+    loading: bool = False
+    stored_chunks: int = 0  # chunks [0, stored) are in kvdepot or saved by an earlier step
+    block_ids: list[int] = field(default_factory=list)
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestState({self.req_id!r}, {self.phase.value}, hit={self.hit_chunks}, stored={self.stored_chunks}, "
+            f"blocks={len(self.block_ids)}, loading={self.loading}, pending_load={self.pending_load is not None})"
+        )
+
+
+class ClientPool:
+    """One KVClient per KV rank, created on first use (not in vLLM's constructor, which may run
+    before the engine forks) and dropped for ``retry_after_s`` after a failure."""
+
+    def __init__(self, config: ConnectorConfig, model: str, layout: KVLayout, world_size: int, chunk_size: int) -> None:
+        self.config = config
+        self.model = model
+        self.layout = layout
+        self.world_size = world_size
+        self.chunk_size = chunk_size
+        self._clients: list[KVClient] | None = None
+        self._down_until = 0.0
+
+    def get(self) -> list[KVClient] | None:
+        if self._clients is not None:
+            return self._clients
+        if time.monotonic() < self._down_until:
+            return None
+        clients: list[KVClient] = []
+        try:
+            for rank in range(self.world_size):
+                clients.append(
+                    KVClient(
+                        self.config.url,
+                        self.model,
+                        self.layout,
+                        rank=rank,
+                        world_size=self.world_size,
+                        transport="inline",  # the scheduler moves no KV: no need to map the arena
+                        timeout_s=self.config.timeout_s,
+                        chunk_size=self.chunk_size,
+                        prefault=False,
+                        tune_malloc=False,
+                    )
+                )
+        except KVDepotError as exc:
+            for c in clients:
+                c.close()
+            self.failed(exc)
+            return None
+        if clients[0].chunk_size != self.chunk_size:
+            raise ValueError(f"kvdepot registered chunk_size {clients[0].chunk_size}, asked for {self.chunk_size}")
+        self._clients = clients
+        log.info("kvdepot scheduler: %d context(s) on %s, chunk_size %d", len(clients), self.config.url, self.chunk_size)
+        return clients
+
+    def failed(self, exc: Exception) -> None:
+        log.warning("kvdepot scheduler: server error (%s); serving uncached for %.1fs", exc, self.config.retry_after_s)
+        self._down_until = time.monotonic() + self.config.retry_after_s
+
+    def close(self) -> None:
+        for c in self._clients or ():
+            c.close()
+        self._clients = None
+
+
+class SchedulerSide:
+    def __init__(
+        self, config: ConnectorConfig, model: str, layout: KVLayout, block_size: int, world_size: int = 1
+    ) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.chunk_size = config.chunk_tokens(block_size)
+        self.blocks_per_chunk = self.chunk_size // block_size
+        self.pool = ClientPool(config, model, layout, world_size, self.chunk_size)
+        self.states: dict[str, RequestState] = {}
+
+    def __repr__(self) -> str:
+        return f"SchedulerSide(chunk_size={self.chunk_size}, requests={len(self.states)})"
+
+    # --- vLLM hooks ----------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        st = self._state(request)
+        if not st.eligible:
+            return 0, False
+        # vLLM must compute at least one prompt token itself, so the last token is never claimed.
+        max_chunks = max(0, request.num_tokens - 1) // self.chunk_size
+        if max_chunks * self.chunk_size <= num_computed_tokens:
+            return 0, False
+        if st.phase is Phase.NEW:
+            self._start_lookup(st, max_chunks)
+        if st.phase is Phase.LOOKING:
+            self._poll_lookup(st)
+            if st.phase is Phase.LOOKING:
+                return None, False
+        hit_tokens = min(st.hit_chunks, max_chunks) * self.chunk_size
+        need = max(0, hit_tokens - num_computed_tokens)
+        return need, need > 0 and self.config.load_async
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        st = self.states.get(request.request_id)
+        if st is None:
+            return
+        groups = blocks.get_block_ids()
+        st.block_ids = list(groups[0]) if groups else []
+        if st.phase is Phase.ADMITTED:
+            return  # the second call of an async load, once the rest of the prompt gets blocks
+        st.phase = Phase.ADMITTED
+        hit = st.hit_chunks
+        st.stored_chunks = hit
+        if num_external_tokens <= 0:
+            self._free_locks(st)  # vLLM holds (or computes) all of it
+            return
+        start = hit * self.chunk_size - num_external_tokens
+        first = start // self.chunk_size
+        skip = start // self.block_size - first * self.blocks_per_chunk
+        bpc = self.blocks_per_chunk
+        if start < 0 or start % self.block_size or len(st.block_ids) < hit * bpc:
+            raise RuntimeError(f"kvdepot: cannot place a load of {num_external_tokens} tokens: {st!r}")
+        st.pending_load = LoadOp(
+            req_id=st.req_id,
+            hashes=list(st.hashes[first:hit]),
+            cache_salt=st.salt,
+            block_ids=st.block_ids[first * bpc : hit * bpc],
+            skip_blocks=skip,
+            is_async=self.config.load_async,
+        )
+        if first > 0:
+            self._free_locks(st, 0, first)  # chunks vLLM found in its own prefix cache
+
+    def build_connector_meta(self, so: SchedulerOutput) -> KVDepotConnectorMetadata:
+        meta = KVDepotConnectorMetadata()
+        for req_id in so.preempted_req_ids or ():
+            st = self.states.get(req_id)
+            if st is not None:
+                self._preempted(st)
+        for st in self.states.values():
+            if st.pending_load is not None:
+                meta.loads.append(st.pending_load)
+                st.pending_load = None
+                st.loading = True
+        block_state = so.kv_connector_block_state
+        for new in so.scheduled_new_reqs:
+            st = self.states.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(new.block_ids[0]) if new.block_ids else st.block_ids
+            self._plan_save(st, new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0), block_state, meta)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self.states.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                st.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                st.block_ids.extend(new_ids[0])
+            self._plan_save(st, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0), block_state, meta)
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        done: set[str] = set(output.finished_recving or ())
+        if isinstance(output.kv_connector_worker_meta, KVDepotWorkerMetadata):
+            done |= output.kv_connector_worker_meta.loaded
+        for req_id in done:
+            st = self.states.get(req_id)
+            if st is not None and st.loading:
+                st.loading = False
+                self._free_locks(st)  # the workers hold their own locks while they read
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        st = self.states.pop(request.request_id, None)
+        if st is not None:
+            self._end_session(st)
+        # Saves are synchronous within their step, so the blocks may be freed at once.
+        return False, None
+
+    def shutdown(self) -> None:
+        for st in list(self.states.values()):
+            self._end_session(st)
+        self.states.clear()
+        self.pool.close()
+
+    # --- lookups -------------------------------------------------------------------------------------
+
+    def _state(self, request: Request) -> RequestState:
+        st = self.states.get(request.request_id)
+        if st is None or st.request is not request:
+            eligible = not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
+            st = RequestState(request.request_id, request, request.cache_salt or "", bool(eligible))
+            self.states[request.request_id] = st
+        elif st.phase is Phase.ADMITTED:
+            self._preempted(st)  # admitted again without our seeing the preemption: look up afresh
+        return st
+
+    def _hashes(self, st: RequestState, n_chunks: int) -> list[ChunkHash]:
+        """The first ``n_chunks`` chained hashes, extending the cached chain as tokens arrive."""
+        have = len(st.hashes)
+        if have < n_chunks:
+            clients = self.pool.get()
+            if clients is None:
+                return st.hashes
+            cs = self.chunk_size
+            tokens = st.request.all_token_ids[have * cs : n_chunks * cs]
+            prefix = st.hashes[-1] if st.hashes else b""
+            st.hashes.extend(chunk_hashes(list(tokens), cs, clients[0].hash_algorithm, prefix))
+        return st.hashes[:n_chunks]
+
+    def _start_lookup(self, st: RequestState, max_chunks: int) -> None:
+        clients = self.pool.get()
+        hashes = self._hashes(st, max_chunks) if clients else []
+        if not clients or len(hashes) < max_chunks:
+            st.phase, st.hit_chunks = Phase.LOOKED, 0
+            return
+        st.looked_at = time.monotonic()
+        try:
+            st.session_open = True
+            st.rank_hits = [c.lookup_chunks(hashes, st.salt, session_id=st.req_id) for c in clients]
+        except KVDepotError as exc:
+            self._lookup_failed(st, exc)
+            return
+        st.phase = Phase.LOOKING
+        self._poll_lookup(st)
+
+    def _poll_lookup(self, st: RequestState) -> None:
+        clients = self.pool.get()
+        if clients is None:
+            self._lookup_failed(st, None)
+            return
+        try:
+            for rank, hits in enumerate(st.rank_hits):
+                if hits is None:
+                    st.rank_hits[rank] = clients[rank].query_prefetch_status(st.req_id)
+        except KVDepotError as exc:
+            self._lookup_failed(st, exc)
+            return
+        if any(h is None for h in st.rank_hits):
+            if time.monotonic() - st.looked_at > self.config.prefetch_timeout_s:
+                log.warning("kvdepot: the L2 prefetch for %s took over %.1fs; serving it uncached", st.req_id, self.config.prefetch_timeout_s)
+                self._end_session(st)
+                st.phase, st.hit_chunks = Phase.LOOKED, 0
+            return
+        st.hit_chunks = min(st.rank_hits)  # type: ignore[type-var]
+        st.phase = Phase.LOOKED
+        if st.hit_chunks < max(st.rank_hits):  # type: ignore[type-var]
+            # Ranks that hold more than all of them do: unlock the surplus.
+            for rank, hits in enumerate(st.rank_hits):
+                if hits and hits > st.hit_chunks:
+                    self._call(clients[rank].free_lookup_locks, st.req_id, st.hit_chunks, -1)
+
+    def _lookup_failed(self, st: RequestState, exc: Exception | None) -> None:
+        if exc is not None:
+            self.pool.failed(exc)
+        st.phase, st.hit_chunks, st.session_open = Phase.LOOKED, 0, False
+
+    # --- saves ---------------------------------------------------------------------------------------
+
+    def _plan_save(self, st: RequestState, done_tokens: int, block_state, meta: KVDepotConnectorMetadata) -> None:
+        """Save the chunks whose KV is complete once this step has run."""
+        if not st.eligible:
+            return
+        request = st.request
+        known = request.num_tokens if self.config.save_decode else request.num_prompt_tokens
+        full = min(done_tokens, known) // self.chunk_size
+        if full <= st.stored_chunks:
+            return
+        if block_state is not None:
+            ids = block_state.get_block_ids(st.req_id)
+            if ids is not None and ids:
+                st.block_ids = list(ids[0])
+        bpc = self.blocks_per_chunk
+        full = min(full, len(st.block_ids) // bpc)
+        hashes = self._hashes(st, full)
+        full = min(full, len(hashes))
+        if full <= st.stored_chunks:
+            return
+        first = st.stored_chunks
+        meta.saves.append(SaveOp(st.req_id, list(hashes[first:full]), st.salt, st.block_ids[first * bpc : full * bpc]))
+        st.stored_chunks = full
+
+    # --- locks and sessions --------------------------------------------------------------------------
+
+    def _preempted(self, st: RequestState) -> None:
+        """vLLM freed the request's blocks; on re-admission it is looked up afresh."""
+        self._end_session(st)
+        st.phase, st.pending_load, st.loading, st.block_ids = Phase.NEW, None, False, []
+
+    def _free_locks(self, st: RequestState, start: int = 0, end: int = -1) -> None:
+        if not st.session_open:
+            return
+        clients = self.pool.get()
+        for c in clients or ():
+            self._call(c.free_lookup_locks, st.req_id, start, end)
+
+    def _end_session(self, st: RequestState) -> None:
+        if not st.session_open:
+            return
+        st.session_open = False
+        for c in self.pool.get() or ():
+            self._call(c.end_session, st.req_id)
+
+    def _call(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except KVDepotError as exc:
+            self.pool.failed(exc)  # locks end with their lease's TTL

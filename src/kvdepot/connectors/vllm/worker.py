@@ -1,0 +1,286 @@
+"""The worker half: scatter retrieved chunks into vLLM's paged blocks and gather blocks into new chunks.
+
+Transfers follow the metadata the scheduler half built for the step:
+
+- loads: ``prepare_retrieve`` gives read-only views of the chunks (the server's shared-memory arena
+  on the shm transport, received frames on the inline one) and each is scattered straight into its
+  blocks. Synchronous loads run in ``start_load_kv`` before the forward; with ``layerwise`` a helper
+  thread scatters layer by layer and ``wait_for_layer_load`` waits for one layer; asynchronous loads
+  run on a loader thread between steps and are reported through ``get_finished``.
+- saves: ``prepare_store`` gives writable slots (arena memory on shm: the one copy is the gather)
+  for the chunks the server lacks; they are committed when the block ends.
+
+A chunk that cannot be fetched (evicted, server gone) is never half-used: its blocks are reported as
+load errors, and vLLM recomputes them (``kv_load_failure_policy="recompute"``) or fails the request.
+A failed save is only a future miss.
+
+Ownership: the loader threads write only blocks of requests that wait for them (vLLM does not run
+them meanwhile) and never blocks below ``skip_blocks`` (vLLM's own prefix-cache blocks, which other
+running requests may read).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
+import numpy as np
+
+from kvdepot.client.client import KVClient
+from kvdepot.connectors.vllm.config import ConnectorConfig
+from kvdepot.connectors.vllm.metadata import KVDepotConnectorMetadata, KVDepotWorkerMetadata, LoadOp, SaveOp
+from kvdepot.connectors.vllm.paged_layout import PagedKV, make_layout, probe_cpu_layout
+from kvdepot.errors import KVDepotError
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    def __init__(self, config: ConnectorConfig, model: str, block_size: int, cache_dtype: str, kv_rank: int, kv_world: int) -> None:
+        self.config = config
+        self.model = model
+        self.block_size = block_size
+        self.chunk_size = config.chunk_tokens(block_size)
+        self.blocks_per_chunk = self.chunk_size // block_size
+        self.cache_dtype = cache_dtype
+        self.kv_rank = kv_rank
+        self.kv_world = kv_world
+        self.client: KVClient | None = None
+        self.paged: PagedKV | None = None
+        self.layer_index: dict[str, int] = {}
+        self._lock = threading.Lock()  # guards the three result sets below (loader threads add to them)
+        self._load_errors: set[int] = set()
+        self._finished_async: set[str] = set()
+        self._loaded: set[str] = set()
+        self._layerwise: LayerwiseLoad | None = None
+        self._async_queue: queue.Queue[LoadOp | None] | None = None
+        self._async_thread: threading.Thread | None = None
+
+    def __repr__(self) -> str:
+        return f"WorkerSide(rank={self.kv_rank}/{self.kv_world}, {self.paged!r}, client={self.client!r})"
+
+    # --- set-up --------------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        names = _layer_order(kv_caches)
+        first = kv_caches[names[0]]
+        if first.device.type != "cpu":
+            raise NotImplementedError("kvdepot's vLLM connector supports vLLM's CPU backend only (no device staging yet)")
+        if first.dim() != 4:
+            raise NotImplementedError(f"unsupported KV cache shape {tuple(first.shape)} (MLA and fused layouts are not supported)")
+        _, heads, block_size, fused = first.shape
+        if block_size != self.block_size:
+            raise NotImplementedError(f"kernel block size {block_size} differs from the scheduler's {self.block_size}")
+        head_size = fused // 2
+        fmt = probe_cpu_layout(str(first.dtype), block_size, head_size, self.cache_dtype)
+        self.paged = PagedKV([kv_caches[n] for n in names], block_size, head_size, fmt)
+        self.layer_index = {n: i for i, n in enumerate(names)}
+        layout = make_layout(len(names), heads, head_size, first.dtype)
+        self.client = KVClient(
+            self.config.url,
+            self.model + fmt.model_suffix,
+            layout,
+            rank=self.kv_rank,
+            world_size=self.kv_world,
+            transport=self.config.transport,
+            timeout_s=self.config.timeout_s,
+            chunk_size=self.chunk_size,
+        )
+        if self.client.chunk_size != self.chunk_size:
+            raise ValueError(f"kvdepot registered chunk_size {self.client.chunk_size}, asked for {self.chunk_size}")
+        log.info("kvdepot worker: %r", self)
+
+    def shutdown(self) -> None:
+        if self._async_queue is not None:
+            self._async_queue.put(None)
+            if self._async_thread is not None:
+                self._async_thread.join(timeout=10)
+        if self._layerwise is not None:
+            self._layerwise.join()
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+    # --- loads ---------------------------------------------------------------------------------------
+
+    def start_load_kv(self, meta: KVDepotConnectorMetadata) -> None:
+        sync_ops: list[LoadOp] = []
+        for op in meta.loads:
+            if op.is_async:
+                self._submit_async(op)
+            else:
+                sync_ops.append(op)
+        if not sync_ops:
+            return
+        if self.config.layerwise and self.paged is not None and self.paged.num_layers > 1:
+            self._layerwise = LayerwiseLoad(self, sync_ops)
+            self._layerwise.start()
+            return
+        for op in sync_ops:
+            self.load(op)
+        with self._lock:
+            self._loaded.update(op.req_id for op in sync_ops)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        job = self._layerwise
+        if job is not None:
+            index = self.layer_index.get(layer_name)
+            if index is not None:
+                job.wait(index)
+
+    def load(self, op: LoadOp) -> None:
+        """Scatter the chunks of ``op`` into their blocks; blocks left unwritten become load errors."""
+        with self.retrieve(op) as views:
+            for i, view in enumerate(views):
+                self._scatter(op, i, view)
+
+    @contextmanager
+    def retrieve(self, op: LoadOp) -> Iterator[list[np.ndarray]]:
+        """The views of the op's chunks (a prefix of them: what the server still has). Chunks not
+        given, or given under a lease that expired while they were read, are reported as errors."""
+        assert self.client is not None
+        stack = ExitStack()
+        found = 0
+        try:
+            try:
+                views = stack.enter_context(self.client.prepare_retrieve(op.hashes, op.cache_salt))
+            except KVDepotError as exc:
+                log.warning("kvdepot: load for %s failed: %s", op.req_id, exc)
+                views = []
+            found = len(views)
+            if self.config.debug_load_delay_s:
+                time.sleep(self.config.debug_load_delay_s)
+            yield views
+        finally:
+            try:
+                stack.close()
+            except KVDepotError as exc:  # e.g. LeaseExpired: the bytes may have changed under us
+                log.warning("kvdepot: load for %s ended badly: %s", op.req_id, exc)
+                found = 0
+            if found < len(op.hashes):
+                self._report_missing(op, found)
+
+    def _scatter(self, op: LoadOp, i: int, view: np.ndarray, layer: int | None = None) -> None:
+        assert self.paged is not None
+        bpc = self.blocks_per_chunk
+        self.paged.scatter(view, op.block_ids[i * bpc : (i + 1) * bpc], op.skip_blocks if i == 0 else 0, layer)
+
+    def _report_missing(self, op: LoadOp, found: int) -> None:
+        first_block = max(found * self.blocks_per_chunk, op.skip_blocks)
+        missing = op.block_ids[first_block:]
+        log.warning("kvdepot: %s got %d of %d chunks; %d blocks to recompute", op.req_id, found, len(op.hashes), len(missing))
+        with self._lock:
+            self._load_errors.update(missing)
+
+    def _submit_async(self, op: LoadOp) -> None:
+        if self._async_queue is None:
+            self._async_queue = queue.Queue()
+            self._async_thread = threading.Thread(target=self._async_loop, name="kvdepot-async-load", daemon=True)
+            self._async_thread.start()
+        self._async_queue.put(op)
+
+    def _async_loop(self) -> None:
+        assert self._async_queue is not None
+        while (op := self._async_queue.get()) is not None:
+            try:
+                self.load(op)
+            except Exception:  # never leave the request waiting forever
+                log.exception("kvdepot: async load for %s failed", op.req_id)
+                with self._lock:
+                    self._load_errors.update(op.block_ids[op.skip_blocks :])
+            with self._lock:  # after its errors, so both reach the scheduler in the same step
+                self._finished_async.add(op.req_id)
+
+    # --- saves ---------------------------------------------------------------------------------------
+
+    def wait_for_save(self, meta: KVDepotConnectorMetadata) -> None:
+        job, self._layerwise = self._layerwise, None
+        if job is not None:
+            job.join()
+            with self._lock:
+                self._loaded.update(op.req_id for op in job.ops)
+        for op in meta.saves:
+            self.save(op)
+
+    def save(self, op: SaveOp) -> None:
+        assert self.client is not None and self.paged is not None
+        bpc = self.blocks_per_chunk
+        try:
+            with self.client.prepare_store(op.hashes, op.cache_salt) as slots:
+                for i, slot in enumerate(slots):
+                    if slot is not None:
+                        self.paged.gather(op.block_ids[i * bpc : (i + 1) * bpc], slot)
+        except KVDepotError as exc:
+            log.warning("kvdepot: save for %s failed (a future miss): %s", op.req_id, exc)
+
+    # --- reports -------------------------------------------------------------------------------------
+
+    def take_finished_async(self) -> set[str]:
+        with self._lock:
+            done, self._finished_async = self._finished_async, set()
+        return done
+
+    def take_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_worker_meta(self) -> KVDepotWorkerMetadata | None:
+        with self._lock:
+            loaded, self._loaded = self._loaded, set()
+        return KVDepotWorkerMetadata(loaded) if loaded else None
+
+
+class LayerwiseLoad:
+    """Scatter a step's synchronous loads one layer at a time on a helper thread; attention of layer
+    N waits for ``events[N]`` only. Every event is set when the thread ends, whatever happened, so a
+    waiter never hangs (a failure shows as load errors)."""
+
+    def __init__(self, worker: WorkerSide, ops: list[LoadOp]) -> None:
+        assert worker.paged is not None
+        self.worker = worker
+        self.ops = ops
+        self.events = [threading.Event() for _ in range(worker.paged.num_layers)]
+        self._thread = threading.Thread(target=self._run, name="kvdepot-layerwise-load", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait(self, layer: int) -> None:
+        self.events[layer].wait()
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            with ExitStack() as stack:
+                fetched = [(op, stack.enter_context(self.worker.retrieve(op))) for op in self.ops]
+                for layer, event in enumerate(self.events):
+                    for op, views in fetched:
+                        for i, view in enumerate(views):
+                            self.worker._scatter(op, i, view, layer)
+                    event.set()
+        except Exception:
+            log.exception("kvdepot: layerwise load failed")
+            with self.worker._lock:
+                for op in self.ops:
+                    self.worker._load_errors.update(op.block_ids[op.skip_blocks :])
+        finally:
+            for event in self.events:
+                event.set()
+
+
+def _layer_order(kv_caches: dict) -> list[str]:
+    """Layer names in model order (the order chunks store layers in)."""
+    names = list(kv_caches)
+    try:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        return sorted(names, key=extract_layer_index)
+    except Exception:
+        return names
