@@ -13,7 +13,7 @@ import tempfile
 import time
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -81,7 +81,6 @@ class Server:
     proc: ServerProcess
     log_path: Path
     ipc_dir: str | None = None
-    extra: dict = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -138,15 +137,25 @@ class Server:
 def _start_server(log_dir: Path, name: str, args: list[str], http: bool = True, ipc: bool = True, port: int = 0) -> Server:
     ipc_dir = tempfile.mkdtemp(prefix="kvd-")  # short: ipc paths are limited to ~107 bytes
     log_path = log_dir / f"{name}.log"
-    proc = ServerProcess(
-        args=["--chunk-size", str(CHUNK), "--l1-size-gb", SMALL_L1, *args],
-        port=port,
-        http_port=free_port() if http else 0,
-        ipc_path=os.path.join(ipc_dir, "s.ipc") if ipc else None,
-        log_path=str(log_path),
-    )
-    proc.start()
-    return Server(proc, log_path, ipc_dir)
+    for attempt in range(3):
+        proc = ServerProcess(
+            args=["--chunk-size", str(CHUNK), "--l1-size-gb", SMALL_L1, *args],
+            port=port,
+            http_port=free_port() if http else 0,
+            ipc_path=os.path.join(ipc_dir, "s.ipc") if ipc else None,
+            log_path=str(log_path),
+        )
+        try:
+            proc.start()
+            return Server(proc, log_path, ipc_dir)
+        except RuntimeError:
+            # free_port() can race with another process taking the port before the server binds it:
+            # try again on fresh ports (unless the caller pinned one); a real start-up bug fails 3 times.
+            proc.stop()
+            if port or attempt == 2 or "in use" not in log_path.read_text(errors="replace"):
+                shutil.rmtree(ipc_dir, ignore_errors=True)
+                raise
+    raise AssertionError("unreachable")
 
 
 def _stop_server(server: Server) -> None:

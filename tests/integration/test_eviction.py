@@ -13,9 +13,9 @@ BIG = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64)  # 4 KiB a token, 64 K
 L1_GB = "0.015625"  # 16 MiB = 256 chunks of 64 KiB
 
 
-@pytest.mark.parametrize("transport", ["shm", "inline"])
-def test_lru_fill_five_times_over(make_server, transport, seed):
-    srv = make_server("--l1-size-gb", L1_GB)
+@pytest.mark.parametrize("policy, transport", [("lru", "shm"), ("lru", "inline"), ("isolated_lru", "shm")])
+def test_lru_fill_five_times_over(make_server, policy, transport, seed):
+    srv = make_server("--l1-size-gb", L1_GB, "--eviction-policy", policy)
     cap = srv.status()["l1"]["capacity_bytes"]
     assert cap == 16 << 20
     chunk_bytes = BIG.chunk_bytes(CHUNK)
@@ -128,18 +128,7 @@ def test_locked_objects_are_never_evicted_or_overwritten(make_server, seed):
         assert srv.status()["leases"] == 0
 
 
-INLINE_PREFIX_BUG = pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: the inline store sends STORE_INLINE with first=k (the k chunks its LOOKUP found) and "
-        "TransferModule.store_inline reserves only keys[first:], so ObjectTable.reserve_write's `keep` set never "
-        "protects keys[:first]: making room for the new chunks evicts the very prefix the client then reports "
-        "as stored (store() returns 264 chunks, lookup() finds 0)"
-    ),
-)
-
-
-@pytest.mark.parametrize("transport", ["shm", pytest.param("inline", marks=INLINE_PREFIX_BUG)])
+@pytest.mark.parametrize("transport", ["shm", "inline"])
 def test_a_store_never_evicts_the_prefix_it_extends(make_server, transport, seed):
     """Extending a stored prompt by more than L1 can take: the reservation may evict anything except the
     chunks it reports as already stored, so the count store() returns is exactly what lookup() finds."""

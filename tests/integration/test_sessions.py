@@ -144,3 +144,56 @@ def test_closing_the_client_drops_its_sessions(srv, seed):
     assert st["leases"] == 0 and st["sessions"] == 0 and st["contexts"] == 0
     with srv.client() as c:
         assert_bytes_equal(c.retrieve(tokens), kv)
+
+
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_retrieve_from_after_the_freed_locks(srv, transport, seed):
+    """The engine frees the locks of the chunks it already has and retrieves the rest (start=k)."""
+    with srv.client(transport=transport) as c:
+        tokens, kv = _stored(c, 5, seed)
+        hashes = c.hashes(tokens)
+        assert c.lookup_chunks(hashes, session_id="e") == 5
+        assert c.free_lookup_locks("e", 0, 2) == 2
+        with c.prepare_retrieve(hashes, session_id="e", start=2) as views:
+            assert len(views) == 3
+            for i, v in enumerate(views, start=2):
+                assert_bytes_equal(v, kv[:, :, i * CHUNK : (i + 1) * CHUNK])
+        c.end_session("e")
+        st = srv.status()
+        assert st["leases"] == 0 and st["l1"]["read_locked"] == 0
+
+
+_FREED_FIRST_REASON = (
+    "TransferModule._lock_for_retrieve reuses the session's lease whenever _same_prefix holds, and "
+    "ObjectTable.read_lease_offsets stops at the first released key, so after free_lookup_locks(s, 0, 1) a "
+    "session retrieve from chunk 0 gets 0 offsets"
+)
+
+
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_retrieve_after_freeing_the_first_lock_still_finds_the_data(srv, transport, seed):
+    with srv.client(transport=transport) as c:
+        tokens, kv = _stored(c, 4, seed)
+        hashes = c.hashes(tokens)
+        assert c.lookup_chunks(hashes, session_id="f") == 4
+        assert c.free_lookup_locks("f", 0, 1) == 1
+        with c.prepare_retrieve(hashes, session_id="f") as views:
+            assert len(views) == 4
+            for i, v in enumerate(views):
+                assert_bytes_equal(v, kv[:, :, i * CHUNK : (i + 1) * CHUNK])
+        c.end_session("f")
+
+
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_a_session_retrieve_never_leaks_its_lease(srv, transport, seed):
+    with srv.client(transport=transport) as c:
+        tokens, _ = _stored(c, 4, seed)
+        hashes = c.hashes(tokens)
+        assert c.lookup_chunks(hashes, session_id="g") == 4
+        assert c.free_lookup_locks("g", 0, 1) == 1
+        with c.prepare_retrieve(hashes, session_id="g"):
+            pass
+        c.end_session("g")
+        st = srv.status()
+        assert st["leases"] == 0, "a read lease outlived its session and its retrieve"
+        assert st["l1"]["read_locked"] == 0

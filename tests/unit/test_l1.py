@@ -50,6 +50,12 @@ def make_table(clock):
     return make
 
 
+def store_one_by_one(table: ObjectTable, ids, owner=A) -> None:
+    """Store each key in its own batch, so their LRU order is the order given."""
+    for i in ids:
+        store(table, [i], owner)
+
+
 def store(table: ObjectTable, ids, owner=A) -> list[SlotStatus]:
     """Reserve and commit ``ids``; returns the statuses."""
     r = table.reserve_write(ks(*ids), SLOT, owner)
@@ -338,7 +344,7 @@ def test_release_read_of_no_lease_is_zero(make_table):
 
 def test_lru_evicts_oldest_committed_first(make_table):
     t = make_table(3)
-    store(t, [1, 2, 3])
+    store_one_by_one(t, [1, 2, 3])
     assert store(t, [4]) == [AL]
     assert present(t, [1, 2, 3, 4]) == [2, 3, 4]
     assert store(t, [5, 6]) == [AL, AL]
@@ -348,7 +354,7 @@ def test_lru_evicts_oldest_committed_first(make_table):
 
 def test_lookup_counts_as_access_for_lru(make_table):
     t = make_table(3)
-    store(t, [1, 2, 3])
+    store_one_by_one(t, [1, 2, 3])
     assert t.lookup(ks(1)) == 1  # 1 becomes most recent: order is 2, 3, 1
     store(t, [4])
     assert present(t, [1, 2, 3, 4]) == [1, 3, 4]
@@ -359,7 +365,7 @@ def test_lookup_counts_as_access_for_lru(make_table):
 
 def test_exists_in_reserve_counts_as_access(make_table):
     t = make_table(3)
-    store(t, [1, 2, 3])
+    store_one_by_one(t, [1, 2, 3])
     assert store(t, [1]) == [EX]  # order now 2, 3, 1
     store(t, [4])
     assert present(t, [1, 2, 3, 4]) == [1, 3, 4]
@@ -367,7 +373,7 @@ def test_exists_in_reserve_counts_as_access(make_table):
 
 def test_locked_objects_are_never_evicted(make_table):
     t = make_table(3)
-    store(t, [1, 2, 3])
+    store_one_by_one(t, [1, 2, 3])
     lock = t.acquire_read(ks(1, 2), B)
     assert store(t, [4]) == [AL]
     assert present(t, [1, 2, 3, 4]) == [1, 2, 4]
@@ -379,7 +385,8 @@ def test_locked_objects_are_never_evicted(make_table):
     t.release_read(lock.lease_id, B)
     t.commit_write(r.lease_id, A)
     assert store(t, [7]) == [AL]
-    assert present(t, [1, 2, 6, 7]) == [2, 6, 7]
+    # The lock touched 2 then 1 (tail first), so 2 is older than 1 and goes first.
+    assert present(t, [1, 2, 6, 7]) == [1, 6, 7]
     t.check_invariants()
 
 
@@ -391,9 +398,27 @@ def test_writing_objects_are_never_evicted(make_table):
     assert t.commit_write(r.lease_id, A) == 2
 
 
+def test_a_batch_is_evicted_tail_first(make_table):
+    """A prompt's chunks are stored together; eviction must take the tail before the head, since a head
+    alone is still a prefix hit and a tail alone never is."""
+    t = make_table(4)
+    store(t, [1, 2, 3, 4])  # chunk 1 is the head
+    assert t.evict_to(2 * SLOT) == 2
+    assert present(t, [1, 2, 3, 4]) == [1, 2]
+    assert t.lookup(ks(1, 2, 3, 4)) == 2
+
+
+def test_a_lookup_keeps_the_head_most_recent(make_table):
+    t = make_table(4)
+    store_one_by_one(t, [1, 2])  # LRU: 1, 2
+    assert t.lookup(ks(1, 2)) == 2  # touched tail first, head last: 2, 1
+    assert t.evict_to(SLOT) == 1
+    assert present(t, [1, 2]) == [1]
+
+
 def test_evict_to_evicts_in_lru_order_down_to_the_target(make_table):
     t = make_table(4)
-    store(t, [1, 2, 3, 4])
+    store_one_by_one(t, [1, 2, 3, 4])
     t.lookup(ks(2))  # order 1, 3, 4, 2
     assert t.evict_to(2 * SLOT) == 2
     assert present(t, [1, 2, 3, 4]) == [2, 4]
@@ -414,7 +439,7 @@ def test_noop_policy_never_evicts_and_stores_get_no_space(make_table):
 
 def test_eviction_of_a_larger_size_frees_adjacent_space(make_table):
     t = make_table(4)
-    store(t, [1, 2, 3, 4])
+    store_one_by_one(t, [1, 2, 3, 4])
     r = t.reserve_write(ks(9), 2 * SLOT, A)  # needs two adjacent free slots: 1 and 2 are the oldest
     assert (r.statuses, r.offsets) == ([AL], [0])
     assert present(t, [1, 2, 3, 4]) == [3, 4]

@@ -28,6 +28,7 @@ class ServerProcess:
     env: dict[str, str] | None = None
     log_path: str | None = None
     proc: subprocess.Popen | None = None
+    _log: object = None
 
     @property
     def url(self) -> str:
@@ -46,7 +47,7 @@ class ServerProcess:
         if self.ipc_path:
             cmd += ["--ipc-path", self.ipc_path]
         cmd += self.args
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        out = self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         env = dict(os.environ, **(self.env or {}))
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if self.log_path else subprocess.DEVNULL, env=env)
         # Wait for a PING reply (the server binds before it answers).
@@ -80,6 +81,9 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self._log not in (None, subprocess.DEVNULL):
+            self._log.close()
+            self._log = None
         return self.proc.returncode
 
     def __enter__(self) -> ServerProcess:

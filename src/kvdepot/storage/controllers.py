@@ -234,16 +234,18 @@ class PrefetchState(Enum):
 @dataclass
 class PrefetchJob:
     """One LOOKUP's fetch of missing chunks ``keys[start:]`` from L2. ``on_done(loaded)`` gets how many
-    chunks from ``start`` on are now READY in L1 (a prefix)."""
+    chunks from the first ``start`` on are now READY in L1 (a prefix). Tiers are asked in order; a tier
+    that holds part of what is missing supplies that part, and the next tier is asked for the rest."""
 
     keys: list[ObjectKey]
-    start: int
+    start: int  # advances as tiers supply chunks
     size: int
     salt: str
     on_done: Callable[[int], None]
     state: PrefetchState = PrefetchState.LOOKUP
     tier: int = 0
     found: int = 0
+    loaded: int = 0  # chunks supplied so far, from the first start on
     lease: LeaseId = NO_LEASE
     load_keys: list[ObjectKey] = field(default_factory=list)
 
@@ -297,8 +299,8 @@ class PrefetchController:
 
     def _ask(self, job: PrefetchJob) -> None:
         """Ask the job's current tier how many of the missing chunks it holds."""
-        if job.tier >= len(self._tiers):
-            self._finish(job, 0)
+        if job.tier >= len(self._tiers) or job.start >= len(job.keys):
+            self._finish(job, job.loaded)
             return
         task = self._tiers[job.tier].submit_lookup_and_lock(job.keys[job.start :])
         with self._lock:
@@ -324,7 +326,7 @@ class PrefetchController:
         if not job.load_keys:
             self._table.finish_write(job.lease, PREFETCH_OWNER, set())
             self._unlock(job, wanted)
-            self._finish(job, usable)
+            self._advance(job, usable, complete=usable == len(wanted))
             return
         job.state = PrefetchState.LOAD
         task = self._tiers[job.tier].submit_load(job.load_keys, dests)
@@ -345,7 +347,19 @@ class PrefetchController:
             if key in job.load_keys and key not in loaded:
                 break
             prefix += 1
-        self._finish(job, prefix)
+        self._advance(job, prefix, complete=prefix == job.found)
+
+    def _advance(self, job: PrefetchJob, supplied: int, complete: bool) -> None:
+        """``supplied`` more chunks are in L1. If the tier gave all it had, ask the next tier for the
+        rest; a chunk that failed to load ends the prefix here."""
+        job.loaded += supplied
+        job.start += supplied
+        job.state = PrefetchState.LOOKUP
+        if complete and job.start < len(job.keys):
+            job.tier += 1
+            self._ask(job)
+        else:
+            self._finish(job, job.loaded)
 
     def _unlock(self, job: PrefetchJob, keys: list[ObjectKey]) -> None:
         if keys:

@@ -1,5 +1,8 @@
 """The L1 object table: the state machine of every object in the arena, and the leases that lock them.
 
+Eviction order: the policy is told about a batch's keys (a prompt's chunks) last chunk first, so under
+LRU a prompt loses its tail before its head: a head alone is still a prefix hit, a tail alone never is.
+
 ::
 
     absent ──reserve_write──► WRITING ──commit_write──► READY ◄──release_read── READ-LOCKED(n)
@@ -208,8 +211,8 @@ class ObjectTable:
                 obj.state = ObjectState.READY
                 obj.writer = NO_LEASE
                 self._counters.ready += 1
-                self._policy.on_ready(key, obj.salt, obj.size)
                 ready.append(key)
+            self._tell_ready_locked(ready)
         if ready:
             for listener in self._ready_listeners:
                 listener(ready, owner)
@@ -233,8 +236,8 @@ class ObjectTable:
                 obj.state = ObjectState.READY
                 obj.writer = NO_LEASE
                 self._counters.ready += 1
-                self._policy.on_ready(key, obj.salt, obj.size)
                 ready.append(key)
+            self._tell_ready_locked(ready)
         if ready:
             for listener in self._ready_listeners:
                 listener(ready, owner)
@@ -258,8 +261,9 @@ class ObjectTable:
                 obj = self._objects.get(key)
                 if obj is None or obj.state is not ObjectState.READY or obj.doomed:
                     break
-                self._policy.on_access(key)
                 n += 1
+            for key in reversed(keys[:n]):  # head most recent: the tail goes first
+                self._policy.on_access(key)
             return n
 
     def acquire_read(
@@ -276,7 +280,7 @@ class ObjectTable:
             if not found:
                 return ReadLock(NO_LEASE, [])
             lease_id = LeaseId(next(self._ids))
-            for obj in found:
+            for obj in reversed(found):  # head most recent: the tail goes first
                 self._add_reader_locked(obj)
                 self._policy.on_access(obj.key)
             self._add_lease_locked(
@@ -499,6 +503,11 @@ class ObjectTable:
         self._policy.on_remove(obj.key)
         if obj.state is ObjectState.READY:
             self._counters.ready -= 1
+
+    def _tell_ready_locked(self, keys: list[ObjectKey]) -> None:
+        for key in reversed(keys):  # head most recent: the tail goes first
+            obj = self._objects[key]
+            self._policy.on_ready(key, obj.salt, obj.size)
 
     def _add_reader_locked(self, obj: L1Object) -> None:
         obj.readers += 1

@@ -76,12 +76,13 @@ class PrefaultStatus:
 class StorageManager:
     def __init__(self, config: StorageConfig) -> None:
         self.config = config
+        # Tiers first: a tier that cannot be built must fail before the arena (real memory) exists.
+        self.tiers = [registry.build(registry.parse_spec(spec, i)) for i, spec in enumerate(config.l2)]
         self.arena = SharedArena.create(config.l1_size_bytes + HEADER_BYTES, shm_dir=config.shm_dir)
         allocator = ExtentAllocator(config.l1_size_bytes, alignment=ALIGNMENT, base=HEADER_BYTES)
         self.table = ObjectTable(allocator, make_policy(config.eviction_policy), lease_ttl_s=config.lease_ttl_s)
         self.eviction = EvictionController(self.table, config.high_watermark, config.low_watermark)
         self.prefaulter = Prefaulter(self.arena) if config.prefault else None
-        self.tiers = [registry.build(registry.parse_spec(spec, i)) for i, spec in enumerate(config.l2)]
         self.driver: TierDriver | None = None
         self.store_controller: StoreController | None = None
         self.prefetcher: PrefetchController | None = None

@@ -19,8 +19,9 @@ class ConnectorConfig:
     """Tokens per chunk; a multiple of vLLM's block size. 0: 256 rounded up to a multiple of it."""
     transport: str = "auto"
     """``auto`` | ``shm`` | ``inline`` (see KVClient)."""
-    timeout_s: float = 10.0
-    """Deadline of one request to the server."""
+    timeout_s: float = 5.0
+    """Deadline of one request to the server (the scheduler waits this long at most per request
+    before it serves uncached)."""
     load_async: bool = False
     """Load hits between scheduler steps (the request waits in WAITING_FOR_REMOTE_KVS) instead of
     inside the step that computes the rest of its prompt."""

@@ -88,10 +88,10 @@ class ClientPool:
         self._down_until = 0.0
 
     def get(self) -> list[KVClient] | None:
+        if time.monotonic() < self._down_until:
+            return None  # locks the server may still hold for us end with their lease's TTL
         if self._clients is not None:
             return self._clients
-        if time.monotonic() < self._down_until:
-            return None
         clients: list[KVClient] = []
         try:
             for rank in range(self.world_size):
@@ -156,10 +156,10 @@ class SchedulerSide:
             return 0, False
         if st.phase is Phase.NEW:
             self._start_lookup(st, max_chunks)
-        if st.phase is Phase.LOOKING:
+        elif st.phase is Phase.LOOKING:
             self._poll_lookup(st)
-            if st.phase is Phase.LOOKING:
-                return None, False
+        if st.phase is Phase.LOOKING:
+            return None, False  # the server is bringing chunks in from L2: vLLM asks again next step
         hit_tokens = min(st.hit_chunks, max_chunks) * self.chunk_size
         need = max(0, hit_tokens - num_computed_tokens)
         return need, need > 0 and self.config.load_async
@@ -287,8 +287,10 @@ class SchedulerSide:
         except KVDepotError as exc:
             self._lookup_failed(st, exc)
             return
-        st.phase = Phase.LOOKING
-        self._poll_lookup(st)
+        if any(h is None for h in st.rank_hits):
+            st.phase = Phase.LOOKING
+        else:
+            self._lookup_done(st, clients)
 
     def _poll_lookup(self, st: RequestState) -> None:
         clients = self.pool.get()
@@ -308,6 +310,9 @@ class SchedulerSide:
                 self._end_session(st)
                 st.phase, st.hit_chunks = Phase.LOOKED, 0
             return
+        self._lookup_done(st, clients)
+
+    def _lookup_done(self, st: RequestState, clients: list[KVClient]) -> None:
         st.hit_chunks = min(st.rank_hits)  # type: ignore[type-var]
         st.phase = Phase.LOOKED
         if st.hit_chunks < max(st.rank_hits):  # type: ignore[type-var]

@@ -103,7 +103,10 @@ class TransferModule:
                 lease = self.ctx.sessions.take_lease(session)  # the retrieve now owns the locks
                 try:
                     offsets = self.table.read_lease_offsets(lease, call.client, body.start)[: len(keys) - body.start]
-                    return context, ReadLock(lease, offsets, context.chunk_bytes)
+                    if offsets:
+                        return context, ReadLock(lease, offsets, context.chunk_bytes)
+                    # The session freed the locks where this retrieve starts: lock afresh instead.
+                    self.table.release_read(lease, call.client)
                 except KVDepotError:
                     pass  # expired meanwhile: lock afresh below
         return context, self.table.acquire_read(keys[body.start :], call.client)
@@ -121,6 +124,8 @@ class TransferModule:
     def retrieve_inline(self, call: Call) -> Reply:
         context, lock = self._lock_for_retrieve(call)
         if not lock.offsets:
+            if lock.lease_id:
+                self.table.release_read(lock.lease_id, call.client)
             return Reply(m.RetrieveInlineReply(found=0))
         size = context.chunk_bytes
         max_frame = self.ctx.config.rpc.max_frame_bytes
