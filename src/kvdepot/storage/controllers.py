@@ -180,19 +180,19 @@ class StoreController:
                 if self._open >= self._max_in_flight or not self._queue:
                     return
                 keys = [self._queue.popleft() for _ in range(min(self._batch, len(self._queue)))]
+                self._open += 1  # in flight from the moment it leaves the queue: idle() never lies
             self._submit(keys)
 
     def _submit(self, keys: list[ObjectKey]) -> None:
         lease, objects = self._table.acquire_read_each(keys, STORE_OWNER, ttl_s=BACKGROUND_LEASE_TTL_S)
         with self._lock:
             self.stats.skipped_gone += len(keys) - len(objects)
-        if not objects:
-            return
+            if not objects:
+                self._open -= 1
+                return
+            self.stats.submitted += len(objects)
         items = [(key, memoryview(self._arena.buffer[off : off + size])) for key, off, size in objects]
         batch = _StoreBatch(lease, [k for k, _, _ in objects], len(self._tiers), [True] * len(objects))
-        with self._lock:
-            self._open += 1
-            self.stats.submitted += len(objects)
         for i, tier in enumerate(self._tiers):
             task = tier.submit_store(items)
             with self._lock:

@@ -26,7 +26,8 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
@@ -37,6 +38,7 @@ from kvdepot.types import ObjectKey
 log = logging.getLogger(__name__)
 
 TaskId = int
+USAGE_WAIT_S = 0.5  # the longest usage() waits for a backend's answer
 
 
 class TaskKind(Enum):
@@ -116,6 +118,8 @@ class BackendAdapter(ABC):
         self._last_error = ""
         self._stats = {"stored": 0, "loaded": 0, "corrupt": 0, "failures": 0}
         self._pins: dict[ObjectKey, int] = {}
+        self._usage_cache: tuple[int, int, int] = (0, 0, 0)
+        self._usage_future: Future | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, healthy={self._healthy})"
@@ -158,13 +162,10 @@ class BackendAdapter(ABC):
         return out
 
     def usage(self) -> L2Usage:
-        """May ask the backend (remote tiers: bounded by their socket timeouts, and they ask nothing
-        while down); never call it from the RPC loop."""
-        try:
-            used, capacity, objects = self._usage()
-        except Exception as exc:  # usage is best-effort; a dead backend still reports its health
-            used = capacity = objects = 0
-            self._last_error = self._last_error or str(exc)
+        """Asks the backend on the adapter's own threads and waits at most ``USAGE_WAIT_S``: a hung
+        backend cannot stall whoever asks (``/status``); it then gets the last figures known, and no
+        second query is queued behind the stuck one."""
+        used, capacity, objects = self._current_usage()
         with self._lock:
             stats = dict(self._stats)
         return L2Usage(
@@ -180,6 +181,29 @@ class BackendAdapter(ABC):
             stats["failures"],
             self._last_error,
         )
+
+    def _current_usage(self) -> tuple[int, int, int]:
+        if self._pool is None:
+            try:
+                return self._usage()
+            except Exception:
+                return self._usage_cache
+        with self._lock:
+            fut = self._usage_future
+            if fut is None or fut.done():
+                try:
+                    fut = self._usage_future = self._pool.submit(self._usage)
+                except RuntimeError:  # shutting down
+                    return self._usage_cache
+        try:
+            figures = fut.result(timeout=USAGE_WAIT_S)
+        except FutureTimeout:
+            return self._usage_cache
+        except Exception as exc:  # a backend that cannot even say its size is down
+            self._mark_down(exc)
+            return self._usage_cache
+        self._usage_cache = figures
+        return figures
 
     def close(self) -> None:
         if self._pool is not None:

@@ -1,0 +1,389 @@
+"""L2 tiers through a real server (ARCHITECTURE.md §6): write-through to every tier, prefetch of what
+L1 evicted, ``skip_l1`` placement, a corrupt object read as a miss, and the ``--l2`` command line.
+
+Tiers are real: fs in a temporary directory, the contract suite's valkey-server and SeaweedFS S3.
+Bytes are compared bit for bit; counts in /status are compared exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvdepot.bench.serverproc import free_port
+
+from .conftest import CHUNK, LAYOUT, as_bits, wait_until
+from .tiers_conftest import (  # noqa: F401  (s3_server, valkey_server: fixtures)
+    BIG_CHUNK,
+    TINY_L1_GB,
+    assert_consistent,
+    assert_no_loss_counters,
+    assert_prefix_bytes,
+    assert_served_whole,
+    extend_prompt,
+    fs_object_file,
+    fs_spec,
+    make_prompt,
+    prefetch_stats,
+    s3_server,
+    s3_spec,
+    start_tier_server,
+    store_full,
+    store_stats,
+    tier_of,
+    valkey_server,
+    valkey_spec,
+    wait_prefetch,
+    wait_store_idle,
+)
+
+
+# --- write-through ----------------------------------------------------------------------------------
+
+
+def test_write_through_reaches_every_tier(make_server, tmp_path, valkey_server, s3_server, seed):
+    srv = start_tier_server(
+        make_server, fs_spec(tmp_path / "disk"), valkey_spec(valkey_server.url), s3_spec(s3_server.endpoint)
+    )
+    names = ["disk", "kv", "obj"]
+    status = srv.status()
+    assert [(t["name"], t["kind"], t["healthy"], t["objects"]) for t in status["tiers"]] == [
+        ("disk", "fs", True, 0),
+        ("kv", "valkey", True, 0),
+        ("obj", "s3", True, 0),
+    ]
+    prompts = [make_prompt(n, seed + i) for i, n in enumerate([1, 2, 3, 5, 7])]
+    with srv.client() as c:
+        for p in prompts:
+            store_full(c, p)
+        status = wait_store_idle(srv)
+        total = 18
+        for name in names:
+            t = tier_of(status, name)
+            assert (t["healthy"], t["objects"], t["stored"], t["failures"], t["corrupt"]) == (True, total, total, 0, 0), t
+        s = store_stats(status)
+        assert (s["submitted"], s["stored"]) == (total, 3 * total)  # ``stored`` counts per tier
+        assert_no_loss_counters(status)
+
+        # Storing a prompt again pushes nothing; extending one pushes only its new chunks.
+        store_full(c, prompts[2])
+        longer = extend_prompt(prompts[4], 2, seed + 100)
+        store_full(c, longer)
+        status = wait_store_idle(srv)
+        total += 2
+        assert [tier_of(status, n)["objects"] for n in names] == [total] * 3
+        assert store_stats(status)["submitted"] == total
+
+        # From an empty L1 everything comes back, from the first tier in --l2 order that has it.
+        srv.clear()
+        assert srv.status()["l1"]["objects"] == 0
+        for p in [*prompts[:4], longer]:
+            assert_served_whole(c, p)
+        status = srv.status()
+        assert [tier_of(status, n)["loaded"] for n in names] == [total, 0, 0]
+        assert prefetch_stats(status)["chunks_loaded"] == total
+        assert store_stats(status)["submitted"] == total, "objects loaded from L2 must not be pushed back"
+        assert status["leases"] == 0
+
+
+@pytest.mark.parametrize("kind", ["fs", "valkey", "s3", "memory"])
+def test_each_tier_kind_serves_an_emptied_l1(kind, request, make_server, tmp_path, seed):
+    if kind == "fs":
+        spec = fs_spec(tmp_path / "disk", name="t")
+    elif kind == "valkey":
+        spec = valkey_spec(request.getfixturevalue("valkey_server").url, name="t")
+    elif kind == "s3":
+        spec = s3_spec(request.getfixturevalue("s3_server").endpoint, name="t")
+    else:
+        spec = "memory:size_gb=0.25,name=t"
+    srv = start_tier_server(make_server, spec)
+    prompts = [make_prompt(n, seed + i) for i, n in enumerate([2, 4, 6])]
+    with srv.client() as c, srv.client(transport="inline") as ci:
+        assert (c.transport, ci.transport) == ("shm", "inline")
+        for p in prompts:
+            store_full(c, p)
+        status = wait_store_idle(srv)
+        assert_no_loss_counters(status)
+        assert tier_of(status, "t")["objects"] == 12
+
+        srv.clear()
+        assert_served_whole(c, prompts[0])
+        assert_served_whole(ci, prompts[1])
+        assert_served_whole(ci, prompts[2])
+        t = tier_of(srv.status(), "t")
+        assert (t["kind"], t["healthy"], t["loaded"], t["corrupt"], t["failures"]) == (kind, True, 12, 0, 0)
+
+
+# --- prefetch ---------------------------------------------------------------------------------------
+
+
+def test_prefetch_brings_back_prompts_evicted_from_a_small_l1(make_server, tmp_path, seed):
+    srv = start_tier_server(make_server, fs_spec(tmp_path / "disk"), chunk=BIG_CHUNK, l1_gb=TINY_L1_GB)
+    l1_chunks = srv.status()["l1"]["capacity_bytes"] // LAYOUT.chunk_bytes(BIG_CHUNK)
+    assert 250 < l1_chunks < 400
+    per_prompt = 8
+    prompts = [make_prompt(per_prompt, seed * 1000 + i, BIG_CHUNK) for i in range(3 * l1_chunks // per_prompt + 1)]
+    total = len(prompts) * per_prompt  # three times what L1 holds
+    with srv.client() as c, srv.client(transport="inline") as ci:
+        for i, p in enumerate(prompts):
+            store_full(c, p)
+            if i % 8 == 7:
+                # 64 chunks between waits, well under L1: every object reaches the tier before LRU
+                # takes it (a writer that outruns the tier loses the push: see skipped_gone)
+                wait_store_idle(srv)
+        status = wait_store_idle(srv)
+        assert_no_loss_counters(status)
+        assert tier_of(status, "disk")["objects"] == total
+        assert status["l1"]["objects"] < total
+        assert status["l1"]["evicted_objects"] >= total - l1_chunks
+
+        # The raw session API on the oldest prompt, long gone from L1: hits=None while the prefetch
+        # runs, then QUERY_PREFETCH_STATUS reports the full hit, and the retrieve reads L1.
+        oldest = prompts[0]
+        hashes = c.hashes(oldest.tokens)
+        sid = "evicted-session"
+        assert c.lookup_chunks(hashes, session_id=sid) is None, "not in L1: a prefetch must run"
+        assert wait_prefetch(c, sid) == per_prompt
+        with c.prepare_retrieve(hashes, session_id=sid) as views:
+            assert len(views) == per_prompt
+            for k, view in enumerate(views):
+                want = oldest.kv[:, :, k * BIG_CHUNK : (k + 1) * BIG_CHUNK]
+                assert np.array_equal(as_bits(view), as_bits(want)), f"chunk {k} differs"
+        c.end_session(sid)
+        pf = prefetch_stats(srv.status())
+        assert (pf["jobs"], pf["lookups_hit"], pf["chunks_loaded"], pf["chunks_failed"], pf["running"]) == (1, 1, per_prompt, 0, 0)
+
+        # The simple API, every prompt oldest first, twice over: each pass evicts the prompts it
+        # passed from L1 again, and L2 serves them every time (eviction never loses what L2 holds).
+        for _ in range(2):
+            for i, p in enumerate(prompts):
+                assert_served_whole(c if i % 2 else ci, p)
+        status = srv.status()
+        t = tier_of(status, "disk")
+        assert (t["objects"], t["corrupt"], t["failures"]) == (total, 0, 0)
+        assert store_stats(status)["submitted"] == total, "objects loaded from L2 must not be pushed back"
+        assert prefetch_stats(status)["chunks_failed"] == 0
+        assert status["leases"] == 0
+        wait_until(lambda: srv.status()["sessions"] == 0, what="every session to end")
+
+
+def test_a_writer_faster_than_the_tier_loses_only_counted_pushes(make_server, tmp_path, seed):
+    """No pacing: the writer fills a small L1 three times over faster than the fs tier takes it. Every
+    object is accounted for (pushed, or evicted before its turn: ``skipped_gone``), the tier holds exactly
+    what was pushed, and whatever a lookup then reports retrieves bit-exact."""
+    srv = start_tier_server(make_server, fs_spec(tmp_path / "disk"), chunk=BIG_CHUNK, l1_gb=TINY_L1_GB)
+    l1_chunks = srv.status()["l1"]["capacity_bytes"] // LAYOUT.chunk_bytes(BIG_CHUNK)
+    prompts = [make_prompt(8, seed * 1000 + i, BIG_CHUNK) for i in range(3 * l1_chunks // 8)]
+    total = 8 * len(prompts)
+    with srv.client() as c:
+        for p in prompts:
+            store_full(c, p)
+        status = wait_store_idle(srv, accounted=total)
+        s = store_stats(status)
+        assert s["submitted"] + s["skipped_gone"] + s["dropped"] == total
+        assert (s["stored"], s["failed"], s["dropped"]) == (s["submitted"], 0, 0)
+        assert tier_of(status, "disk")["objects"] == s["submitted"]
+        found = sum(assert_consistent(c, p) for p in prompts) // BIG_CHUNK
+        # at most what was pushed (nothing unpushed survived in L1 three fills later); at least some
+        assert 0 < found <= s["submitted"]
+        assert tier_of(srv.status(), "disk")["corrupt"] == 0
+
+
+def test_a_lookup_falls_through_to_the_next_tier(make_server, tmp_path, seed):
+    """The first tier is too small for the working set; what it lost comes from the second."""
+    srv = start_tier_server(make_server, "memory:size_gb=0.0001,name=small", fs_spec(tmp_path / "disk"))
+    prompts = [make_prompt(4, seed + i) for i in range(6)]
+    with srv.client() as c:
+        for p in prompts:
+            store_full(c, p)
+        status = wait_store_idle(srv)
+        assert tier_of(status, "disk")["objects"] == 24
+        assert 4 <= tier_of(status, "small")["objects"] < 24  # ~100 KiB of 8 KiB objects: the newest
+        assert store_stats(status)["failed"] == 0
+
+        srv.clear()
+        assert_served_whole(c, prompts[-1])  # the newest: still in the first tier
+        assert_served_whole(c, prompts[0])  # the oldest: only the second tier has it
+        status = srv.status()
+        assert (tier_of(status, "small")["loaded"], tier_of(status, "disk")["loaded"]) == (4, 4)
+
+
+def test_a_partial_hit_in_one_tier_continues_in_the_next(make_server, tmp_path, seed):
+    """Tier ``small`` (about 12 objects) keeps a prompt's first two chunks but has evicted its last
+    two; tier ``disk`` has all four. The whole prompt is in L2, so the whole prompt is a hit."""
+    srv = start_tier_server(make_server, "memory:size_gb=0.0001,name=small", fs_spec(tmp_path / "disk"))
+    p = make_prompt(4, seed)
+    with srv.client() as c:
+        store_full(c, p)
+        wait_store_idle(srv)
+        srv.clear()
+        assert_served_whole(c, p.head(2))  # read out of ``small``: its two most recently used objects
+        for i in range(10):  # newer objects push the two chunks that were not just read out of ``small``
+            store_full(c, make_prompt(1, seed + 1 + i))
+        status = wait_store_idle(srv)
+        assert (tier_of(status, "small")["objects"], tier_of(status, "disk")["objects"]) == (12, 14), "setup"
+        srv.clear()
+        assert c.lookup(p.tokens) == p.n_tokens, "chunks 2-3 are in tier disk"
+        assert_prefix_bytes(c.retrieve(p.tokens), p, p.n_tokens)
+        status = srv.status()
+        assert (tier_of(status, "small")["loaded"], tier_of(status, "disk")["loaded"]) == (2 + 2, 2)
+
+
+# --- placement ----------------------------------------------------------------------------------------
+
+
+def test_skip_l1_placement_leaves_objects_only_in_l2(make_server, tmp_path, seed):
+    srv = start_tier_server(make_server, fs_spec(tmp_path / "disk"), extra=("--l2-placement", "skip_l1"))
+    prompts = [make_prompt(n, seed + i) for i, n in enumerate([3, 4, 5])]
+    with srv.client() as c, srv.client(transport="inline") as ci:
+        for p in prompts:
+            store_full(c, p)
+        status = wait_store_idle(srv)
+        assert_no_loss_counters(status)
+        assert tier_of(status, "disk")["objects"] == 12
+        wait_until(lambda: srv.status()["l1"]["objects"] == 0, what="L1 to drop the pushed objects")
+
+        assert_served_whole(c, prompts[0])
+        assert_served_whole(ci, prompts[1])
+        hashes = c.hashes(prompts[2].tokens)
+        assert c.lookup_chunks(hashes, session_id="skip") is None
+        assert wait_prefetch(c, "skip") == 5
+        with c.prepare_retrieve(hashes, session_id="skip") as views:
+            assert len(views) == 5
+            got = np.concatenate([np.asarray(v) for v in views], axis=2)
+            assert_prefix_bytes(got, prompts[2], prompts[2].n_tokens)
+        c.end_session("skip")
+        status = srv.status()
+        assert tier_of(status, "disk")["loaded"] == 12
+        assert store_stats(status)["submitted"] == 12
+        assert status["leases"] == 0
+
+
+# --- integrity ----------------------------------------------------------------------------------------
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset, os.SEEK_SET if offset >= 0 else os.SEEK_END)
+        at = f.tell()
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def test_a_corrupt_fs_object_is_a_miss_never_bad_bytes(make_server, tmp_path, seed):
+    tier_dir = tmp_path / "disk"
+    srv = start_tier_server(make_server, fs_spec(tier_dir))
+    flipped_payload, flipped_header, torn = (make_prompt(4, seed + i) for i in range(3))
+    with srv.client() as c:
+        for p in (flipped_payload, flipped_header, torn):
+            store_full(c, p)
+        status = wait_store_idle(srv)
+        assert tier_of(status, "disk")["objects"] == 12
+
+        damaged = [fs_object_file(tier_dir, c, flipped_payload, 2), fs_object_file(tier_dir, c, flipped_header, 0)]
+        _flip_byte(damaged[0], -1)  # the payload's last byte
+        _flip_byte(damaged[1], 0)  # the header's magic
+        damaged.append(fs_object_file(tier_dir, c, torn, 1))
+        os.truncate(damaged[2], damaged[2].stat().st_size // 2)  # a torn write
+
+        srv.clear()
+        for _ in range(2):  # asked again, the same answer (the corrupt files are gone by then)
+            assert c.lookup(flipped_payload.tokens) == 2 * CHUNK
+            assert_prefix_bytes(c.retrieve(flipped_payload.tokens), flipped_payload, 2 * CHUNK)
+            assert c.lookup(flipped_header.tokens) == 0
+            assert_prefix_bytes(c.retrieve(flipped_header.tokens), flipped_header, 0)
+            assert c.lookup(torn.tokens) == 1 * CHUNK
+            assert_prefix_bytes(c.retrieve(torn.tokens), torn, 1 * CHUNK)
+        status = srv.status()
+        t = tier_of(status, "disk")
+        assert (t["corrupt"], t["objects"], t["healthy"]) == (3, 9, True)
+        assert [f.exists() for f in damaged] == [False] * 3
+        assert prefetch_stats(status)["chunks_failed"] == 3
+
+        # Storing the prompt again repairs the tier: only the missing chunk is written.
+        store_full(c, flipped_payload)
+        status = wait_store_idle(srv)
+        assert tier_of(status, "disk")["objects"] == 10
+        assert damaged[0].exists()
+        srv.clear()
+        assert_served_whole(c, flipped_payload)
+        assert tier_of(srv.status(), "disk")["corrupt"] == 3
+
+
+# --- the --l2 command line ----------------------------------------------------------------------------
+
+
+def _server_cli(*args: str, shm_dir: str | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "kvdepot.cli", "server", "--port", str(free_port()), "--http-port", "0", *args]
+    if shm_dir:
+        cmd += ["--shm-dir", shm_dir]
+    env = dict(os.environ, COLUMNS="200")
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+
+
+@pytest.mark.parametrize(
+    "spec, named",
+    [
+        ("nosuch:path=/x", "unknown tier type 'nosuch'"),
+        ('{"type": "warp"}', "unknown tier type 'warp'"),
+        ("fs:path=/tmp/x,bogus=1", "unknown field `bogus`"),
+        ('{"type": "s3", "bucket": "b", "endpoint": "http://x"}', "unknown field `endpoint`"),
+        ("fs:size_gb=1", "missing required field `path`"),
+        ("fs:path=/tmp/x,size_gb=lots", "size_gb"),
+        ("valkey:url", "'url' is not key=value"),
+    ],
+)
+def test_a_bad_l2_spec_exits_non_zero_naming_the_problem(spec, named):
+    with tempfile.TemporaryDirectory() as shm_dir:
+        r = _server_cli("--l2", spec, shm_dir=shm_dir)
+        assert r.returncode == 2, (r.returncode, r.stderr)
+        assert named in r.stderr
+        assert os.listdir(shm_dir) == []  # rejected before anything was created
+    if "unknown tier type" in named:
+        assert "['fs', 'memory', 's3', 'valkey']" in r.stderr  # and the known ones are listed
+
+
+@pytest.mark.parametrize("spec", ["fs:path=/tmp/kvd-never,size_gb=-1", "valkey:prefix=", "s3:bucket=b,part_size_mib=1"])
+def test_a_tier_that_fails_to_build_leaves_no_arena_behind(spec):
+    """A value only the adapter checks (not the spec's types) fails start-up before the arena exists."""
+    with tempfile.TemporaryDirectory() as shm_dir:
+        r = _server_cli("--l2", spec, shm_dir=shm_dir)
+        assert r.returncode != 0
+        assert "tier" in r.stderr
+        assert os.listdir(shm_dir) == []
+
+
+def test_server_help_lists_tier_types_and_their_options():
+    r = subprocess.run(
+        [sys.executable, "-m", "kvdepot.cli", "server", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, COLUMNS="200"),
+    )
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())  # argparse wraps lines
+    for kind in ("fs:", "memory:", "s3:", "valkey:"):
+        assert kind in text
+    for option in (
+        "path=(required)",
+        "size_gb=",
+        "fsync=",
+        "url=",
+        "socket_timeout_s=",
+        "bucket=(required)",
+        "endpoint_url=",
+        "create_bucket=",
+        "--l2-placement",
+        "write_through",
+        "skip_l1",
+        "--l2-queue-limit",
+    ):
+        assert option in text, f"--help does not mention {option}"
