@@ -196,31 +196,11 @@ class ObjectTable:
 
     def commit_write(self, lease_id: LeaseId, owner: ClientId) -> int:
         """WRITING -> READY for every object of the lease; returns how many became visible."""
-        if lease_id == NO_LEASE:
-            return 0
-        with self._lock:
-            lease = self._take_lease_locked(lease_id, owner, LeaseKind.WRITE)
-            ready: list[ObjectKey] = []
-            for key in lease.keys:
-                obj = self._objects.get(key) if key is not None else None
-                if obj is None or obj.writer != lease_id:
-                    continue
-                if obj.doomed:
-                    self._remove_locked(obj)
-                    continue
-                obj.state = ObjectState.READY
-                obj.writer = NO_LEASE
-                self._counters.ready += 1
-                ready.append(key)
-            self._tell_ready_locked(ready)
-        if ready:
-            for listener in self._ready_listeners:
-                listener(ready, owner)
-        return len(ready)
+        return self.finish_write(lease_id, owner, publish=None)
 
-    def finish_write(self, lease_id: LeaseId, owner: ClientId, publish: set[ObjectKey]) -> int:
-        """End a write lease, publishing only the keys in ``publish`` and dropping the rest (a loader
-        whose backend failed for some keys must not publish what it did not write)."""
+    def finish_write(self, lease_id: LeaseId, owner: ClientId, publish: set[ObjectKey] | None) -> int:
+        """End a write lease, publishing the keys in ``publish`` (all when None) and dropping the rest:
+        a loader whose backend failed for some keys must not publish what it did not write."""
         if lease_id == NO_LEASE:
             return 0
         with self._lock:
@@ -230,7 +210,7 @@ class ObjectTable:
                 obj = self._objects.get(key) if key is not None else None
                 if obj is None or obj.writer != lease_id:
                     continue
-                if obj.doomed or key not in publish:
+                if obj.doomed or (publish is not None and key not in publish):
                     self._remove_locked(obj)
                     continue
                 obj.state = ObjectState.READY
