@@ -1,8 +1,10 @@
 """The ROUTER loop: receive → decode → dispatch → exactly one reply per request.
 
 SYNC handlers run on the loop thread and must be quick (no big copies). BLOCKING handlers run on a
-thread pool; their replies come back to the loop through an inproc PUSH/PULL pair, because a ZeroMQ
-socket belongs to one thread. Any exception a handler raises becomes an error reply: a request is never
+thread pool; a ZeroMQ socket belongs to one thread, so their replies come back to the loop through the
+ROUTER itself: each worker has an inproc DEALER connected to it, under a routing id with a random
+per-server prefix no client can guess. The loop thus blocks in one ``recv`` (with a timeout for
+housekeeping) and never pays for a poll over several sockets on the round trip. Any exception a handler raises becomes an error reply: a request is never
 left unanswered. A reply may carry raw payload frames sent without a copy (``copy=False``); its
 ``on_sent`` callback runs once ZeroMQ has let go of those buffers, so the read locks that keep them
 valid are released only then.
@@ -11,6 +13,7 @@ valid are released only then.
 from __future__ import annotations
 
 import logging
+import os
 import select
 import threading
 import time
@@ -107,6 +110,7 @@ class RpcServer:
         self._start_error: BaseException | None = None
         self._local = threading.local()
         self._reply_addr = f"inproc://kvdepot-replies-{id(self)}"
+        self._worker_prefix = b"\x00" + os.urandom(15)  # routing ids of worker reply sockets
         self._trackers: deque[tuple[zmq.MessageTracker, Callable[[], None]]] = deque()
         self._tracker_lock = threading.Lock()
 
@@ -151,36 +155,33 @@ class RpcServer:
         except zmq.ZMQError as exc:
             router.close(linger=0)  # an open socket would make Context.term() wait forever
             raise OSError(f"cannot listen on {ep}: {exc}") from None
+        router.bind(self._reply_addr)  # the workers' replies come in here too
         monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        pull = self._ctx.socket(zmq.PULL)
-        pull.bind(self._reply_addr)
-        return router, pull, monitor
+        return router, monitor
 
     def _run(self) -> None:
         try:
-            router, pull, monitor = self._bind()
+            router, monitor = self._bind()
         except BaseException as exc:
             self._start_error = exc
             self._ready.set()
             return
         self._ready.set()
-        # Only the two sockets that carry requests and replies are polled: every extra poll item costs
-        # microseconds on each round trip. Process exits (pidfds) and the monitor are checked on the
-        # housekeeping tick instead.
-        poller = zmq.Poller()
-        poller.register(router, zmq.POLLIN)
-        poller.register(pull, zmq.POLLIN)
         pid_poll = select.poll()
         watched_fds: set[int] = set()
         next_hk = time.monotonic()
-        hk_ms = int(self._hk_interval * 1000)
+        timeout_ms = -1
         try:
             while not self._stop.is_set():
-                for sock, _ in poller.poll(20 if self._trackers else hk_ms):
-                    if sock is router:
-                        self._receive(router)
-                    else:
-                        self._forward_replies(pull, router)
+                # Wake for the next message, or in time for trackers / housekeeping.
+                want = 20 if self._trackers else int(self._hk_interval * 1000)
+                if want != timeout_ms:
+                    router.setsockopt(zmq.RCVTIMEO, want)
+                    timeout_ms = want
+                try:
+                    self._receive(router)
+                except zmq.Again:
+                    pass
                 if self._trackers:
                     self._run_trackers()
                 now = time.monotonic()
@@ -193,12 +194,10 @@ class RpcServer:
                             self._housekeeping()
                         except Exception:
                             log.exception("housekeeping failed")
-            # Drain: answer what the workers finished, then stop.
-            self._forward_replies(pull, router)
         finally:
             self._run_trackers(force=True)
             router.disable_monitor()
-            for s in (router, pull, monitor):
+            for s in (router, monitor):
                 s.close(linger=0)
             self._liveness.close()
 
@@ -240,23 +239,31 @@ class RpcServer:
                 )
 
     def _receive(self, router: zmq.Socket) -> None:
-        # Checking EVENTS is cheaper than a NOBLOCK recv that ends in an Again exception.
-        for _ in range(256):  # bounded, so replies and housekeeping are not starved
+        """Handle the next message (blocking up to RCVTIMEO), then any already queued."""
+        prefix = self._worker_prefix
+        for _ in range(256):  # bounded, so trackers and housekeeping are not starved
             # Routing id, header and body are small: copying them is cheaper than zero-copy Frame
             # objects. Payload frames (KV bytes) are received without a copy.
-            frames: list = [router.recv()]
+            first = router.recv()
+            from_worker = first[:16] == prefix
+            small = 4 if from_worker else 3
+            frames: list = [first]
             while router.getsockopt(zmq.RCVMORE):
-                frames.append(router.recv(copy=len(frames) < 3))
-            try:
-                self._dispatch(router, frames)
-            except Exception:
-                # Last line of defence: whatever a request does, the loop keeps serving.
-                log.exception("dispatching a request failed")
-                self.stats.errors["INTERNAL"] += 1
+                frames.append(router.recv(copy=len(frames) < small))
+            if from_worker:  # [worker, client, header, body, *payload]: a BLOCKING handler's reply
+                router.send_multipart(frames[1:], copy=False)
+                self._liveness.request_finished(ClientId(frames[1]))
+            else:
                 try:
-                    self._send_error(router, frames[0], 0, ErrorCode.INTERNAL, "the server failed to handle this request")
-                except zmq.ZMQError:
-                    pass
+                    self._dispatch(router, frames)
+                except Exception:
+                    # Last line of defence: whatever a request does, the loop keeps serving.
+                    log.exception("dispatching a request failed")
+                    self.stats.errors["INTERNAL"] += 1
+                    try:
+                        self._send_error(router, frames[0], 0, ErrorCode.INTERNAL, "the server failed to handle this request")
+                    except zmq.ZMQError:
+                        pass
             if not router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 return
 
@@ -347,23 +354,18 @@ class RpcServer:
 
     def _run_blocking(self, spec: HandlerSpec, call: Call) -> None:
         result = self._invoke(spec, call)
-        push = getattr(self._local, "push", None)
-        if push is None:
+        sock = getattr(self._local, "reply", None)
+        if sock is None:
             assert self._ctx is not None
-            push = self._local.push = self._ctx.socket(zmq.PUSH)
-            push.setsockopt(zmq.LINGER, 0)
-            push.setsockopt(zmq.SNDHWM, 0)
-            push.connect(self._reply_addr)
+            sock = self._local.reply = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.ROUTING_ID, self._worker_prefix + threading.get_ident().to_bytes(8, "little"))
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.connect(self._reply_addr)
         try:
-            self._send(push, call.client, call, result)
+            self._send(sock, call.client, call, result)
         except zmq.ZMQError:
             log.warning("could not hand the %s reply to the loop (shutting down?)", call.rtype.name)
-
-    def _forward_replies(self, pull: zmq.Socket, router: zmq.Socket) -> None:
-        while pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            frames = pull.recv_multipart(copy=False)
-            router.send_multipart(frames, copy=False)
-            self._liveness.request_finished(ClientId(frames[0].bytes))
 
     def _run_trackers(self, force: bool = False) -> None:
         if not self._trackers:
