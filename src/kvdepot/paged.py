@@ -3,14 +3,19 @@
 A paged engine keeps each layer's KV in fixed-size blocks; a request's tokens are spread over the blocks
 its block table names. ``gather_chunk`` copies the blocks of one chunk into a contiguous
 ``[K, L, T, H, D]`` buffer (for example a shared-memory slot of the server: the single copy of the shm
-path) and ``scatter_chunk`` copies it back. Both work per layer with one vectorised ``np.take`` /
-``np.put``-style call, so their cost is the memory traffic, not Python overhead.
+path) and ``scatter_chunk`` copies it back, one block copy per block (of every layer at once when the
+layers are views of one allocation), so their cost is the memory traffic, not Python overhead.
 
 Supported per-layer formats (each is viewed, without a copy, as ``[K, num_blocks, block_size, H, D]``):
 
 - ``kv_first``:    ``[K, num_blocks, block_size, H, D]`` — vLLM's flash-attention layout.
 - ``block_first``: ``[num_blocks, K, block_size, H, D]`` — flashinfer-style.
-- ``vllm_cpu``:    ``[num_blocks, H, K*block_size, D]`` — vLLM's CPU backend (per head, K rows then V).
+- ``head_major``:  ``[num_blocks, H, K*block_size, D]`` — per head, the block's K rows then its V rows.
+
+vLLM's CPU backend is none of these: it registers ``[num_blocks, H, block_size, 2*D]`` and its kernels
+store the K part transposed (``[D, block_size]``, ``vec`` ISA) or packed (other ISAs). The vLLM connector
+detects which and reads such caches through its own strided views
+(``kvdepot.connectors.vllm.paged_layout``).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from kvdepot.layout import as_numpy
 class PagedFormat(str, Enum):
     KV_FIRST = "kv_first"
     BLOCK_FIRST = "block_first"
-    VLLM_CPU = "vllm_cpu"
+    HEAD_MAJOR = "head_major"
 
 
 def canonical_view(layer_cache, fmt: PagedFormat | str, kv_factor: int = 2) -> np.ndarray:
@@ -42,7 +47,7 @@ def canonical_view(layer_cache, fmt: PagedFormat | str, kv_factor: int = 2) -> n
             raise ValueError(f"block_first expects [blocks, {kv_factor}, block_size, H, D], got {arr.shape}")
         return arr.transpose(1, 0, 2, 3, 4)
     if arr.ndim != 4 or arr.shape[2] % kv_factor:
-        raise ValueError(f"vllm_cpu expects [blocks, H, {kv_factor}*block_size, D], got {arr.shape}")
+        raise ValueError(f"head_major expects [blocks, H, {kv_factor}*block_size, D], got {arr.shape}")
     nb, h, kbs, d = arr.shape
     return arr.reshape(nb, h, kv_factor, kbs // kv_factor, d).transpose(2, 0, 3, 1, 4)
 

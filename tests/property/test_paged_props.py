@@ -22,7 +22,7 @@ def block_of(cache: np.ndarray, fmt: str, block: int, kf: int) -> np.ndarray:
 
 @st.composite
 def cases(draw):
-    fmt = draw(st.sampled_from(["kv_first", "block_first", "vllm_cpu"]))
+    fmt = draw(st.sampled_from(["kv_first", "block_first", "head_major"]))
     kf = draw(st.integers(1, 2))
     layers = draw(st.integers(1, 3))
     nb = draw(st.integers(1, 6))
@@ -31,7 +31,7 @@ def cases(draw):
     d = draw(st.integers(1, 4))
     ids = draw(st.lists(st.integers(0, nb - 1), max_size=nb, unique=True))
     seed = draw(st.integers(0, 2**16))
-    shape = {"kv_first": (kf, nb, bs, h, d), "block_first": (nb, kf, bs, h, d), "vllm_cpu": (nb, h, kf * bs, d)}[fmt]
+    shape = {"kv_first": (kf, nb, bs, h, d), "block_first": (nb, kf, bs, h, d), "head_major": (nb, h, kf * bs, d)}[fmt]
     rng = np.random.default_rng(seed)
     caches = [rng.integers(0, 255, size=shape, dtype=np.uint8) for _ in range(layers)]
     return fmt, kf, bs, h, d, ids, caches

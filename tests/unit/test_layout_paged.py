@@ -145,7 +145,7 @@ def make_caches(fmt: str, kf: int = K, nb: int = NB, layers: int = L, seed: int 
     shape = {
         "kv_first": (kf, nb, BS, H, D),
         "block_first": (nb, kf, BS, H, D),
-        "vllm_cpu": (nb, H, kf * BS, D),
+        "head_major": (nb, H, kf * BS, D),
     }[fmt]
     return [rng.integers(0, 60000, size=shape).astype(np.uint16) for _ in range(layers)]
 
@@ -155,7 +155,7 @@ def naive_element(cache: np.ndarray, fmt: str, k: int, block: int, t: int, h: in
         return cache[k, block, t, h, d]
     if fmt == "block_first":
         return cache[block, k, t, h, d]
-    return cache[block, h, k * BS + t, d]  # vllm_cpu: per head, the K rows then the V rows
+    return cache[block, h, k * BS + t, d]  # head_major: per head, the K rows then the V rows
 
 
 def naive_gather(caches, ids, fmt, kf=K) -> np.ndarray:
@@ -268,7 +268,7 @@ def test_canonical_views_of_the_three_formats_agree():
     kv = make_caches("kv_first", layers=1)[0]
     bf = np.ascontiguousarray(kv.transpose(1, 0, 2, 3, 4))
     cpu = np.ascontiguousarray(kv.transpose(1, 3, 0, 2, 4)).reshape(NB, H, K * BS, D)
-    for fmt, arr in (("kv_first", kv), ("block_first", bf), ("vllm_cpu", cpu)):
+    for fmt, arr in (("kv_first", kv), ("block_first", bf), ("head_major", cpu)):
         view = canonical_view(arr, fmt)
         assert view.shape == (K, NB, BS, H, D)
         assert np.array_equal(view, kv), fmt
@@ -303,8 +303,8 @@ def test_block_ids_are_checked_against_every_layer():
         ("kv_first", (NB, BS, H, D)),  # 4-D
         ("block_first", (NB, 3, BS, H, D)),
         ("block_first", (K, NB, BS, H)),
-        ("vllm_cpu", (NB, H, K * BS + 1, D)),  # K*block_size not divisible by K
-        ("vllm_cpu", (NB, H, K * BS, D, 1)),  # 5-D
+        ("head_major", (NB, H, K * BS + 1, D)),  # K*block_size not divisible by K
+        ("head_major", (NB, H, K * BS, D, 1)),  # 5-D
     ],
 )
 def test_wrong_cache_shapes_raise_value_error(fmt, cache_shape):

@@ -6,6 +6,8 @@ Load it with::
                      kv_role="kv_both", kv_connector_extra_config={"url": "tcp://127.0.0.1:5555"})
 
 or the same JSON as ``--kv-transfer-config`` of vLLM's OpenAI server. Options: ``ConnectorConfig``.
+Add ``"kv_load_failure_policy": "recompute"`` to have vLLM recompute chunks that vanished between
+lookup and load (evicted after a lock expired, server gone) rather than fail those requests.
 
 vLLM builds one instance per role. The scheduler's (in the engine-core process) answers lookups and
 plans loads and saves (``scheduler.SchedulerSide``); each worker's moves the bytes
@@ -68,6 +70,10 @@ class KVDepotConnector(KVConnectorBase_V1):
         self.config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         parallel = vllm_config.parallel_config
         model_config = vllm_config.model_config
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            raise NotImplementedError("kvdepot's vLLM connector supports vLLM's CPU backend only (no device staging yet)")
         if parallel.pipeline_parallel_size > 1:
             raise NotImplementedError("kvdepot's vLLM connector does not support pipeline parallelism yet")
         if model_config is not None and model_config.use_mla:

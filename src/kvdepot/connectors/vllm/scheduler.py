@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+CONNECT_TIMEOUT_S = 1.0
+
 
 class Phase(enum.Enum):
     NEW = "new"
@@ -95,20 +97,20 @@ class ClientPool:
         clients: list[KVClient] = []
         try:
             for rank in range(self.world_size):
-                clients.append(
-                    KVClient(
-                        self.config.url,
-                        self.model,
-                        self.layout,
-                        rank=rank,
-                        world_size=self.world_size,
-                        transport="inline",  # the scheduler moves no KV: no need to map the arena
-                        timeout_s=self.config.timeout_s,
-                        chunk_size=self.chunk_size,
-                        prefault=False,
-                        tune_malloc=False,
-                    )
+                client = KVClient(
+                    self.config.url,
+                    self.model,
+                    self.layout,
+                    rank=rank,
+                    world_size=self.world_size,
+                    transport="inline",  # the scheduler moves no KV: no need to map the arena
+                    timeout_s=min(self.config.timeout_s, CONNECT_TIMEOUT_S),  # a server that is not there stalls no step for long
+                    chunk_size=self.chunk_size,
+                    prefault=False,
+                    tune_malloc=False,
                 )
+                client.timeout_s = self.config.timeout_s
+                clients.append(client)
         except KVDepotError as exc:
             for c in clients:
                 c.close()

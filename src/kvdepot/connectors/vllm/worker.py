@@ -51,6 +51,8 @@ class WorkerSide:
         self.kv_world = kv_world
         self.client: KVClient | None = None
         self.paged: PagedKV | None = None
+        self._layout = None
+        self._model_id = model
         self.layer_index: dict[str, int] = {}
         self._lock = threading.Lock()  # guards the three result sets below (loader threads add to them)
         self._load_errors: set[int] = set()
@@ -59,6 +61,7 @@ class WorkerSide:
         self._layerwise: LayerwiseLoad | None = None
         self._async_queue: queue.Queue[LoadOp | None] | None = None
         self._async_thread: threading.Thread | None = None
+        self._off_until = 0.0
 
     def __repr__(self) -> str:
         return f"WorkerSide(rank={self.kv_rank}/{self.kv_world}, {self.paged!r}, client={self.client!r})"
@@ -79,20 +82,39 @@ class WorkerSide:
         fmt = probe_cpu_layout(str(first.dtype), block_size, head_size, self.cache_dtype)
         self.paged = PagedKV([kv_caches[n] for n in names], block_size, head_size, fmt)
         self.layer_index = {n: i for i, n in enumerate(names)}
-        layout = make_layout(len(names), heads, head_size, first.dtype)
-        self.client = KVClient(
-            self.config.url,
-            self.model + fmt.model_suffix,
-            layout,
-            rank=self.kv_rank,
-            world_size=self.kv_world,
-            transport=self.config.transport,
-            timeout_s=self.config.timeout_s,
-            chunk_size=self.chunk_size,
-        )
-        if self.client.chunk_size != self.chunk_size:
-            raise ValueError(f"kvdepot registered chunk_size {self.client.chunk_size}, asked for {self.chunk_size}")
+        self._layout = make_layout(len(names), heads, head_size, first.dtype)
+        self._model_id = self.model + fmt.model_suffix
+        self._connect()
         log.info("kvdepot worker: %r", self)
+
+    def _connect(self) -> KVClient | None:
+        """The client, connected on first need; None for ``retry_after_s`` after a failed attempt
+        (the engine runs uncached meanwhile rather than not at all)."""
+        if self.client is not None:
+            return self.client
+        if time.monotonic() < self._off_until:
+            return None
+        try:
+            client = KVClient(
+                self.config.url,
+                self._model_id,
+                self._layout,
+                rank=self.kv_rank,
+                world_size=self.kv_world,
+                transport=self.config.transport,
+                timeout_s=min(self.config.timeout_s, 1.0),
+                chunk_size=self.chunk_size,
+            )
+        except KVDepotError as exc:
+            log.warning("kvdepot worker: cannot reach %s (%s); retrying in %.1fs", self.config.url, exc, self.config.retry_after_s)
+            self._off_until = time.monotonic() + self.config.retry_after_s
+            return None
+        client.timeout_s = self.config.timeout_s
+        if client.chunk_size != self.chunk_size:
+            client.close()
+            raise ValueError(f"kvdepot registered chunk_size {client.chunk_size}, asked for {self.chunk_size}")
+        self.client = client
+        return client
 
     def shutdown(self) -> None:
         if self._async_queue is not None:
@@ -142,12 +164,14 @@ class WorkerSide:
     def retrieve(self, op: LoadOp) -> Iterator[list[np.ndarray]]:
         """The views of the op's chunks (a prefix of them: what the server still has). Chunks not
         given, or given under a lease that expired while they were read, are reported as errors."""
-        assert self.client is not None
         stack = ExitStack()
         found = 0
         try:
             try:
-                views = stack.enter_context(self.client.prepare_retrieve(op.hashes, op.cache_salt))
+                client = self._connect()
+                if client is None:
+                    raise KVDepotError(f"no connection to {self.config.url}")
+                views = stack.enter_context(client.prepare_retrieve(op.hashes, op.cache_salt))
             except KVDepotError as exc:
                 log.warning("kvdepot: load for %s failed: %s", op.req_id, exc)
                 views = []
@@ -207,15 +231,21 @@ class WorkerSide:
             self.save(op)
 
     def save(self, op: SaveOp) -> None:
-        assert self.client is not None and self.paged is not None
+        assert self.paged is not None
+        if time.monotonic() < self._off_until:
+            return  # the server failed us a moment ago: do not stall every step on it
+        client = self._connect()
+        if client is None:
+            return
         bpc = self.blocks_per_chunk
         try:
-            with self.client.prepare_store(op.hashes, op.cache_salt) as slots:
+            with client.prepare_store(op.hashes, op.cache_salt) as slots:
                 for i, slot in enumerate(slots):
                     if slot is not None:
                         self.paged.gather(op.block_ids[i * bpc : (i + 1) * bpc], slot)
         except KVDepotError as exc:
-            log.warning("kvdepot: save for %s failed (a future miss): %s", op.req_id, exc)
+            log.warning("kvdepot: save for %s failed (a future miss); no saves for %.1fs: %s", op.req_id, self.config.retry_after_s, exc)
+            self._off_until = time.monotonic() + self.config.retry_after_s
 
     # --- reports -------------------------------------------------------------------------------------
 

@@ -1,0 +1,443 @@
+"""The connector's two halves driven directly, against a real ``kvdepot server``: vLLM's own request,
+block and scheduler-output types, exact hashes, block ids and lock counts. Seconds, not minutes.
+
+What an engine cannot show on one machine is checked here: TP ranks that hold different prefixes, the
+L2 prefetch answer "not known yet", preemption, chunks that vanish between lookup and load.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from kvdepot import KVClient, KVLayout
+from kvdepot.bench.serverproc import ServerProcess, free_port
+from kvdepot.hashing import chunk_hashes
+
+from .conftest import Server, _require_vllm
+
+CS = 128  # chunk size = vLLM's CPU block size here, unless a test says otherwise
+BS = 128
+MODEL = "parts-model"
+L, H, D = 3, 2, 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_present():
+    _require_vllm()
+
+
+@pytest.fixture
+def make_server(tmp_path):
+    started: list[ServerProcess] = []
+
+    def make(*args: str, chunk: int = CS) -> Server:
+        proc = ServerProcess(
+            args=["--chunk-size", str(chunk), "--l1-size-gb", "0.25", "--no-prefault", *args],
+            http_port=free_port(),
+            log_path=str(tmp_path / f"server{len(started)}.log"),
+        )
+        started.append(proc.start())
+        return Server(proc)
+
+    yield make
+    for proc in started:
+        proc.stop()
+
+
+@pytest.fixture
+def server(make_server) -> Server:
+    return make_server()
+
+
+def layout(dtype: str = "float32") -> KVLayout:
+    return KVLayout(L, H, D, dtype)
+
+
+def tokens(n: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 30000, size=n).tolist()
+
+
+def store(url: str, toks: list[int], n_chunks: int, rank: int = 0, world: int = 1, salt: str = "", chunk: int = CS) -> np.ndarray:
+    lay = layout()
+    kv = np.random.default_rng(rank + 7).standard_normal(lay.chunk_shape(n_chunks * chunk)).astype(np.float32)
+    with KVClient(url, MODEL, lay, rank=rank, world_size=world, chunk_size=chunk) as c:
+        assert c.store(toks[: n_chunks * chunk], kv, cache_salt=salt) == n_chunks * chunk
+    return kv
+
+
+# --- scheduler side ------------------------------------------------------------------------------------
+
+
+def scheduler(url: str, world: int = 1, chunk: int = CS, **options):
+    from kvdepot.connectors.vllm.config import ConnectorConfig
+    from kvdepot.connectors.vllm.scheduler import SchedulerSide
+
+    config = ConnectorConfig(url=url, chunk_size=chunk, **{"timeout_s": 5.0, **options})
+    return SchedulerSide(config, MODEL, layout(), BS, world_size=world)
+
+
+def request(req_id: str, toks: list[int], salt: str | None = None):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(req_id, list(toks), SamplingParams(max_tokens=8), None, cache_salt=salt)
+
+
+def blocks(ids: list[int]):
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    return KVCacheBlocks((tuple(KVCacheBlock(i) for i in ids),))
+
+
+def step(new=(), cached=(), scheduled=None, preempted=()):
+    """A SchedulerOutput: ``new`` = [(req, block_ids, num_computed)], ``cached`` = [(req, new_block_ids,
+    num_computed)], ``scheduled`` = {req_id: tokens this step}."""
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    so = SchedulerOutput.make_empty()
+    for req, ids, computed in new:
+        req.num_computed_tokens = computed
+        so.scheduled_new_reqs.append(NewRequestData.from_request(req, (list(ids),)))
+    cd = CachedRequestData.make_empty()
+    for req, ids, computed in cached:
+        cd.req_ids.append(req.request_id)
+        cd.new_block_ids.append((list(ids),) if ids else None)
+        cd.num_computed_tokens.append(computed)
+        cd.num_output_tokens.append(req.num_output_tokens)
+    so.scheduled_cached_reqs = cd
+    so.num_scheduled_tokens = dict(scheduled or {})
+    so.total_num_scheduled_tokens = sum(so.num_scheduled_tokens.values())
+    so.preempted_req_ids = set(preempted)
+    return so
+
+
+def worker_meta(*req_ids: str):
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from kvdepot.connectors.vllm.metadata import KVDepotWorkerMetadata
+
+    return KVConnectorOutput(kv_connector_worker_meta=KVDepotWorkerMetadata(set(req_ids)))
+
+
+def test_never_claims_the_whole_prompt(server):
+    toks = tokens(3 * CS + 1)
+    store(server.url, toks, 3)
+    s = scheduler(server.url)
+    assert s.get_num_new_matched_tokens(request("exact", toks[: 3 * CS]), 0) == (2 * CS, False)
+    assert s.get_num_new_matched_tokens(request("one-more", toks), 0) == (3 * CS, False)
+    assert s.get_num_new_matched_tokens(request("short", toks[:CS]), 0) == (0, False)  # nothing to claim
+    # vLLM's own prefix cache already covers the hit: nothing to load.
+    assert s.get_num_new_matched_tokens(request("local", toks), 3 * CS) == (0, False)
+    s.shutdown()
+
+
+def test_a_hit_is_the_prefix_every_tp_rank_holds(server):
+    toks = tokens(4 * CS + 5)
+    store(server.url, toks, 3, rank=0, world=2)
+    store(server.url, toks, 2, rank=1, world=2)
+    s = scheduler(server.url, world=2)
+    req = request("tp", toks)
+    assert s.get_num_new_matched_tokens(req, 0) == (2 * CS, False)
+    # rank 0's third chunk is not part of the hit: its lock is released at once.
+    assert server.status()["l1"]["read_locked"] == 4
+    s.update_state_after_alloc(req, blocks(list(range(10, 15))), 2 * CS)
+    meta = s.build_connector_meta(step(new=[(req, range(10, 15), 2 * CS)], scheduled={"tp": 4 * CS + 5 - 2 * CS}))
+    assert [(op.block_ids, op.skip_blocks) for op in meta.loads] == [([10, 11], 0)]
+    # Chunks 2 and 3 are computed this step; each rank's worker stores its own shard of them.
+    assert [(op.block_ids, len(op.hashes)) for op in meta.saves] == [([12, 13], 2)]
+    s.update_connector_output(worker_meta("tp"))
+    assert server.status()["l1"]["read_locked"] == 0
+    s.request_finished(req)
+    assert server.status()["sessions"] == 0
+    s.shutdown()
+
+
+def test_load_plan_skips_what_vllm_holds_and_locks_follow_the_load(make_server):
+    cs = 2 * BS  # two blocks per chunk, so vLLM's own hit can end inside a chunk
+    srv = make_server(chunk=cs)
+    toks = tokens(4 * cs + 10)
+    store(srv.url, toks, 4, chunk=cs)
+    s = scheduler(srv.url, chunk=cs)
+    req = request("r1", toks)
+    hashes = chunk_hashes(toks, cs)
+    local = 3 * BS  # vLLM's prefix cache holds 1.5 chunks
+    assert s.get_num_new_matched_tokens(req, local) == (4 * cs - local, False)
+    assert srv.status()["l1"]["read_locked"] == 4
+    ids = list(range(20, 29))
+    s.update_state_after_alloc(req, blocks(ids), 4 * cs - local)
+    # Chunk 0 lies wholly in vLLM's hit: unlocked now. Chunk 1 is half vLLM's: loaded, first block skipped.
+    assert srv.status()["l1"]["read_locked"] == 3
+    meta = s.build_connector_meta(step(new=[(req, ids, 4 * cs)], scheduled={"r1": 10}))
+    (load,) = meta.loads
+    assert load.hashes == hashes[1:4] and load.block_ids == ids[2:8] and load.skip_blocks == 1 and not load.is_async
+    assert meta.saves == []  # the 10 computed tokens complete no chunk
+    assert s.build_connector_meta(step(cached=[(req, [], 4 * cs + 10)], scheduled={"r1": 1})).loads == []  # planned once
+    s.update_connector_output(worker_meta("r1"))
+    st = srv.status()
+    assert st["l1"]["read_locked"] == 0 and st["sessions"] == 1
+    s.request_finished(req)
+    assert srv.status()["sessions"] == 0
+    s.shutdown()
+
+
+def test_saves_follow_chunked_prefill_and_decode(server):
+    toks = tokens(600)
+    s = scheduler(server.url)
+    req = request("chunked", toks)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    s.update_state_after_alloc(req, blocks([5, 6]), 0)
+    assert server.status()["sessions"] == 1  # a miss still opens a session, ended with the request
+    hashes = chunk_hashes(toks, CS)
+    m1 = s.build_connector_meta(step(new=[(req, [5, 6], 0)], scheduled={"chunked": 256}))
+    assert [(op.hashes, op.block_ids) for op in m1.saves] == [(hashes[0:2], [5, 6])]
+    m2 = s.build_connector_meta(step(cached=[(req, [7, 8, 9], 256)], scheduled={"chunked": 256}))
+    assert [(op.hashes, op.block_ids) for op in m2.saves] == [(hashes[2:4], [7, 8])]
+    m3 = s.build_connector_meta(step(cached=[(req, [], 512)], scheduled={"chunked": 88}))
+    assert m3.saves == []
+    # Decode: generated tokens complete chunk 4 once token 640 has been fed.
+    gen = tokens(60, seed=5)
+    req.append_output_token_ids(gen[:39])
+    assert s.build_connector_meta(step(cached=[(req, [], 638)], scheduled={"chunked": 1})).saves == []
+    req.append_output_token_ids(gen[39:41])
+    m4 = s.build_connector_meta(step(cached=[(req, [], 639)], scheduled={"chunked": 1}))
+    assert [(op.hashes, op.block_ids) for op in m4.saves] == [(chunk_hashes(toks + gen[:41], CS)[4:5], [9])]
+    s.request_finished(req)
+    assert server.status()["sessions"] == 0
+    s.shutdown()
+
+
+def test_preemption_ends_the_session_and_the_request_is_looked_up_again(server):
+    toks = tokens(3 * CS + 7)
+    store(server.url, toks, 2)
+    s = scheduler(server.url)
+    req = request("pre", toks)
+    assert s.get_num_new_matched_tokens(req, 0) == (2 * CS, False)
+    s.update_state_after_alloc(req, blocks([1, 2, 3, 4]), 2 * CS)
+    s.build_connector_meta(step(new=[(req, [1, 2, 3, 4], 2 * CS)], scheduled={"pre": CS + 7}))
+    s.update_connector_output(worker_meta("pre"))
+    # The step stored chunk 2; then vLLM preempts the request and frees its blocks.
+    store(server.url, toks, 3)
+    s.build_connector_meta(step(preempted={"pre"}))
+    assert server.status()["sessions"] == 0
+    assert s.get_num_new_matched_tokens(req, 0) == (3 * CS, False)  # its own saved chunk now hits too
+    s.update_state_after_alloc(req, blocks([9, 8, 7, 6]), 3 * CS)
+    meta = s.build_connector_meta(step(cached=[(req, [9, 8, 7, 6], 3 * CS)], scheduled={"pre": 7}))
+    assert [(op.block_ids, op.skip_blocks) for op in meta.loads] == [([9, 8, 7], 0)]
+    s.request_finished(req)
+    s.shutdown()
+
+
+def test_lookup_answers_not_known_yet_while_the_server_prefetches_from_l2(make_server, tmp_path):
+    srv = make_server("--l2", f"fs:path={tmp_path / 'l2'}", "--l2-placement", "skip_l1")
+    toks = tokens(3 * CS + 1)
+    store(srv.url, toks, 3)
+    gone = srv.wait_status(lambda st: st["l1"]["objects"] == 0)
+    assert gone["l1"]["objects"] == 0, gone  # only L2 holds them now
+    s = scheduler(srv.url)
+    req = request("l2", toks)
+    answers = [s.get_num_new_matched_tokens(req, 0)]
+    deadline = time.monotonic() + 30
+    while answers[-1][0] is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+        answers.append(s.get_num_new_matched_tokens(req, 0))
+    assert answers[0] == (None, False)
+    assert answers[-1] == (3 * CS, False)
+    assert len(answers) >= 2
+    assert srv.status()["l1"]["read_locked"] == 3  # the prefetched chunks are locked for the request
+    s.request_finished(req)
+    assert srv.status()["l1"]["read_locked"] == 0
+    s.shutdown()
+
+
+def test_async_loading_is_announced(server):
+    toks = tokens(2 * CS + 3)
+    store(server.url, toks, 2)
+    s = scheduler(server.url, load_async=True)
+    req = request("a", toks)
+    assert s.get_num_new_matched_tokens(req, 0) == (2 * CS, True)
+    s.update_state_after_alloc(req, blocks([3, 4]), 2 * CS)
+    meta = s.build_connector_meta(step())  # the request is not scheduled while it loads
+    assert [op.is_async for op in meta.loads] == [True]
+    from vllm.v1.outputs import KVConnectorOutput
+
+    s.update_connector_output(KVConnectorOutput(finished_recving={"a"}))
+    assert server.status()["l1"]["read_locked"] == 0
+    # Scheduled once loaded: allocation is reported again, and nothing is loaded twice.
+    s.update_state_after_alloc(req, blocks([3, 4, 5]), 0)
+    assert s.build_connector_meta(step(new=[(req, [3, 4, 5], 2 * CS)], scheduled={"a": 3})).loads == []
+    s.request_finished(req)
+    s.shutdown()
+
+
+def test_unreachable_server_means_uncached_not_stuck():
+    s = scheduler(f"tcp://127.0.0.1:{free_port()}", timeout_s=0.3, retry_after_s=60)
+    t0 = time.monotonic()
+    assert s.get_num_new_matched_tokens(request("x", tokens(3 * CS)), 0) == (0, False)
+    assert s.get_num_new_matched_tokens(request("y", tokens(3 * CS)), 0) == (0, False)  # not retried yet
+    assert time.monotonic() - t0 < 3
+    s.shutdown()
+
+
+def test_cache_salt_separates_requests(server):
+    toks = tokens(2 * CS + 1)
+    store(server.url, toks, 2, salt="tenant-a")
+    s = scheduler(server.url)
+    assert s.get_num_new_matched_tokens(request("a", toks, salt="tenant-a"), 0) == (2 * CS, False)
+    assert s.get_num_new_matched_tokens(request("b", toks, salt="tenant-b"), 0) == (0, False)
+    assert s.get_num_new_matched_tokens(request("c", toks), 0) == (0, False)
+    s.shutdown()
+
+
+def test_config_rejects_unknown_options():
+    from kvdepot.connectors.vllm.config import ConnectorConfig
+
+    with pytest.raises(ValueError, match="unknown kvdepot connector option"):
+        ConnectorConfig.from_extra({"url": "tcp://x:1", "chunksize": 128})
+    assert ConnectorConfig.from_extra({"layerwise": "true", "chunk_size": "256"}).layerwise is True
+    assert ConnectorConfig().chunk_tokens(128) == 256 and ConnectorConfig().chunk_tokens(96) == 288
+    with pytest.raises(ValueError, match="multiple"):
+        ConnectorConfig(chunk_size=200).chunk_tokens(128)
+
+
+# --- worker side ---------------------------------------------------------------------------------------
+
+
+def cpu_caches(num_blocks: int = 12, dtype: str = "bfloat16", seed: int | None = None) -> dict:
+    """Per-layer caches the way vLLM's CPU backend allocates them: views into one allocation."""
+    import torch
+
+    whole = torch.zeros(L, num_blocks, H, BS, 2 * D, dtype=getattr(torch, dtype))
+    if seed is not None:
+        whole.copy_(torch.randn(whole.shape, generator=torch.Generator().manual_seed(seed)))
+    return {f"model.layers.{i}.self_attn.attn": whole[i] for i in range(L)}
+
+
+def worker(url: str, caches: dict, **options):
+    from kvdepot.connectors.vllm.config import ConnectorConfig
+    from kvdepot.connectors.vllm.worker import WorkerSide
+
+    w = WorkerSide(ConnectorConfig(url=url, chunk_size=CS, **options), MODEL, BS, "auto", 0, 1)
+    w.register_kv_caches(caches)
+    return w
+
+
+def meta(loads=(), saves=()):
+    from kvdepot.connectors.vllm.metadata import KVDepotConnectorMetadata
+
+    return KVDepotConnectorMetadata(list(loads), list(saves))
+
+
+def ops(toks, n, src_blocks, dst_blocks, skip=0, is_async=False, req="r"):
+    from kvdepot.connectors.vllm.metadata import LoadOp, SaveOp
+
+    hashes = chunk_hashes(toks, CS)[:n]
+    return SaveOp(req, hashes, "", src_blocks), LoadOp(req, hashes, "", dst_blocks, skip, is_async)
+
+
+def blocks_equal(a: dict, ia: list[int], b: dict, ib: list[int]) -> bool:
+    return all(bool((a[name][ia] == b[name][ib]).all()) for name in a)
+
+
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+@pytest.mark.parametrize("mode", ["sync", "layerwise", "async"])
+def test_worker_saves_and_loads_blocks_exactly(server, transport, mode):
+    src, dst = cpu_caches(seed=1), cpu_caches()
+    toks = tokens(3 * CS + 1)
+    save, load = ops(toks, 3, [7, 2, 9], [0, 5, 3], is_async=mode == "async")
+    writer = worker(server.url, src, transport=transport)
+    assert writer.client.transport == transport
+    writer.wait_for_save(meta(saves=[save]))
+    assert server.status()["l1"]["objects"] == 3
+    reader = worker(server.url, dst, transport=transport, layerwise=mode == "layerwise")
+    reader.start_load_kv(meta(loads=[load]))
+    if mode == "layerwise":
+        for name in dst:
+            reader.wait_for_layer_load(name)
+    if mode == "async":
+        deadline = time.monotonic() + 10
+        while not (done := reader.take_finished_async()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert done == {"r"}
+    reader.wait_for_save(meta())
+    assert blocks_equal(src, [7, 2, 9], dst, [0, 5, 3])
+    untouched = [b for b in range(12) if b not in (0, 5, 3)]
+    assert all(bool((dst[n][untouched] == 0).all()) for n in dst)
+    assert reader.take_load_errors() == set()
+    wm = reader.take_worker_meta()
+    assert (wm.loaded if wm else set()) == (set() if mode == "async" else {"r"})
+    # (an inline retrieve's lease ends once the server has sent the frames: a moment after the reply)
+    assert server.wait_status(lambda st: st["leases"] == 0, timeout_s=5)["leases"] == 0
+    writer.shutdown()
+    reader.shutdown()
+
+
+def test_chunks_in_the_standard_layout(server):
+    """What the worker stores is real per-token K and V (``[K, L, T, H, D]``): the same bytes vLLM's own
+    CPU kernel was given, so any engine with this model and layout can read them."""
+    import torch
+    from vllm import _custom_ops as ops_
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    caches = cpu_caches(dtype="float32")
+    keys = torch.randn(L, CS, H, D)
+    values = torch.randn(L, CS, H, D)
+    slots = torch.arange(4 * BS, 5 * BS)
+    for i, cache in enumerate(caches.values()):
+        kc, vc = cache.view(12, H, 2 * BS, D).chunk(2, dim=2)
+        ops_.cpu_attn_reshape_and_cache(keys[i], values[i], kc, vc, slots, _get_attn_isa(torch.float32, BS, D))
+    w = worker(server.url, caches)
+    toks = tokens(CS + 1)
+    save, _ = ops(toks, 1, [4], [0])
+    w.wait_for_save(meta(saves=[save]))
+    with KVClient(server.url, MODEL, layout("float32"), chunk_size=CS) as c:
+        chunk = c.retrieve(toks)
+    assert np.array_equal(chunk[0], keys.numpy()) and np.array_equal(chunk[1], values.numpy())
+    w.shutdown()
+
+
+def test_skipped_blocks_are_left_alone(server):
+    src, dst = cpu_caches(seed=2), cpu_caches(seed=3)
+    before = {n: t.clone() for n, t in dst.items()}
+    toks = tokens(2 * CS + 1)
+    save, load = ops(toks, 2, [1, 2], [6, 7], skip=1)
+    worker(server.url, src).wait_for_save(meta(saves=[save]))
+    w = worker(server.url, dst)
+    w.start_load_kv(meta(loads=[load]))
+    assert blocks_equal(dst, [6], before, [6]) and blocks_equal(dst, [7], src, [2])
+    w.shutdown()
+
+
+def test_chunks_gone_before_the_load_become_load_errors(server):
+    src, dst = cpu_caches(seed=4), cpu_caches()
+    toks = tokens(3 * CS + 1)
+    save, load = ops(toks, 3, [1, 2, 3], [4, 5, 6])
+    worker(server.url, src).wait_for_save(meta(saves=[save]))
+    with KVClient(server.url, MODEL, layout("bfloat16"), chunk_size=CS) as c:
+        c.clear()
+        kv = np.zeros(layout("bfloat16").chunk_shape(CS), dtype=np.uint16)
+        assert c.store(toks[:CS], kv) == CS  # only the first chunk is back
+    w = worker(server.url, dst)
+    w.start_load_kv(meta(loads=[load]))
+    assert w.take_load_errors() == {5, 6}
+    assert w.take_worker_meta().loaded == {"r"}
+    assert server.status()["leases"] == 0
+    w.shutdown()
+
+
+def test_worker_without_a_server_runs_uncached():
+    """No server at start-up: the engine starts anyway; saves are skipped, loads become load errors
+    (vLLM recomputes those blocks), and nothing waits long."""
+    dst = cpu_caches()
+    t0 = time.monotonic()
+    w = worker(f"tcp://127.0.0.1:{free_port()}", dst, retry_after_s=60)
+    assert w.client is None
+    save, load = ops(tokens(2 * CS + 1), 2, [1, 2], [3, 4])
+    w.wait_for_save(meta(saves=[save]))
+    w.start_load_kv(meta(loads=[load]))
+    assert w.take_load_errors() == {3, 4}
+    assert time.monotonic() - t0 < 5
+    w.shutdown()
