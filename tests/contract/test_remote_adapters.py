@@ -134,11 +134,16 @@ def test_valkey_splits_a_large_value_behind_a_manifest(valkey_adapter_factory, r
 
 
 def test_valkey_keeps_a_small_value_in_its_manifest(valkey_adapter_factory, raw_valkey) -> None:
+    from kvdepot.storage.l2.valkey_adapter import INLINE_VALUE_BYTES
+
     adapter = valkey_adapter_factory("inline", max_value_mib=1)
     adapter.start()
-    key, value = new_key(), os.urandom(MiB // 2)
+    key, value = new_key(), os.urandom(INLINE_VALUE_BYTES // 2)
     assert store(adapter, key, value).ok
     assert stored_names(raw_valkey, adapter, key) == [adapter.manifest_name(key)]
+    big = new_key()  # above the inline size: one plain part behind the manifest
+    assert store(adapter, big, os.urandom(2 * INLINE_VALUE_BYTES)).ok
+    assert len(stored_names(raw_valkey, adapter, big)) == 2
     result, got = load(adapter, key, len(value))
     assert result.value == [True] and got == value
 

@@ -129,7 +129,10 @@ def _adapter_files(adapter, keys) -> list[Path]:
 def main(args: argparse.Namespace) -> int:
     from kvdepot.bench.backends import start_s3, start_valkey
 
+    from kvdepot.malloc import keep_large_buffers_in_heap
+
     _pin_threads()
+    keep_large_buffers_in_heap()  # as in the server process, where the adapters run
     reps = 2 if args.quick else args.reps
     kinds = args.adapters.split(",")
     sizes = [int(s) for s in args.sizes_mib.split(",")]
