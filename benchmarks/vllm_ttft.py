@@ -1,0 +1,628 @@
+"""vLLM time-to-first-token with and without an external KV cache: no connector, kvdepot, LMCache.
+
+One run, one random-weight Llama and one set of prompts, three configurations, each with its own fresh
+engine in a subprocess:
+
+  (a) none     vLLM alone
+  (b) kvdepot  a ``kvdepot server`` (kvdepot.bench.serverproc.ServerProcess) + KVDepotConnector
+  (c) lmcache  LMCache 0.5.6's multiprocess server + vLLM's LMCacheMPConnector (a benchmark peer only,
+               never a kvdepot dependency: its server runs in its own virtual environment under
+               ~/.cache/kvdepot-bench/lmcache-venv, its connector is put on the engine's PYTHONPATH
+               from ~/.cache/kvdepot-bench/lmcache-connector; both are made on first use)
+
+Workloads (requests go one at a time, greedy, a few output tokens):
+
+  doc QA  documents of 4k-8k tokens, each asked several questions (doc + question)
+  chat    a shared system prompt, users whose histories grow round by round
+
+vLLM's own prefix cache is reset before every request in every configuration (the "engine's local
+cache no longer holds it" case that an external cache is for): a hit can only come from the connector,
+and configuration (a) recomputes everything. A *miss* is a request's first sight of its document or
+history (QA question 1, chat round 1), a *hit* every later request.
+
+    .venv/bin/python benchmarks/vllm_ttft.py [--quick] [--configs none,kvdepot,lmcache] [--json out.json]
+
+Needs vLLM (scripts/install-vllm.sh). Times are those of a shared CPU machine: the load average at the
+start and the end is printed with the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VOCAB = 1024
+FIRST_WORD = 3  # ids 0-2 are <unk>, <s>, </s>
+CHUNK = 256  # tokens per chunk, kvdepot and LMCache alike (a multiple of vLLM's CPU block size, 128)
+MODEL_NAME = "kvdepot-bench-llama"
+MAX_TOKENS = 8
+
+BENCH_CACHE = Path.home() / ".cache" / "kvdepot-bench"
+LMCACHE_VENV = BENCH_CACHE / "lmcache-venv"
+LMCACHE_TARGET = BENCH_CACHE / "lmcache-connector"
+LMCACHE_VERSION = "0.5.6"
+LMCACHE_SERVER_DEPS = [
+    "numpy<=2.2.6", "numba", "py-cpuinfo", "psutil", "aiohttp", "requests", "sortedcontainers",
+    "prometheus_client>=0.18.0,<=0.24.1", "cachetools", "pyyaml", "cryptography", "msgspec",
+    "opentelemetry-api==1.40.0", "opentelemetry-sdk==1.40.0", "opentelemetry-exporter-prometheus==0.61b0",
+    "pyzmq>=25", "httpx", "blake3",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Scale:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    doc_lengths: tuple[int, ...]  # document lengths (whole chunks); a QA prompt is a document + a question
+    questions: int
+    question_len: int
+    system_len: int
+    users: int
+    rounds: int
+    user_msg_len: int
+    max_model_len: int
+
+
+FULL = Scale(8, 1024, 8, 4, (4096, 6144), 3, 32, 1024, 2, 3, 256, 8192)
+QUICK = Scale(4, 512, 8, 4, (1024, 2048), 3, 32, 512, 2, 3, 128, 4096)
+
+
+# --- the model ------------------------------------------------------------------------------------------
+
+
+def make_model(path: Path, s: Scale) -> str:
+    """A random-weight Llama and a word-level tokenizer (``w0 w1 ...``), saved like a hub model (the
+    same recipe as tests/e2e/conftest.py's tiny_model)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": FIRST_WORD + i for i in range(VOCAB - FIRST_WORD)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(path)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=s.hidden,
+        intermediate_size=2 * s.hidden,
+        num_hidden_layers=s.layers,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        head_dim=s.hidden // s.heads,
+        max_position_embeddings=s.max_model_len,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.08,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(1234)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def words(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(FIRST_WORD, VOCAB) for _ in range(n)]
+
+
+# --- processes ------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        return sk.getsockname()[1]
+
+
+def engine_env(tmp: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """vLLM's CPU backend on a small machine (as tests/e2e/conftest.py's engine_env), caches in tmp.
+    The model runner's OpenMP threads are bound by VLLM_CPU_OMP_THREADS_BIND; every other process of
+    the engine gets one OpenMP thread."""
+    (tmp / "tmp").mkdir(parents=True, exist_ok=True)
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    env = {
+        **os.environ,
+        "VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}-{cpus[-1]}" if len(cpus) > 1 else str(cpus[0]),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
+        "TMPDIR": str(tmp / "tmp"),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+    env.update(extra or {})
+    return env
+
+
+class EngineDied(RuntimeError):
+    pass
+
+
+@dataclass
+class Engine:
+    """This file run with ``--worker``: one vLLM ``LLM``, driven by JSON lines."""
+
+    model: str
+    kv_config: dict | None
+    workdir: Path
+    name: str
+    max_model_len: int
+    env_extra: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+    _replies: queue.Queue = field(default_factory=queue.Queue)
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"{self.name}.log"
+
+    def start(self, timeout_s: float = 600.0) -> Engine:
+        read_fd, write_fd = os.pipe()
+        cmd = [
+            sys.executable, os.path.abspath(__file__), "--worker",
+            "--model", self.model,
+            "--kv-transfer-config", json.dumps(self.kv_config),
+            "--result-fd", str(write_fd),
+            "--max-model-len", str(self.max_model_len),
+        ]  # fmt: skip
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            pass_fds=(write_fd,),
+            env=engine_env(self.workdir, self.env_extra),
+            start_new_session=True,
+        )
+        os.close(write_fd)
+        log.close()
+        threading.Thread(target=self._read, args=(read_fd,), daemon=True).start()
+        ready = self._next(timeout_s)
+        assert ready.get("ready"), ready
+        return self
+
+    def _read(self, fd: int) -> None:
+        with os.fdopen(fd) as f:
+            for line in f:
+                self._replies.put(json.loads(line))
+        self._replies.put(None)
+
+    def _next(self, timeout_s: float) -> dict:
+        try:
+            reply = self._replies.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"{self.name} did not answer in {timeout_s}s; log: {self.tail()}") from None
+        if reply is None:
+            raise EngineDied(f"{self.name} exited; log: {self.tail()}")
+        return reply
+
+    def call(self, cmd: dict, timeout_s: float = 600.0) -> dict:
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        self.proc.stdin.flush()
+        reply = self._next(timeout_s)
+        if "error" in reply:
+            raise RuntimeError(f"{self.name}: {reply['error']}\n{reply.get('traceback', '')}")
+        return reply
+
+    def one(self, prompt: list[int], max_tokens: int = MAX_TOKENS) -> dict:
+        """Reset vLLM's prefix cache, then one request alone."""
+        self.call({"op": "reset_prefix_cache"})
+        r = self.call({"op": "generate", "prompts": [prompt], "max_tokens": max_tokens})
+        out = r["outputs"][0]
+        out["seconds"] = r["seconds"]
+        return out
+
+    def tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return "(no log)"
+
+    def close(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            self.call({"op": "exit"}, timeout_s=60)
+            self.proc.wait(60)
+        except Exception:
+            pass
+        finally:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+
+def worker_main(argv: list[str]) -> None:
+    """The engine process (as tests/e2e/engine_worker.py): one JSON command a line on stdin, one JSON
+    reply a line on --result-fd."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--model", required=True)
+    p.add_argument("--kv-transfer-config", required=True)
+    p.add_argument("--result-fd", type=int, required=True)
+    p.add_argument("--max-model-len", type=int, required=True)
+    a = p.parse_args(argv)
+    results = os.fdopen(a.result_fd, "w", buffering=1)
+
+    def reply(obj) -> None:
+        results.write(json.dumps(obj) + "\n")
+        results.flush()
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kv = json.loads(a.kv_transfer_config)
+    llm = LLM(
+        model=a.model,
+        dtype="float32",
+        max_model_len=a.max_model_len,
+        max_num_batched_tokens=a.max_model_len,  # a whole prompt in one step
+        enforce_eager=True,
+        seed=0,
+        disable_log_stats=False,
+        kv_transfer_config=KVTransferConfig(**kv) if kv else None,
+    )
+    reply({"ready": True, "pid": os.getpid()})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        cmd = json.loads(line)
+        try:
+            op = cmd["op"]
+            if op == "generate":
+                prompts = [TokensPrompt(prompt_token_ids=ids) for ids in cmd["prompts"]]
+                params = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"], ignore_eos=True)
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                seconds = time.perf_counter() - t0
+                reply(
+                    {
+                        "seconds": seconds,
+                        "outputs": [
+                            {
+                                "token_ids": list(o.outputs[0].token_ids),
+                                "num_cached_tokens": o.num_cached_tokens or 0,
+                                "ttft_s": getattr(o.metrics, "first_token_latency", None),
+                            }
+                            for o in outs
+                        ],
+                    }
+                )
+            elif op == "reset_prefix_cache":
+                reply({"ok": bool(llm.reset_prefix_cache())})
+            elif op == "exit":
+                reply({"ok": True})
+                break
+            else:
+                reply({"error": f"unknown op {op!r}"})
+        except Exception as exc:
+            reply({"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+    del llm
+
+
+# --- LMCache (a benchmark peer) -------------------------------------------------------------------------
+
+
+def _pip(python: str, *args: str, log) -> None:
+    subprocess.run([python, "-m", "pip", "install", "-q", *args], check=True, stdout=log, stderr=subprocess.STDOUT)
+
+
+def ensure_lmcache(log_path: Path) -> None:
+    """LMCache's server venv and its connector's --target dir, made once and reused. Its wheel declares
+    CUDA dependencies, hence --no-deps and the explicit list."""
+    with open(log_path, "ab") as log:
+        server_py = LMCACHE_VENV / "bin" / "python"
+        ok = server_py.exists() and subprocess.run(
+            [str(server_py), "-c", "import lmcache.v1.multiprocess.server, torch"], stdout=log, stderr=subprocess.STDOUT
+        ).returncode == 0
+        if not ok:
+            if not server_py.exists():
+                subprocess.run(["python3", "-m", "venv", str(LMCACHE_VENV)], check=True, stdout=log, stderr=subprocess.STDOUT)
+            _pip(str(server_py), "torch==2.13.0", log=log)
+            _pip(str(server_py), "--no-deps", f"lmcache=={LMCACHE_VERSION}", log=log)
+            _pip(str(server_py), *LMCACHE_SERVER_DEPS, log=log)
+        if not (LMCACHE_TARGET / "lmcache").is_dir() or not (LMCACHE_TARGET / "sortedcontainers").is_dir():
+            _pip(sys.executable, "--no-deps", "--target", str(LMCACHE_TARGET), f"lmcache=={LMCACHE_VERSION}", "sortedcontainers", log=log)
+        # vLLM must still import, and find the connector, with the target dir on its path.
+        check = (
+            "import vllm, lmcache; "
+            "from vllm.distributed.kv_transfer.kv_connector.v1 import lmcache_mp_connector as m; "
+            "print('lmcache', lmcache.__file__, m.LMCacheMPConnector)"
+        )
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(LMCACHE_TARGET), os.environ.get("PYTHONPATH")])))
+        subprocess.run([sys.executable, "-c", check], check=True, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+@dataclass
+class LMCacheServer:
+    port: int
+    log_path: Path
+    proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 120.0) -> LMCacheServer:
+        cmd = [
+            str(LMCACHE_VENV / "bin" / "python"), "-m", "lmcache.v1.multiprocess.server",
+            "--host", "127.0.0.1", "--port", str(self.port), "--chunk-size", str(CHUNK),
+            "--l1-size-gb", "2", "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
+        ]  # fmt: skip
+        log = open(self.log_path, "ab")
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env.pop("PYTHONPATH", None)
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"LMCache server exited with {self.proc.returncode}: {self.log_path.read_text()[-3000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    time.sleep(1.0)  # bound; let it finish setting up
+                    return self
+            except OSError:
+                time.sleep(0.3)
+        self.stop()
+        raise TimeoutError(f"LMCache server not listening in {timeout_s}s")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+# --- workloads ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Record:
+    workload: str
+    kind: str  # "miss" | "hit" | "warmup"
+    tag: str
+    prompt_len: int
+    ttft_s: float
+    seconds: float
+    cached: int
+    out: list[int]
+
+
+def warm_up(engine: Engine, s: Scale) -> None:
+    """One-time costs (allocations, kernel set-up) out of the timings: prompts of every size class,
+    of words used nowhere else (they are stored by a connector, and never asked again)."""
+    rng = random.Random(777)
+    for n in (200, max(s.doc_lengths), s.doc_lengths[0], 600):
+        engine.one(words(rng, n), 2)
+
+
+def run_workloads(engine: Engine, s: Scale, rep: int = 0) -> list[Record]:
+    recs: list[Record] = []
+
+    def rec(workload: str, kind: str, tag: str, prompt: list[int]) -> list[int]:
+        o = engine.one(prompt)
+        ttft = o["ttft_s"] if o["ttft_s"] else o["seconds"]
+        recs.append(Record(workload, kind, f"r{rep}/{tag}", len(prompt), ttft, o["seconds"], o["num_cached_tokens"], o["token_ids"]))
+        return o["token_ids"]
+
+    # Doc QA: question q of every document, then question q+1 of every document, ...
+    rng = random.Random(1 + 1000 * rep)
+    docs = [words(rng, n) for n in s.doc_lengths]
+    questions = [[words(rng, s.question_len) for _ in range(s.questions)] for _ in docs]
+    for q in range(s.questions):
+        for d, doc in enumerate(docs):
+            rec("qa", "miss" if q == 0 else "hit", f"doc{d}({len(doc)})/q{q}", doc + questions[d][q])
+
+    # Chat: round r of every user, then round r+1; a history is the system prompt, then the user's
+    # messages each followed by the answer the engine gave.
+    rng = random.Random(2 + 1000 * rep)
+    system = words(rng, s.system_len)
+    histories = [list(system) for _ in range(s.users)]
+    for r in range(s.rounds):
+        for u in range(s.users):
+            histories[u] += words(rng, s.user_msg_len)
+            answer = rec("chat", "miss" if r == 0 else "hit", f"user{u}/round{r}", histories[u])
+            histories[u] += answer
+    return recs
+
+
+def run_config(name: str, model: str, s: Scale, work: Path, repeats: int) -> list[Record]:
+    wd = work / name
+    wd.mkdir(parents=True, exist_ok=True)
+    server = None
+    env_extra: dict[str, str] = {}
+    if name == "none":
+        kv = None
+    elif name == "kvdepot":
+        from kvdepot.bench.serverproc import ServerProcess
+
+        server = ServerProcess(
+            args=["--chunk-size", str(CHUNK), "--l1-size-gb", "2", "--log-level", "warning"],
+            http_port=free_port(),
+            env={"OMP_NUM_THREADS": "1"},
+            log_path=str(wd / "kvdepot-server.log"),
+        ).start()
+        kv = {
+            "kv_connector": "KVDepotConnector",
+            "kv_connector_module_path": "kvdepot.connectors.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"url": server.url, "chunk_size": CHUNK, "model_name": MODEL_NAME},
+        }
+    elif name == "lmcache":
+        ensure_lmcache(wd / "lmcache-install.log")
+        port = free_port()
+        server = LMCacheServer(port, wd / "lmcache-server.log").start()
+        kv = {
+            "kv_connector": "LMCacheMPConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port},
+        }
+        env_extra["PYTHONPATH"] = os.pathsep.join(filter(None, [str(LMCACHE_TARGET), os.environ.get("PYTHONPATH")]))
+    else:
+        raise ValueError(name)
+    engine = Engine(model, kv, wd, f"engine-{name}", s.max_model_len, env_extra)
+    try:
+        engine.start()
+        warm_up(engine, s)
+        return [r for rep in range(repeats) for r in run_workloads(engine, s, rep)]
+    finally:
+        engine.close()
+        if server is not None:
+            server.stop()
+
+
+# --- report ---------------------------------------------------------------------------------------------
+
+
+def p50(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def ms(x: float | None) -> str:
+    return "-" if x is None else f"{1000 * x:.0f}"
+
+
+def summarize(name: str, recs: list[Record]) -> dict:
+    def sel(w: str, k: str) -> list[Record]:
+        return [r for r in recs if r.workload == w and r.kind == k]
+
+    tokens = sum(r.prompt_len + len(r.out) for r in recs)
+    seconds = sum(r.seconds for r in recs)
+    hits = [r for r in recs if r.kind == "hit"]
+    return {
+        "config": name,
+        "qa_miss": p50([r.ttft_s for r in sel("qa", "miss")]),
+        "qa_hit": p50([r.ttft_s for r in sel("qa", "hit")]),
+        "chat_miss": p50([r.ttft_s for r in sel("chat", "miss")]),
+        "chat_hit": p50([r.ttft_s for r in sel("chat", "hit")]),
+        "throughput": tokens / seconds if seconds else 0.0,
+        "hit_tokens": sum(r.cached for r in hits),
+        "hit_prompt_tokens": sum(r.prompt_len for r in hits),
+    }
+
+
+def main() -> None:
+    if "--worker" in sys.argv[1:]:
+        worker_main(sys.argv[1:])
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller model and prompts (4 layers, hidden 512, 1-2k-token docs)")
+    ap.add_argument("--configs", default="none,kvdepot,lmcache")
+    ap.add_argument("--repeats", type=int, default=1, help="run the workloads this many times, with fresh prompts each time")
+    ap.add_argument("--json", help="write every request's record here")
+    ap.add_argument("--workdir", help="keep logs here (default: a fresh temporary dir)")
+    args = ap.parse_args()
+    s = QUICK if args.quick else FULL
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvdepot-vllm-ttft-"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"workdir (logs): {work}", flush=True)
+    load_start = os.getloadavg()
+    t_start = time.monotonic()
+    model = make_model(work / "model", s)
+
+    results: dict[str, list[Record] | str] = {}
+    for name in args.configs.split(","):
+        print(f"[{time.monotonic() - t_start:6.0f}s] {name} ...", flush=True)
+        try:
+            results[name] = run_config(name, model, s, work, args.repeats)
+        except Exception as exc:  # a peer that cannot run is reported, not fatal
+            reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:200]
+            print(f"  {name} failed: {exc!s:.3000}", flush=True)
+            results[name] = f"not measured: {reason}"
+        else:
+            for r in results[name]:
+                print(f"  {r.workload:4} {r.kind:4} {r.tag:22} len={r.prompt_len:5} cached={r.cached:5} ttft={1000 * r.ttft_s:7.0f} ms", flush=True)
+    load_end = os.getloadavg()
+
+    # --- the table
+    label = "quick" if args.quick else "full"
+    print()
+    print(f"## vLLM TTFT ({label}: Llama {s.layers} layers, hidden {s.hidden}, {s.kv_heads} KV heads, fp32, CPU; "
+          f"QA docs {list(s.doc_lengths)} tokens + {s.question_len}-token question x {s.questions} questions; chat system {s.system_len} + "
+          f"{s.users} users x {s.rounds} rounds of {s.user_msg_len}; {MAX_TOKENS} output tokens, greedy; "
+          f"vLLM prefix cache reset before every request; {args.repeats} repeat(s) with fresh prompts)")  # fmt: skip
+    print()
+    print("| config | QA miss TTFT p50 (ms) | QA hit TTFT p50 (ms) | chat miss TTFT p50 (ms) | chat hit TTFT p50 (ms) | throughput (tok/s) | hit tokens from connector |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    sums = {}
+    for name, res in results.items():
+        if isinstance(res, str):
+            print(f"| {name} | {res} | | | | | |")
+            continue
+        sm = sums[name] = summarize(name, res)
+        print(
+            f"| {name} | {ms(sm['qa_miss'])} | {ms(sm['qa_hit'])} | {ms(sm['chat_miss'])} | {ms(sm['chat_hit'])} | "
+            f"{sm['throughput']:.0f} | {sm['hit_tokens']}/{sm['hit_prompt_tokens']} |"
+        )
+    print()
+
+    # --- targets
+    first_len = s.doc_lengths[0]
+    tag0 = f"/doc0({first_len})/"
+    for name, res in results.items():
+        if isinstance(res, str) or name == "none":
+            continue
+        cold = [r.ttft_s for r in res if tag0 in r.tag and r.kind == "miss"]
+        hot = [r.ttft_s for r in res if tag0 in r.tag and r.kind == "hit"]
+        if cold and hot:
+            ratio = p50(hot) / p50(cold)
+            target = " (target <= 0.15)" if first_len >= 4096 else ""
+            print(f"- {name}: hit/cold TTFT p50 for the {first_len}-token document (+{s.question_len}-token question): {p50(hot) * 1000:.0f} / {p50(cold) * 1000:.0f} ms = {ratio:.3f}{target}")
+    base = results.get("none")
+    kvd = results.get("kvdepot")
+    if isinstance(base, list) and isinstance(kvd, list):
+        # true misses only: nothing came from the server (chat round 0 of a second user already
+        # finds the shared system prompt there)
+        b = {r.tag: r.ttft_s for r in base if r.kind == "miss"}
+        k = {r.tag: r.ttft_s for r in kvd if r.kind == "miss" and r.cached == 0}
+        common = sorted(set(b) & set(k))
+        overhead = sum(k[t] for t in common) / sum(b[t] for t in common) - 1
+        per = ", ".join(f"{t}: {100 * (k[t] / b[t] - 1):+.1f}%" for t in common)
+        print(f"- kvdepot miss overhead vs no connector (sum of TTFTs of the requests that found nothing, {len(common)} of them): {100 * overhead:+.1f} % (target <= 3 %); per request: {per}")
+    for name, res in results.items():
+        if isinstance(res, list) and isinstance(base, list) and name != "none":
+            same = sum(a.out == b.out for a, b in zip(res, base))
+            print(f"- {name}: {same}/{len(res)} requests gave the same greedy tokens as no connector")
+    print(f"- load average (1, 5, 15 min): start {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}; "
+          f"end {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}; {os.cpu_count()} CPUs; wall {time.monotonic() - t_start:.0f} s")  # fmt: skip
+
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {n: (r if isinstance(r, str) else [vars(x) for x in r]) for n, r in results.items()}
+                | {"summary": sums, "load_start": load_start, "load_end": load_end, "quick": args.quick},
+                indent=1,
+            )
+        )
+
+
+if __name__ == "__main__":  # vLLM spawns processes: everything runs under the main guard
+    main()
