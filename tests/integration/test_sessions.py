@@ -197,3 +197,17 @@ def test_a_session_retrieve_never_leaks_its_lease(srv, transport, seed):
         st = srv.status()
         assert st["leases"] == 0, "a read lease outlived its session and its retrieve"
         assert st["l1"]["read_locked"] == 0
+
+
+@pytest.mark.parametrize("limit,expected", [(0, 4), (2, 2), (9, 4)])
+def test_prepare_retrieve_limit_caps_the_chunks_locked(srv, seed, limit, expected):
+    from kvdepot.protocol import messages as m
+
+    with srv.client(transport="shm") as c:
+        tokens, _ = _stored(c, 4, seed)
+        req = m.PrepareRetrieveRequest(context_id=0, keys=list(c.hashes(tokens)), limit=limit)
+        reply = c._call_ctx(req)
+        assert len(reply.offsets) == expected
+        assert srv.status()["leases"] == 1
+        c._call_ctx(m.CommitRetrieveRequest(context_id=0, lease_id=reply.lease_id))
+        assert srv.status()["leases"] == 0

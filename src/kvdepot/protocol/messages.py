@@ -211,6 +211,7 @@ class PrepareRetrieveRequest(_Body):
     cache_salt: str = ""
     session_id: str = ""
     start: int = 0
+    limit: int = 0  # > 0: at most this many chunks
 
 
 class PrepareRetrieveReply(_Body):

@@ -92,11 +92,10 @@ class TransferModule:
         context, keys = context_and_keys(self.ctx, call)
         if not 0 <= body.start <= len(keys):
             raise BadRequest(f"start={body.start} is outside the {len(keys)} keys")
-        limit = getattr(body, "limit", 0)
-        if limit < 0:
-            raise BadRequest(f"limit={limit} is negative")
-        if limit:
-            keys = keys[: body.start + limit]
+        if body.limit < 0:
+            raise BadRequest(f"limit={body.limit} is negative")
+        if body.limit:
+            keys = keys[: body.start + body.limit]
         if body.session_id:
             session = self.ctx.sessions.get(context.id, body.session_id)
             if session is not None and session.lease_id and _same_prefix(session.keys, keys, body.start):
