@@ -14,6 +14,9 @@ from kvdepot.protocol.codec import MAX_FRAME_BYTES
 from kvdepot.storage.eviction import POLICIES
 
 GiB = 1 << 30
+MIN_L1_GB = 1 / 1024  # 1 MiB: below that no real chunk fits
+MAX_L1_GB = 1 << 20
+MAX_CHUNK_TOKENS = 1 << 16  # the server refuses larger chunk sizes at registration too
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class StorageConfig:
     l2: tuple[str, ...] = ()  # tier specs, in lookup order (see storage/l2/registry.py)
     l2_placement: str = "write_through"
     l2_queue_limit: int = 65536
+    l1_over_memory: bool = False  # start even when L1 exceeds the machine's available memory
 
     @property
     def l1_size_bytes(self) -> int:
@@ -58,6 +62,7 @@ class StorageConfig:
 class HttpConfig:
     host: str = "127.0.0.1"
     port: int = 8080  # 0 turns the HTTP API off
+    allowed_hosts: tuple[str, ...] = ()  # extra Host names the admin API answers to
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,7 @@ def add_storage_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--low-watermark", type=float, default=d.low_watermark, help="...down to this fraction (default: %(default)s)")
     g.add_argument("--lease-ttl-s", type=float, default=d.lease_ttl_s, help="a lock not finished within this time ends (default: %(default)s)")
     g.add_argument("--no-prefault", dest="prefault", action="store_false", help="do not populate the arena in the background at start-up")
+    g.add_argument("--l1-over-memory", action="store_true", help="start even when --l1-size-gb exceeds the machine's available memory (the OS may then swap or kill processes)")
     g.add_argument("--shm-dir", default=d.shm_dir, help="directory of the shared-memory arena (default: %(default)s)")
     g2 = p.add_argument_group("storage (L2 tiers)")
     g2.add_argument(
@@ -138,10 +144,10 @@ def _finite(**values: float) -> None:
 
 def storage_from_args(a: argparse.Namespace) -> StorageConfig:
     _finite(l1_size_gb=a.l1_size_gb, high_watermark=a.high_watermark, low_watermark=a.low_watermark, lease_ttl_s=a.lease_ttl_s)
-    if a.l1_size_gb <= 0:
-        raise ValueError("--l1-size-gb must be positive")
-    if a.chunk_size <= 0:
-        raise ValueError("--chunk-size must be positive")
+    if not MIN_L1_GB <= a.l1_size_gb <= MAX_L1_GB:
+        raise ValueError(f"--l1-size-gb {a.l1_size_gb:g} is outside [{MIN_L1_GB:g}, {MAX_L1_GB:g}] (GiB; 1 MiB at least)")
+    if not 0 < a.chunk_size <= MAX_CHUNK_TOKENS:
+        raise ValueError(f"--chunk-size {a.chunk_size} is outside [1, {MAX_CHUNK_TOKENS}] tokens")
     if not 0 < a.low_watermark <= a.high_watermark <= 1:
         raise ValueError("need 0 < --low-watermark <= --high-watermark <= 1")
     if a.lease_ttl_s <= 0:
@@ -165,6 +171,7 @@ def storage_from_args(a: argparse.Namespace) -> StorageConfig:
         lease_ttl_s=a.lease_ttl_s,
         prefault=a.prefault,
         shm_dir=a.shm_dir,
+        l1_over_memory=a.l1_over_memory,
     )
 
 
@@ -179,12 +186,19 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("HTTP API")
     g.add_argument("--http-host", default=None, help="address of the HTTP API (default: same as --host)")
     g.add_argument("--http-port", type=int, default=d.port, help="HTTP port; 0 turns HTTP off (default: %(default)s)")
+    g.add_argument(
+        "--http-allowed-hosts",
+        default="",
+        help="comma-separated extra host names the HTTP API answers to (loopback names, the bound address and "
+        "this machine's names always work; others are refused against DNS rebinding) (default: none)",
+    )
 
 
 def http_from_args(a: argparse.Namespace) -> HttpConfig:
     if not 0 <= a.http_port <= 65535:
         raise ValueError(f"--http-port {a.http_port} is not a TCP port")
-    return HttpConfig(host=a.http_host or a.host, port=a.http_port)
+    allowed = tuple(h.strip() for h in a.http_allowed_hosts.split(",") if h.strip())
+    return HttpConfig(host=a.http_host or a.host, port=a.http_port, allowed_hosts=allowed)
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:

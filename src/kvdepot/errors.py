@@ -27,6 +27,7 @@ class ErrorCode(IntEnum):
     SHUTTING_DOWN = 15
     CONNECTION = 16
     UNKNOWN_SESSION = 17
+    LEASE_REVOKED = 18
 
 
 class KVDepotError(Exception):
@@ -72,8 +73,21 @@ class LeaseExpired(KVDepotError):
     code = ErrorCode.LEASE_EXPIRED
 
 
+class LeaseRevoked(LeaseExpired):
+    """The server declared the client gone (it missed its heartbeats) while it held the lease; what it
+    wrote was dropped, and the arena space it could still reach was kept from reuse until now."""
+
+    code = ErrorCode.LEASE_REVOKED
+
+
 class KVDepotTimeout(KVDepotError):
     code = ErrorCode.TIMEOUT
+
+
+class ServerUnreachable(KVDepotError):
+    """No kvdepot server answered at the URL in time (not running, wrong address, or a firewall)."""
+
+    code = ErrorCode.CONNECTION
 
 
 class TransportUnavailable(KVDepotError):
@@ -89,7 +103,9 @@ _BY_CODE: dict[ErrorCode, type[KVDepotError]] = {
         IllegalTransition,
         UnknownLease,
         LeaseExpired,
+        LeaseRevoked,
         KVDepotTimeout,
+        ServerUnreachable,
         TransportUnavailable,
     )
 }

@@ -84,6 +84,35 @@ class KVLayout:
         return arr
 
 
+def dtype_name(array) -> str:
+    """The logical dtype of a numpy array or torch tensor: 'float16', 'bfloat16' (torch, or numpy with
+    ml_dtypes), 'uint16', ..."""
+    if isinstance(array, np.ndarray):
+        return array.dtype.name
+    if type(array).__module__.startswith("torch"):
+        return str(array.dtype).removeprefix("torch.")
+    return np.asarray(array).dtype.name
+
+
+def kv_array(array, layout: KVLayout, raw: bool = False) -> np.ndarray:
+    """``array`` (numpy or a CPU torch tensor) as a numpy view of ``layout``'s storage dtype, after
+    checking that its dtype is exactly the layout's: the bytes of a float16 array are not bfloat16 KV,
+    and a cache must never reinterpret one as the other. ``raw=True`` also accepts the same-width
+    unsigned integers that hold the layout's bits (what kvdepot hands back for bfloat16 and fp8).
+    Raises BadRequest naming both dtypes."""
+    from kvdepot.errors import BadRequest
+
+    have = dtype_name(array)
+    raw_name = f"uint{layout.itemsize * 8}"
+    if have != layout.dtype and not (raw and have == raw_name):
+        hint = f"; pass raw=True if it holds the raw {layout.dtype} bits" if have == raw_name else ""
+        raise BadRequest(f"kv has dtype {have} but the layout stores {layout.dtype}{hint}")
+    arr = as_numpy(array)
+    if arr.dtype != layout.storage_dtype:
+        arr = arr.view(layout.storage_dtype)  # same width, checked above: a reinterpretation of the name only
+    return arr
+
+
 def as_numpy(array) -> np.ndarray:
     """Accept a numpy array or a CPU torch tensor; return a numpy view sharing its memory (no copy)."""
     if isinstance(array, np.ndarray):

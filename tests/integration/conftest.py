@@ -111,7 +111,7 @@ class Server:
         return self.status()["leases"]
 
     def clear(self) -> dict:
-        r = httpx.post(f"{self.http}/cache/clear", timeout=10)
+        r = httpx.post(f"{self.http}/cache/clear", json={}, timeout=10)
         assert r.status_code == 200, r.text
         return r.json()
 

@@ -105,7 +105,7 @@ def test_an_undecodable_header_gets_bad_request(peer, header):
     assert rid == 0
 
 
-@pytest.mark.parametrize("version", [0, 2, 999, -1])
+@pytest.mark.parametrize("version", [0, m.PROTOCOL_VERSION - 1, m.PROTOCOL_VERSION + 1, 999, -1])
 def test_wrong_protocol_version_gets_version_mismatch(peer, version):
     rid = _rid(peer)
     code, got_rid, msg = peer.error_of([raw_header(version, rid, int(m.RequestType.PING)), encode_body(m.PingRequest())])

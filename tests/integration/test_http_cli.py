@@ -79,7 +79,7 @@ def test_cache_clear(make_server, seed):
         prompts = [make_tokens((2 + i) * CHUNK, seed + i) for i in range(3)]
         for i, t in enumerate(prompts):
             assert c.store(t, make_kv(LAYOUT, len(t), i)) == len(t)
-        r = httpx.post(f"{srv.http}/cache/clear", timeout=10)
+        r = httpx.post(f"{srv.http}/cache/clear", json={}, timeout=10)
         assert r.status_code == 200
         assert r.json() == {"removed": 2 + 3 + 4}
         for t in prompts:
@@ -91,8 +91,8 @@ def test_cache_clear(make_server, seed):
         kv = make_kv(LAYOUT, len(prompts[0]), 9)
         assert c.store(prompts[0], kv) == len(prompts[0])
         assert_bytes_equal(c.retrieve(prompts[0]), kv)
-        assert httpx.post(f"{srv.http}/cache/clear", timeout=10).json() == {"removed": 2}
-        assert httpx.post(f"{srv.http}/cache/clear", timeout=10).json() == {"removed": 0}
+        assert httpx.post(f"{srv.http}/cache/clear", json={}, timeout=10).json() == {"removed": 2}
+        assert httpx.post(f"{srv.http}/cache/clear", json={}, timeout=10).json() == {"removed": 0}
 
 
 def test_client_clear_is_the_same_operation(make_server, seed):

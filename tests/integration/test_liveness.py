@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvdepot.errors import ErrorCode, LeaseExpired
@@ -160,11 +161,15 @@ def test_killed_reader_without_clear_leaves_data_evictable(make_server, spawn, s
         assert srv.clear()["removed"] == n  # and unlocked
 
 
-def test_lease_ttl_ends_an_abandoned_store(make_server, seed):
+def test_lease_ttl_ends_an_abandoned_store_but_keeps_its_slots_from_reuse(make_server, seed):
+    """A live client that never commits: the TTL ends the lease (its objects vanish and the keys are
+    free again), but the client still maps those slots and could write into them, so their space is
+    quarantined until the client finishes the lease (or its process exits), never handed out earlier."""
     srv = make_server("--lease-ttl-s", "1")
     n = 5
     tokens = make_tokens(n * CHUNK, seed)
     kv = make_kv(LAYOUT, len(tokens), seed)
+    chunk_bytes = LAYOUT.chunk_bytes(CHUNK)
     with srv.client() as c:
         hashes = c.hashes(tokens)
         reply = c._call_ctx(m.PrepareStoreRequest(context_id=0, keys=hashes))
@@ -175,34 +180,47 @@ def test_lease_ttl_ends_an_abandoned_store(make_server, seed):
         wait_until(lambda: srv.status()["leases"] == 0, what="the abandoned write lease to expire")
         status = srv.status()
         assert status["expired_leases"] >= 1
-        assert status["l1"]["objects"] == 0 and status["l1"]["used_bytes"] == 0
+        assert status["l1"]["objects"] == 0
+        assert status["quarantine"]["leases"] == 1 and status["quarantine"]["bytes"] == n * chunk_bytes
+        assert status["l1"]["used_bytes"] == n * chunk_bytes, "the slots it may still write are not reused"
+        [held] = status["quarantine"]["clients"]
+        assert held["pid"] == os.getpid() and held["bytes"] == n * chunk_bytes
         assert status["contexts"] == 1, "the client itself is still alive"
         assert c.ping()
 
-        assert c.store(tokens, kv) == n * CHUNK
+        assert c.store(tokens, kv) == n * CHUNK  # the keys are free: stored in other slots
         assert_bytes_equal(c.retrieve(tokens), kv)
+        new_offsets = set(c._call_ctx(m.PrepareRetrieveRequest(context_id=0, keys=hashes)).offsets)
+        assert not new_offsets & set(reply.offsets), "a quarantined slot was handed out again"
 
-        with pytest.raises(LeaseExpired) as exc_info:
+        with pytest.raises(LeaseExpired, match="expired at .*TTL 1 s") as exc_info:
             c._call(m.CommitStoreRequest(context_id=c.context_id, lease_id=reply.lease_id))
         assert exc_info.value.code == ErrorCode.LEASE_EXPIRED
-        # The late commit changed nothing.
+        # The late commit published nothing, and its slots are back.
         assert_bytes_equal(c.retrieve(tokens), kv)
+        wait_until(lambda: srv.status()["quarantine"]["leases"] == 0, what="the quarantine to end")
         assert srv.status()["l1"]["objects"] == n
 
 
-def test_lease_ttl_ends_a_read_held_too_long(make_server, seed):
+def test_a_read_held_past_the_ttl_keeps_its_pins_while_the_reader_runs(make_server, seed):
+    """The TTL ends a read lease a live reader holds too long, but the reader still maps those bytes:
+    they stay pinned (not evictable, not freed by a clear) until it lets go, so what it read is sound
+    and its release succeeds. Then nothing stays pinned."""
     srv = make_server("--lease-ttl-s", "1")
     tokens = make_tokens(2 * CHUNK, seed)
     kv = make_kv(LAYOUT, len(tokens), seed)
     with srv.client() as c:
         assert c.store(tokens, kv) == 2 * CHUNK
-        with pytest.raises(LeaseExpired):
-            with c.prepare_retrieve(tokens) as views:
-                assert len(views) == 2
-                wait_until(lambda: srv.status()["leases"] == 0, what="the read lease to expire")
-        # The objects are unlocked again and can be evicted / cleared.
-        assert srv.status()["l1"]["read_locked"] == 0
-        assert srv.clear()["removed"] == 2
+        with c.prepare_retrieve(tokens) as views:
+            assert len(views) == 2
+            wait_until(lambda: srv.status()["leases"] == 0, what="the read lease to expire")
+            assert srv.status()["quarantine"]["leases"] == 1
+            assert srv.clear()["removed"] == 0  # still pinned: doomed, not freed
+            assert_bytes_equal(np.concatenate(views, axis=2), kv)  # the bytes never changed under us
+        status = srv.status()
+        assert status["quarantine"]["leases"] == 0
+        assert status["l1"]["read_locked"] == 0
+        assert status["l1"]["objects"] == 0, "the doomed objects went with the last pin"
 
 
 def test_a_heart_beating_idle_client_keeps_its_leases(make_server, seed):

@@ -193,9 +193,10 @@ def test_other_dtypes_round_trip_bytes(server, dtype, transport, seed):
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype=dtype)
     tokens = make_tokens(4 * CHUNK, seed)
     kv = make_kv(layout, len(tokens), seed)
+    raw = layout.storage_dtype.name != dtype  # bf16/fp8 bits held as unsigned ints: say so
     with server.client(transport=transport, layout=layout) as c:
         assert c.chunk_bytes == layout.chunk_bytes(CHUNK)
-        assert c.store(tokens, kv) == 4 * CHUNK
+        assert c.store(tokens, kv, raw=raw) == 4 * CHUNK
         got = c.retrieve(tokens)
         assert got.dtype.itemsize == layout.itemsize
         assert_bytes_equal(got, kv)
@@ -207,7 +208,7 @@ def test_mla_layout_round_trips(server, seed):
     kv = make_kv(layout, len(tokens), seed)
     assert kv.shape[0] == 1
     with server.client(layout=layout) as c:
-        assert c.store(tokens, kv) == 2 * CHUNK
+        assert c.store(tokens, kv, raw=True) == 2 * CHUNK  # bf16 bits as uint16
         assert_bytes_equal(c.retrieve(tokens), kv)
 
 
@@ -289,7 +290,8 @@ def test_other_model_rank_layout_never_see_objects(server, other, seed):
                 assert views == []
             # The stranger stores its own bytes under the same tokens; the owner still reads its own.
             skv = make_kv(stranger.layout, len(tokens), seed + 7)
-            assert stranger.store(tokens, skv) == len(stranger.hashes(tokens)) * stranger.chunk_size
+            raw = stranger.layout.storage_dtype.name != stranger.layout.dtype
+            assert stranger.store(tokens, skv, raw=raw) == len(stranger.hashes(tokens)) * stranger.chunk_size
             assert_bytes_equal(stranger.retrieve(tokens), skv[:, :, : stranger.lookup(tokens)])
         assert_bytes_equal(owner.retrieve(tokens), kv)
 

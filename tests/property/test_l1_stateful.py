@@ -3,6 +3,12 @@
 The model knows exactly which keys are READY, WRITING (and under which lease), doomed by ``clear``, and
 read-locked by which lease. Eviction is the one thing it does not predict: after a store or ``evict_to``
 it asks the table which READY keys went, and checks that none of them was locked.
+
+It also models quarantine: each lease has a toucher, each owner's process is alive or not (a rule
+flips it), and a lease ended by force while its toucher may still run keeps its extents (write) or its
+pins (read) until it is finished or its owner's process is gone. The allocator's usage must always
+equal the live objects plus the quarantined write extents: space a running toucher can reach is never
+handed out again.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from kvdepot.errors import LeaseExpired, UnknownLease
 from kvdepot.protocol.messages import SlotStatus
 from kvdepot.storage.allocator import ExtentAllocator
 from kvdepot.storage.eviction import make_policy
-from kvdepot.storage.l1 import NO_LEASE, ObjectState, ObjectTable
+from kvdepot.storage.l1 import NO_LEASE, ObjectState, ObjectTable, Toucher
 from kvdepot.types import ClientId, ObjectKey
 
 SLOT = 32
@@ -36,6 +42,8 @@ KEYS = [k(i) for i in range(N_KEYS)]
 key_lists = st.lists(st.sampled_from(KEYS), min_size=1, max_size=4)
 owners = st.sampled_from(OWNERS)
 ttls = st.sampled_from([None, 1.0, 3.0])
+write_touchers = st.sampled_from([Toucher.CLIENT, Toucher.CLIENT, Toucher.SERVER])
+read_touchers = st.sampled_from([Toucher.NOBODY, Toucher.CLIENT, Toucher.SERVER])
 
 
 class Clock:
@@ -50,6 +58,8 @@ class MLease:
     owner: ClientId
     keys: list  # list[ObjectKey | None]
     deadline: float
+    toucher: Toucher = Toucher.CLIENT
+    held: int = 0  # quarantined write: bytes still allocated
 
 
 class L1Machine(RuleBasedStateMachine):
@@ -57,8 +67,13 @@ class L1Machine(RuleBasedStateMachine):
     def setup(self, policy, slots):
         self.clock = Clock()
         self.policy = policy
+        self.alive: set[ClientId] = set()  # owners whose process may still touch the arena
         self.table = ObjectTable(
-            ExtentAllocator(slots * SLOT, alignment=SLOT), make_policy(policy), lease_ttl_s=TTL, clock=self.clock
+            ExtentAllocator(slots * SLOT, alignment=SLOT),
+            make_policy(policy),
+            lease_ttl_s=TTL,
+            clock=self.clock,
+            holder_alive=lambda owner: owner in self.alive,
         )
         self.notified: list[list[ObjectKey]] = []
         self.table.add_ready_listener(lambda keys, writer: self.notified.append(keys))
@@ -69,11 +84,13 @@ class L1Machine(RuleBasedStateMachine):
         self.reads: dict[int, MLease] = {}
         self.ended: set[int] = set()  # forcibly ended: LeaseExpired from now on
         self.finished: set[int] = set()  # ended normally: UnknownLease from now on
+        self.qwrites: dict[int, MLease] = {}  # quarantined writes (their extents held)
+        self.qreads: dict[int, MLease] = {}  # quarantined reads (their pins held)
 
     # --- model helpers ----------------------------------------------------------------------------
 
     def readers(self, key: ObjectKey) -> int:
-        return sum(lease.keys.count(key) for lease in self.reads.values())
+        return sum(lease.keys.count(key) for lease in [*self.reads.values(), *self.qreads.values()])
 
     def writer_of(self, key: ObjectKey) -> int | None:
         for lid, lease in self.writes.items():
@@ -100,16 +117,39 @@ class L1Machine(RuleBasedStateMachine):
             self.drop_object(key)
 
     def end_lease(self, lid: int) -> None:
-        """Forced end: TTL or owner gone."""
+        """Forced end: TTL or owner gone. Quarantined when its toucher may still run."""
+        lease = self.writes.get(lid) or self.reads[lid]
+        quarantine = lease.toucher is Toucher.SERVER or (lease.toucher is Toucher.CLIENT and lease.owner in self.alive)
         if lid in self.writes:
-            for key in self.writes.pop(lid).keys:
-                self.drop_object(key)
-        else:
-            lease = self.reads.pop(lid)
+            del self.writes[lid]
             for key in lease.keys:
-                if key is not None:
-                    self.unlock(key)
+                if quarantine:
+                    lease.held += self.size[key]
+                self.drop_object(key)
+            if quarantine:
+                lease.keys = []
+                self.qwrites[lid] = lease
+        else:
+            del self.reads[lid]
+            if quarantine:
+                self.qreads[lid] = lease  # the pins stay
+            else:
+                for key in lease.keys:
+                    if key is not None:
+                        self.unlock(key)
         self.ended.add(lid)
+
+    def let_go(self, lid: int) -> int:
+        """A quarantine ends (finished late, or its toucher is gone); returns the pins dropped."""
+        if lid in self.qwrites:
+            del self.qwrites[lid]
+            return 0
+        lease = self.qreads.pop(lid)
+        keys = [key for key in lease.keys if key is not None]
+        lease.keys = []
+        for key in keys:
+            self.unlock(key)
+        return len(keys)
 
     def reconcile_evictions(self, before_ready: set[ObjectKey]) -> set[ObjectKey]:
         evicted = set()
@@ -133,10 +173,11 @@ class L1Machine(RuleBasedStateMachine):
         units=st.sampled_from([1, 1, 1, 2]),
         ttl=ttls,
         then=st.sampled_from(["commit", "commit", "commit", "keep", "abort"]),
+        toucher=write_touchers,
     )
-    def store(self, owner, keys, units, ttl, then):
+    def store(self, owner, keys, units, ttl, then, toucher):
         """Reserve, then (usually) commit at once, as a client does."""
-        lid = self.reserve(owner, keys, units, ttl)
+        lid = self.reserve(owner, keys, units, ttl, toucher)
         if lid != NO_LEASE and then != "keep":
             self.finish(lid, owner, abort=then == "abort")
 
@@ -147,12 +188,12 @@ class L1Machine(RuleBasedStateMachine):
         if lid != NO_LEASE:
             self.finish(lid, owner, abort=False)
 
-    def reserve(self, owner, keys, units, ttl) -> int:
+    def reserve(self, owner, keys, units, ttl, toucher=Toucher.CLIENT) -> int:
         size = units * SLOT
         ready_before = set(self.ready)
         writing_before = {key for lease in self.writes.values() for key in lease.keys}
         doomed_before = set(self.doomed)
-        r = self.table.reserve_write(keys, size, owner, ttl_s=ttl)
+        r = self.table.reserve_write(keys, size, owner, ttl_s=ttl, toucher=toucher)
         assert len(r.statuses) == len(r.offsets) == len(keys)
         evicted = self.reconcile_evictions(ready_before)
 
@@ -184,7 +225,7 @@ class L1Machine(RuleBasedStateMachine):
         if allocated:
             assert r.lease_id != NO_LEASE
             assert r.lease_id not in self.writes and r.lease_id not in self.reads
-            self.writes[r.lease_id] = MLease(owner, allocated, self.clock.now + (TTL if ttl is None else ttl))
+            self.writes[r.lease_id] = MLease(owner, allocated, self.clock.now + (TTL if ttl is None else ttl), toucher)
             for key in allocated:
                 self.size[key] = size
         else:
@@ -204,6 +245,15 @@ class L1Machine(RuleBasedStateMachine):
     def finish(self, lid, owner, abort):
         lease = self.writes.get(lid)
         call = self.table.abort_write if abort else self.table.commit_write
+        held = self.qwrites.get(lid)
+        if held is not None and owner == held.owner:
+            # The late finisher of a quarantined write: its space goes back, nothing is published.
+            n_notified = len(self.notified)
+            with pytest.raises(LeaseExpired):
+                call(lid, owner)
+            assert len(self.notified) == n_notified
+            self.let_go(lid)
+            return
         if lease is None or owner != lease.owner:
             expected_error = LeaseExpired if lease is None and lid in self.ended else UnknownLease
             before = self.snapshot()
@@ -236,17 +286,17 @@ class L1Machine(RuleBasedStateMachine):
     def lookup(self, keys):
         assert self.table.lookup(keys) == len(self.leading_ready(keys))
 
-    @rule(owner=owners, keys=key_lists, ttl=ttls)
-    def acquire(self, owner, keys, ttl):
+    @rule(owner=owners, keys=key_lists, ttl=ttls, toucher=read_touchers)
+    def acquire(self, owner, keys, ttl, toucher):
         expected = self.leading_ready(keys)
-        lock = self.table.acquire_read(keys, owner, ttl_s=ttl)
+        lock = self.table.acquire_read(keys, owner, ttl_s=ttl, toucher=toucher)
         if not expected:
             assert (lock.lease_id, lock.offsets) == (NO_LEASE, [])
             return
         assert lock.lease_id != NO_LEASE and lock.lease_id not in self.writes and lock.lease_id not in self.reads
         assert lock.offsets == [self.table.get(key).offset for key in expected]
         assert lock.size == self.size[expected[0]]
-        self.reads[lock.lease_id] = MLease(owner, list(expected), self.clock.now + (TTL if ttl is None else ttl))
+        self.reads[lock.lease_id] = MLease(owner, list(expected), self.clock.now + (TTL if ttl is None else ttl), toucher)
 
     @precondition(lambda self: self.reads)
     @rule(
@@ -282,17 +332,32 @@ class L1Machine(RuleBasedStateMachine):
     @rule(data=st.data())
     def release_a_finished_lease(self, data):
         lid = data.draw(st.sampled_from(sorted(self.finished | self.ended)), label="old lease")
+        owner = data.draw(owners)
+        held = self.qreads.get(lid)
+        if held is not None and owner == held.owner:
+            # A quarantined read kept its pins, so finishing it is a sound read: it succeeds.
+            expected = self.let_go(lid)
+            assert self.table.release_read(lid, owner) == expected
+            return
         before = self.snapshot()
         with pytest.raises(LeaseExpired if lid in self.ended else UnknownLease):
-            self.table.release_read(lid, data.draw(owners))
+            self.table.release_read(lid, owner)
         assert self.snapshot() == before
 
     # --- lease life and capacity ------------------------------------------------------------------
 
-    @rule(what=st.sampled_from(["tick", "tick", "owner gone", "evict_to", "clear"]), data=st.data())
+    @rule(what=st.sampled_from(["tick", "tick", "owner gone", "evict_to", "clear", "alive", "recheck"]), data=st.data())
     def disrupt(self, what, data):
-        """Leases ending, clients leaving, eviction, clear: drawn as one rule so they stay rarer than stores."""
-        if what == "tick":
+        """Leases ending, clients leaving, processes starting or stopping, eviction, clear: drawn as one rule
+        so they stay rarer than stores."""
+        if what == "alive":
+            self.alive ^= {data.draw(owners, label="owner")}
+        elif what == "recheck":
+            gone = [lid for lid, lease in {**self.qwrites, **self.qreads}.items() if lease.toucher is Toucher.CLIENT and lease.owner not in self.alive]
+            assert self.table.recheck_quarantine() == len(gone)
+            for lid in gone:
+                self.let_go(lid)
+        elif what == "tick":
             self.tick_and_expire(data.draw(st.sampled_from([0.0, 0.5, 1.0, 2.5, 11.0]), label="dt"))
         elif what == "owner gone":
             self.owner_gone(data.draw(owners, label="owner"))
@@ -345,9 +410,11 @@ class L1Machine(RuleBasedStateMachine):
         self.table.check_invariants()
         s = self.table.stats()
         assert s.used_bytes <= s.capacity_bytes
-        assert s.used_bytes == sum(self.size.values())  # sizes are whole slots: no rounding
+        held = sum(lease.held for lease in self.qwrites.values())
+        assert s.used_bytes == sum(self.size.values()) + held  # sizes are whole slots: no rounding
         assert s.objects == len(self.size)
         assert s.leases == len(self.writes) + len(self.reads)
+        assert s.quarantined_leases == len(self.qwrites) + len(self.qreads)
         for key in KEYS:
             obj = self.table.get(key)
             writer = self.writer_of(key)
@@ -363,7 +430,7 @@ class L1Machine(RuleBasedStateMachine):
             else:
                 assert obj.state is ObjectState.READY
                 assert (key in self.ready) != (key in self.doomed)
-        for lease in self.reads.values():  # every locked key is present and READY
+        for lease in [*self.reads.values(), *self.qreads.values()]:  # every locked key is present and READY
             for key in lease.keys:
                 if key is not None:
                     assert self.table.get(key).state is ObjectState.READY

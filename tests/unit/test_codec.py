@@ -116,7 +116,7 @@ def test_request_type_values_are_pinned():
 
 
 def test_slot_status_values_are_pinned():
-    assert {s.name: s.value for s in SlotStatus} == {"ALLOCATED": 0, "EXISTS": 1, "BUSY": 2, "NO_SPACE": 3}
+    assert {s.name: s.value for s in SlotStatus} == {"ALLOCATED": 0, "EXISTS": 1, "BUSY": 2, "NO_SPACE": 3, "OVER_QUOTA": 4}
 
 
 def test_registry_covers_every_type_with_distinct_request_classes():

@@ -69,6 +69,8 @@ def test_default_endpoints():
         ["--l1-size-gb", "-1"],
         ["--chunk-size", "0"],
         ["--chunk-size", "-256"],
+        ["--chunk-size", "5000000"],  # every client would be refused: refuse at start
+        ["--l1-size-gb", "0.000001"],  # no chunk fits
         ["--low-watermark", "0.9", "--high-watermark", "0.8"],
         ["--low-watermark", "0"],
         ["--high-watermark", "1.5"],
@@ -110,7 +112,7 @@ def test_choices_and_types_are_enforced_by_the_parser(argv):
 def test_server_command_rejects_bad_config_with_exit_code_2(capsys):
     args = parse("--chunk-size", "0")
     assert args.func(args) == 2
-    assert "kvdepot server: --chunk-size must be positive" in capsys.readouterr().err
+    assert "kvdepot server: --chunk-size 0 is outside [1, 65536] tokens" in capsys.readouterr().err
 
 
 def test_config_dataclasses_are_frozen():

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvdepot.errors import IllegalTransition, LeaseExpired, UnknownLease
+from kvdepot.errors import IllegalTransition, LeaseExpired, LeaseRevoked, UnknownLease
 from kvdepot.protocol.messages import SlotStatus
 from kvdepot.storage.allocator import ExtentAllocator
 from kvdepot.storage.eviction import LRUPolicy, NoopPolicy, make_policy
-from kvdepot.storage.l1 import NO_LEASE, ObjectState, ObjectTable
+from kvdepot.storage.l1 import NO_LEASE, ObjectState, ObjectTable, Toucher
 from kvdepot.types import ClientId, LeaseId, ObjectKey
 
 SLOT = 64
@@ -43,9 +43,21 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def make_table(clock):
+def alive() -> set:
+    """Owners whose process may still touch the arena (empty: a forced end frees at once)."""
+    return set()
+
+
+@pytest.fixture
+def make_table(clock, alive):
     def make(slots: int = 4, policy: str = "lru") -> ObjectTable:
-        return ObjectTable(ExtentAllocator(slots * SLOT, alignment=SLOT), make_policy(policy), lease_ttl_s=TTL, clock=clock)
+        return ObjectTable(
+            ExtentAllocator(slots * SLOT, alignment=SLOT),
+            make_policy(policy),
+            lease_ttl_s=TTL,
+            clock=clock,
+            holder_alive=alive.__contains__,
+        )
 
     return make
 
@@ -549,6 +561,105 @@ def test_release_owner_ends_all_leases_of_one_owner_only(make_table):
     t.check_invariants()
 
 
+# --- quarantine: space a running toucher can reach is never reused -----------------------------------
+
+
+def test_expired_write_of_a_running_client_keeps_its_extents_until_it_finishes(make_table, clock, alive):
+    t = make_table(2)
+    alive.add(A)
+    w = t.reserve_write(ks(1, 2), SLOT, A)  # CLIENT toucher: A maps these slots
+    clock.now += TTL
+    assert t.expire() == 1
+    s = t.stats()
+    assert (s.objects, s.leases, s.quarantined_leases, s.quarantined_bytes, s.used_bytes) == (0, 0, 1, 2 * SLOT, 2 * SLOT)
+    # The keys are free for another writer, but not A's extents: L1 is full until A lets go.
+    assert t.reserve_write(ks(1), SLOT, B).statuses == [NS]
+    t.check_invariants()
+    with pytest.raises(LeaseExpired, match=r"lease \d+ expired at .* \(TTL 10 s\)"):
+        t.commit_write(w.lease_id, A)  # nothing is published ...
+    assert t.lookup(ks(1, 2)) == 0
+    s = t.stats()
+    assert (s.quarantined_leases, s.used_bytes) == (0, 0)  # ... and the space is back
+    assert t.reserve_write(ks(1, 2), SLOT, B).statuses == [AL, AL]
+    t.check_invariants()
+
+
+def test_revoked_writer_space_comes_back_when_its_process_is_gone(make_table, alive):
+    t = make_table(2)
+    alive.add(A)
+    w = t.reserve_write(ks(1), SLOT, A)
+    assert t.release_owner(A, "missed heartbeats") == 1
+    [q] = t.quarantine()
+    assert (q.owner, q.leases, q.bytes, q.why) == (A, 1, SLOT, "missed heartbeats")
+    assert t.recheck_quarantine() == 0  # still running
+    alive.discard(A)
+    assert t.recheck_quarantine() == 1
+    assert t.stats().used_bytes == 0 and t.quarantine() == []
+    with pytest.raises(LeaseRevoked, match="was revoked at .* \\(missed heartbeats\\)"):
+        t.commit_write(w.lease_id, A)
+    t.check_invariants()
+
+
+def test_quarantined_read_keeps_its_pins_so_finishing_it_is_a_sound_read(make_table, clock, alive):
+    t = make_table(2)
+    store(t, [1, 2])
+    alive.add(B)
+    lock = t.acquire_read(ks(1, 2), B, toucher=Toucher.CLIENT)
+    clock.now += TTL
+    assert t.expire() == 1
+    assert t.clear() == 0  # still pinned: doomed, not freed
+    assert t.evict_to(0) == 0
+    assert [t.get(k(1)).readers, t.get(k(2)).readers] == [1, 1]
+    assert t.release_read(lock.lease_id, B) == 2  # what B read never changed: the release succeeds
+    assert t.stats().objects == 0  # doomed objects went with the last pin
+    with pytest.raises(LeaseExpired):
+        t.release_read(lock.lease_id, B)
+    t.check_invariants()
+
+
+def test_server_touched_leases_are_quarantined_whatever_the_owner(make_table, clock):
+    t = make_table(2)
+    w = t.reserve_write(ks(1), SLOT, A, toucher=Toucher.SERVER)  # e.g. an inline store still copying
+    clock.now += TTL
+    assert t.expire() == 1
+    assert t.stats().quarantined_bytes == SLOT
+    assert t.recheck_quarantine() == 0  # the server itself finishes it, never a process exit
+    with pytest.raises(LeaseExpired):
+        t.commit_write(w.lease_id, A)
+    assert t.stats().used_bytes == 0
+
+
+def test_lookup_locks_end_at_once_whoever_holds_them(make_table, clock, alive):
+    t = make_table(2)
+    store(t, [1])
+    alive.add(B)
+    lock = t.acquire_read(ks(1), B, toucher=Toucher.NOBODY)  # nobody was told an offset
+    clock.now += TTL
+    assert t.expire() == 1
+    assert t.stats().quarantined_leases == 0 and t.get(k(1)).readers == 0
+    with pytest.raises(LeaseExpired):
+        t.release_read(lock.lease_id, B)
+
+
+def test_renew_pushes_the_deadline_of_named_leases_and_sessions_only(make_table, clock):
+    t = make_table(4)
+    store(t, [1, 2])
+    w = t.reserve_write(ks(3), SLOT, A)
+    s1 = t.acquire_read(ks(1), A, session="req-1", toucher=Toucher.NOBODY)
+    s2 = t.acquire_read(ks(2), A, session="req-2", toucher=Toucher.NOBODY)
+    other = t.acquire_read(ks(1), B, session="req-1", toucher=Toucher.NOBODY)  # B's: not A's to renew
+    clock.now += TTL - 1
+    assert t.renew(A, lease_ids=[w.lease_id, LeaseId(999)], sessions=["req-1"]) == 2
+    clock.now += 2
+    assert t.expire() == 2  # req-2 and B's lease
+    assert t.commit_write(w.lease_id, A) == 1
+    assert t.release_read(s1.lease_id, A) == 1
+    with pytest.raises(LeaseExpired):
+        t.release_read(s2.lease_id, A)
+    with pytest.raises(LeaseExpired):
+        t.release_read(other.lease_id, B)
+
+
 # --- clear ------------------------------------------------------------------------------------------
 
 
@@ -599,7 +710,7 @@ def test_stats_and_repr(make_table):
         4 * SLOT, 3 * SLOT, 3, 2, 1, 1, 2
     )
     assert (s.largest_free_bytes, s.fragmentation) == (SLOT, 0.0)
-    assert repr(t) == f"ObjectTable(objects=3, used={3 * SLOT}/{4 * SLOT}, leases=2)"
+    assert repr(t) == f"ObjectTable(objects=3, used={3 * SLOT}/{4 * SLOT}, leases=2, quarantined=0)"
     assert t.capacity == 4 * SLOT
 
 

@@ -1,6 +1,11 @@
 """The HTTP API: ``GET /healthcheck``, ``GET /status``, ``POST /cache/clear``, and per-``cache_salt``
 quotas at ``GET|PUT|DELETE /quota/{cache_salt}`` (``GET /quota`` lists them; the salt-less tenant is
-``__default__``). Quotas need ``--eviction-policy isolated_lru``; otherwise they answer 409.
+``__default__``; a salt with ``/`` in it is written percent-encoded or as is). Quotas need
+``--eviction-policy isolated_lru``; otherwise they answer 409.
+
+Every request passes ``AdminGuard`` first (Host, and for mutating requests Content-Type and Origin:
+see ``guard.py``). No page is served that loads scripts from elsewhere: ``/docs`` and ``/redoc`` are
+off; the OpenAPI document itself is at ``/openapi.json``.
 
 It runs uvicorn on its own thread with its own event loop; handlers only read thread-safe snapshots
 or call the same storage methods the RPC handlers use.
@@ -14,19 +19,22 @@ import threading
 from typing import TYPE_CHECKING
 
 import uvicorn
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from kvdepot import __version__
+from kvdepot.admin.guard import AdminGuard
 from kvdepot.config import HttpConfig
 from kvdepot.storage.eviction import IsolatedLRUPolicy
 
 DEFAULT_SALT_NAME = "__default__"
+MAX_QUOTA_BYTES = 1 << 62
 
 
 class QuotaBody(BaseModel):
-    quota_bytes: int = Field(ge=0, description="bytes of L1 this cache_salt may hold")
+    model_config = ConfigDict(extra="forbid")
+    quota_bytes: StrictInt = Field(ge=0, le=MAX_QUOTA_BYTES, description="bytes of L1 this cache_salt may hold")
 
 if TYPE_CHECKING:
     from kvdepot.server.main import KVDepotServer
@@ -34,13 +42,26 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def build_app(server: KVDepotServer) -> FastAPI:
-    app = FastAPI(title="kvdepot", version=__version__)
+def build_app(server: KVDepotServer, guard: AdminGuard) -> FastAPI:
+    app = FastAPI(title="kvdepot", version=__version__, docs_url=None, redoc_url=None)
+
+    @app.middleware("http")
+    async def admin_guard(request: Request, call_next):
+        refusal = guard.check(request.method, request.headers)
+        if refusal is not None:
+            log.warning("admin API refused %s %s: %s", request.method, request.url.path, refusal.reason)
+            return JSONResponse({"detail": refusal.reason}, status_code=refusal.status)
+        return await call_next(request)
 
     @app.get("/healthcheck")
     def healthcheck() -> JSONResponse:
+        """200 ``ok``; 200 ``degraded`` with reasons while the server serves but a tier is down (a
+        liveness probe must not restart it for that: L1 still serves); 503 when it cannot serve."""
         if not server.rpc_alive():
             return JSONResponse({"status": "unhealthy", "reason": "the RPC loop is not running"}, status_code=503)
+        reasons = server.degraded_reasons()
+        if reasons:
+            return JSONResponse({"status": "degraded", "reason": "; ".join(reasons), "reasons": reasons})
         return JSONResponse({"status": "ok"})
 
     @app.get("/status")
@@ -68,18 +89,26 @@ def build_app(server: KVDepotServer) -> FastAPI:
         policy = quota_policy()
         return {"quotas": [quota_doc(policy, salt) for salt in sorted(policy.quotas())]}
 
-    @app.get("/quota/{cache_salt}")
+    @app.get("/quota/{cache_salt:path}")
     def get_quota(cache_salt: str) -> dict:
         return quota_doc(quota_policy(), salt_of(cache_salt))
 
-    @app.put("/quota/{cache_salt}")
+    @app.put("/quota/{cache_salt:path}")
     def put_quota(cache_salt: str, body: QuotaBody) -> dict:
         policy = quota_policy()
         policy.set_quota(salt_of(cache_salt), body.quota_bytes)
         server.storage.eviction.kick()  # bring the salt under its new quota now
-        return quota_doc(policy, salt_of(cache_salt))
+        doc = quota_doc(policy, salt_of(cache_salt))
+        chunk = server.largest_chunk_bytes()
+        if 0 < body.quota_bytes < chunk or body.quota_bytes == 0:
+            doc["warning"] = (
+                f"a quota of {body.quota_bytes} bytes is below one chunk ({chunk} bytes for the largest registered "
+                f"context): stores for this cache_salt will be refused (OVER_QUOTA) until it is raised"
+            )
+            log.warning("quota for cache_salt %r: %s", cache_salt, doc["warning"])
+        return doc
 
-    @app.delete("/quota/{cache_salt}")
+    @app.delete("/quota/{cache_salt:path}")
     def delete_quota(cache_salt: str) -> dict:
         policy = quota_policy()
         if policy.quota(salt_of(cache_salt)) is None:
@@ -93,8 +122,9 @@ def build_app(server: KVDepotServer) -> FastAPI:
 class HttpServer:
     def __init__(self, server: KVDepotServer, config: HttpConfig) -> None:
         self._config = config
+        guard = AdminGuard(config.host, config.port, config.allowed_hosts)
         self._uvicorn = uvicorn.Server(
-            uvicorn.Config(build_app(server), host=config.host, port=config.port, log_level="warning", lifespan="off")
+            uvicorn.Config(build_app(server, guard), host=config.host, port=config.port, log_level="warning", lifespan="off")
         )
         self._thread: threading.Thread | None = None
 

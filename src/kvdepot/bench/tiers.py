@@ -231,7 +231,7 @@ def _lookup_from_l2(work: Path, reps: int, raw: dict) -> list[Row]:
     )
 
     def clear() -> None:
-        urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{http}/cache/clear", method="POST"), timeout=10).read()
+        urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{http}/cache/clear", data=b"{}", headers={"Content-Type": "application/json"}, method="POST"), timeout=10).read()
 
     def idle() -> bool:
         with urllib.request.urlopen(f"http://127.0.0.1:{http}/status", timeout=10) as r:

@@ -1,8 +1,11 @@
 """KVClient: what an engine worker uses to store, find and fetch KV chunks.
 
 One client = one ZeroMQ DEALER socket and one registered context (model, rank, layout). It is safe to
-share between threads (requests are serialised). A background heartbeat keeps the server from declaring
-an idle client gone; if the server restarts, the client registers again on its own.
+share between threads: requests are serialised on the socket, and every zero-copy block gets memory of
+its own (arena slots on shm, a staging buffer checked out for that block alone on inline), so a view
+stays valid until its own block exits, whatever other threads or nested blocks do. A background
+heartbeat keeps the server from declaring an idle client gone; if the server restarts, the client
+registers again on its own.
 
 Transports: ``shm`` (same host: the worker copies straight into / out of the server's arena, one copy)
 and ``inline`` (raw payload frames). ``auto`` picks shm when the arena can be mapped.
@@ -23,16 +26,18 @@ import numpy as np
 import zmq
 
 from kvdepot.client.shm import try_attach
+from kvdepot.client.staging import StagingPool
 from kvdepot.errors import (
     BadRequest,
     ErrorCode,
     KVDepotError,
     KVDepotTimeout,
+    ServerUnreachable,
     TransportUnavailable,
     UnknownContext,
 )
 from kvdepot.hashing import HashAlgorithm, chunk_hashes
-from kvdepot.layout import KVLayout, as_numpy
+from kvdepot.layout import KVLayout, kv_array
 from kvdepot.malloc import keep_large_buffers_in_heap
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
@@ -79,9 +84,11 @@ class KVClient:
         heartbeat: bool = True,
         prefault: bool = True,
         tune_malloc: bool = True,
+        connect_timeout_s: float = 5.0,
     ) -> None:
         if transport not in ("auto", "shm", "inline"):
             raise ValueError(f"transport must be auto, shm or inline, got {transport!r}")
+        check_url(url)
         self.url = url
         self.model = model
         self.layout = layout
@@ -99,12 +106,21 @@ class KVClient:
         self._zctx = zmq.Context.instance()
         self._sock = self._connect()
         self._arena: SharedArena | None = None
-        self._stage: np.ndarray | None = None
-        self._rstage: np.ndarray | None = None
+        self._staging = StagingPool()
         self._prefaulter = None
         self.transport = "inline"
         self._closed = False
-        self._reg = self._register()
+        try:
+            self._reg = self._register(timeout_s=connect_timeout_s)
+        except KVDepotTimeout:
+            self._close_transport()
+            raise ServerUnreachable(
+                f"no kvdepot server answered at {url} within connect_timeout_s={connect_timeout_s:g} s "
+                f"(is it running, and is this its address?)"
+            ) from None
+        except BaseException:
+            self._close_transport()
+            raise
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         if heartbeat:
@@ -152,12 +168,15 @@ class KVClient:
                 self._call(m.UnregisterContextRequest(context_id=self._reg.context_id), timeout_s=min(1.0, self.timeout_s))
             except KVDepotError:
                 pass
-            self._sock.close(linger=0)
-            if self._prefaulter is not None:
-                self._prefaulter.stop()
-            if self._arena is not None:
-                self._arena.close()
-                self._arena = None
+            self._close_transport()
+
+    def _close_transport(self) -> None:
+        self._sock.close(linger=0)
+        if self._prefaulter is not None:
+            self._prefaulter.stop()
+        if self._arena is not None:
+            self._arena.close()  # also drops our liveness lock
+            self._arena = None
 
     # --- simple API ----------------------------------------------------------------------------------
 
@@ -176,27 +195,36 @@ class KVClient:
         """How many leading tokens are stored (a multiple of chunk_size). Takes no lock."""
         return self._stored_chunks(self.hashes(tokens), cache_salt or "") * self.chunk_size
 
-    def store(self, tokens: Tokens, kv, cache_salt: str | None = None) -> int:
+    def store(self, tokens: Tokens, kv, cache_salt: str | None = None, raw: bool = False) -> int:
         """Store the complete chunks of ``kv`` ``[K, L, len(tokens), H, D]``; returns the leading tokens
-        now stored."""
+        now stored. ``kv``'s dtype must be the layout's exactly (a torch tensor, or a numpy array; for
+        bfloat16 and fp8 an ml_dtypes array); ``raw=True`` also accepts the same-width unsigned integers
+        holding those bits (which is what kvdepot hands back for them)."""
+        n_tokens = len(tokens)
         hashes = self.hashes(tokens)
-        kv = self._check_kv(as_numpy(kv), len(hashes) * self.chunk_size)
+        kv = self._check_kv(kv, n_tokens, raw, exact=True)
         cs = self.chunk_size
         if self.transport == "inline" and kv.flags.c_contiguous:
             return self._store_inline_rows(hashes, kv, cache_salt or "") * cs
         with self.prepare_store(hashes, cache_salt) as slots:
             for i, slot in enumerate(slots):
                 if slot is not None:
-                    np.copyto(slot, kv[:, :, i * cs : (i + 1) * cs])
+                    np.copyto(slot, kv[:, :, i * cs : (i + 1) * cs], casting="no")
         return _leading_stored(slots.statuses) * cs
 
-    def retrieve(self, tokens: Tokens, cache_salt: str | None = None, out: np.ndarray | None = None) -> np.ndarray:
-        """The KV of the leading stored chunks of ``tokens``: ``[K, L, n, H, D]``.
+    def retrieve(
+        self, tokens: Tokens, cache_salt: str | None = None, out: np.ndarray | None = None, raw: bool = False
+    ) -> np.ndarray:
+        """The KV of the leading stored chunks of ``tokens``: ``[K, L, n, H, D]``, as an array of the
+        layout's storage dtype (bfloat16 and fp8 come as same-width unsigned integers holding the bits).
 
-        ``out`` (optional, ``[K, L, >= n, H, D]``) is filled instead of allocating a new array.
+        ``out`` (optional, ``[K, L, >= n, H, D]``, of the layout's dtype, or its raw bits with ``raw=True``)
+        is filled instead of allocating a new array.
         """
         cs = self.chunk_size
         hashes = self.hashes(tokens)
+        if out is not None:
+            out = self._check_kv(out, 0, raw)
         if self.transport == "inline":
             return self._retrieve_inline_into(hashes, cache_salt or "", out)
         # (prepare_retrieve below waits for an L2 prefetch when the server has tiers)
@@ -205,9 +233,9 @@ class KVClient:
             if out is None:
                 out = self.layout.empty(n)
             else:
-                out = self._check_kv(as_numpy(out), n)
+                out = self._check_tokens(out, n)
             for i, view in enumerate(views):
-                np.copyto(out[:, :, i * cs : (i + 1) * cs], view)
+                np.copyto(out[:, :, i * cs : (i + 1) * cs], view, casting="no")
         return out[:, :, :n]
 
     def clear(self) -> int:
@@ -260,8 +288,13 @@ class KVClient:
             self._stored_chunks(hashes, salt)  # let the server bring L2 hits into L1 first
         if self.transport == "shm":
             yield from self._prepare_retrieve_shm(hashes, salt, session_id, start)
-        else:
-            yield self._retrieve_inline(hashes, salt, session_id, start)
+            return
+        views, buffer = self._retrieve_inline(hashes, salt, session_id, start)
+        try:
+            yield views
+        finally:
+            if buffer is not None:
+                self._staging.release(buffer)  # the block is over: its views must not be used any more
 
     # --- session API (engine connectors) -------------------------------------------------------------
 
@@ -335,17 +368,6 @@ class KVClient:
     def _rows(self) -> int:
         return self.layout.kv_factor * self.layout.num_layers
 
-    def _staging(self, n_chunks: int) -> np.ndarray:
-        """A reusable ``[n, chunk_bytes]`` buffer: fresh memory would fault in at ~1 GB/s every call.
-
-        Safe to reuse because every inline store waits for the server's reply, which comes only after
-        all frames arrived; a failed call drops the buffer instead (ZeroMQ may still be sending it).
-        """
-        need = n_chunks * self.chunk_bytes
-        if self._stage is None or self._stage.size < need:
-            self._stage = np.empty(max(need, 1), dtype=np.uint8)
-        return self._stage[:need].reshape(n_chunks, self.chunk_bytes)
-
     def _send_store_inline(self, hashes: list[ChunkHash], salt: str, first: int, chunk_frames: list[list], rpf: int) -> list[m.SlotStatus]:
         """Store chunks ``hashes[first:]`` whose frames are ``chunk_frames`` as pipelined messages of
         about INLINE_BATCH_BYTES each: bounded memory on both ends, and the server copies one batch
@@ -358,26 +380,31 @@ class KVClient:
                 context_id=self._reg.context_id, keys=list(hashes[:j]), cache_salt=salt, rows_per_frame=rpf, first=i, count=j - i
             )
             requests.append((body, [f for frames in chunk_frames[i - first : j - first] for f in frames]))
-        try:
-            replies = self._pipeline_ctx(requests)
-        except BaseException:
-            self._stage = None  # ZeroMQ may still be sending from it
-            raise
+        replies = self._pipeline_ctx(requests)
         return [m.SlotStatus(s) for r in replies for s in r.statuses]
 
     def _prepare_store_inline(self, hashes: list[ChunkHash], salt: str) -> Iterator[StoreSlots]:
         first = self.lookup_chunks(hashes, salt) or 0  # skip sending what is already there
-        staging = self._staging(len(hashes) - first)
+        n_new = len(hashes) - first
+        buffer = self._staging.acquire(n_new * self.chunk_bytes)  # this block's alone
+        staging = buffer[: n_new * self.chunk_bytes].reshape(n_new, self.chunk_bytes)
         slots = StoreSlots([None] * first)
-        slots.extend(self.layout.view_chunk(staging[i], self.chunk_size) for i in range(len(hashes) - first))
-        slots.statuses = [m.SlotStatus.EXISTS] * first + [m.SlotStatus.ALLOCATED] * (len(hashes) - first)
-        yield slots  # an exception inside the block just drops the staging contents
-        if first == len(hashes):
+        slots.extend(self.layout.view_chunk(staging[i], self.chunk_size) for i in range(n_new))
+        slots.statuses = [m.SlotStatus.EXISTS] * first + [m.SlotStatus.ALLOCATED] * n_new
+        try:
+            yield slots  # an exception inside the block just drops the staging contents
+        except BaseException:
+            self._staging.release(buffer)
+            raise
+        if not n_new:
+            self._staging.release(buffer)
             return
         max_frame = self._reg.max_frame_bytes
         rpf = codec.rows_per_frame_for(self.chunk_bytes, self._rows, max_frame)
         frames = [codec.split_object(row, self._rows, rpf, max_frame) for row in staging]
+        # On failure the buffer is dropped, not pooled: ZeroMQ may still be sending from it.
         slots.statuses[first:] = self._send_store_inline(hashes, salt, first, frames, rpf)
+        self._staging.release(buffer)
 
     def _store_inline_rows(self, hashes: list[ChunkHash], kv: np.ndarray, salt: str) -> int:
         """Send a C-contiguous ``kv`` without staging: each (k, layer) row of a chunk is contiguous in
@@ -392,7 +419,7 @@ class KVClient:
             with self.prepare_store(hashes, salt) as slots:
                 for i, slot in enumerate(slots):
                     if slot is not None:
-                        np.copyto(slot, kv[:, :, i * cs : (i + 1) * cs])
+                        np.copyto(slot, kv[:, :, i * cs : (i + 1) * cs], casting="no")
             return _leading_stored(slots.statuses)
         frames = []
         for i in range(first, len(hashes)):
@@ -452,46 +479,50 @@ class KVClient:
                 break
         return n
 
-    def _retrieve_inline(self, hashes: list[ChunkHash], salt: str, session_id: str, start: int) -> list[np.ndarray]:
-        """Views for prepare_retrieve on the inline path: a single-frame chunk is viewed where ZeroMQ
-        received it; multi-frame chunks are joined into a reusable buffer as each reply arrives, so
-        received frames are freed as we go rather than all held at once."""
+    def _retrieve_inline(
+        self, hashes: list[ChunkHash], salt: str, session_id: str, start: int
+    ) -> tuple[list[np.ndarray], np.ndarray | None]:
+        """Views for prepare_retrieve on the inline path, and the staging buffer they live in (the
+        caller releases it when its block exits). A single-frame chunk is viewed where ZeroMQ received
+        it; multi-frame chunks are joined into this call's own buffer as each reply arrives, so received
+        frames are freed as we go rather than all held at once."""
         n_found = len(hashes) - start if session_id else self._stored_chunks(hashes[start:], salt)
-        if self.chunk_bytes > codec.TARGET_FRAME_BYTES:
-            need = max(1, n_found * self.chunk_bytes)
-            if self._rstage is None or self._rstage.size < need:
-                self._rstage = np.empty(need, dtype=np.uint8)
+        buffer = None
+        if self.chunk_bytes > codec.TARGET_FRAME_BYTES and n_found:
+            buffer = self._staging.acquire(n_found * self.chunk_bytes)
         views: dict[int, np.ndarray] = {}
 
         def consume(i: int, parts: list, rows_per_frame: int) -> None:
             if len(parts) == 1:
                 views[i] = self.layout.view_chunk(parts[0].buffer, self.chunk_size, writable=False)
                 return
-            assert self._rstage is not None
+            assert buffer is not None
             base = pos = i * self.chunk_bytes
             for f in parts:
                 src = np.frombuffer(f.buffer, np.uint8)
-                self._rstage[pos : pos + src.size] = src
+                buffer[pos : pos + src.size] = src
                 pos += src.size
-            views[i] = self.layout.view_chunk(self._rstage[base:pos], self.chunk_size, writable=False)
+            views[i] = self.layout.view_chunk(buffer[base:pos], self.chunk_size, writable=False)
 
-        n = self._fetch_inline(hashes, salt, session_id, start, consume, None if session_id else n_found)
-        return [views[i] for i in range(n)]
+        try:
+            n = self._fetch_inline(hashes, salt, session_id, start, consume, None if session_id else n_found)
+        except BaseException:
+            if buffer is not None:
+                self._staging.release(buffer)  # receives only write into it: nothing else holds it
+            raise
+        return [views[i] for i in range(n)], buffer
 
     def _retrieve_inline_into(self, hashes: list[ChunkHash], salt: str, out: np.ndarray | None) -> np.ndarray:
-        """Copy each received frame straight into its rows of ``out`` as its reply arrives (one copy)."""
-        if out is not None and not as_numpy(out).flags.c_contiguous:
+        """Copy each received frame straight into its rows of ``out`` (already checked: the layout's
+        storage dtype) as its reply arrives (one copy)."""
+        if out is not None and not out.flags.c_contiguous:
             result = self._retrieve_inline_into(hashes, salt, None)
-            target = self._check_kv(as_numpy(out), result.shape[2])
-            np.copyto(target[:, :, : result.shape[2]], result)
+            target = self._check_tokens(out, result.shape[2])
+            np.copyto(target[:, :, : result.shape[2]], result, casting="no")
             return target[:, :, : result.shape[2]]
         cs = self.chunk_size
-        if out is None:
-            n_found = self._stored_chunks(hashes, salt)
-            out = self.layout.empty(n_found * cs)
-        else:
-            n_found = self._stored_chunks(hashes, salt)
-            out = self._check_kv(as_numpy(out), n_found * cs)
+        n_found = self._stored_chunks(hashes, salt)
+        out = self.layout.empty(n_found * cs) if out is None else self._check_tokens(out, n_found * cs)
         dtype = self.layout.storage_dtype
 
         def consume(c: int, parts: list, rows_per_frame: int) -> None:
@@ -519,7 +550,7 @@ class KVClient:
         sock.connect(self.url)
         return sock
 
-    def _register(self) -> _Registration:
+    def _register(self, timeout_s: float | None = None) -> _Registration:
         lay = self.layout
         req = m.RegisterContextRequest(
             protocol_version=m.PROTOCOL_VERSION,
@@ -532,7 +563,7 @@ class KVClient:
             chunk_size=self._requested_chunk_size,
             client=local_client_info(),
         )
-        reply: m.RegisterContextReply = self._call(req)
+        reply: m.RegisterContextReply = self._call(req, timeout_s=timeout_s)
         if self._requested_transport != "inline":
             if self._arena is not None and (reply.shm is None or self._arena.nonce != reply.shm.nonce):
                 if self._prefaulter is not None:
@@ -677,18 +708,35 @@ class KVClient:
             return tokens
         return self.hashes(tokens)
 
-    def _check_kv(self, kv: np.ndarray, min_tokens: int) -> np.ndarray:
+    def _check_kv(self, kv, n_tokens: int, raw: bool = False, exact: bool = False) -> np.ndarray:
+        """``kv`` as an array of the layout's storage dtype (a view), after checking its dtype is the
+        layout's exactly and its shape ``[K, L, T, H, D]`` with ``T == n_tokens`` (``exact``) or
+        ``T >= n_tokens``. Any mismatch is a BadRequest naming both sides."""
+        return self._check_tokens(kv_array(kv, self.layout, raw), n_tokens, exact)
+
+    def _check_tokens(self, kv: np.ndarray, n_tokens: int, exact: bool = False) -> np.ndarray:
         lay = self.layout
         want = (lay.kv_factor, lay.num_layers, lay.num_kv_heads, lay.head_dim)
         if kv.ndim != 5 or (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4]) != want:
             raise BadRequest(f"kv must be [K={want[0]}, L={want[1]}, tokens, H={want[2]}, D={want[3]}], got {kv.shape}")
-        if kv.shape[2] < min_tokens:
-            raise BadRequest(f"kv holds {kv.shape[2]} tokens, need at least {min_tokens}")
-        if kv.dtype.itemsize != lay.itemsize:
-            raise BadRequest(f"kv dtype {kv.dtype} does not match layout dtype {lay.dtype}")
-        if kv.dtype != lay.storage_dtype:
-            kv = kv.view(lay.storage_dtype)
+        if exact and kv.shape[2] != n_tokens:
+            raise BadRequest(f"kv holds {kv.shape[2]} tokens but {n_tokens} token ids were given: they must match")
+        if kv.shape[2] < n_tokens:
+            raise BadRequest(f"kv holds {kv.shape[2]} tokens, need at least {n_tokens}")
         return kv
+
+
+def check_url(url: str) -> None:
+    """Raise ValueError unless ``url`` is ``tcp://HOST:PORT`` or ``ipc://PATH``."""
+    scheme, sep, rest = url.partition("://") if isinstance(url, str) else ("", "", "")
+    ok = bool(sep and rest)
+    if ok and scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        ok = bool(colon and host and port.isdigit() and 0 < int(port) < 65536)
+    elif ok and scheme != "ipc":
+        ok = False
+    if not ok:
+        raise ValueError(f"kvdepot URL {url!r} is not tcp://HOST:PORT or ipc://PATH (e.g. tcp://127.0.0.1:5555)")
 
 
 def _leading_stored(statuses: list[m.SlotStatus]) -> int:

@@ -11,13 +11,22 @@ log = logging.getLogger(__name__)
 
 
 def try_attach(info: ShmInfo | None, prefault: bool = True) -> tuple[SharedArena | None, Prefaulter | None, str]:
-    """Map the arena if this process can (same host, same user, same segment); else (None, None, why)."""
+    """Map the arena if this process can (same host, same user, same segment) and take the liveness lock
+    the server watches it by; else (None, None, why)."""
     if info is None:
         return None, None, "the server offers no shared-memory arena"
+    if info.liveness_lock < 0:
+        return None, None, "the server gave no liveness lock for the arena"
     try:
         arena = SharedArena.attach(info.path, info.size, info.nonce)
     except (OSError, ValueError) as exc:
         return None, None, f"cannot map {info.path}: {exc}"
+    try:
+        arena.hold_liveness_lock(info.liveness_lock)
+    except (OSError, ValueError) as exc:
+        # Without the lock the server could not tell when we are gone, so it gives us no arena offsets.
+        arena.close()
+        return None, None, f"mapped {info.path} but {exc}"
     prefaulter = None
     if prefault:
         # Our page tables start empty even where the server's pages exist; filling them in the

@@ -13,7 +13,7 @@ from enum import IntEnum
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: ShmInfo.liveness_lock, RENEW_LEASES, SlotStatus.OVER_QUOTA
 
 
 class RequestType(IntEnum):
@@ -42,6 +42,7 @@ class SlotStatus(IntEnum):
     EXISTS = 1  # already stored (READY): nothing to write
     BUSY = 2  # another writer holds it: nothing to write
     NO_SPACE = 3  # L1 is full of locked objects: not stored
+    OVER_QUOTA = 4  # one chunk is larger than its cache_salt's quota: never stored (raise the quota)
 
 
 class _Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -90,9 +91,14 @@ class ClientInfo(_Body):
 
 
 class ShmInfo(_Body):
+    """The server's arena. A worker that maps it must hold an OFD write lock on the one byte at
+    ``liveness_lock`` of that file for as long as it may touch the mapping: the server gives arena
+    offsets only to clients it can watch that way (or through a pidfd)."""
+
     path: str
     size: int
     nonce: bytes
+    liveness_lock: int = -1
 
 
 class Ack(_Body):

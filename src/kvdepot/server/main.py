@@ -25,8 +25,9 @@ log = logging.getLogger(__name__)
 class KVDepotServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.storage = StorageManager(config.storage)
-        self.ctx = ServerContext(config, self.storage, LivenessTracker(config.rpc.client_timeout_s))
+        self.storage = StorageManager(config.storage, holder_alive=self._holder_alive)
+        liveness = LivenessTracker(config.rpc.client_timeout_s, lock_held=self.storage.arena.lock_held)
+        self.ctx = ServerContext(config, self.storage, liveness)
         self.management = ManagementModule(self.ctx)
         modules = [self.management, LookupModule(self.ctx), TransferModule(self.ctx)]
         self.rpc = RpcServer(
@@ -45,10 +46,19 @@ class KVDepotServer:
             self.http = HttpServer(self, config.http)
         self._stopped = threading.Event()
 
+    def _holder_alive(self, client) -> bool:
+        """For the object table: may this client still touch arena memory? (loop thread only)"""
+        return self.ctx.liveness.may_touch_arena(client)
+
     def _housekeeping(self) -> None:
-        expired = self.storage.table.expire()
+        table = self.storage.table
+        expired = table.expire()
         if expired:
             log.info("%d leases expired (TTL %.1fs)", expired, self.config.storage.lease_ttl_s)
+        if table.stats().quarantined_leases:
+            released = table.recheck_quarantine()
+            if released:
+                log.info("%d quarantined leases released: their holders are gone", released)
 
     def start(self) -> None:
         """Start every part; if one fails, close what was started (the arena is real memory)."""
@@ -93,6 +103,39 @@ class KVDepotServer:
             log.info("shutting down")
             self.close()
 
+    def _quarantine_status(self, l1) -> dict:
+        """Arena space held back because a client that was given it may still be running."""
+        clients = []
+        for q in self.storage.table.quarantine():
+            rec = self.ctx.liveness.record(q.owner)
+            clients.append(
+                {
+                    "client": q.owner.hex()[:12],
+                    "pid": rec.info.pid if rec is not None else 0,
+                    "hostname": rec.info.hostname if rec is not None else "",
+                    "state": rec.state.value if rec is not None else "server",
+                    "leases": q.leases,
+                    "bytes": q.bytes,
+                    "since": q.since,
+                    "why": q.why,
+                }
+            )
+        return {"leases": l1.quarantined_leases, "bytes": l1.quarantined_bytes, "clients": clients}
+
+    def degraded_reasons(self) -> list[str]:
+        """Why the server serves less than it was configured to (empty: it serves everything)."""
+        reasons = []
+        for tier in self.storage.tiers_status():
+            if not tier["healthy"]:
+                reasons.append(f"L2 tier {tier['name']} ({tier['kind']}) is down: {tier['last_error'] or 'unknown error'}")
+        pf = self.storage.prefault_status()
+        if pf.state == "failed":
+            reasons.append(f"the L1 prefault failed: {pf.error}")
+        return reasons
+
+    def largest_chunk_bytes(self) -> int:
+        return self.ctx.contexts.largest_chunk_bytes()
+
     def rpc_alive(self) -> bool:
         return self.rpc.alive
 
@@ -115,10 +158,18 @@ class KVDepotServer:
                 "fragmentation": round(l1.fragmentation, 4),
                 "largest_free_bytes": l1.largest_free_bytes,
                 "evicted_objects": l1.evicted_objects,
+                "quota_refused": l1.quota_refused,
                 "eviction_policy": self.config.storage.eviction_policy,
                 "shm_path": self.storage.arena.path,
-                "prefault": {"progress": round(pf.progress, 4), "finished": pf.finished, "supported": pf.supported},
+                "prefault": {
+                    "state": pf.state,
+                    "progress": round(pf.progress, 4),
+                    "finished": pf.finished,
+                    "supported": pf.supported,
+                    "error": pf.error,
+                },
             },
+            "quarantine": self._quarantine_status(l1),
             "leases": l1.leases,
             "expired_leases": l1.expired_leases,
             "contexts": len(self.ctx.contexts),

@@ -31,6 +31,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvdepot.errors import ErrorCode, KVDepotError
 from kvdepot.protocol import codec
 from kvdepot.protocol.messages import RequestType
+from kvdepot.server.endpoints import IpcClaim
 from kvdepot.server.liveness import LivenessTracker
 from kvdepot.types import ClientId
 
@@ -83,7 +84,7 @@ class RpcServer:
         endpoints: list[str],
         handlers: list[HandlerSpec],
         liveness: LivenessTracker,
-        on_client_gone: Callable[[ClientId, str], None],
+        on_client_gone: Callable[[ClientId, str, bool], None],
         workers: int = 4,
         max_frame_bytes: int = codec.MAX_FRAME_BYTES,
         housekeeping: Callable[[], None] | None = None,
@@ -113,6 +114,8 @@ class RpcServer:
         self._worker_prefix = b"\x00" + os.urandom(15)  # routing ids of worker reply sockets
         self._trackers: deque[tuple[zmq.MessageTracker, Callable[[], None]]] = deque()
         self._tracker_lock = threading.Lock()
+        self._claims = [IpcClaim(ep.removeprefix("ipc://")) for ep in endpoints if ep.startswith("ipc://")]
+        self._goodbyes = 0  # clean UNREGISTERs whose disconnect has not been seen yet (loop thread)
 
     # --- life cycle ----------------------------------------------------------------------------------
 
@@ -137,6 +140,8 @@ class RpcServer:
             self._thread.join(timeout=drain_s + 5)
         if self._ctx is not None:
             self._ctx.destroy(linger=0)  # closes any socket left (worker PUSH sockets) instead of waiting
+        for claim in self._claims:
+            claim.release()  # the socket is closed: remove its file, give the path up
 
     # --- the loop ------------------------------------------------------------------------------------
 
@@ -150,10 +155,16 @@ class RpcServer:
         router.setsockopt(zmq.RCVHWM, 0)
         router.setsockopt(zmq.SNDHWM, 0)
         try:
+            for claim in self._claims:
+                claim.acquire()  # before binding: a live server's socket is never taken over
             for ep in self._endpoints:
                 router.bind(ep)
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, OSError) as exc:
             router.close(linger=0)  # an open socket would make Context.term() wait forever
+            for claim in self._claims:
+                claim.release()
+            if isinstance(exc, OSError):
+                raise
             raise OSError(f"cannot listen on {ep}: {exc}") from None
         router.bind(self._reply_addr)  # the workers' replies come in here too
         monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -202,7 +213,8 @@ class RpcServer:
             self._liveness.close()
 
     def _check_clients(self, pid_poll: select.poll, watched: set[int]) -> set[int]:
-        """End the clients whose process exited (pidfd readable) or who missed their heartbeats."""
+        """End the clients whose process exited (pidfd readable, or a revoked client's liveness lock
+        released) and revoke those who missed their heartbeats."""
         current = set(self._liveness.pidfds())
         for fd in watched - current:  # forgotten clients: their pidfd is already closed
             pid_poll.unregister(fd)
@@ -213,17 +225,25 @@ class RpcServer:
             pid_poll.unregister(fd)
             current.discard(fd)
             if client is not None:
-                self._client_gone(client, "process exited")
+                self._client_gone(client, "process exited", exited=True)
+        for client in self._liveness.vanished():
+            self._client_gone(client, "process exited", exited=True)
         for client in self._liveness.timed_out():
-            self._client_gone(client, "missed heartbeats")
+            self._client_gone(client, f"no request or heartbeat for {self._liveness.timeout_s:g} s", exited=False)
         return {fd for fd in current if self._liveness.client_of_pidfd(fd) is not None}
 
-    def _client_gone(self, client: ClientId, why: str) -> None:
-        self._liveness.forget(client)
+    def _client_gone(self, client: ClientId, why: str, exited: bool) -> None:
+        """Clean up after the client while its record still says what it may touch, then forget it
+        (it exited) or revoke it (it went silent: it may be paused, not dead)."""
         try:
-            self._on_client_gone(client, why)
+            self._on_client_gone(client, why, exited)
         except Exception:
             log.exception("cleaning up after client %s failed", client.hex())
+        finally:
+            if exited:
+                self._liveness.forget(client)
+            else:
+                self._liveness.revoke(client, why)
 
     def _drain_monitor(self, monitor: zmq.Socket) -> None:
         while True:
@@ -233,10 +253,17 @@ class RpcServer:
                 return
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 self.stats.disconnects += 1
-                log.info(
-                    "connection closed (peer left, or it sent a frame over the hard size limit): %s",
-                    event.get("endpoint", b"").decode(errors="replace"),
-                )
+                endpoint = event.get("endpoint", b"").decode(errors="replace")
+                if self._goodbyes:
+                    self._goodbyes -= 1  # a client that said goodbye closed its socket: all is well
+                    log.debug("a client closed its connection after its goodbye (%s)", endpoint)
+                else:
+                    log.info(
+                        "a connection closed without a goodbye (%s): the client died or reset, or sent a frame "
+                        "over the %d-byte hard limit",
+                        endpoint,
+                        4 * max(self._max_frame, codec.MAX_BODY_BYTES) + (1 << 20),
+                    )
 
     def _receive(self, router: zmq.Socket) -> None:
         """Handle the next message (blocking up to RCVTIMEO), then any already queued."""
@@ -296,6 +323,8 @@ class RpcServer:
             self._send_error(router, ident, header.request_id, ErrorCode.UNKNOWN_REQUEST_TYPE, f"{rtype.name} is not served here")
             return
         self.stats.requests[rtype] += 1
+        if rtype is RequestType.UNREGISTER_CONTEXT:
+            self._goodbyes += 1
         deadline = received + header.timeout_ms / 1000 if header.timeout_ms > 0 else float("inf")
         call = Call(client, header.request_id, rtype, body, payload, deadline)
         self._liveness.request_started(client)

@@ -87,6 +87,10 @@ class ContextRegistry:
             del self._contexts[ctx.id]
             return ctx
 
+    def largest_chunk_bytes(self) -> int:
+        with self._lock:
+            return max((c.chunk_bytes for c in self._contexts.values()), default=0)
+
     def owned_by(self, owner: ClientId) -> int:
         return sum(1 for c in self._contexts.values() if c.owner == owner)
 

@@ -27,7 +27,7 @@ from enum import Enum
 
 from kvdepot.protocol.messages import SlotStatus
 from kvdepot.storage.arena import SharedArena
-from kvdepot.storage.l1 import NO_LEASE, ObjectTable
+from kvdepot.storage.l1 import NO_LEASE, ObjectTable, Toucher
 from kvdepot.storage.l2.base import L2Adapter, TaskKind, TaskResult
 from kvdepot.types import ClientId, LeaseId, ObjectKey
 
@@ -313,7 +313,9 @@ class PrefetchController:
             return
         job.found = result.value
         wanted = job.keys[job.start : job.start + job.found]
-        res = self._table.reserve_write(wanted, job.size, PREFETCH_OWNER, job.salt, ttl_s=BACKGROUND_LEASE_TTL_S)
+        res = self._table.reserve_write(
+            wanted, job.size, PREFETCH_OWNER, job.salt, ttl_s=BACKGROUND_LEASE_TTL_S, toucher=Toucher.SERVER
+        )
         usable = 0
         for status in res.statuses:
             if status not in (SlotStatus.ALLOCATED, SlotStatus.EXISTS):

@@ -33,6 +33,10 @@ class EvictionPolicy(Protocol):
     def quota_excess(self) -> Iterator[ObjectKey]:
         """Keys to evict now, regardless of free space, to bring salts back under their quotas."""
 
+    def refuses(self, salt: str, size: int) -> bool:
+        """Can an object of ``size`` bytes of ``salt`` never be kept? (then it is refused, not stored
+        and evicted at once)"""
+
 
 class LRUPolicy:
     name = "lru"
@@ -60,6 +64,9 @@ class LRUPolicy:
     def quota_excess(self) -> Iterator[ObjectKey]:
         return iter(())
 
+    def refuses(self, salt: str, size: int) -> bool:
+        return False
+
 
 class NoopPolicy:
     """Never evicts: a full L1 refuses new stores instead."""
@@ -80,6 +87,9 @@ class NoopPolicy:
 
     def quota_excess(self) -> Iterator[ObjectKey]:
         return iter(())
+
+    def refuses(self, salt: str, size: int) -> bool:
+        return False
 
 
 class IsolatedLRUPolicy(LRUPolicy):
@@ -114,6 +124,10 @@ class IsolatedLRUPolicy(LRUPolicy):
 
     def used(self, salt: str) -> int:
         return self._used.get(salt, 0)
+
+    def refuses(self, salt: str, size: int) -> bool:
+        quota = self.quota(salt)
+        return quota is not None and size > quota
 
     def quotas(self) -> dict[str, int]:
         with self._quota_lock:

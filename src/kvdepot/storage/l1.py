@@ -3,19 +3,34 @@
 Eviction order: the policy is told about a batch's keys (a prompt's chunks) last chunk first, so under
 LRU a prompt loses its tail before its head: a head alone is still a prefix hit, a tail alone never is.
 
-::
+Objects::
 
     absent ──reserve_write──► WRITING ──commit_write──► READY ◄──release_read── READ-LOCKED(n)
                │   (one writer, invisible)   │            │ ──acquire_read──►
-               └──abort / lease expiry / writer gone──► absent          READY & unlocked: evictable
+               └──abort / lease end──────────┴─► absent   READY & unlocked: evictable
+                                                          clear while locked: DOOMED (removed when
+                                                          the last lock goes; invisible meanwhile)
 
-Every lock is a lease owned by a client, with a TTL. A lease ends at commit/finish, at expiry, or when
-the client is declared gone (``release_owner``), whichever comes first: a crashed writer's space comes
-back and a crashed reader never pins memory. Every public method is atomic over its batch of keys and
-holds one lock; listeners are called after the lock is released.
+Leases (every lock is one, owned by a client, with a TTL)::
 
-An illegal transition (committing another client's lease, releasing an unknown lease) raises a typed
-error and changes nothing.
+    ACTIVE ──commit / abort / release──────────────────────────────► finished
+      │ ──renew──► ACTIVE (a later deadline)
+      │
+      └─ TTL passed, or owner declared gone (``expire`` / ``release_owner``)
+           │ nobody can still touch its extents ─────────────────────► ENDED (space back at once)
+           └ its toucher may still run ───► QUARANTINED ──finish call, or toucher gone──► ENDED
+
+A lease's *toucher* is whoever was told where its bytes are: NOBODY (a LOOKUP lock), the owning CLIENT
+(it got arena offsets on the shm path and may write or read them until its process exits), or the
+SERVER itself (an inline copy, a send in flight, an L2 task). Space that a possibly-running toucher can
+still reach is never reused: a quarantined write keeps its extents allocated (its objects are gone, so
+nothing it writes can become visible), and a quarantined read keeps its pins (the bytes it reads stay
+what they were, so finishing it afterwards is still a correct read). The table asks ``holder_alive``
+whether a CLIENT toucher's process may still run; SERVER touchers always may.
+
+Every public method is atomic over its batch of keys and holds one lock; ``holder_alive`` and listeners
+are called with the lock released. An illegal transition (committing another client's lease,
+releasing an unknown lease) raises a typed error and changes nothing.
 """
 
 from __future__ import annotations
@@ -25,10 +40,10 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
-from kvdepot.errors import IllegalTransition, LeaseExpired, UnknownLease
+from kvdepot.errors import IllegalTransition, LeaseExpired, LeaseRevoked, UnknownLease
 from kvdepot.protocol.messages import SlotStatus
 from kvdepot.storage.allocator import ExtentAllocator
 from kvdepot.storage.eviction import EvictionPolicy
@@ -47,6 +62,19 @@ class LeaseKind(Enum):
     WRITE = "write"
 
 
+class Toucher(Enum):
+    """Who, besides the table, may touch a lease's extents (see the module docstring)."""
+
+    NOBODY = "nobody"
+    CLIENT = "client"
+    SERVER = "server"
+
+
+class LeaseState(Enum):
+    ACTIVE = "active"
+    QUARANTINED = "quarantined"
+
+
 @dataclass(slots=True)
 class L1Object:
     key: ObjectKey
@@ -59,6 +87,20 @@ class L1Object:
     doomed: bool = False  # cleared while locked: removed as soon as the last lock goes
 
 
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """Why and when a lease was ended by force (for the error its late finisher gets)."""
+
+    why: str
+    at: float  # wall-clock time
+    revoked: bool = False  # the owner was declared gone (rather than this lease running past its TTL)
+
+    def describe(self, lease_id: LeaseId) -> str:
+        stamp = time.strftime("%H:%M:%S", time.localtime(self.at)) + f".{int(self.at * 1000) % 1000:03d}"
+        verb = "was revoked" if self.revoked else "expired"
+        return f"lease {lease_id} {verb} at {stamp} ({self.why}) before it was finished"
+
+
 @dataclass(slots=True)
 class Lease:
     id: LeaseId
@@ -67,6 +109,10 @@ class Lease:
     keys: list[ObjectKey | None]  # None: released early (FREE_LOOKUP_LOCKS on part of a read lease)
     expires_at: float
     session: str = ""
+    toucher: Toucher = Toucher.CLIENT
+    state: LeaseState = LeaseState.ACTIVE
+    held: list[tuple[int, int]] = field(default_factory=list)  # quarantined write extents (offset, size)
+    ending: Ending | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +130,15 @@ class ReadLock:
 
 
 @dataclass(frozen=True, slots=True)
+class QuarantineEntry:
+    owner: ClientId
+    leases: int
+    bytes: int
+    since: float  # wall-clock time of the oldest
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
 class L1Stats:
     capacity_bytes: int
     used_bytes: int
@@ -96,6 +151,9 @@ class L1Stats:
     largest_free_bytes: int
     evicted_objects: int
     expired_leases: int
+    quarantined_leases: int = 0
+    quarantined_bytes: int = 0
+    quota_refused: int = 0
 
 
 @dataclass
@@ -104,9 +162,16 @@ class _Counters:
     expired: int = 0
     ready: int = 0  # objects in READY (kept as we go: stats() must not walk the table under its lock)
     read_locked: int = 0  # objects with at least one reader
+    quarantined_bytes: int = 0
+    quota_refused: int = 0
 
 
 ReadyListener = Callable[[list[ObjectKey], ClientId], None]  # (keys now READY, the writer that published them)
+HolderAlive = Callable[[ClientId], bool]  # may this client's process still touch arena memory?
+
+
+def _always_alive(owner: ClientId) -> bool:
+    return True
 
 
 class ObjectTable:
@@ -116,27 +181,37 @@ class ObjectTable:
         policy: EvictionPolicy,
         lease_ttl_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        holder_alive: HolderAlive = _always_alive,
     ) -> None:
         self._alloc = allocator
         self._policy = policy
         self._ttl = lease_ttl_s
         self._clock = clock
+        self._holder_alive = holder_alive
         self._lock = threading.Lock()
         self._objects: dict[ObjectKey, L1Object] = {}
-        self._leases: dict[LeaseId, Lease] = {}
-        self._by_owner: dict[ClientId, set[LeaseId]] = {}
-        self._expired: OrderedDict[LeaseId, None] = OrderedDict()  # recently ended by TTL / owner gone
+        self._leases: dict[LeaseId, Lease] = {}  # ACTIVE
+        self._by_owner: dict[ClientId, set[LeaseId]] = {}  # ACTIVE, per owner
+        self._quarantine: dict[LeaseId, Lease] = {}  # QUARANTINED
+        self._ended: OrderedDict[LeaseId, Ending] = OrderedDict()  # recently ended by force
         self._ids = itertools.count(1)
         self._counters = _Counters()
         self._ready_listeners: list[ReadyListener] = []
 
     def __repr__(self) -> str:
         s = self.stats()
-        return f"ObjectTable(objects={s.objects}, used={s.used_bytes}/{s.capacity_bytes}, leases={s.leases})"
+        return (
+            f"ObjectTable(objects={s.objects}, used={s.used_bytes}/{s.capacity_bytes}, leases={s.leases}, "
+            f"quarantined={s.quarantined_leases})"
+        )
 
     @property
     def capacity(self) -> int:
         return self._alloc.capacity
+
+    @property
+    def lease_ttl_s(self) -> float:
+        return self._ttl
 
     def add_ready_listener(self, listener: ReadyListener) -> None:
         self._ready_listeners.append(listener)
@@ -151,11 +226,14 @@ class ObjectTable:
         salt: str = "",
         ttl_s: float | None = None,
         protect: Sequence[ObjectKey] = (),
+        toucher: Toucher = Toucher.CLIENT,
     ) -> Reservation:
         """Reserve a slot of ``size`` bytes per absent key, evicting if needed.
 
         Keys already READY are EXISTS and keys another writer holds are BUSY. Once a key cannot get
         space, it and every later key are NO_SPACE: a chunk after a gap can never be a prefix hit.
+        Keys whose salt's quota is smaller than one object are OVER_QUOTA (refused and counted, rather
+        than stored and evicted at once).
         Neither the EXISTS keys nor ``protect`` (the prefix the caller extends) are evicted to make room.
         """
         offsets: list[int] = []
@@ -167,6 +245,7 @@ class ObjectTable:
             # key would leave a gap in the prefix the caller believes is stored.
             keep: set[ObjectKey] = set(protect)
             out_of_space = False
+            over_quota = self._policy.refuses(salt, size)
             for key in keys:
                 obj = self._objects.get(key)
                 if obj is not None:
@@ -177,6 +256,11 @@ class ObjectTable:
                         keep.add(key)
                         self._policy.on_access(key)
                     offsets.append(-1)
+                    continue
+                if over_quota:
+                    statuses.append(SlotStatus.OVER_QUOTA)
+                    offsets.append(-1)
+                    self._counters.quota_refused += 1
                     continue
                 offset = None if out_of_space else self._allocate_locked(size, keep)
                 if offset is None:
@@ -189,7 +273,9 @@ class ObjectTable:
                 statuses.append(SlotStatus.ALLOCATED)
                 offsets.append(offset)
             if reserved:
-                self._add_lease_locked(Lease(lease_id, LeaseKind.WRITE, owner, list(reserved), self._deadline(ttl_s)))
+                self._add_lease_locked(
+                    Lease(lease_id, LeaseKind.WRITE, owner, list(reserved), self._deadline(ttl_s), toucher=toucher)
+                )
             else:
                 lease_id = NO_LEASE
         return Reservation(lease_id, offsets, statuses)
@@ -247,7 +333,12 @@ class ObjectTable:
             return n
 
     def acquire_read(
-        self, keys: Sequence[ObjectKey], owner: ClientId, session: str = "", ttl_s: float | None = None
+        self,
+        keys: Sequence[ObjectKey],
+        owner: ClientId,
+        session: str = "",
+        ttl_s: float | None = None,
+        toucher: Toucher = Toucher.CLIENT,
     ) -> ReadLock:
         """Read-lock the leading READY keys under one lease; they cannot be evicted until released."""
         with self._lock:
@@ -264,12 +355,12 @@ class ObjectTable:
                 self._add_reader_locked(obj)
                 self._policy.on_access(obj.key)
             self._add_lease_locked(
-                Lease(lease_id, LeaseKind.READ, owner, [o.key for o in found], self._deadline(ttl_s), session)
+                Lease(lease_id, LeaseKind.READ, owner, [o.key for o in found], self._deadline(ttl_s), session, toucher)
             )
             return ReadLock(lease_id, [o.offset for o in found], found[0].size)
 
     def acquire_read_each(
-        self, keys: Sequence[ObjectKey], owner: ClientId, ttl_s: float | None = None
+        self, keys: Sequence[ObjectKey], owner: ClientId, ttl_s: float | None = None, toucher: Toucher = Toucher.SERVER
     ) -> tuple[LeaseId, list[tuple[ObjectKey, int, int]]]:
         """Read-lock every READY key (not only a leading run) under one lease; returns the lease and
         (key, offset, size) of each locked object. For background readers such as the L2 store path."""
@@ -280,7 +371,9 @@ class ObjectTable:
             lease_id = LeaseId(next(self._ids))
             for obj in found:
                 self._add_reader_locked(obj)
-            self._add_lease_locked(Lease(lease_id, LeaseKind.READ, owner, [o.key for o in found], self._deadline(ttl_s)))
+            self._add_lease_locked(
+                Lease(lease_id, LeaseKind.READ, owner, [o.key for o in found], self._deadline(ttl_s), toucher=toucher)
+            )
             return lease_id, [(o.key, o.offset, o.size) for o in found]
 
     def discard(self, keys: Sequence[ObjectKey]) -> int:
@@ -294,9 +387,11 @@ class ObjectTable:
                     n += 1
             return n
 
-    def read_lease_offsets(self, lease_id: LeaseId, owner: ClientId, start: int = 0) -> list[int]:
+    def read_lease_offsets(
+        self, lease_id: LeaseId, owner: ClientId, start: int = 0, toucher: Toucher | None = None
+    ) -> list[int]:
         """Offsets of a read lease's objects from ``keys[start]`` up to the first released one (so a
-        retrieve can reuse the locks its lookup took)."""
+        retrieve can reuse the locks its lookup took). ``toucher``: who is now told the offsets."""
         with self._lock:
             lease = self._get_lease_locked(lease_id, owner, LeaseKind.READ)
             out = []
@@ -304,16 +399,22 @@ class ObjectTable:
                 if key is None:
                     break
                 out.append(self._objects[key].offset)
+            if toucher is not None and toucher is not Toucher.NOBODY:
+                lease.toucher = toucher
             return out
 
     def release_read(self, lease_id: LeaseId, owner: ClientId, start: int = 0, end: int | None = None) -> int:
         """Release the read locks on ``keys[start:end]`` of a lease (all by default); returns how many.
 
-        The lease ends when none of its locks is left.
+        The lease ends when none of its locks is left. A quarantined read lease is released whole: its
+        pins were kept, so what its holder read was never changed under it.
         """
         if lease_id == NO_LEASE:
             return 0
         with self._lock:
+            held = self._quarantine.get(lease_id)
+            if held is not None and held.owner == owner and held.kind is LeaseKind.READ:
+                return self._let_go_locked(held)
             lease = self._get_lease_locked(lease_id, owner, LeaseKind.READ)
             stop = len(lease.keys) if end is None or end < 0 else min(end, len(lease.keys))
             released = 0
@@ -330,27 +431,96 @@ class ObjectTable:
 
     # --- lease life ------------------------------------------------------------------------------
 
+    def renew(self, owner: ClientId, lease_ids: Sequence[LeaseId] = (), sessions: Sequence[str] = (), ttl_s: float | None = None) -> int:
+        """Push the deadline of the owner's named leases, and of every lease of the named sessions, to
+        now + TTL; returns how many were renewed. Unknown or ended ones are skipped (not an error: the
+        renewal raced with their end)."""
+        wanted_sessions = set(sessions)
+        with self._lock:
+            deadline = self._deadline(ttl_s)
+            renewed = 0
+            mine = self._by_owner.get(owner, ())
+            for lease_id in lease_ids:
+                lease = self._leases.get(lease_id)
+                if lease is not None and lease.owner == owner:
+                    lease.expires_at = max(lease.expires_at, deadline)
+                    renewed += 1
+            if wanted_sessions:
+                for lease_id in mine:
+                    lease = self._leases[lease_id]
+                    if lease.session and lease.session in wanted_sessions:
+                        lease.expires_at = max(lease.expires_at, deadline)
+                        renewed += 1
+            return renewed
+
     def expire(self, now: float | None = None) -> int:
-        """End every lease whose TTL has passed; returns how many ended."""
+        """End every lease whose TTL has passed; returns how many ended (quarantined ones included)."""
         now = self._clock() if now is None else now
         with self._lock:
-            due = [lease for lease in self._leases.values() if lease.expires_at <= now]
-            for lease in due:
-                self._end_lease_locked(lease)
-            self._counters.expired += len(due)
-            return len(due)
+            due = [lease.id for lease in self._leases.values() if lease.expires_at <= now]
+            if not due:
+                return 0
+            owners = {self._leases[i].owner for i in due}
+        alive = {o for o in owners if self._holder_alive(o)}  # outside the lock: it may make syscalls
+        ended = 0
+        with self._lock:
+            ttl = f"TTL {self._ttl:g} s"
+            for lease_id in due:
+                lease = self._leases.get(lease_id)
+                if lease is None or lease.expires_at > now:
+                    continue  # finished or renewed meanwhile
+                self._end_lease_locked(lease, Ending(ttl, time.time()), lease.owner in alive)
+                ended += 1
+            self._counters.expired += ended
+            return ended
 
-    def release_owner(self, owner: ClientId) -> int:
-        """The client is gone: end all its leases (writes are dropped, read locks released)."""
+    def release_owner(self, owner: ClientId, why: str = "client gone", revoked: bool = True) -> int:
+        """The client is gone (or declared so): end all its leases. Those it may still touch, if its
+        process may still run, are quarantined; the others end at once."""
+        alive = self._holder_alive(owner)
         with self._lock:
             ids = list(self._by_owner.get(owner, ()))
+            ending = Ending(why, time.time(), revoked)
             for lease_id in ids:
-                self._end_lease_locked(self._leases[lease_id])
+                self._end_lease_locked(self._leases[lease_id], ending, alive)
             return len(ids)
+
+    def recheck_quarantine(self) -> int:
+        """Let go of quarantined leases whose toucher can no longer run; returns how many went."""
+        with self._lock:
+            owners = {lease.owner for lease in self._quarantine.values() if lease.toucher is Toucher.CLIENT}
+        gone = {o for o in owners if not self._holder_alive(o)}
+        if not gone:
+            return 0
+        with self._lock:
+            victims = [lease for lease in self._quarantine.values() if lease.toucher is Toucher.CLIENT and lease.owner in gone]
+            for lease in victims:
+                self._let_go_locked(lease)
+            return len(victims)
 
     def leases_of(self, owner: ClientId) -> int:
         with self._lock:
             return len(self._by_owner.get(owner, ()))
+
+    def quarantine(self) -> list[QuarantineEntry]:
+        """Quarantined leases per owner: what is held back from reuse, and why."""
+        with self._lock:
+            per: dict[ClientId, list[Lease]] = {}
+            for lease in self._quarantine.values():
+                per.setdefault(lease.owner, []).append(lease)
+            out = []
+            for owner, leases in per.items():
+                oldest = min(leases, key=lambda le: le.ending.at if le.ending else 0.0)
+                out.append(
+                    QuarantineEntry(
+                        owner,
+                        len(leases),
+                        sum(self._held_bytes_locked(le) for le in leases),
+                        oldest.ending.at if oldest.ending else 0.0,
+                        oldest.ending.why if oldest.ending else "",
+                    )
+                )
+            return out
 
     # --- capacity --------------------------------------------------------------------------------
 
@@ -409,6 +579,10 @@ class ObjectTable:
                 largest_free_bytes=a.largest_free,
                 evicted_objects=self._counters.evicted,
                 expired_leases=self._counters.expired,
+                quarantined_leases=len(self._quarantine),
+                quarantined_bytes=self._counters.quarantined_bytes
+                + sum(self._held_bytes_locked(le) for le in self._quarantine.values() if le.kind is LeaseKind.READ),
+                quota_refused=self._counters.quota_refused,
             )
 
     def get(self, key: ObjectKey) -> L1Object | None:
@@ -421,7 +595,13 @@ class ObjectTable:
         """For tests: leases, reader counts and allocations agree with each other."""
         with self._lock:
             readers: dict[ObjectKey, int] = {}
-            for lease in self._leases.values():
+            held_extents = 0
+            for lease in [*self._leases.values(), *self._quarantine.values()]:
+                if lease.state is LeaseState.QUARANTINED:
+                    assert lease.id not in self._leases and lease.ending is not None
+                    if lease.kind is LeaseKind.WRITE:
+                        held_extents += len(lease.held)
+                        assert all(k is None for k in lease.keys), "a quarantined write owns no object"
                 for key in lease.keys:
                     if key is None:
                         continue
@@ -436,7 +616,10 @@ class ObjectTable:
                 assert self._alloc.size_of(obj.offset) >= obj.size
                 if obj.state is ObjectState.WRITING:
                     assert obj.writer in self._leases
-            assert self._alloc.stats().allocations == len(self._objects)
+            assert self._alloc.stats().allocations == len(self._objects) + held_extents
+            assert self._counters.quarantined_bytes == sum(
+                size for le in self._quarantine.values() for _, size in le.held
+            )
             assert self._counters.ready == sum(1 for o in self._objects.values() if o.state is ObjectState.READY)
             assert self._counters.read_locked == sum(1 for o in self._objects.values() if o.readers)
             self._alloc.check_invariants()
@@ -517,8 +700,9 @@ class ObjectTable:
     def _get_lease_locked(self, lease_id: LeaseId, owner: ClientId, kind: LeaseKind) -> Lease:
         lease = self._leases.get(lease_id)
         if lease is None:
-            if lease_id in self._expired:
-                raise LeaseExpired(f"lease {lease_id} expired before it was finished")
+            ending = self._ended.get(lease_id)
+            if ending is not None:
+                raise (LeaseRevoked if ending.revoked else LeaseExpired)(ending.describe(lease_id))
             raise UnknownLease(f"no lease {lease_id}")
         if lease.owner != owner:
             raise UnknownLease(f"lease {lease_id} belongs to another client")
@@ -527,6 +711,11 @@ class ObjectTable:
         return lease
 
     def _take_lease_locked(self, lease_id: LeaseId, owner: ClientId, kind: LeaseKind) -> Lease:
+        held = self._quarantine.get(lease_id)
+        if held is not None and held.owner == owner and held.kind is kind:
+            # The late finisher of a quarantined write: its block is over, so its space can go back.
+            # Nothing it wrote was kept (the objects went when the lease ended).
+            self._let_go_locked(held)
         lease = self._get_lease_locked(lease_id, owner, kind)
         self._forget_lease_locked(lease)
         return lease
@@ -540,15 +729,55 @@ class ObjectTable:
                 dropped += 1
         return dropped
 
-    def _end_lease_locked(self, lease: Lease) -> None:
-        """Forced end (TTL or owner gone): remembered so a late commit gets LeaseExpired."""
+    def _end_lease_locked(self, lease: Lease, ending: Ending, toucher_alive: bool) -> None:
+        """Forced end (TTL, or owner gone). Remembered, so a late finisher gets the reason."""
         self._forget_lease_locked(lease)
+        lease.ending = ending
+        self._ended[lease.id] = ending
+        while len(self._ended) > 65536:
+            self._ended.popitem(last=False)
+        quarantine = lease.toucher is Toucher.SERVER or (lease.toucher is Toucher.CLIENT and toucher_alive)
+        if not quarantine:
+            if lease.kind is LeaseKind.WRITE:
+                self._drop_write_locked(lease)
+            else:
+                for key in lease.keys:
+                    if key is not None:
+                        self._unlock_read_locked(key)
+            return
+        lease.state = LeaseState.QUARANTINED
+        self._quarantine[lease.id] = lease
         if lease.kind is LeaseKind.WRITE:
-            self._drop_write_locked(lease)
+            # The objects go (the key is free for another writer, and nothing of this writer can ever
+            # become visible); the extents stay allocated until the toucher lets go.
+            for i, key in enumerate(lease.keys):
+                obj = self._objects.get(key) if key is not None else None
+                lease.keys[i] = None
+                if obj is None or obj.writer != lease.id:
+                    continue
+                del self._objects[obj.key]
+                lease.held.append((obj.offset, obj.size))
+                self._counters.quarantined_bytes += obj.size
+        # A read keeps its pins: the objects stay READY for everyone, just not evictable yet.
+
+    def _let_go_locked(self, lease: Lease) -> int:
+        """End a quarantine: free its extents (write) or drop its pins (read). Returns the pins dropped."""
+        del self._quarantine[lease.id]
+        released = 0
+        if lease.kind is LeaseKind.WRITE:
+            for offset, size in lease.held:
+                self._alloc.free(offset)
+                self._counters.quarantined_bytes -= size
+            lease.held.clear()
         else:
-            for key in lease.keys:
+            for i, key in enumerate(lease.keys):
                 if key is not None:
                     self._unlock_read_locked(key)
-        self._expired[lease.id] = None
-        while len(self._expired) > 65536:
-            self._expired.popitem(last=False)
+                    lease.keys[i] = None
+                    released += 1
+        return released
+
+    def _held_bytes_locked(self, lease: Lease) -> int:
+        if lease.kind is LeaseKind.WRITE:
+            return sum(size for _, size in lease.held)
+        return sum(self._objects[k].size for k in lease.keys if k is not None)

@@ -12,7 +12,7 @@ from kvdepot.storage.allocator import ExtentAllocator
 from kvdepot.storage.arena import HEADER_BYTES, Prefaulter, SharedArena
 from kvdepot.storage.controllers import Placement, PrefetchController, StoreController, TierDriver
 from kvdepot.storage.eviction import make_policy
-from kvdepot.storage.l1 import L1Stats, ObjectTable
+from kvdepot.storage.l1 import HolderAlive, L1Stats, ObjectTable
 from kvdepot.storage.l2 import registry
 
 log = logging.getLogger(__name__)
@@ -68,19 +68,26 @@ class EvictionController:
 
 @dataclass(frozen=True)
 class PrefaultStatus:
+    state: str
     progress: float
     finished: bool
     supported: bool
+    error: str = ""
 
 
 class StorageManager:
-    def __init__(self, config: StorageConfig) -> None:
+    def __init__(self, config: StorageConfig, holder_alive: HolderAlive | None = None) -> None:
+        """``holder_alive(client)``: may that client's process still touch arena memory it was given?
+        (the server's liveness tracker answers; without one, every client is assumed to run)."""
         self.config = config
         # Tiers first: a tier that cannot be built must fail before the arena (real memory) exists.
         self.tiers = [registry.build(registry.parse_spec(spec, i)) for i, spec in enumerate(config.l2)]
-        self.arena = SharedArena.create(config.l1_size_bytes + HEADER_BYTES, shm_dir=config.shm_dir)
+        self.arena = SharedArena.create(
+            config.l1_size_bytes + HEADER_BYTES, shm_dir=config.shm_dir, allow_over_memory=config.l1_over_memory
+        )
         allocator = ExtentAllocator(config.l1_size_bytes, alignment=ALIGNMENT, base=HEADER_BYTES)
-        self.table = ObjectTable(allocator, make_policy(config.eviction_policy), lease_ttl_s=config.lease_ttl_s)
+        extra = {} if holder_alive is None else {"holder_alive": holder_alive}
+        self.table = ObjectTable(allocator, make_policy(config.eviction_policy), lease_ttl_s=config.lease_ttl_s, **extra)
         self.eviction = EvictionController(self.table, config.high_watermark, config.low_watermark)
         self.prefaulter = Prefaulter(self.arena) if config.prefault else None
         self.driver: TierDriver | None = None
@@ -133,5 +140,5 @@ class StorageManager:
     def prefault_status(self) -> PrefaultStatus:
         p = self.prefaulter
         if p is None:
-            return PrefaultStatus(0.0, True, False)
-        return PrefaultStatus(p.progress, p.finished, p.supported)
+            return PrefaultStatus("off", 0.0, False, False)
+        return PrefaultStatus(p.state.value, p.progress, p.finished, p.supported, p.error)

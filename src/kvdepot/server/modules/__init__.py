@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvdepot.config import ServerConfig
+from kvdepot.errors import LeaseRevoked, UnknownContext
 from kvdepot.hashing import HashAlgorithm
 from kvdepot.server.liveness import LivenessTracker
-from kvdepot.server.state import ContextRegistry, SessionTable
+from kvdepot.server.state import Context, ContextRegistry, SessionTable
 from kvdepot.storage.manager import StorageManager
+from kvdepot.types import ClientId
 
 
 @dataclass
@@ -21,6 +23,18 @@ class ServerContext:
     contexts: ContextRegistry = field(default_factory=ContextRegistry)
     sessions: SessionTable = field(default_factory=SessionTable)
     block_events: dict[str, int] = field(default_factory=lambda: {"allocated": 0, "freed": 0})
+
+    def context_of(self, context_id: int, client: ClientId) -> Context:
+        """The caller's context. A client that was revoked (declared gone while it was only silent)
+        learns so on its first request after it: LEASE_REVOKED saying why and when, not a bare
+        UNKNOWN_CONTEXT."""
+        try:
+            return self.contexts.get(context_id, client)
+        except UnknownContext:
+            notice = self.liveness.take_notice(client)
+            if notice is not None:
+                raise LeaseRevoked(notice.message()) from None
+            raise
 
     @property
     def digest_size(self) -> int:

@@ -14,7 +14,7 @@ MAX_KEYS = 1 << 16
 def context_and_keys(ctx: ServerContext, call: Call) -> tuple[Context, list[ObjectKey]]:
     """The caller's context and the object keys of its request, after validating the chunk hashes."""
     body = call.body
-    context = ctx.contexts.get(body.context_id, call.client)
+    context = ctx.context_of(body.context_id, call.client)
     hashes = body.keys
     if len(hashes) > MAX_KEYS:
         raise BadRequest(f"{len(hashes)} keys in one request; at most {MAX_KEYS}")

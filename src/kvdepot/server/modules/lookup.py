@@ -13,7 +13,7 @@ from kvdepot.server.modules.common import context_and_keys
 from kvdepot.server.rpc import Call, HandlerMode, HandlerSpec, Reply
 from kvdepot.server.state import Session
 from kvdepot.storage.controllers import PrefetchJob
-from kvdepot.storage.l1 import NO_LEASE
+from kvdepot.storage.l1 import NO_LEASE, Toucher
 
 
 class LookupModule:
@@ -37,7 +37,8 @@ class LookupModule:
         if not body.session_id:
             return Reply(m.LookupReply(hits=table.lookup(keys)))
         if body.lock:
-            lock = table.acquire_read(keys, call.client, session=body.session_id)
+            # NOBODY: a lookup lock tells the client no offsets; a retrieve hands them out later.
+            lock = table.acquire_read(keys, call.client, session=body.session_id, toucher=Toucher.NOBODY)
             hits, lease = len(lock.offsets), lock.lease_id
         else:
             hits, lease = table.lookup(keys), NO_LEASE
@@ -70,7 +71,7 @@ class LookupModule:
                 session.hits = total
                 return
             # Lock the whole prefix afresh, then let go of the lookup's first lock.
-            lock = table.acquire_read(keys[:total], client, session=session_id)
+            lock = table.acquire_read(keys[:total], client, session=session_id, toucher=Toucher.NOBODY)
             old, session.lease_id = session.lease_id, lock.lease_id
             session.keys = keys[: len(lock.offsets)]
             session.hits = len(lock.offsets)
@@ -79,7 +80,7 @@ class LookupModule:
 
     def query_prefetch_status(self, call: Call) -> Reply:
         body: m.QueryPrefetchStatusRequest = call.body
-        context = self.ctx.contexts.get(body.context_id, call.client)
+        context = self.ctx.context_of(body.context_id, call.client)
         session = self.ctx.sessions.get(context.id, body.session_id)
         if session is None:
             raise KVDepotError(f"no lookup for session {body.session_id!r}", ErrorCode.UNKNOWN_SESSION)
@@ -90,7 +91,7 @@ class LookupModule:
 
     def free_lookup_locks(self, call: Call) -> Reply:
         body: m.FreeLookupLocksRequest = call.body
-        context = self.ctx.contexts.get(body.context_id, call.client)
+        context = self.ctx.context_of(body.context_id, call.client)
         session = self.ctx.sessions.get(context.id, body.session_id)
         if session is None or not session.lease_id:
             return Reply(m.FreeLookupLocksReply(released=0))

@@ -5,13 +5,18 @@ from __future__ import annotations
 import logging
 
 from kvdepot import __version__
+from kvdepot.config import MAX_CHUNK_TOKENS
 from kvdepot.errors import BadRequest, ErrorCode, KVDepotError
 from kvdepot.layout import KVLayout
 from kvdepot.protocol import messages as m
+from kvdepot.server.liveness import check_client_info
 from kvdepot.server.modules import ServerContext
 from kvdepot.server.rpc import Call, HandlerMode, HandlerSpec, Reply
+from kvdepot.storage.arena import liveness_offset
 from kvdepot.storage.keys import NamespaceSpec
 from kvdepot.types import ClientId, ContextId
+
+MAX_BLOCK_REPORT = 1 << 40  # blocks per REPORT_BLOCK_ALLOCATION: far beyond any real engine
 
 log = logging.getLogger(__name__)
 
@@ -51,16 +56,22 @@ class ManagementModule:
             raise BadRequest(f"rank {body.rank} is outside world_size {body.world_size}")
         if not body.model:
             raise BadRequest("model must be named")
+        bad_info = check_client_info(body.client)
+        if bad_info:
+            raise BadRequest(f"bad client info: {bad_info}")
         chunk_size = body.chunk_size or cfg.storage.chunk_size
-        if chunk_size <= 0 or chunk_size > 1 << 20:
-            raise BadRequest(f"chunk_size {chunk_size} is out of range")
+        if not 0 < chunk_size <= MAX_CHUNK_TOKENS:
+            raise BadRequest(f"chunk_size {chunk_size} is outside [1, {MAX_CHUNK_TOKENS}]")
         chunk_bytes = layout.chunk_bytes(chunk_size)
         if chunk_bytes > self.ctx.storage.table.capacity:
             raise BadRequest(f"one chunk ({chunk_bytes} bytes) is larger than L1 ({self.ctx.storage.table.capacity})")
         spec = NamespaceSpec(body.model, body.world_size, body.rank, layout.fingerprint(), chunk_size)
-        self.ctx.liveness.register(call.client, body.client)
-        context = self.ctx.contexts.add(call.client, layout, spec)
         arena = self.ctx.storage.arena
+        # A worker that maps the arena holds a liveness lock there, at an offset of its own, so the
+        # server can tell whether it may still touch arena memory (see storage/arena.py).
+        lock = liveness_offset(arena.size, call.client)
+        self.ctx.liveness.register(call.client, body.client, lock)
+        context = self.ctx.contexts.add(call.client, layout, spec)
         log.info(
             "context %d registered: model=%s rank=%d/%d layout=%s chunk=%d tokens (%d bytes)",
             context.id, body.model, body.rank, body.world_size, layout.fingerprint(), chunk_size, chunk_bytes,
@@ -75,7 +86,7 @@ class ManagementModule:
                 max_frame_bytes=cfg.rpc.max_frame_bytes,
                 heartbeat_interval_s=cfg.rpc.heartbeat_interval_s,
                 lease_ttl_s=cfg.storage.lease_ttl_s,
-                shm=m.ShmInfo(path=arena.path, size=arena.size, nonce=arena.nonce),
+                shm=m.ShmInfo(path=arena.path, size=arena.size, nonce=arena.nonce, liveness_lock=lock),
                 l2_tiers=len(self.ctx.storage.tiers),
             )
         )
@@ -91,7 +102,7 @@ class ManagementModule:
         return Reply(m.ChunkSizeReply(chunk_size=self.ctx.config.storage.chunk_size))
 
     def end_session(self, call: Call) -> Reply:
-        context = self.ctx.contexts.get(call.body.context_id, call.client)
+        context = self.ctx.context_of(call.body.context_id, call.client)
         session = self.ctx.sessions.pop(context.id, call.body.session_id)
         if session is not None:
             self._release_quietly(session.lease_id, call.client)
@@ -102,18 +113,35 @@ class ManagementModule:
 
     def report_block_allocation(self, call: Call) -> Reply:
         body: m.ReportBlockAllocationRequest = call.body
-        self.ctx.contexts.get(body.context_id, call.client)
-        self.ctx.block_events["allocated"] += max(0, body.allocated_blocks)
-        self.ctx.block_events["freed"] += max(0, body.freed_blocks)
+        self.ctx.context_of(body.context_id, call.client)
+        for name, value in (("allocated_blocks", body.allocated_blocks), ("freed_blocks", body.freed_blocks)):
+            if not 0 <= value <= MAX_BLOCK_REPORT:
+                raise BadRequest(f"{name}={value} is outside [0, {MAX_BLOCK_REPORT}]")
+        self.ctx.block_events["allocated"] += body.allocated_blocks
+        self.ctx.block_events["freed"] += body.freed_blocks
         return Reply(m.Ack())
 
-    def client_gone(self, client: ClientId, why: str) -> None:
-        """Called by the RPC loop when a client died or went silent: free everything it held."""
+    def client_gone(self, client: ClientId, why: str, exited: bool) -> None:
+        """Called by the RPC loop when a client's process exited or it went silent: drop its contexts and
+        sessions and end its leases. What it may still touch (it went silent, but its process runs) is
+        quarantined by the object table until the process is gone."""
         contexts = self.ctx.contexts.remove_owner(client)
         for c in contexts:
             self.ctx.sessions.pop_context(c.id)
-        released = self.ctx.storage.table.release_owner(client)
-        log.info("client %s gone (%s): %d leases released, %d contexts dropped", client.hex()[:12], why, released, len(contexts))
+        table = self.ctx.storage.table
+        released = table.release_owner(client, why, revoked=not exited)
+        if exited:
+            table.recheck_quarantine()  # what it held in quarantine is safe to reuse now
+        held = [q for q in table.quarantine() if q.owner == client]
+        rec = self.ctx.liveness.record(client)
+        pid = rec.info.pid if rec is not None else 0
+        if held:
+            log.warning(
+                "client %s (pid %d) %s: revoked; %d leases ended, %d quarantined (%d bytes) until its process exits",
+                client.hex()[:12], pid, why, released, held[0].leases, held[0].bytes,
+            )
+        else:
+            log.info("client %s (pid %d) gone (%s): %d leases released, %d contexts dropped", client.hex()[:12], pid, why, released, len(contexts))
 
     def _drop_sessions(self, context_id: ContextId, owner: ClientId) -> None:
         for session in self.ctx.sessions.pop_context(context_id):

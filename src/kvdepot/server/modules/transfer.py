@@ -11,14 +11,14 @@ import logging
 
 import numpy as np
 
-from kvdepot.errors import BadRequest, KVDepotError
+from kvdepot.errors import BadRequest, KVDepotError, LeaseRevoked
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 from kvdepot.server.modules import ServerContext
 from kvdepot.server.modules.common import context_and_keys
 from kvdepot.server.rpc import Call, HandlerMode, HandlerSpec, Reply
 from kvdepot.server.state import Context
-from kvdepot.storage.l1 import ReadLock
+from kvdepot.storage.l1 import ReadLock, Toucher
 from kvdepot.types import LeaseId, ObjectKey
 
 log = logging.getLogger(__name__)
@@ -43,16 +43,38 @@ class TransferModule:
 
     # --- store ---------------------------------------------------------------------------------------
 
+    def _require_watchable(self, call: Call) -> None:
+        """Arena offsets go only to clients the server can watch: a paused client keeps writable views
+        of its slots, so its space may be reused only once its process is known to be gone."""
+        if not self.ctx.liveness.watchable(call.client):
+            raise BadRequest(
+                "the shm path needs a client the server can watch: one on this host that holds its liveness "
+                "lock in the arena (ShmInfo.liveness_lock) or runs in the server's PID namespace; use inline"
+            )
+
     def prepare_store(self, call: Call) -> Reply:
         context, keys = context_and_keys(self.ctx, call)
-        res = self.table.reserve_write(keys, context.chunk_bytes, call.client, call.body.cache_salt)
+        self._require_watchable(call)
+        res = self.table.reserve_write(keys, context.chunk_bytes, call.client, call.body.cache_salt, toucher=Toucher.CLIENT)
         self.ctx.storage.eviction.kick()
         return Reply(m.PrepareStoreReply(lease_id=res.lease_id, offsets=res.offsets, statuses=[int(s) for s in res.statuses]))
 
+    def _context_for_finish(self, call: Call, finish) -> None:
+        """The caller's context for a COMMIT; a revoked client finishing an old lease is told so, and
+        the lease's quarantined space goes back (its block is over: it no longer touches it)."""
+        try:
+            self.ctx.context_of(call.body.context_id, call.client)
+        except LeaseRevoked:
+            try:
+                finish()
+            except KVDepotError:
+                pass
+            raise
+
     def commit_store(self, call: Call) -> Reply:
         body: m.CommitStoreRequest = call.body
-        self.ctx.contexts.get(body.context_id, call.client)
         lease = LeaseId(body.lease_id)
+        self._context_for_finish(call, lambda: self.table.abort_write(lease, call.client))
         if body.abort:
             self.table.abort_write(lease, call.client)
             return Reply(m.CommitStoreReply(committed=0))
@@ -67,7 +89,8 @@ class TransferModule:
         size = context.chunk_bytes
         max_frame = self.ctx.config.rpc.max_frame_bytes
         per = codec.check_payload(call.payload, len(sent), size, context.rows, body.rows_per_frame, max_frame, call.request_id)
-        res = self.table.reserve_write(sent, size, call.client, body.cache_salt, protect=keys[: body.first])
+        # SERVER: this thread copies into the slots; if the lease ends meanwhile, they stay reserved.
+        res = self.table.reserve_write(sent, size, call.client, body.cache_salt, protect=keys[: body.first], toucher=Toucher.SERVER)
         self.ctx.storage.eviction.kick()
         try:
             for i, (offset, status) in enumerate(zip(res.offsets, res.statuses)):
@@ -86,10 +109,13 @@ class TransferModule:
 
     # --- retrieve ------------------------------------------------------------------------------------
 
-    def _lock_for_retrieve(self, call: Call) -> tuple[Context, ReadLock]:
-        """Lock chunks ``keys[start:]``, reusing the session's lookup locks when they cover them."""
+    def _lock_for_retrieve(self, call: Call, toucher: Toucher) -> tuple[Context, ReadLock]:
+        """Lock chunks ``keys[start:]``, reusing the session's lookup locks when they cover them.
+        ``toucher``: who will read the locked extents (the client on shm, the server's send inline)."""
         body = call.body
         context, keys = context_and_keys(self.ctx, call)
+        if toucher is Toucher.CLIENT:
+            self._require_watchable(call)
         if not 0 <= body.start <= len(keys):
             raise BadRequest(f"start={body.start} is outside the {len(keys)} keys")
         if body.limit < 0:
@@ -101,27 +127,31 @@ class TransferModule:
             if session is not None and session.lease_id and _same_prefix(session.keys, keys, body.start):
                 lease = self.ctx.sessions.take_lease(session)  # the retrieve now owns the locks
                 try:
-                    offsets = self.table.read_lease_offsets(lease, call.client, body.start)[: len(keys) - body.start]
+                    offsets = self.table.read_lease_offsets(lease, call.client, body.start, toucher)[: len(keys) - body.start]
                     if offsets:
                         return context, ReadLock(lease, offsets, context.chunk_bytes)
                     # The session freed the locks where this retrieve starts: lock afresh instead.
                     self.table.release_read(lease, call.client)
                 except KVDepotError:
                     pass  # expired meanwhile: lock afresh below
-        return context, self.table.acquire_read(keys[body.start :], call.client)
+        return context, self.table.acquire_read(keys[body.start :], call.client, toucher=toucher)
 
     def prepare_retrieve(self, call: Call) -> Reply:
-        _, lock = self._lock_for_retrieve(call)
+        _, lock = self._lock_for_retrieve(call, Toucher.CLIENT)
         return Reply(m.PrepareRetrieveReply(lease_id=lock.lease_id, offsets=lock.offsets))
 
     def commit_retrieve(self, call: Call) -> Reply:
         body: m.CommitRetrieveRequest = call.body
-        self.ctx.contexts.get(body.context_id, call.client)
-        self.table.release_read(LeaseId(body.lease_id), call.client)  # LeaseExpired: the reads were unsafe
+        lease = LeaseId(body.lease_id)
+        self._context_for_finish(call, lambda: self.table.release_read(lease, call.client))
+        # A lease that ended while its reader could still read kept its pins, so that read was sound;
+        # LeaseExpired here means the pins did go (the reader could not be watched): the reads were unsafe.
+        self.table.release_read(lease, call.client)
         return Reply(m.Ack())
 
     def retrieve_inline(self, call: Call) -> Reply:
-        context, lock = self._lock_for_retrieve(call)
+        # SERVER: ZeroMQ reads the extents until the send completes; the locks end only then.
+        context, lock = self._lock_for_retrieve(call, Toucher.SERVER)
         if not lock.offsets:
             if lock.lease_id:
                 self.table.release_read(lock.lease_id, call.client)

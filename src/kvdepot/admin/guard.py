@@ -1,0 +1,93 @@
+"""What may talk to the admin port: the checks every HTTP request passes before it reaches a route.
+
+A browser on the same machine is the threat: any page it has open can send a "simple" cross-origin
+request (a POST with ``Content-Type: text/plain`` needs no CORS preflight), and a DNS-rebinding page
+reaches 127.0.0.1 under its own host name. So:
+
+- ``Host`` must name this server: a loopback name, the bound address, this machine's host names, an IP
+  literal when bound to a wildcard address, or a name the operator allowed (``--http-allowed-hosts``).
+  A rebinding page sends its own domain and is refused (421).
+- A mutating request (POST, PUT, PATCH, DELETE) must be ``Content-Type: application/json`` (which a
+  page can only send after a preflight this server never grants) (415) and, when it carries an
+  ``Origin``, that origin must be this server itself (403).
+
+The operate issue's bearer token plugs in here as one more check.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+WILDCARDS = frozenset({"0.0.0.0", "::", ""})
+
+
+@dataclass(frozen=True)
+class Refusal:
+    status: int
+    reason: str
+
+
+def _split_host(value: str) -> tuple[str, int | None]:
+    """'example:8080' -> ('example', 8080); '[::1]:80' -> ('::1', 80); bad ports -> port -1."""
+    parts = urlsplit("//" + value)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    return (parts.hostname or "").lower(), port
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False
+
+
+class AdminGuard:
+    def __init__(self, bind_host: str, port: int, allowed_hosts: Iterable[str] = ()) -> None:
+        self.port = port
+        self.wildcard = bind_host in WILDCARDS
+        names = set(LOOPBACK_NAMES) | {bind_host.lower()} | {h.lower() for h in allowed_hosts if h}
+        for name in (socket.gethostname(), socket.getfqdn()):
+            if name:
+                names.add(name.lower())
+        self.names = frozenset(n for n in names if n not in WILDCARDS)
+
+    def __repr__(self) -> str:
+        return f"AdminGuard(port={self.port}, names={sorted(self.names)}, wildcard={self.wildcard})"
+
+    def host_allowed(self, host: str) -> bool:
+        return host in self.names or (self.wildcard and _is_ip(host))
+
+    def check(self, method: str, headers) -> Refusal | None:
+        """None when the request may proceed; else why not. ``headers``: a case-insensitive mapping."""
+        host, port = _split_host(headers.get("host", ""))
+        if not self.host_allowed(host) or port == -1:
+            return Refusal(421, f"Host {headers.get('host', '')!r} does not name this server; add it with --http-allowed-hosts")
+        if method.upper() not in MUTATING:
+            return None
+        ctype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if ctype != "application/json":
+            return Refusal(415, f"{method} needs Content-Type: application/json (got {ctype or 'none'!r})")
+        origin = headers.get("origin")
+        if origin is not None and not self._own_origin(origin):
+            return Refusal(403, f"cross-origin {method} from {origin!r} is not allowed")
+        return None
+
+    def _own_origin(self, origin: str) -> bool:
+        parts = urlsplit(origin)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            return False  # includes the opaque origin "null"
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError:
+            return False
+        return self.host_allowed(parts.hostname.lower()) and port == self.port
