@@ -11,6 +11,7 @@ import urllib.request
 
 from kvdepot import __version__
 from kvdepot.config import add_server_args, server_from_args
+from kvdepot.errors import ConfigError
 
 
 def _setup_logging(level: str) -> None:
@@ -35,7 +36,11 @@ def cmd_server(args: argparse.Namespace) -> int:
 
     try:
         KVDepotServer(config).serve_forever()
-    except (OSError, ValueError, RuntimeError) as exc:  # e.g. a port in use, /dev/shm too small
+    except ConfigError as exc:  # a configuration that cannot work: a tier spec, L1 larger than /dev/shm
+        logging.getLogger("kvdepot").debug("start-up failed", exc_info=True)
+        print(f"kvdepot server: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError, RuntimeError) as exc:  # e.g. a port or an ipc path in use
         logging.getLogger("kvdepot").debug("start-up failed", exc_info=True)
         print(f"kvdepot server: {exc}", file=sys.stderr)
         return 1

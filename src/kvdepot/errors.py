@@ -45,6 +45,10 @@ class KVDepotError(Exception):
         return f"[{self.code.name}] {self.message}"
 
 
+class ConfigError(ValueError):
+    """A configuration that cannot work (a bad flag value, a bad tier spec): ``kvdepot server`` exits 2."""
+
+
 class BadRequest(KVDepotError):
     code = ErrorCode.BAD_REQUEST
 

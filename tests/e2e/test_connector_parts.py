@@ -419,7 +419,7 @@ def test_chunks_gone_before_the_load_become_load_errors(server):
     with KVClient(server.url, MODEL, layout("bfloat16"), chunk_size=CS) as c:
         c.clear()
         kv = np.zeros(layout("bfloat16").chunk_shape(CS), dtype=np.uint16)
-        assert c.store(toks[:CS], kv) == CS  # only the first chunk is back
+        assert c.store(toks[:CS], kv, raw=True) == CS  # only the first chunk is back
     w = worker(server.url, dst)
     w.start_load_kv(meta(loads=[load]))
     assert w.take_load_errors() == {5, 6}

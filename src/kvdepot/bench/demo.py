@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 import urllib.request
@@ -76,36 +77,62 @@ def run_transport(url: str, transport: str) -> dict:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    tmp = tempfile.mkdtemp(prefix="kvdepot-demo-")
-    http_port = free_port()
-    server = ServerProcess(
-        args=["--l1-size-gb", str(args.l1_size_gb)],
-        port=args.port,
-        http_port=http_port,
-        log_path=os.path.join(tmp, "server.log"),
-    )
-    print(f"kvdepot demo: starting a server (L1 {args.l1_size_gb} GiB, log {server.log_path})")
-    ok = True
-    with server:
-        print(f"server up on {server.url}, HTTP on :{http_port}\n")
-        print(f"workload: 24 requests = one of 4 documents ({DOC_TOKENS} tokens) + a fresh {QUESTION_TOKENS}-token question")
-        print(f"KV layout {LAYOUT.fingerprint()} ({LAYOUT.bytes_per_token // 1024} KiB/token), chunks of 256 tokens\n")
-        print(f"{'transport':<10} {'hit rate':>9} {'hit tokens':>11} {'stored MiB':>11} {'fetched MiB':>12} {'GB/s':>6}  bit-exact")
-        for transport in ("shm", "inline"):
-            s = run_transport(server.url, transport)
-            moved = s["bytes_in"] + s["bytes_out"]
-            print(
-                f"{s['transport']:<10} {s['hit_tokens'] / s['prompt_tokens']:>8.1%} {s['hit_tokens']:>11} "
-                f"{s['bytes_in'] / 2**20:>11.1f} {s['bytes_out'] / 2**20:>12.1f} {moved / max(s['transfer_s'], 1e-9) / 1e9:>6.2f}  "
-                f"{'yes' if s['verified'] else 'NO'}"
-            )
-            ok &= s["verified"] and s["hit_tokens"] > 0
-        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/status", timeout=5) as r:
-            st = json.load(r)
-        l1 = st["l1"]
-        print(
-            f"\nserver /status: {l1['objects']} objects, {l1['used_bytes'] / 2**20:.1f} of "
-            f"{l1['capacity_bytes'] / 2**20:.0f} MiB used, leases {st['leases']}, requests {sum(st['requests'].values())}"
+    """Returns the exit code: 0 when every fetched byte was exact, 1 when not, and the server's own
+    code (2 for a bad configuration) with its one-line reason when it could not start. The temporary
+    directory (the server's log) is removed either way."""
+    with tempfile.TemporaryDirectory(prefix="kvdepot-demo-") as tmp:
+        http_port = free_port()
+        server = ServerProcess(
+            args=["--l1-size-gb", str(args.l1_size_gb)],
+            port=args.port,
+            http_port=http_port,
+            log_path=os.path.join(tmp, "server.log"),
         )
+        print(f"kvdepot demo: starting a server (L1 {args.l1_size_gb} GiB)")
+        try:
+            server.start()
+        except RuntimeError:
+            server.stop()
+            reason = _last_line(server.log_path) or "it did not start"
+            print(f"kvdepot demo: the server did not start: {reason}", file=sys.stderr)
+            code = server.proc.returncode if server.proc is not None else None
+            return code if code and code > 0 else 1
+        try:
+            return _run_workload(server, http_port)
+        finally:
+            server.stop()
+
+
+def _last_line(path: str | None) -> str:
+    try:
+        with open(path or "", errors="replace") as f:
+            lines = [line.strip() for line in f if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1].removeprefix("kvdepot server: ") if lines else ""
+
+
+def _run_workload(server: ServerProcess, http_port: int) -> int:
+    ok = True
+    print(f"server up on {server.url}, HTTP on :{http_port}\n")
+    print(f"workload: 24 requests = one of 4 documents ({DOC_TOKENS} tokens) + a fresh {QUESTION_TOKENS}-token question")
+    print(f"KV layout {LAYOUT.fingerprint()} ({LAYOUT.bytes_per_token // 1024} KiB/token), chunks of 256 tokens\n")
+    print(f"{'transport':<10} {'hit rate':>9} {'hit tokens':>11} {'stored MiB':>11} {'fetched MiB':>12} {'GB/s':>6}  bit-exact")
+    for transport in ("shm", "inline"):
+        s = run_transport(server.url, transport)
+        moved = s["bytes_in"] + s["bytes_out"]
+        print(
+            f"{s['transport']:<10} {s['hit_tokens'] / s['prompt_tokens']:>8.1%} {s['hit_tokens']:>11} "
+            f"{s['bytes_in'] / 2**20:>11.1f} {s['bytes_out'] / 2**20:>12.1f} {moved / max(s['transfer_s'], 1e-9) / 1e9:>6.2f}  "
+            f"{'yes' if s['verified'] else 'NO'}"
+        )
+        ok &= s["verified"] and s["hit_tokens"] > 0
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/status", timeout=5) as r:
+        st = json.load(r)
+    l1 = st["l1"]
+    print(
+        f"\nserver /status: {l1['objects']} objects, {l1['used_bytes'] / 2**20:.1f} of "
+        f"{l1['capacity_bytes'] / 2**20:.0f} MiB used, leases {st['leases']}, requests {sum(st['requests'].values())}"
+    )
     print("\ndemo", "passed" if ok else "FAILED")
     return 0 if ok else 1

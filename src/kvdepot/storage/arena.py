@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvdepot.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 HEADER_BYTES = 4096
@@ -60,7 +62,7 @@ _libc.madvise.restype = ctypes.c_int
 _FLOCK = struct.Struct("hh4xqqi4x")
 
 
-class ArenaCapacityError(OSError):
+class ArenaCapacityError(ConfigError):
     """The arena cannot be backed by real memory: refuse to start rather than SIGBUS later."""
 
 
@@ -114,14 +116,12 @@ def check_capacity(size: int, shm_dir: str, allow_over_memory: bool = False) -> 
     free = shm_free_bytes(shm_dir)
     if size > free:
         raise ArenaCapacityError(
-            errno.ENOSPC,
             f"--l1-size-gb asks for {size / gib:.2f} GiB but {shm_dir} has only {free / gib:.2f} GiB free; "
             f"lower --l1-size-gb or give --shm-dir a filesystem with room",
         )
     mem = available_memory_bytes()
     if mem is not None and size > mem and not allow_over_memory:
         raise ArenaCapacityError(
-            errno.ENOMEM,
             f"--l1-size-gb asks for {size / gib:.2f} GiB but this machine has only {mem / gib:.2f} GiB of memory "
             f"available; lower --l1-size-gb, or pass --l1-over-memory to start anyway (the OS may then swap or "
             f"kill processes)",
@@ -212,7 +212,6 @@ class SharedArena:
                 os.posix_fallocate(fd, 0, size)
             except OSError as exc:
                 raise ArenaCapacityError(
-                    exc.errno,
                     f"cannot reserve {size / 2**30:.2f} GiB for L1 in {shm_dir} ({os.strerror(exc.errno)}; "
                     f"{shm_free_bytes(shm_dir) / 2**30:.2f} GiB free now): lower --l1-size-gb",
                 ) from None

@@ -8,6 +8,7 @@ import threading
 from dataclasses import dataclass
 
 from kvdepot.config import StorageConfig
+from kvdepot.errors import ConfigError
 from kvdepot.storage.allocator import ExtentAllocator
 from kvdepot.storage.arena import HEADER_BYTES, Prefaulter, SharedArena
 from kvdepot.storage.controllers import Placement, PrefetchController, StoreController, TierDriver
@@ -108,7 +109,12 @@ class StorageManager:
             self.prefaulter.start()
         self.eviction.start()
         for tier in self.tiers:
-            tier.start()
+            try:
+                tier.start()
+            except OSError as exc:  # e.g. an fs path that cannot be made: its configuration is wrong
+                raise ConfigError(f"--l2 tier {tier.name} ({tier.kind}): cannot start: {exc}") from None
+            except ValueError as exc:  # e.g. a directory another server's tier holds
+                raise ValueError(f"--l2 tier {tier.name} ({tier.kind}): {exc}") from None
         if self.driver is not None:
             self.driver.start()
 

@@ -104,12 +104,12 @@ class ClientPool:
                     rank=rank,
                     world_size=self.world_size,
                     transport="inline",  # the scheduler moves no KV: no need to map the arena
-                    timeout_s=min(self.config.timeout_s, CONNECT_TIMEOUT_S),  # a server that is not there stalls no step for long
+                    timeout_s=self.config.timeout_s,
+                    connect_timeout_s=min(self.config.timeout_s, CONNECT_TIMEOUT_S),  # a server that is not there stalls no step for long
                     chunk_size=self.chunk_size,
                     prefault=False,
                     tune_malloc=False,
                 )
-                client.timeout_s = self.config.timeout_s
                 clients.append(client)
         except KVDepotError as exc:
             for c in clients:

@@ -102,14 +102,14 @@ class WorkerSide:
                 rank=self.kv_rank,
                 world_size=self.kv_world,
                 transport=self.config.transport,
-                timeout_s=min(self.config.timeout_s, 1.0),
+                timeout_s=self.config.timeout_s,
+                connect_timeout_s=min(self.config.timeout_s, 1.0),
                 chunk_size=self.chunk_size,
             )
         except KVDepotError as exc:
             log.warning("kvdepot worker: cannot reach %s (%s); retrying in %.1fs", self.config.url, exc, self.config.retry_after_s)
             self._off_until = time.monotonic() + self.config.retry_after_s
             return None
-        client.timeout_s = self.config.timeout_s
         if client.chunk_size != self.chunk_size:
             client.close()
             raise ValueError(f"kvdepot registered chunk_size {client.chunk_size}, asked for {self.chunk_size}")

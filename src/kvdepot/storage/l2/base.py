@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
 
+import msgspec
+
 from kvdepot.storage.l2.envelope import CorruptObject, DestinationMismatch, RejectedObject
 from kvdepot.types import ObjectKey
 
@@ -39,6 +41,22 @@ log = logging.getLogger(__name__)
 
 TaskId = int
 USAGE_WAIT_S = 0.5  # the longest usage() waits for a backend's answer
+
+
+def checked(config):
+    """A config struct built in code, validated like one parsed from ``--l2`` (msgspec checks its
+    constraints and ``__post_init__`` rules only when converting). Raises msgspec.ValidationError, a
+    ValueError naming the key."""
+    return msgspec.convert(msgspec.structs.asdict(config), type(config))
+
+
+class _PartlyDone(Exception):
+    """A task whose backend failed after part of the work was done: ``value`` says which part."""
+
+    def __init__(self, value: Any, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.value = value
+        self.cause = cause
 
 
 class TaskKind(Enum):
@@ -265,6 +283,10 @@ class BackendAdapter(ABC):
     def _run(self, task_id: TaskId, kind: TaskKind, work: Callable[[], Any], miss: Any) -> None:
         try:
             value = work()
+        except _PartlyDone as part:  # the backend failed midway: report what did get done
+            self._mark_down(part.cause)
+            self._finish(TaskResult(task_id, kind, part.value, ok=False, error=f"{type(part.cause).__name__}: {part.cause}"))
+            return
         except Exception as exc:
             self._mark_down(exc)
             self._finish(TaskResult(task_id, kind, miss, ok=False, error=f"{type(exc).__name__}: {exc}"))
@@ -307,9 +329,11 @@ class BackendAdapter(ABC):
         self._healthy = True
 
     def _store_all(self, items: list[tuple[ObjectKey, memoryview]]) -> list[bool]:
-        """Per-key outcome. A rejected object fails alone; a backend failure after some objects were
-        stored raises (the task fails) but those objects stay stored and are simply not reported."""
-        out = []
+        """Per-key outcome, counted once it is durable. A rejected object fails alone; when the backend
+        fails midway, the objects stored before are still reported (and counted) as stored, so the
+        tier's count and its store controller's always agree."""
+        out: list[bool] = []
+        failure: Exception | None = None
         for key, payload in items:
             try:
                 self._put(key, payload)
@@ -317,9 +341,19 @@ class BackendAdapter(ABC):
                 log.info("L2 %s refused %s: %s", self.name, key.hex()[:16], exc)
                 out.append(False)
                 continue
-            self._count("stored")
+            except Exception as exc:
+                failure = exc
+                break
             out.append(True)
-        self._flush()  # before any result is reported: a stored object is durable when acknowledged
+        out += [False] * (len(items) - len(out))
+        try:
+            self._flush()  # before any result is reported: a stored object is durable when acknowledged
+        except Exception as exc:
+            out = [False] * len(items)  # durable is unknown: report none of them
+            failure = failure or exc
+        self._count("stored", sum(out))
+        if failure is not None:
+            raise _PartlyDone(out, failure)
         return out
 
     def _lookup_and_pin(self, keys: list[ObjectKey]) -> int:

@@ -32,11 +32,12 @@ import os
 import secrets
 import threading
 from collections import OrderedDict
+from typing import Annotated
 
 import msgspec
 
 from kvdepot.storage.l2 import envelope
-from kvdepot.storage.l2.base import BackendAdapter
+from kvdepot.storage.l2.base import BackendAdapter, checked
 from kvdepot.storage.l2.envelope import HEADER_BYTES, CorruptObject, DestinationMismatch, RejectedObject
 from kvdepot.storage.l2.registry import AdapterType
 from kvdepot.types import NAMESPACE_BYTES, ObjectKey
@@ -52,26 +53,23 @@ _FANOUT = [f"{i:02x}" for i in range(256)]
 
 
 class FsConfig(msgspec.Struct, forbid_unknown_fields=True):
-    path: str
-    size_gb: float = 10.0
-    workers: int = 2
+    path: Annotated[str, msgspec.Meta(min_length=1)]
+    size_gb: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    workers: Annotated[int, msgspec.Meta(ge=1, le=256)] = 2
     o_direct: bool = False
     fsync: bool = True
+
+    def __post_init__(self) -> None:
+        if self.o_direct and not hasattr(os, "O_DIRECT"):
+            raise ValueError("o_direct=true, but this platform has no O_DIRECT")
 
 
 class FsAdapter(BackendAdapter):
     kind = "fs"
 
     def __init__(self, name: str, config: FsConfig) -> None:
+        config = checked(config)
         super().__init__(name, workers=config.workers)
-        if not config.path:
-            raise ValueError("fs tier: path must not be empty")
-        if config.size_gb <= 0:
-            raise ValueError("fs tier: size_gb must be positive")
-        if config.workers < 1:
-            raise ValueError("fs tier: workers must be at least 1")
-        if config.o_direct and not hasattr(os, "O_DIRECT"):
-            raise ValueError("fs tier: o_direct=true, but this platform has no O_DIRECT")
         self._root = os.path.abspath(config.path)
         self._capacity = int(config.size_gb * (1 << 30))
         self._o_direct = config.o_direct

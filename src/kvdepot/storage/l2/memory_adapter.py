@@ -8,28 +8,28 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from typing import Annotated
 
 import msgspec
 
 from kvdepot.storage.l2 import envelope
 from kvdepot.storage.l2.envelope import RejectedObject
-from kvdepot.storage.l2.base import BackendAdapter
+from kvdepot.storage.l2.base import BackendAdapter, checked
 from kvdepot.storage.l2.registry import AdapterType
 from kvdepot.types import ObjectKey
 
 
 class MemoryConfig(msgspec.Struct, forbid_unknown_fields=True):
-    size_gb: float = 1.0
-    workers: int = 2
+    size_gb: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    workers: Annotated[int, msgspec.Meta(ge=1, le=256)] = 2
 
 
 class MemoryAdapter(BackendAdapter):
     kind = "memory"
 
     def __init__(self, name: str, config: MemoryConfig) -> None:
+        config = checked(config)
         super().__init__(name, workers=config.workers)
-        if config.size_gb <= 0:
-            raise ValueError("memory tier: size_gb must be positive")
         self._capacity = int(config.size_gb * (1 << 30))
         # key -> (header+key, payload): kept apart so a store copies the payload once.
         self._objects: OrderedDict[ObjectKey, tuple[bytes, bytes]] = OrderedDict()

@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from kvdepot.errors import ConfigError
 from kvdepot.storage.l2 import base
 
 ENTRY_POINT_GROUP = "kvdepot.l2_adapters"
@@ -59,15 +60,17 @@ def adapter_types() -> dict[str, AdapterType]:
 
 
 def parse_spec(text: str, index: int = 0) -> TierSpec:
-    """``type:key=value,...`` or a JSON object with a ``type`` key; raises ValueError with the reason."""
+    """``type:key=value,...`` or a JSON object with a ``type`` key. Every option's type, range and
+    cross-field rule is checked here (the config struct's constraints); a bad one raises ConfigError
+    naming the spec, the tier and the key."""
     text = text.strip()
     if text.startswith("{"):
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"--l2 {text!r}: invalid JSON ({exc})") from None
+            raise ConfigError(f"--l2 {text!r}: invalid JSON ({exc})") from None
         if not isinstance(raw, dict) or "type" not in raw:
-            raise ValueError(f"--l2 {text!r}: a JSON tier needs a \"type\"")
+            raise ConfigError(f"--l2 {text!r}: a JSON tier needs a \"type\"")
         kind = str(raw.pop("type"))
         fields: dict[str, Any] = raw
     else:
@@ -76,21 +79,32 @@ def parse_spec(text: str, index: int = 0) -> TierSpec:
         for part in filter(None, (p.strip() for p in rest.split(","))):
             key, eq, value = part.partition("=")
             if not eq:
-                raise ValueError(f"--l2 {text!r}: {part!r} is not key=value")
+                raise ConfigError(f"--l2 {text!r}: {part!r} is not key=value")
             fields[key.strip()] = value.strip()
     types = adapter_types()
     if kind not in types:
-        raise ValueError(f"--l2 {text!r}: unknown tier type {kind!r}; known: {sorted(types)}")
+        raise ConfigError(f"--l2 {text!r}: unknown tier type {kind!r}; known: {sorted(types)}")
     name = str(fields.pop("name", f"{kind}{index}"))
     try:
         config = msgspec.convert(fields, types[kind].config, strict=False)
     except msgspec.ValidationError as exc:
-        raise ValueError(f"--l2 {text!r}: {exc}") from None
+        raise ConfigError(f"--l2 {text!r} (tier {name}, {kind}): {_name_the_key(str(exc))}") from None
     return TierSpec(kind, name, config)
 
 
+def _name_the_key(message: str) -> str:
+    """msgspec says '... - at `$.size_gb`': put the key first ('size_gb: ...')."""
+    head, sep, where = message.rpartition(" - at `$.")
+    return f"{where.rstrip('`')}: {head}" if sep else message
+
+
 def build(spec: TierSpec) -> base.L2Adapter:
-    return adapter_types()[spec.type].factory(spec.name, spec.config)
+    """The adapter for a parsed spec; a failure here (a path that cannot be made, a client library
+    that refuses the options) is a configuration error naming the tier."""
+    try:
+        return adapter_types()[spec.type].factory(spec.name, spec.config)
+    except (OSError, ValueError, TypeError, ImportError) as exc:
+        raise ConfigError(f"--l2 tier {spec.name} ({spec.type}): {exc}") from None
 
 
 def config_defaults(config: type[msgspec.Struct]) -> dict[str, Any]:

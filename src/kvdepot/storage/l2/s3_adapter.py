@@ -16,12 +16,12 @@ import io
 import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from kvdepot.storage.l2 import envelope
-from kvdepot.storage.l2.base import BackendAdapter
+from kvdepot.storage.l2.base import BackendAdapter, checked
 from kvdepot.storage.l2.envelope import CorruptObject, DestinationMismatch
 from kvdepot.storage.l2.registry import AdapterType
 from kvdepot.types import ObjectKey
@@ -36,34 +36,33 @@ _READ_PIECE = 4 << 20
 
 
 class S3Config(msgspec.Struct, forbid_unknown_fields=True):
-    bucket: str
+    bucket: Annotated[str, msgspec.Meta(min_length=1)]
     prefix: str = "kvdepot/"
     endpoint_url: str = ""  # empty: AWS
     region: str = "us-east-1"
     access_key_id: str = ""  # empty: boto3's usual places (env, files, instance metadata)
     secret_access_key: str = ""
-    multipart_threshold_mib: int = 64
-    part_size_mib: int = 16
-    workers: int = 4
+    multipart_threshold_mib: Annotated[int, msgspec.Meta(ge=1)] = 64
+    part_size_mib: Annotated[int, msgspec.Meta(ge=MIN_PART_MIB, le=5120)] = 16  # S3's smallest and largest part
+    workers: Annotated[int, msgspec.Meta(ge=1, le=256)] = 4
     create_bucket: bool = False
-    connect_timeout_s: float = 5.0
-    read_timeout_s: float = 30.0
-    max_attempts: int = 2  # total tries per request (botocore "standard" retries)
+    connect_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    read_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    max_attempts: Annotated[int, msgspec.Meta(ge=1, le=20)] = 2  # total tries per request ("standard" retries)
+
+    def __post_init__(self) -> None:
+        if bool(self.access_key_id) != bool(self.secret_access_key):
+            raise ValueError("give both access_key_id and secret_access_key, or neither")
+        if self.endpoint_url and not self.endpoint_url.startswith(("http://", "https://")):
+            raise ValueError(f"endpoint_url {self.endpoint_url!r} must start with http:// or https://")
 
 
 class S3Adapter(BackendAdapter):
     kind = "s3"
 
     def __init__(self, name: str, config: S3Config) -> None:
+        config = checked(config)
         super().__init__(name, workers=config.workers)
-        if not config.bucket:
-            raise ValueError("s3 tier: bucket is required")
-        if config.part_size_mib < MIN_PART_MIB:
-            raise ValueError(f"s3 tier: part_size_mib must be at least {MIN_PART_MIB} (S3's minimum part)")
-        if config.multipart_threshold_mib < 1 or config.workers < 1 or config.max_attempts < 1:
-            raise ValueError("s3 tier: multipart_threshold_mib, workers and max_attempts must be positive")
-        if bool(config.access_key_id) != bool(config.secret_access_key):
-            raise ValueError("s3 tier: give both access_key_id and secret_access_key, or neither")
         self._config = config
         self._client: Any = None
         self._fanout: ThreadPoolExecutor | None = None  # HEADs and multipart parts, in parallel

@@ -27,12 +27,12 @@ from __future__ import annotations
 import math
 import os
 import struct
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from kvdepot.storage.l2 import envelope
-from kvdepot.storage.l2.base import BackendAdapter
+from kvdepot.storage.l2.base import BackendAdapter, checked
 from kvdepot.storage.l2.envelope import CorruptObject, DestinationMismatch
 from kvdepot.storage.l2.registry import AdapterType
 from kvdepot.types import ObjectKey
@@ -75,29 +75,29 @@ return old
 INLINE_VALUE_BYTES = 64 << 10  # objects up to this size are stored inside their manifest
 
 
+URL_SCHEMES = ("redis://", "rediss://", "valkey://", "valkeys://", "unix://")
+
+
 class ValkeyConfig(msgspec.Struct, forbid_unknown_fields=True):
     url: str = "redis://127.0.0.1:6379/0"
-    prefix: str = "kvdepot:"
-    max_value_mib: int = 4  # no single command carries more than this
-    pool_size: int = 8
-    workers: int = 2
-    socket_timeout_s: float = 5.0  # a hung server fails an operation after this, marking the tier down
-    ttl_s: int = 0  # 0: objects live until deleted (or evicted by the server's maxmemory policy)
+    prefix: Annotated[str, msgspec.Meta(min_length=1)] = "kvdepot:"
+    max_value_mib: Annotated[int, msgspec.Meta(ge=1, le=512)] = 4  # no single command carries more than this
+    pool_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 8
+    workers: Annotated[int, msgspec.Meta(ge=1, le=256)] = 2
+    socket_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0  # a hung server fails an operation after this
+    ttl_s: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: objects live until deleted (or evicted by maxmemory)
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(URL_SCHEMES):
+            raise ValueError(f"url {self.url!r} must start with one of {', '.join(URL_SCHEMES)}")
 
 
 class ValkeyAdapter(BackendAdapter):
     kind = "valkey"
 
     def __init__(self, name: str, config: ValkeyConfig) -> None:
+        config = checked(config)
         super().__init__(name, workers=config.workers)
-        if not config.prefix:
-            raise ValueError("valkey tier: prefix must not be empty")
-        if not 1 <= config.max_value_mib <= 512:
-            raise ValueError("valkey tier: max_value_mib must be within 1..512")
-        if config.pool_size < 1 or config.workers < 1:
-            raise ValueError("valkey tier: pool_size and workers must be positive")
-        if config.socket_timeout_s <= 0 or config.ttl_s < 0:
-            raise ValueError("valkey tier: socket_timeout_s must be positive and ttl_s not negative")
         self._config = config
         self._prefix = config.prefix.encode()
         self._counter = self._prefix + b"#objects"
