@@ -27,6 +27,7 @@ class ServerProcess:
     ipc_path: str | None = None
     env: dict[str, str] | None = None
     log_path: str | None = None
+    prefix: list[str] = field(default_factory=list)  # e.g. ["unshare", "--pid", "--fork"]
     proc: subprocess.Popen | None = None
     _log: object = None
 
@@ -43,7 +44,7 @@ class ServerProcess:
         import zmq
 
         self.port = self.port or free_port()
-        cmd = [sys.executable, "-m", "kvdepot.cli", "server", "--port", str(self.port), "--http-port", str(self.http_port)]
+        cmd = [*self.prefix, sys.executable, "-m", "kvdepot.cli", "server", "--port", str(self.port), "--http-port", str(self.http_port)]
         if self.ipc_path:
             cmd += ["--ipc-path", self.ipc_path]
         cmd += self.args
