@@ -26,6 +26,7 @@ from kvdepot import KVClient, KVLayout
 from kvdepot.bench.serverproc import ServerProcess, free_port
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
+from kvdepot.server.liveness import local_client_info
 
 CHUNK = 16
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32)  # 512 bytes a token, 8 KiB a chunk
@@ -268,7 +269,11 @@ class RawPeer:
         header, reply = self.request(body, payload, timeout_s)
         return codec.decode_reply_body(codec.request_type_of(body), header, reply[1])
 
-    def register(self, layout: KVLayout = LAYOUT, model: str = MODEL, chunk_size: int = 0) -> m.RegisterContextReply:
+    def register(
+        self, layout: KVLayout = LAYOUT, model: str = MODEL, chunk_size: int = 0, client: m.ClientInfo | None = None
+    ) -> m.RegisterContextReply:
+        """Register a context. ``client``: who this peer says it is; by default this process (so the
+        server can watch it through a pidfd, as it watches a KVClient); ``m.ClientInfo()`` hides it."""
         reply = self.call(
             m.RegisterContextRequest(
                 protocol_version=m.PROTOCOL_VERSION,
@@ -277,6 +282,7 @@ class RawPeer:
                     num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=layout.dtype
                 ),
                 chunk_size=chunk_size,
+                client=local_client_info() if client is None else client,
             )
         )
         self.context_id = reply.context_id

@@ -314,7 +314,7 @@ def test_fuzz_storm_leaves_the_server_healthy(fuzz_server):
         fuzzers = [Fuzzer(random.Random(rng.getrandbits(64)), p, real_hashes) for p in peers]
         try:
             for f in fuzzers:
-                f.peer.register()
+                f.peer.register(client=m.ClientInfo())  # anonymous, like a remote peer: never given arena offsets
             for _ in range(ROUNDS):
                 for f in fuzzers:
                     f.send_batch(BATCH)

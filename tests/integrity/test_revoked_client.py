@@ -187,7 +187,7 @@ def test_arena_offsets_go_only_to_clients_the_server_can_watch(server, seed):
     """A client with no pidfd and no liveness lock could never be proven gone: it gets no slots."""
     hashes = [bytes([i]) * 32 for i in range(3)]
     with RawPeer(server.url) as blind:
-        blind.register()  # no pid, no lock
+        blind.register(client=m.ClientInfo())  # no pid, no lock
         with pytest.raises(BadRequest, match="can watch"):
             blind.call(m.PrepareStoreRequest(context_id=blind.context_id, keys=hashes))
         with pytest.raises(BadRequest, match="can watch"):

@@ -109,6 +109,7 @@ class KVClient:
         self._staging = StagingPool()
         self._prefaulter = None
         self.transport = "inline"
+        self.transport_reason = ""  # why ``transport`` is what it is (what ``auto`` found)
         self._closed = False
         try:
             self._reg = self._register(timeout_s=connect_timeout_s)
@@ -572,10 +573,16 @@ class KVClient:
                 self._arena = None
             if self._arena is None:
                 self._arena, self._prefaulter, why = try_attach(reply.shm, self._prefault)
+                self.transport_reason = why
                 if self._arena is None and self._requested_transport == "shm":
                     raise TransportUnavailable(f"shm transport requested but {why}")
                 if self._arena is None:
-                    log.info("kvdepot: using the inline transport (%s)", why)
+                    # The arena's file is visible here but unusable: most likely a misconfiguration
+                    # (permissions, a second server, a stale path) rather than a remote client.
+                    visible = reply.shm is not None and os.path.exists(reply.shm.path)
+                    log.log(logging.WARNING if visible else logging.INFO, "kvdepot: using the inline transport (%s)", why)
+        else:
+            self.transport_reason = "inline was asked for"
         self.transport = "shm" if self._arena is not None else "inline"
         if self.transport == "inline" and self._tune_malloc:
             keep_large_buffers_in_heap()  # received frames reuse warm heap instead of fresh pages
