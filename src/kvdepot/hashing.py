@@ -8,7 +8,9 @@ Model, rank, layout and salt are deliberately *not* mixed in here: they form the
 
 from __future__ import annotations
 
+import array
 import hashlib
+import sys
 from collections.abc import Callable, Sequence
 from enum import Enum
 
@@ -53,8 +55,20 @@ _HASHERS: dict[HashAlgorithm, _Hasher] = {
 }
 
 
+# A Python list of token ids (what vLLM and SGLang hand over) converts ~5x faster through array.array
+# than through numpy, which must first infer a dtype; it needs a 4-byte native little-endian 'I'.
+_ARRAY_U32 = array.array("I").itemsize == 4 and sys.byteorder == "little"
+
+
 def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> memoryview:
     """Token ids as little-endian uint32 bytes; raises ValueError for anything but integers in [0, 2**32)."""
+    if _ARRAY_U32 and not isinstance(tokens, np.ndarray) and not hasattr(tokens, "__array__"):
+        try:
+            return memoryview(array.array("I", tokens)).cast("B")
+        except OverflowError:
+            raise ValueError("token ids must lie in [0, 2**32)") from None
+        except TypeError as exc:
+            raise ValueError(f"token ids must be integers: {exc}") from None
     try:
         arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
     except (TypeError, ValueError) as exc:

@@ -120,7 +120,7 @@ class Server:
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("kvdepot-server")
     proc = ServerProcess(
-        args=["--chunk-size", str(BLOCK), "--l1-size-gb", "1", "--lease-ttl-s", "120", "--no-prefault", "--log-level", "info"],
+        args=["--chunk-size", str(BLOCK), "--l1-size-gb", "1", "--no-prefault", "--log-level", "info"],  # the default lease TTL
         http_port=free_port(),
         log_path=str(tmp / "server.log"),
     )
@@ -172,6 +172,7 @@ class Engine:
     name: str = "engine"
     compiled: bool = False
     single_process: bool = False
+    dtype: str = "float32"
     llm_kwargs: dict = field(default_factory=dict)
     max_model_len: int = 4096
     proc: subprocess.Popen | None = None
@@ -191,6 +192,7 @@ class Engine:
             "--result-fd", str(write_fd),
             "--max-model-len", str(self.max_model_len),
             "--llm-kwargs", json.dumps(self.llm_kwargs),
+            "--dtype", self.dtype,
         ]  # fmt: skip
         if self.compiled:
             cmd.append("--compiled")

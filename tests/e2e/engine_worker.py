@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--compiled", action="store_true", help="torch.compile instead of eager mode")
     parser.add_argument("--single-process", action="store_true", help="engine core and worker in this process")
     parser.add_argument("--llm-kwargs", default="{}", help="JSON: more keyword arguments for vllm.LLM")
+    parser.add_argument("--dtype", default="float32", help="the model's (and so the KV cache's) dtype")
     args = parser.parse_args()
     results = os.fdopen(args.result_fd, "w", buffering=1)
 
@@ -44,7 +45,7 @@ def main() -> None:
 
     llm = LLM(
         model=args.model,
-        dtype="float32",
+        dtype=args.dtype,
         max_model_len=args.max_model_len,
         enforce_eager=not args.compiled,
         seed=0,

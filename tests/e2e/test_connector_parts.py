@@ -441,3 +441,88 @@ def test_worker_without_a_server_runs_uncached():
     assert w.take_load_errors() == {3, 4}
     assert time.monotonic() - t0 < 5
     w.shutdown()
+
+
+# --- leases under slow steps, and failure classes -------------------------------------------------------
+
+
+def test_a_held_request_keeps_its_locks_past_the_ttl_and_a_dropped_one_does_not(make_server):
+    """The scheduler's clients renew the locks of the requests it still holds (waiting in vLLM's queue,
+    or in a slow step); a request it no longer names is left to the TTL, the backstop for leaks."""
+    srv = make_server("--lease-ttl-s", "1")
+    toks = tokens(3 * CS + 1, seed=11)
+    store(srv.url, toks, 3)
+    s = scheduler(srv.url)
+    held, leaked = request("held", toks), request("leaked", toks)
+    assert s.get_num_new_matched_tokens(held, 0) == (3 * CS, False)
+    assert s.get_num_new_matched_tokens(leaked, 0) == (3 * CS, False)
+    s._open_sessions.discard("leaked")  # as if the scheduler had lost track of it: no longer renewed
+    time.sleep(3)  # three TTLs
+    st = srv.status()
+    assert st["leases"] == 1 and st["l1"]["read_locked"] == 3, "the held request lost its locks"
+    assert st["expired_leases"] == 1  # the leaked one: ended by its TTL
+    s.request_finished(held)
+    assert srv.wait_status(lambda st: st["leases"] == 0)["leases"] == 0
+    assert s.pool.breaker.allows("lookup")
+    s.shutdown()
+
+
+def test_an_expired_lock_is_that_requests_miss_and_never_stops_lookups(make_server):
+    srv = make_server("--lease-ttl-s", "1")
+    toks = tokens(2 * CS + 1, seed=12)
+    store(srv.url, toks, 2)
+    s = scheduler(srv.url)
+    req = request("r", toks)
+    assert s.get_num_new_matched_tokens(req, 0) == (2 * CS, False)
+    s._open_sessions.discard("r")  # its renewal stops (as in a process paused past the TTL): it expires
+    srv.wait_status(lambda st: st["expired_leases"] >= 1)
+    s.update_state_after_alloc(req, blocks([1, 2, 3]), 0)  # frees the (expired) locks: quietly
+    assert s.pool.breaker.allows("lookup")
+    assert s.get_num_new_matched_tokens(request("next", toks), 0) == (2 * CS, False)  # still caching
+    assert srv.status()["request_failures"]["lease_expired"] >= 1  # counted on the server
+    s.shutdown()
+
+
+def test_a_dead_server_stops_lookups_only_for_a_while(make_server):
+    srv = make_server()
+    s = scheduler(srv.url, retry_after_s=60, timeout_s=0.5)
+    toks = tokens(2 * CS + 1, seed=13)
+    assert s.get_num_new_matched_tokens(request("a", toks), 0) == (0, False)  # connected: a miss
+    srv.proc.stop()
+    t0 = time.monotonic()
+    assert s.get_num_new_matched_tokens(request("b", toks), 0) == (0, False)
+    assert not s.pool.breaker.allows("lookup")
+    assert s.get_num_new_matched_tokens(request("c", toks), 0) == (0, False)  # not retried: no stall
+    assert time.monotonic() - t0 < 3
+    assert ("lookup", "transport") in s.pool.tally.counts
+    s.shutdown()
+
+
+def test_a_load_slower_than_the_ttl_keeps_its_lease(make_server):
+    srv = make_server("--lease-ttl-s", "1")
+    src, dst = cpu_caches(seed=14), cpu_caches()
+    toks = tokens(2 * CS + 1, seed=14)
+    save, load = ops(toks, 2, [1, 2], [3, 4])
+    worker(srv.url, src).wait_for_save(meta(saves=[save]))
+    w = worker(srv.url, dst, debug_load_delay_s=2.5)
+    w.start_load_kv(meta(loads=[load]))
+    assert w.take_load_errors() == set()
+    assert blocks_equal(src, [1, 2], dst, [3, 4])
+    st = srv.status()
+    assert st["expired_leases"] == 0 and st["quarantine"]["leases"] == 0
+    w.shutdown()
+
+
+def test_a_request_problem_on_the_worker_leaves_both_directions_on(server):
+    src, dst = cpu_caches(seed=15), cpu_caches()
+    toks = tokens(3 * CS + 1, seed=15)
+    save, load = ops(toks, 3, [1, 2, 3], [4, 5, 6])
+    w = worker(server.url, dst)
+    missing = ops(tokens(2 * CS, seed=16), 2, [7, 8], [9, 10], req="missing")[1]
+    w.start_load_kv(meta(loads=[missing]))  # never stored: that request recomputes
+    assert w.take_load_errors() == {9, 10}
+    assert w.breaker.allows("load") and w.breaker.allows("save")
+    worker(server.url, src).wait_for_save(meta(saves=[save]))
+    w.start_load_kv(meta(loads=[load]))
+    assert w.take_load_errors() == set() and blocks_equal(src, [1, 2, 3], dst, [4, 5, 6])
+    w.shutdown()

@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -68,6 +68,7 @@ class _Registration:
     max_frame_bytes: int
     heartbeat_interval_s: float
     l2_tiers: int = 0
+    lease_ttl_s: float = 60.0
 
 
 class KVClient:
@@ -111,6 +112,13 @@ class KVClient:
         self.transport = "inline"
         self.transport_reason = ""  # why ``transport`` is what it is (what ``auto`` found)
         self._closed = False
+        # Leases of zero-copy blocks open right now: renewed until the block exits (it cannot leak them).
+        self._held_leases: set[int] = set()
+        self._held_lock = threading.Lock()
+        self.renew_sessions: Callable[[], Iterable[str]] | None = None
+        """The owner's sessions still in use (e.g. an engine's requests waiting or computing): their
+        locks are renewed with the heartbeat. Called from the heartbeat thread: it must be thread-safe.
+        A session the owner stops naming is no longer renewed, so the TTL ends it if it leaked."""
         try:
             self._reg = self._register(timeout_s=connect_timeout_s)
         except KVDepotTimeout:
@@ -334,12 +342,13 @@ class KVClient:
             for off, st in zip(reply.offsets, reply.statuses)
         )
         slots.statuses = [m.SlotStatus(s) for s in reply.statuses]
-        try:
-            yield slots
-        except BaseException:
-            self._finish_store(context_id, reply.lease_id, abort=True)
-            raise
-        self._finish_store(context_id, reply.lease_id, abort=False)
+        with self._holding(reply.lease_id):
+            try:
+                yield slots
+            except BaseException:
+                self._finish_store(context_id, reply.lease_id, abort=True)
+                raise
+            self._finish_store(context_id, reply.lease_id, abort=False)
 
     def _finish_store(self, context_id: int, lease_id: int, abort: bool) -> None:
         if lease_id == 0:
@@ -356,12 +365,27 @@ class KVClient:
         reply = self._call_ctx(req)
         context_id = self._reg.context_id
         views = [self._slot(off, False) for off in reply.offsets]
+        with self._holding(reply.lease_id):
+            try:
+                yield views
+            finally:
+                if reply.lease_id:
+                    # LeaseExpired here means the bytes may have been reused while read: it propagates.
+                    self._call(m.CommitRetrieveRequest(context_id=context_id, lease_id=reply.lease_id))
+
+    @contextmanager
+    def _holding(self, lease_id: int) -> Iterator[None]:
+        """While the block runs, the heartbeat renews its lease: a slow block is not a leaked one."""
+        if not lease_id:
+            yield
+            return
+        with self._held_lock:
+            self._held_leases.add(lease_id)
         try:
-            yield views
+            yield
         finally:
-            if reply.lease_id:
-                # LeaseExpired here means the bytes may have been reused while read: it propagates.
-                self._call(m.CommitRetrieveRequest(context_id=context_id, lease_id=reply.lease_id))
+            with self._held_lock:
+                self._held_leases.discard(lease_id)
 
     # --- inline path ---------------------------------------------------------------------------------
 
@@ -595,6 +619,7 @@ class KVClient:
             reply.max_frame_bytes,
             reply.heartbeat_interval_s,
             reply.l2_tiers,
+            reply.lease_ttl_s,
         )
 
     def _call_ctx(self, body, payload: Sequence = (), want_payload: bool = False):
@@ -696,10 +721,27 @@ class KVClient:
             raise KVDepotTimeout(f"{type(body).__name__} got no reply from {self.url} in time") from None
         return codec.decode_reply_header(reply_header), reply_body, frames
 
+    def renew(self, sessions: Iterable[str] = (), lease_ids: Iterable[int] = ()) -> int:
+        """Push the TTL of these sessions' locks and of these leases (this client's own) to now + TTL;
+        returns how many leases were renewed (ended ones are skipped, not an error)."""
+        req = m.RenewLeasesRequest(context_id=0, lease_ids=list(lease_ids), sessions=list(sessions))
+        if not req.lease_ids and not req.sessions:
+            return 0
+        return self._call_ctx(req).renewed
+
     def _heartbeat(self) -> None:
+        """Ping when idle (the server counts silence as death), and renew what is held well within the
+        lease TTL: the leases of open zero-copy blocks and the owner's sessions (``renew_sessions``)."""
         interval = self._reg.heartbeat_interval_s
-        while not self._hb_stop.wait(interval):
-            if time.monotonic() - self._last_request < interval:
+        tick = max(0.05, min(interval, self._reg.lease_ttl_s / 4))
+        last_renewal = time.monotonic()
+        while not self._hb_stop.wait(tick):
+            now = time.monotonic()
+            if now - last_renewal >= self._reg.lease_ttl_s / 4:
+                last_renewal = now
+                if self._renew_held():
+                    continue  # a renewal is a request: proof of life as well
+            if now - self._last_request < interval:
                 continue
             if not self._lock.acquire(timeout=interval):
                 continue  # a request is in flight: that is proof of life already
@@ -709,6 +751,27 @@ class KVClient:
                 log.debug("heartbeat failed: %s", exc)
             finally:
                 self._lock.release()
+
+    def _renew_held(self) -> bool:
+        with self._held_lock:
+            leases = list(self._held_leases)
+        sessions: list[str] = []
+        if self.renew_sessions is not None:
+            try:
+                sessions = list(self.renew_sessions())
+            except Exception:  # the owner's callback must never stop the heartbeat
+                log.exception("kvdepot: renew_sessions failed")
+        if not leases and not sessions:
+            return False
+        if not self._lock.acquire(timeout=self._reg.lease_ttl_s / 4):
+            return False
+        try:
+            self.renew(sessions, leases)
+        except KVDepotError as exc:
+            log.debug("lease renewal failed: %s", exc)
+        finally:
+            self._lock.release()
+        return True
 
     def _as_hashes(self, tokens) -> list[ChunkHash]:
         if isinstance(tokens, list) and tokens and isinstance(tokens[0], bytes):

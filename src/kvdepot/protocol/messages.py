@@ -33,6 +33,7 @@ class RequestType(IntEnum):
     END_SESSION = 14
     CLEAR = 15
     REPORT_BLOCK_ALLOCATION = 16
+    RENEW_LEASES = 17
 
 
 class SlotStatus(IntEnum):
@@ -287,6 +288,20 @@ class ReportBlockAllocationRequest(_Body):
     freed_blocks: int = 0
 
 
+class RenewLeasesRequest(_Body):
+    """Push the deadline of this client's named leases, and of every lease of the named sessions, to
+    now + the lease TTL: a live client renews the locks of work it is still doing (a request waiting in
+    an engine's queue, a slow prefill), so the TTL only ever ends leases it leaked."""
+
+    context_id: int
+    lease_ids: list[int] = msgspec.field(default_factory=list)
+    sessions: list[str] = msgspec.field(default_factory=list)
+
+
+class RenewLeasesReply(_Body):
+    renewed: int
+
+
 # --- the registry ----------------------------------------------------------------------------------
 
 REGISTRY: dict[RequestType, tuple[type[_Body], type[_Body]]] = {
@@ -306,6 +321,7 @@ REGISTRY: dict[RequestType, tuple[type[_Body], type[_Body]]] = {
     RequestType.END_SESSION: (EndSessionRequest, Ack),
     RequestType.CLEAR: (ClearRequest, ClearReply),
     RequestType.REPORT_BLOCK_ALLOCATION: (ReportBlockAllocationRequest, Ack),
+    RequestType.RENEW_LEASES: (RenewLeasesRequest, RenewLeasesReply),
 }
 
 

@@ -122,6 +122,19 @@ class KVDepotServer:
             )
         return {"leases": l1.quarantined_leases, "bytes": l1.quarantined_bytes, "clients": clients}
 
+    def _request_failures(self, l1, tiers: list[dict]) -> dict:
+        """Per-request problems by class: each made one request recompute what it lacked, and none
+        stops anyone from caching. (Transport failures are the clients' to see: they never got here.)"""
+        errors = _snapshot(self.rpc.stats.errors)
+        counts = self.ctx.failures.snapshot()
+        return {
+            "lease_expired": errors.get("LEASE_EXPIRED", 0) + counts["lease_expired_frees"],
+            "lease_revoked": errors.get("LEASE_REVOKED", 0),
+            "short_retrieves": counts["short_retrieves"],
+            "over_quota": l1.quota_refused,
+            "corrupt_in_l2": sum(t["corrupt"] for t in tiers),
+        }
+
     def degraded_reasons(self) -> list[str]:
         """Why the server serves less than it was configured to (empty: it serves everything)."""
         reasons = []
@@ -143,6 +156,7 @@ class KVDepotServer:
         """The /status document (and ``kvdepot status``)."""
         l1 = self.storage.stats()
         pf = self.storage.prefault_status()
+        tiers = self.storage.tiers_status()  # asks each backend (at most 0.5 s each): once
         return {
             "version": __version__,
             "chunk_size": self.config.storage.chunk_size,
@@ -177,8 +191,9 @@ class KVDepotServer:
             "clients": len(self.ctx.liveness),
             "requests": {getattr(k, "name", str(k)): v for k, v in _snapshot(self.rpc.stats.requests).items()},
             "errors": _snapshot(self.rpc.stats.errors),
+            "request_failures": self._request_failures(l1, tiers),
             "block_events": _snapshot(self.ctx.block_events),
-            "tiers": self.storage.tiers_status(),
+            "tiers": tiers,
             "l2_controllers": self.storage.controllers_status(),
         }
 

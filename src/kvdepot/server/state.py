@@ -60,6 +60,27 @@ class Session:
     all_keys: list[ObjectKey] | None = None  # the whole prompt's keys, while a prefetch runs
 
 
+class FailureCounts:
+    """Per-request problems the server saw, by class (thread-safe): each is one request's miss, never
+    a reason for anyone to stop caching. ``lease_expired_frees``: locks freed after their lease had
+    already ended; ``short_retrieves``: retrieves that found fewer chunks than asked (evicted, or their
+    lookup's locks ended, since the lookup)."""
+
+    CLASSES = ("lease_expired_frees", "short_retrieves")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(self.CLASSES, 0)
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
 class ContextRegistry:
     def __init__(self) -> None:
         self._lock = threading.Lock()

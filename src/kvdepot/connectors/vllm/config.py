@@ -36,6 +36,9 @@ class ConnectorConfig:
     """After a failed request, how long the scheduler leaves the server alone (requests run uncached)."""
     debug_load_delay_s: float = 0.0
     """Fault injection for tests: sleep this long inside every load, holding its locks."""
+    debug_dump_dir: str = ""
+    """For tests: after each step, write what that step's loads left in vLLM's paged cache to this
+    directory (one ``HASH.npy`` per chunk), to compare with what was stored."""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:

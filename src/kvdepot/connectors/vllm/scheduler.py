@@ -14,6 +14,21 @@ A load is planned once, handed to the workers by the next ``build_connector_meta
 released when the workers report it done. Saves are planned every step for the chunks that the
 step completes. ``request_finished`` ends the session, which drops whatever locks are left.
 
+The locks of a request (its session's lease on the server)::
+
+    looked up ──lock──► locked ──planned──► loading ──workers done──► released
+                          │  ▲                 │
+                          │  └── renewed by the client's heartbeat while the request is held here
+                          │                      (waiting in vLLM's queue, or computing a slow step)
+                          ├── request finished / preempted ──► released (END_SESSION)
+                          └── lease ended anyway (TTL: only if this process stopped renewing, or a
+                              revocation) ──► expired: the load finds fewer chunks; vLLM recomputes
+                                              them (kv_load_failure_policy=recompute), nothing else
+
+Failures are classified (``connectors.common``): a transport failure (no connection, a timeout) stops
+lookups for ``retry_after_s``; anything else (an expired lease, a chunk evicted since the lookup) is
+that request's miss only, counted in the log.
+
 TP > 1: every KV rank stores its own shard under its own context, so the scheduler keeps one client
 per rank and a hit is the shortest prefix that all ranks hold.
 """
@@ -22,11 +37,13 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvdepot.client.client import KVClient
+from kvdepot.connectors.common import CircuitBreaker, FailureTally, is_transport_failure
 from kvdepot.connectors.vllm.config import ConnectorConfig
 from kvdepot.connectors.vllm.metadata import KVDepotConnectorMetadata, KVDepotWorkerMetadata, LoadOp, SaveOp
 from kvdepot.errors import KVDepotError
@@ -78,20 +95,23 @@ class RequestState:
 
 class ClientPool:
     """One KVClient per KV rank, created on first use (not in vLLM's constructor, which may run
-    before the engine forks) and dropped for ``retry_after_s`` after a failure."""
+    before the engine forks). A transport failure opens the lookup breaker for ``retry_after_s``
+    (the server may still hold locks for us meanwhile; their TTL ends them)."""
 
-    def __init__(self, config: ConnectorConfig, model: str, layout: KVLayout, world_size: int, chunk_size: int) -> None:
+    def __init__(self, config: ConnectorConfig, model: str, layout: KVLayout, world_size: int, chunk_size: int, sessions) -> None:
         self.config = config
         self.model = model
         self.layout = layout
         self.world_size = world_size
         self.chunk_size = chunk_size
+        self.breaker = CircuitBreaker(config.retry_after_s)
+        self.tally = FailureTally(log, "kvdepot scheduler")
+        self._sessions = sessions  # () -> the session ids this scheduler still holds
         self._clients: list[KVClient] | None = None
-        self._down_until = 0.0
 
     def get(self) -> list[KVClient] | None:
-        if time.monotonic() < self._down_until:
-            return None  # locks the server may still hold for us end with their lease's TTL
+        if not self.breaker.allows("lookup"):
+            return None
         if self._clients is not None:
             return self._clients
         clients: list[KVClient] = []
@@ -110,11 +130,12 @@ class ClientPool:
                     prefault=False,
                     tune_malloc=False,
                 )
+                client.renew_sessions = self._sessions  # its heartbeat renews the locks of held requests
                 clients.append(client)
         except KVDepotError as exc:
             for c in clients:
                 c.close()
-            self.failed(exc)
+            self.failed(exc, "connecting")
             return None
         if clients[0].chunk_size != self.chunk_size:
             raise ValueError(f"kvdepot registered chunk_size {clients[0].chunk_size}, asked for {self.chunk_size}")
@@ -122,9 +143,11 @@ class ClientPool:
         log.info("kvdepot scheduler: %d context(s) on %s, chunk_size %d", len(clients), self.config.url, self.chunk_size)
         return clients
 
-    def failed(self, exc: Exception) -> None:
-        log.warning("kvdepot scheduler: server error (%s); serving uncached for %.1fs", exc, self.config.retry_after_s)
-        self._down_until = time.monotonic() + self.config.retry_after_s
+    def failed(self, exc: Exception, what: str) -> None:
+        """Count the failure; a transport failure also stops lookups for ``retry_after_s``."""
+        if is_transport_failure(exc):
+            self.breaker.trip("lookup")
+        self.tally.add("lookup", exc, what, self.config.retry_after_s)
 
     def close(self) -> None:
         for c in self._clients or ():
@@ -140,7 +163,9 @@ class SchedulerSide:
         self.block_size = block_size
         self.chunk_size = config.chunk_tokens(block_size)
         self.blocks_per_chunk = self.chunk_size // block_size
-        self.pool = ClientPool(config, model, layout, world_size, self.chunk_size)
+        self._open_sessions: set[str] = set()  # requests whose session (and locks) the server keeps
+        self._open_lock = threading.Lock()  # the clients' heartbeat threads read the set
+        self.pool = ClientPool(config, model, layout, world_size, self.chunk_size, self._held_sessions)
         self.states: dict[str, RequestState] = {}
 
     def __repr__(self) -> str:
@@ -273,7 +298,7 @@ class SchedulerSide:
             cs = self.chunk_size
             tokens = st.request.all_token_ids[have * cs : n_chunks * cs]
             prefix = st.hashes[-1] if st.hashes else b""
-            st.hashes.extend(chunk_hashes(list(tokens), cs, clients[0].hash_algorithm, prefix))
+            st.hashes.extend(chunk_hashes(tokens, cs, clients[0].hash_algorithm, prefix))  # (a list: no numpy detour)
         return st.hashes[:n_chunks]
 
     def _start_lookup(self, st: RequestState, max_chunks: int) -> None:
@@ -283,8 +308,8 @@ class SchedulerSide:
             st.phase, st.hit_chunks = Phase.LOOKED, 0
             return
         st.looked_at = time.monotonic()
+        self._open_session(st)
         try:
-            st.session_open = True
             st.rank_hits = [c.lookup_chunks(hashes, st.salt, session_id=st.req_id) for c in clients]
         except KVDepotError as exc:
             self._lookup_failed(st, exc)
@@ -324,9 +349,15 @@ class SchedulerSide:
                     self._call(clients[rank].free_lookup_locks, st.req_id, st.hit_chunks, -1)
 
     def _lookup_failed(self, st: RequestState, exc: Exception | None) -> None:
+        """This request is served uncached. Its session (if the server kept one) ends with its TTL, or
+        with END_SESSION when the request finishes."""
         if exc is not None:
-            self.pool.failed(exc)
-        st.phase, st.hit_chunks, st.session_open = Phase.LOOKED, 0, False
+            self.pool.failed(exc, f"the lookup of {st.req_id}")
+        st.phase, st.hit_chunks = Phase.LOOKED, 0
+        if exc is not None and not is_transport_failure(exc):
+            self._end_session(st)  # the server is there: end whatever it keeps for the request now
+        else:
+            self._close_session(st)  # unreachable: the session's TTL ends it
 
     # --- saves ---------------------------------------------------------------------------------------
 
@@ -370,12 +401,28 @@ class SchedulerSide:
     def _end_session(self, st: RequestState) -> None:
         if not st.session_open:
             return
-        st.session_open = False
+        self._close_session(st)
         for c in self.pool.get() or ():
             self._call(c.end_session, st.req_id)
+
+    def _open_session(self, st: RequestState) -> None:
+        st.session_open = True
+        with self._open_lock:
+            self._open_sessions.add(st.req_id)
+
+    def _close_session(self, st: RequestState) -> None:
+        """Stop renewing the request's locks (they end now, or with their TTL)."""
+        st.session_open = False
+        with self._open_lock:
+            self._open_sessions.discard(st.req_id)
+
+    def _held_sessions(self) -> list[str]:
+        """For the clients' heartbeat threads: the requests whose locks are still wanted."""
+        with self._open_lock:
+            return list(self._open_sessions)
 
     def _call(self, fn, *args) -> None:
         try:
             fn(*args)
         except KVDepotError as exc:
-            self.pool.failed(exc)  # locks end with their lease's TTL
+            self.pool.failed(exc, fn.__name__)  # what the server still holds for us ends with its TTL

@@ -12,7 +12,12 @@ Transfers follow the metadata the scheduler half built for the step:
 
 A chunk that cannot be fetched (evicted, server gone) is never half-used: its blocks are reported as
 load errors, and vLLM recomputes them (``kv_load_failure_policy="recompute"``) or fails the request.
-A failed save is only a future miss.
+A failed save is only a future miss. Only a transport failure (no connection, a timeout) stops the
+failing direction (loads or saves) for ``retry_after_s``; a request's own problem (an expired lease, a
+chunk gone since its lookup, a full L1) is that request's alone (``connectors.common``).
+
+Leases held while loading are renewed by the client's heartbeat, so a slow load (a loaded machine, a
+long layerwise pass) keeps its locks for as long as it runs.
 
 Ownership: the loader threads write only blocks of requests that wait for them (vLLM does not run
 them meanwhile) and never blocks below ``skip_blocks`` (vLLM's own prefix-cache blocks, which other
@@ -22,6 +27,7 @@ running requests may read).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -31,10 +37,12 @@ from contextlib import ExitStack, contextmanager
 import numpy as np
 
 from kvdepot.client.client import KVClient
+from kvdepot.connectors.common import CircuitBreaker, FailureTally, is_transport_failure
 from kvdepot.connectors.vllm.config import ConnectorConfig
 from kvdepot.connectors.vllm.metadata import KVDepotConnectorMetadata, KVDepotWorkerMetadata, LoadOp, SaveOp
 from kvdepot.connectors.vllm.paged_layout import PagedKV, make_layout, probe_cpu_layout
-from kvdepot.errors import KVDepotError
+from kvdepot.errors import ErrorCode, KVDepotError
+from kvdepot.protocol.messages import SlotStatus
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +69,9 @@ class WorkerSide:
         self._layerwise: LayerwiseLoad | None = None
         self._async_queue: queue.Queue[LoadOp | None] | None = None
         self._async_thread: threading.Thread | None = None
-        self._off_until = 0.0
+        self.breaker = CircuitBreaker(config.retry_after_s)
+        self.tally = FailureTally(log, f"kvdepot worker {kv_rank}")
+        self._to_dump: list[LoadOp] = []  # debug_dump_dir: this step's loads, dumped after the forward
 
     def __repr__(self) -> str:
         return f"WorkerSide(rank={self.kv_rank}/{self.kv_world}, {self.paged!r}, client={self.client!r})"
@@ -92,7 +102,7 @@ class WorkerSide:
         (the engine runs uncached meanwhile rather than not at all)."""
         if self.client is not None:
             return self.client
-        if time.monotonic() < self._off_until:
+        if not self.breaker.allows("connect"):
             return None
         try:
             client = KVClient(
@@ -107,8 +117,8 @@ class WorkerSide:
                 chunk_size=self.chunk_size,
             )
         except KVDepotError as exc:
-            log.warning("kvdepot worker: cannot reach %s (%s); retrying in %.1fs", self.config.url, exc, self.config.retry_after_s)
-            self._off_until = time.monotonic() + self.config.retry_after_s
+            self.breaker.trip("connect")
+            self.tally.add("connect", exc, f"connecting to {self.config.url}", self.config.retry_after_s)
             return None
         if client.chunk_size != self.chunk_size:
             client.close()
@@ -146,6 +156,8 @@ class WorkerSide:
             self.load(op)
         with self._lock:
             self._loaded.update(op.req_id for op in sync_ops)
+        if self.config.debug_dump_dir:
+            self._to_dump.extend(sync_ops)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         job = self._layerwise
@@ -167,23 +179,22 @@ class WorkerSide:
         stack = ExitStack()
         found = 0
         try:
-            try:
-                client = self._connect()
-                if client is None:
-                    raise KVDepotError(f"no connection to {self.config.url}")
-                views = stack.enter_context(client.prepare_retrieve(op.hashes, op.cache_salt))
-            except KVDepotError as exc:
-                log.warning("kvdepot: load for %s failed: %s", op.req_id, exc)
-                views = []
+            views: list[np.ndarray] = []
+            client = self._connect() if self.breaker.allows("load") else None
+            if client is not None:
+                try:
+                    views = stack.enter_context(client.prepare_retrieve(op.hashes, op.cache_salt))
+                except KVDepotError as exc:
+                    self._failed("load", exc, f"the load for {op.req_id}")
             found = len(views)
             if self.config.debug_load_delay_s:
-                time.sleep(self.config.debug_load_delay_s)
+                time.sleep(self.config.debug_load_delay_s)  # (its lease is renewed meanwhile)
             yield views
         finally:
             try:
                 stack.close()
             except KVDepotError as exc:  # e.g. LeaseExpired: the bytes may have changed under us
-                log.warning("kvdepot: load for %s ended badly: %s", op.req_id, exc)
+                self._failed("load", exc, f"the load for {op.req_id}")
                 found = 0
             if found < len(op.hashes):
                 self._report_missing(op, found)
@@ -193,10 +204,16 @@ class WorkerSide:
         bpc = self.blocks_per_chunk
         self.paged.scatter(view, op.block_ids[i * bpc : (i + 1) * bpc], op.skip_blocks if i == 0 else 0, layer)
 
+    def _failed(self, direction: str, exc: Exception, what: str) -> None:
+        """Count it; a transport failure also stops this direction for ``retry_after_s``."""
+        if is_transport_failure(exc):
+            self.breaker.trip(direction)
+        self.tally.add(direction, exc, what, self.config.retry_after_s)
+
     def _report_missing(self, op: LoadOp, found: int) -> None:
         first_block = max(found * self.blocks_per_chunk, op.skip_blocks)
         missing = op.block_ids[first_block:]
-        log.warning("kvdepot: %s got %d of %d chunks; %d blocks to recompute", op.req_id, found, len(op.hashes), len(missing))
+        log.info("kvdepot: %s got %d of %d chunks; %d blocks to recompute", op.req_id, found, len(op.hashes), len(missing))
         with self._lock:
             self._load_errors.update(missing)
 
@@ -227,12 +244,16 @@ class WorkerSide:
             job.join()
             with self._lock:
                 self._loaded.update(op.req_id for op in job.ops)
+            if self.config.debug_dump_dir:
+                self._to_dump.extend(job.ops)
+        if self._to_dump:
+            self._dump_loaded()
         for op in meta.saves:
             self.save(op)
 
     def save(self, op: SaveOp) -> None:
         assert self.paged is not None
-        if time.monotonic() < self._off_until:
+        if not self.breaker.allows("save"):
             return  # the server failed us a moment ago: do not stall every step on it
         client = self._connect()
         if client is None:
@@ -243,9 +264,38 @@ class WorkerSide:
                 for i, slot in enumerate(slots):
                     if slot is not None:
                         self.paged.gather(op.block_ids[i * bpc : (i + 1) * bpc], slot)
+                        if self.config.debug_dump_dir:
+                            self._dump("saved", op.hashes[i], slot)
         except KVDepotError as exc:
-            log.warning("kvdepot: save for %s failed (a future miss); no saves for %.1fs: %s", op.req_id, self.config.retry_after_s, exc)
-            self._off_until = time.monotonic() + self.config.retry_after_s
+            self._failed("save", exc, f"the save for {op.req_id} (a future miss)")
+            return
+        refused = [s for s in slots.statuses if s in (SlotStatus.NO_SPACE, SlotStatus.OVER_QUOTA)]
+        if refused:  # L1 full of locked objects, or the tenant's quota: a future miss, nothing more
+            code = ErrorCode.NO_SPACE if refused[0] is SlotStatus.NO_SPACE else ErrorCode.BAD_REQUEST
+            self.tally.add("save", KVDepotError(f"{len(refused)} of {len(slots)} chunks {refused[0].name}", code), f"the save for {op.req_id}")
+
+    def _dump_loaded(self) -> None:
+        """debug_dump_dir: what this step's loads left in vLLM's paged cache, read back after the forward,
+        for tests that compare it with what was stored (``saved/``). Chunks a load did not bring (its
+        blocks are recomputed) are not dumped."""
+        assert self.paged is not None and self._layout is not None
+        ops, self._to_dump = self._to_dump, []
+        with self._lock:
+            failed = set(self._load_errors)
+        bpc = self.blocks_per_chunk
+        for op in ops:
+            for i, h in enumerate(op.hashes):
+                blocks = op.block_ids[i * bpc : (i + 1) * bpc]
+                if len(blocks) < bpc or failed.intersection(blocks[op.skip_blocks if i == 0 else 0 :]):
+                    break
+                chunk = self._layout.empty(self.chunk_size)
+                self.paged.gather(blocks, chunk)
+                self._dump("loaded", h, chunk)
+
+    def _dump(self, kind: str, chunk_hash: bytes, chunk: np.ndarray) -> None:
+        folder = os.path.join(self.config.debug_dump_dir, kind)
+        os.makedirs(folder, exist_ok=True)
+        np.save(os.path.join(folder, f"{chunk_hash.hex()}.npy"), chunk)
 
     # --- reports -------------------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ the background; the reply then says ``hits=None`` and QUERY_PREFETCH_STATUS give
 
 from __future__ import annotations
 
-from kvdepot.errors import ErrorCode, KVDepotError, UnknownLease
+from kvdepot.errors import BadRequest, ErrorCode, KVDepotError, LeaseExpired, UnknownLease
 from kvdepot.protocol import messages as m
 from kvdepot.server.modules import ServerContext
 from kvdepot.server.modules.common import context_and_keys
@@ -14,6 +14,9 @@ from kvdepot.server.rpc import Call, HandlerMode, HandlerSpec, Reply
 from kvdepot.server.state import Session
 from kvdepot.storage.controllers import PrefetchJob
 from kvdepot.storage.l1 import NO_LEASE, Toucher
+from kvdepot.types import LeaseId
+
+MAX_RENEWALS = 1 << 16
 
 
 class LookupModule:
@@ -28,6 +31,7 @@ class LookupModule:
             HandlerSpec(R.LOOKUP, self.lookup, S),
             HandlerSpec(R.QUERY_PREFETCH_STATUS, self.query_prefetch_status, S),
             HandlerSpec(R.FREE_LOOKUP_LOCKS, self.free_lookup_locks, S),
+            HandlerSpec(R.RENEW_LEASES, self.renew_leases, S),
         ]
 
     def lookup(self, call: Call) -> Reply:
@@ -98,9 +102,21 @@ class LookupModule:
         end = None if body.end < 0 else body.end
         try:
             released = self.ctx.storage.table.release_read(session.lease_id, call.client, body.start, end)
-        except UnknownLease:
+        except (UnknownLease, LeaseExpired):
+            # Ended already (TTL, or this client was revoked): there is nothing left to free. Freeing is
+            # idempotent, and a request's expired lock is that request's business, never an error that
+            # would make an engine stop caching for everyone.
+            self.ctx.failures.add("lease_expired_frees")
             released = 0
         return Reply(m.FreeLookupLocksReply(released=released))
+
+    def renew_leases(self, call: Call) -> Reply:
+        body: m.RenewLeasesRequest = call.body
+        self.ctx.context_of(body.context_id, call.client)
+        if len(body.lease_ids) + len(body.sessions) > MAX_RENEWALS:
+            raise BadRequest(f"{len(body.lease_ids) + len(body.sessions)} renewals in one request; at most {MAX_RENEWALS}")
+        renewed = self.ctx.storage.table.renew(call.client, [LeaseId(i) for i in body.lease_ids], body.sessions)
+        return Reply(m.RenewLeasesReply(renewed=renewed))
 
     def _release(self, lease_id, call: Call | None, client=None) -> None:
         if not lease_id:

@@ -112,6 +112,11 @@ class TransferModule:
     def _lock_for_retrieve(self, call: Call, toucher: Toucher) -> tuple[Context, ReadLock]:
         """Lock chunks ``keys[start:]``, reusing the session's lookup locks when they cover them.
         ``toucher``: who will read the locked extents (the client on shm, the server's send inline)."""
+        context, lock = self._lock_for_keys(call, toucher)
+        self._count_short(call, len(lock.offsets))
+        return context, lock
+
+    def _lock_for_keys(self, call: Call, toucher: Toucher) -> tuple[Context, ReadLock]:
         body = call.body
         context, keys = context_and_keys(self.ctx, call)
         if toucher is Toucher.CLIENT:
@@ -139,6 +144,14 @@ class TransferModule:
     def prepare_retrieve(self, call: Call) -> Reply:
         _, lock = self._lock_for_retrieve(call, Toucher.CLIENT)
         return Reply(m.PrepareRetrieveReply(lease_id=lock.lease_id, offsets=lock.offsets))
+
+    def _count_short(self, call: Call, found: int) -> None:
+        """A session's retrieve that found fewer chunks than it asked for: what its lookup promised was
+        evicted, or its locks ended, meanwhile (that request recomputes the rest)."""
+        body = call.body
+        asked = (body.limit or len(body.keys) - body.start) if body.session_id else 0
+        if found < asked:
+            self.ctx.failures.add("short_retrieves")
 
     def commit_retrieve(self, call: Call) -> Reply:
         body: m.CommitRetrieveRequest = call.body
