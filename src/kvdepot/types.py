@@ -6,6 +6,7 @@ being passed where an object key is expected.
 
 from __future__ import annotations
 
+from enum import IntEnum
 from typing import NewType
 
 ChunkHash = NewType("ChunkHash", bytes)
@@ -27,3 +28,13 @@ SessionId = NewType("SessionId", str)
 """An engine request id; lookup locks and prefetch state are kept per session."""
 
 NAMESPACE_BYTES = 16
+
+
+class SlotStatus(IntEnum):
+    """Per-chunk outcome of a store reservation (wire values, append-only)."""
+
+    ALLOCATED = 0  # a slot was reserved: write it, then commit
+    EXISTS = 1  # already stored (READY): nothing to write
+    BUSY = 2  # another writer holds it: nothing to write
+    NO_SPACE = 3  # L1 is full of locked objects: not stored
+    OVER_QUOTA = 4  # one chunk is larger than its cache_salt's quota: never stored (raise the quota)

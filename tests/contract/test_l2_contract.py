@@ -304,3 +304,24 @@ def test_close_leaves_no_thread_behind(make_adapter, rng) -> None:
     adapter.close()
     assert adapter_threads(adapter) == []
     assert set(threading.enumerate()) <= before
+
+
+def test_clear_removes_everything_of_this_tier_and_nothing_else(make_adapter, rng) -> None:
+    """Two tiers on the same backend (another prefix or directory): clearing one leaves the other's
+    objects whole, and the cleared one stores again afterwards."""
+    mine, other = make_adapter(), make_adapter()
+    mine.start()
+    other.start()
+    keys, other_keys = make_keys(5), make_keys(3)
+    payloads = [make_payload(rng, 3000 + i) for i in range(5)]
+    assert store(mine, list(zip(keys, payloads))).value == [True] * 5
+    assert store(other, [(k, make_payload(rng, 100)) for k in other_keys]).value == [True] * 3
+    r = wait(mine, mine.submit_clear())
+    assert r.kind is TaskKind.CLEAR and r.ok and r.value == 5, r
+    assert not any(present(mine, k) for k in keys)
+    assert all(present(other, k) for k in other_keys)
+    if mine.usage().objects or mine.kind in OWN_BOUND:
+        assert mine.usage().objects == 0
+    assert store(mine, [(keys[0], payloads[0])]).value == [True]
+    dest = np.zeros_like(payloads[0])
+    assert load(mine, [keys[0]], [dest]) == [True] and np.array_equal(dest, payloads[0])

@@ -26,7 +26,7 @@ from kvdepot import KVClient, KVLayout
 from kvdepot.bench.serverproc import ServerProcess, free_port
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
-from kvdepot.server.liveness import local_client_info
+from kvdepot.protocol.identity import local_client_info
 
 CHUNK = 16
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32)  # 512 bytes a token, 8 KiB a chunk

@@ -20,7 +20,7 @@ import pytest
 from kvdepot.errors import ErrorCode
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
-from kvdepot.server.liveness import boot_id, pid_namespace
+from kvdepot.protocol.identity import boot_id, pid_namespace
 
 from .conftest import CHUNK, LAYOUT, MODEL, RawPeer, assert_bytes_equal, make_kv, make_tokens, wait_until
 
@@ -195,6 +195,10 @@ class Fuzzer:
             return m.EndSessionRequest(context_id=self.ctx(), session_id=self.session()), []
         if rtype is R.REPORT_BLOCK_ALLOCATION:
             return m.ReportBlockAllocationRequest(context_id=self.ctx(), allocated_blocks=self.rint(), freed_blocks=self.rint()), []
+        if rtype is R.RENEW_LEASES:
+            leases = [self.lease() for _ in range(r.choice([0, 1, 3]))]
+            sessions = [self.session() for _ in range(r.choice([0, 1, 2]))]
+            return m.RenewLeasesRequest(context_id=self.ctx(), lease_ids=leases, sessions=sessions), []
         raise AssertionError(rtype)
 
     def header(self, rtype: int) -> bytes:

@@ -81,7 +81,7 @@ def test_cache_clear(make_server, seed):
             assert c.store(t, make_kv(LAYOUT, len(t), i)) == len(t)
         r = httpx.post(f"{srv.http}/cache/clear", json={}, timeout=10)
         assert r.status_code == 200
-        assert r.json() == {"removed": 2 + 3 + 4}
+        assert r.json() == {"removed": 2 + 3 + 4, "tiers_removed": {}}
         for t in prompts:
             assert c.lookup(t) == 0
             assert c.retrieve(t).shape[2] == 0
@@ -91,8 +91,9 @@ def test_cache_clear(make_server, seed):
         kv = make_kv(LAYOUT, len(prompts[0]), 9)
         assert c.store(prompts[0], kv) == len(prompts[0])
         assert_bytes_equal(c.retrieve(prompts[0]), kv)
-        assert httpx.post(f"{srv.http}/cache/clear", json={}, timeout=10).json() == {"removed": 2}
-        assert httpx.post(f"{srv.http}/cache/clear", json={}, timeout=10).json() == {"removed": 0}
+        assert httpx.post(f"{srv.http}/cache/clear", json={}, timeout=10).json() == {"removed": 2, "tiers_removed": {}}
+        assert httpx.post(f"{srv.http}/cache/clear", json={"scope": "l1"}, timeout=10).json()["removed"] == 0
+        assert httpx.post(f"{srv.http}/cache/clear", json={"scope": "l2"}, timeout=10).status_code == 422
 
 
 def test_client_clear_is_the_same_operation(make_server, seed):

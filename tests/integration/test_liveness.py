@@ -16,7 +16,7 @@ import pytest
 
 from kvdepot.errors import ErrorCode, LeaseExpired
 from kvdepot.protocol import messages as m
-from kvdepot.protocol.messages import SlotStatus
+from kvdepot.types import SlotStatus
 
 from .conftest import CHUNK, LAYOUT, MODEL, assert_bytes_equal, make_kv, make_tokens, wait_until
 
@@ -209,7 +209,7 @@ def test_a_read_held_past_the_ttl_keeps_its_pins_while_the_reader_runs(make_serv
     srv = make_server("--lease-ttl-s", "1")
     tokens = make_tokens(2 * CHUNK, seed)
     kv = make_kv(LAYOUT, len(tokens), seed)
-    with srv.client() as c:
+    with srv.client(heartbeat=False) as c:  # no heartbeat: nothing renews the lease (as if it leaked)
         assert c.store(tokens, kv) == 2 * CHUNK
         with c.prepare_retrieve(tokens) as views:
             assert len(views) == 2

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvdepot import KVLayout
-from kvdepot.protocol.messages import SlotStatus
+from kvdepot.types import SlotStatus
 
 from .conftest import CHUNK, LAYOUT, assert_bytes_equal, make_kv, make_tokens
 

@@ -120,6 +120,35 @@ def test_each_tier_kind_serves_an_emptied_l1(kind, request, make_server, tmp_pat
         assert (t["kind"], t["healthy"], t["loaded"], t["corrupt"], t["failures"]) == (kind, True, 12, 0, 0)
 
 
+def test_clear_empties_l1_the_tiers_or_both(make_server, tmp_path, seed):
+    import httpx
+
+    srv = start_tier_server(make_server, fs_spec(tmp_path / "disk", name="disk"), "memory:size_gb=0.25,name=mem")
+    a, b = make_prompt(3, seed), make_prompt(2, seed + 1)
+    with srv.client() as c:
+        store_full(c, a)
+        store_full(c, b)
+        wait_store_idle(srv)
+
+        def clear(scope: str) -> dict:
+            r = httpx.post(f"{srv.http}/cache/clear", json={"scope": scope}, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        assert clear("tiers") == {"removed": 0, "tiers_removed": {"disk": 5, "mem": 5}}
+        assert srv.status()["l1"]["objects"] == 5  # L1 untouched
+        assert_served_whole(c, a)
+        status = srv.status()
+        assert tier_of(status, "disk")["objects"] == 0 and tier_of(status, "mem")["objects"] == 0
+        assert clear("l1") == {"removed": 5, "tiers_removed": {}}
+        assert c.lookup(a.tokens) == 0  # in no tier either: a miss, never stale bytes
+
+        store_full(c, a)
+        wait_store_idle(srv)
+        assert c.clear("all") == 3 + 3 + 3  # L1 and both tiers, through the client
+        assert c.lookup(a.tokens) == 0
+
+
 # --- prefetch ---------------------------------------------------------------------------------------
 
 

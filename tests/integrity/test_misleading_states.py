@@ -32,7 +32,7 @@ from kvdepot import KVClient
 from kvdepot.bench.serverproc import free_port
 from kvdepot.errors import BadRequest, ErrorCode, KVDepotError
 from kvdepot.protocol import messages as m
-from kvdepot.protocol.messages import SlotStatus
+from kvdepot.types import SlotStatus
 
 CHUNK_BYTES = LAYOUT.chunk_bytes(CHUNK)
 

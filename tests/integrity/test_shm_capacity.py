@@ -35,7 +35,7 @@ def test_l1_larger_than_the_shm_filesystem_refuses_to_start(small_tmpfs):
 
 
 def test_l1_larger_than_memory_refuses_to_start_unless_allowed(small_tmpfs):
-    from kvdepot.storage.arena import available_memory_bytes
+    from kvdepot.shm import available_memory_bytes
 
     resize_tmpfs(small_tmpfs, "4096g")  # a tmpfs may be sized past RAM: only memory can stop it then
     mem = available_memory_bytes()

@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvdepot.errors import LeaseExpired, UnknownLease
-from kvdepot.protocol.messages import SlotStatus
+from kvdepot.types import SlotStatus
 from kvdepot.storage.allocator import ExtentAllocator
 from kvdepot.storage.eviction import make_policy
-from kvdepot.storage.l1 import NO_LEASE, ObjectState, ObjectTable, Toucher
+from kvdepot.storage.l1 import NO_LEASE, EventKind, ObjectState, ObjectTable, Toucher
 from kvdepot.types import ClientId, ObjectKey
 
 SLOT = 32
@@ -75,8 +75,9 @@ class L1Machine(RuleBasedStateMachine):
             clock=self.clock,
             holder_alive=lambda owner: owner in self.alive,
         )
-        self.notified: list[list[ObjectKey]] = []
-        self.table.add_ready_listener(lambda keys, writer: self.notified.append(keys))
+        self.notified: list[list[ObjectKey]] = []  # keys of each batch that published something
+        self.live: dict[ObjectKey, int] = {}  # key -> generation: stored and not yet removed, per the events
+        self.table.subscribe(self.on_events)
         self.ready: set[ObjectKey] = set()  # READY and visible
         self.doomed: set[ObjectKey] = set()  # cleared while locked or being written
         self.size: dict[ObjectKey, int] = {}  # every object in the table -> its size
@@ -86,6 +87,17 @@ class L1Machine(RuleBasedStateMachine):
         self.finished: set[int] = set()  # ended normally: UnknownLease from now on
         self.qwrites: dict[int, MLease] = {}  # quarantined writes (their extents held)
         self.qreads: dict[int, MLease] = {}  # quarantined reads (their pins held)
+
+    def on_events(self, events) -> None:
+        stored = [e.key for e in events if e.kind is EventKind.STORED]
+        if stored:
+            self.notified.append(stored)
+        for e in events:
+            if e.kind is EventKind.STORED:
+                assert e.key not in self.live, "stored twice without a removal between"
+                self.live[e.key] = e.generation
+            else:
+                assert self.live.pop(e.key, None) == e.generation, "a removal of an object never stored"
 
     # --- model helpers ----------------------------------------------------------------------------
 
@@ -430,6 +442,11 @@ class L1Machine(RuleBasedStateMachine):
             else:
                 assert obj.state is ObjectState.READY
                 assert (key in self.ready) != (key in self.doomed)
+        # The events tell exactly which READY objects exist (a doomed one is still there until it goes).
+        ready_in_table = {key for key in KEYS if (o := self.table.get(key)) is not None and o.state is ObjectState.READY}
+        assert set(self.live) == ready_in_table
+        for key, gen in self.live.items():
+            assert self.table.get(key).generation == gen
         for lease in [*self.reads.values(), *self.qreads.values()]:  # every locked key is present and READY
             for key in lease.keys:
                 if key is not None:

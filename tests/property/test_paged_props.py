@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdepot.paged import gather_chunk, scatter_chunk
+from kvdepot.connectors.paged import gather_chunk, scatter_chunk
 
 
 def block_of(cache: np.ndarray, fmt: str, block: int, kf: int) -> np.ndarray:

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from kvdepot.client.staging import StagingPool
-from kvdepot.storage import arena as arena_mod
-from kvdepot.storage.arena import (
+from kvdepot.shm import segment as arena_mod
+from kvdepot.shm import (
     ArenaCapacityError,
     Prefaulter,
     PrefaultState,

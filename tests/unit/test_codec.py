@@ -51,8 +51,9 @@ REQUESTS: dict[RequestType, msgspec.Struct] = {
     RequestType.STORE_INLINE: m.StoreInlineRequest(context_id=7, keys=KEYS, rows_per_frame=4, first=1),
     RequestType.RETRIEVE_INLINE: m.RetrieveInlineRequest(context_id=7, keys=KEYS, start=0),
     RequestType.END_SESSION: m.EndSessionRequest(context_id=7, session_id="req-1"),
-    RequestType.CLEAR: m.ClearRequest(),
+    RequestType.CLEAR: m.ClearRequest(scope="all"),
     RequestType.REPORT_BLOCK_ALLOCATION: m.ReportBlockAllocationRequest(context_id=7, allocated_blocks=3, freed_blocks=1),
+    RequestType.RENEW_LEASES: m.RenewLeasesRequest(context_id=7, lease_ids=[5, 6], sessions=["req-1"]),
 }
 
 REPLIES: dict[RequestType, msgspec.Struct] = {
@@ -66,7 +67,7 @@ REPLIES: dict[RequestType, msgspec.Struct] = {
         max_frame_bytes=16 << 20,
         heartbeat_interval_s=1.0,
         lease_ttl_s=60.0,
-        shm=m.ShmInfo(path="/dev/shm/kvdepot-x", size=1 << 30, nonce=b"\x00\xff" * 8),
+        shm=m.ShmInfo(path="/dev/shm/kvdepot-x", size=1 << 30, nonce=b"\x00\xff" * 8, liveness_lock=(1 << 30) + 77),
     ),
     RequestType.UNREGISTER_CONTEXT: m.Ack(),
     RequestType.GET_CHUNK_SIZE: m.ChunkSizeReply(chunk_size=256),
@@ -80,8 +81,9 @@ REPLIES: dict[RequestType, msgspec.Struct] = {
     RequestType.STORE_INLINE: m.StoreInlineReply(statuses=[0, 3]),
     RequestType.RETRIEVE_INLINE: m.RetrieveInlineReply(found=2, rows_per_frame=8),
     RequestType.END_SESSION: m.Ack(),
-    RequestType.CLEAR: m.ClearReply(removed=12),
+    RequestType.CLEAR: m.ClearReply(removed=12, tiers_removed={"disk": 3}),
     RequestType.REPORT_BLOCK_ALLOCATION: m.Ack(),
+    RequestType.RENEW_LEASES: m.RenewLeasesReply(renewed=2),
 }
 
 
@@ -110,6 +112,7 @@ def test_request_type_values_are_pinned():
         "END_SESSION": 14,
         "CLEAR": 15,
         "REPORT_BLOCK_ALLOCATION": 16,
+        "RENEW_LEASES": 17,
     }
     values = [t.value for t in RequestType]
     assert len(values) == len(set(values))
@@ -217,7 +220,7 @@ def test_wrong_version_is_version_mismatch_with_the_request_id():
     assert info.value.request_id == 31
 
 
-@pytest.mark.parametrize("rtype", [0, 17, 999, -1])
+@pytest.mark.parametrize("rtype", [0, max(RequestType) + 1, 999, -1])
 def test_unknown_request_type(rtype):
     header = decode_request_header(header_frame(rtype=rtype, request_id=8))
     with pytest.raises(ProtocolViolation) as info:

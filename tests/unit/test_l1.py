@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 from kvdepot.errors import IllegalTransition, LeaseExpired, LeaseRevoked, UnknownLease
-from kvdepot.protocol.messages import SlotStatus
+from kvdepot.types import SlotStatus
 from kvdepot.storage.allocator import ExtentAllocator
 from kvdepot.storage.eviction import LRUPolicy, NoopPolicy, make_policy
-from kvdepot.storage.l1 import NO_LEASE, ObjectState, ObjectTable, Toucher
+from kvdepot.storage.l1 import NO_LEASE, EventKind, ObjectEvent, ObjectState, ObjectTable, RemovedBecause, Toucher
 from kvdepot.types import ClientId, LeaseId, ObjectKey
 
 SLOT = 64
@@ -237,18 +237,37 @@ def test_lease_is_not_expired_before_its_deadline(make_table, clock):
     assert t.commit_write(r.lease_id, A) == 1
 
 
-def test_ready_listener_gets_the_committed_keys(make_table):
+def test_subscribers_get_stored_and_removed_events_with_generations(make_table):
     t = make_table(4)
-    got: list[list[ObjectKey]] = []
-    writers = []
-    t.add_ready_listener(lambda keys, writer: (got.append(keys), writers.append(writer)))
+    batches: list[list[ObjectEvent]] = []
+    t.subscribe(batches.append)
     store(t, [1])
     r = t.reserve_write(ks(1, 2, 3), SLOT, A)  # k1 EXISTS: only k2, k3 are committed by this lease
     t.commit_write(r.lease_id, A)
-    assert got == [ks(1), ks(2, 3)]
-    assert writers == [A, A]
+    stored = [[(e.kind, e.key, e.writer) for e in b] for b in batches]
+    assert stored == [[(EventKind.STORED, k(1), A)], [(EventKind.STORED, k(2), A), (EventKind.STORED, k(3), A)]]
+    gens = {e.key: e.generation for b in batches for e in b}
+    assert len(set(gens.values())) == 3 and gens[k(1)] < gens[k(2)] < gens[k(3)]
+    n = len(batches)
     t.abort_write(t.reserve_write(ks(9), SLOT, A).lease_id, A)
-    assert got == [ks(1), ks(2, 3)]  # an abort tells no one
+    assert len(batches) == n  # an abort tells no one: nothing was ever visible
+    lock = t.acquire_read(ks(2), B)
+    assert t.clear() == 2  # k1, k3; k2 is doomed until its reader lets go
+    removed = [(e.key, e.generation, e.because) for e in batches[-1]]
+    assert sorted(removed) == sorted([(k(1), gens[k(1)], RemovedBecause.CLEARED), (k(3), gens[k(3)], RemovedBecause.CLEARED)])
+    t.release_read(lock.lease_id, B)
+    assert [(e.kind, e.key, e.because) for e in batches[-1]] == [(EventKind.REMOVED, k(2), RemovedBecause.CLEARED)]
+    store(t, [2])  # the same key again: a new object, a new generation
+    assert batches[-1][0].key == k(2) and batches[-1][0].generation > gens[k(2)]
+
+
+def test_a_failing_subscriber_does_not_stop_the_others(make_table):
+    t = make_table(2)
+    got = []
+    t.subscribe(lambda events: 1 / 0)
+    t.subscribe(got.extend)
+    store(t, [1])
+    assert [e.key for e in got] == [k(1)]
 
 
 def test_finish_write_publishes_only_the_given_keys(make_table):

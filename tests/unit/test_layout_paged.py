@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvdepot.layout import KVLayout, as_numpy, supported_dtypes
-from kvdepot.paged import PagedFormat, canonical_view, gather_chunk, scatter_chunk
+from kvdepot.connectors.paged import PagedFormat, canonical_view, gather_chunk, scatter_chunk
 
 # --- KVLayout ---------------------------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""The HTTP API: ``GET /healthcheck``, ``GET /status``, ``POST /cache/clear``, and per-``cache_salt``
+"""The HTTP API: ``GET /healthcheck``, ``GET /status``, ``GET /metrics`` (Prometheus), ``POST /cache/clear``
+(``{"scope": "l1" | "tiers" | "all"}``, default L1), and per-``cache_salt``
 quotas at ``GET|PUT|DELETE /quota/{cache_salt}`` (``GET /quota`` lists them; the salt-less tenant is
 ``__default__``; a salt with ``/`` in it is written percent-encoded or as is). Quotas need
 ``--eviction-policy isolated_lru``; otherwise they answer 409.
@@ -16,33 +17,56 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import Literal, Protocol
 
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from kvdepot import __version__
 from kvdepot.admin.guard import AdminGuard
 from kvdepot.config import HttpConfig
-from kvdepot.storage.eviction import IsolatedLRUPolicy
 
 DEFAULT_SALT_NAME = "__default__"
 MAX_QUOTA_BYTES = 1 << 62
+CLEAR_SCOPES = ("l1", "tiers", "all")
+
+log = logging.getLogger(__name__)
+
+
+class Quotas(Protocol):
+    def get(self, salt: str) -> int | None: ...
+    def set(self, salt: str, quota_bytes: int | None) -> None: ...
+    def used(self, salt: str) -> int: ...
+    def all(self) -> dict[str, int]: ...
+
+
+class AdminBackend(Protocol):
+    """What the admin API needs of a server, and nothing more (the server implements it; this module
+    never imports the server)."""
+
+    def rpc_alive(self) -> bool: ...
+    def status(self) -> dict: ...
+    def degraded_reasons(self) -> list[str]: ...
+    def clear(self, scope: str) -> dict: ...
+    def quotas(self) -> Quotas | None: ...
+    def largest_chunk_bytes(self) -> int: ...
+    def metrics_text(self) -> bytes: ...
 
 
 class QuotaBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     quota_bytes: StrictInt = Field(ge=0, le=MAX_QUOTA_BYTES, description="bytes of L1 this cache_salt may hold")
 
-if TYPE_CHECKING:
-    from kvdepot.server.main import KVDepotServer
 
-log = logging.getLogger(__name__)
+class ClearBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    scope: Literal["l1", "tiers", "all"] = Field("l1", description="L1, every L2 tier, or both")
 
 
-def build_app(server: KVDepotServer, guard: AdminGuard) -> FastAPI:
+def build_app(server: AdminBackend, guard: AdminGuard) -> FastAPI:
     app = FastAPI(title="kvdepot", version=__version__, docs_url=None, redoc_url=None)
 
     @app.middleware("http")
@@ -68,26 +92,30 @@ def build_app(server: KVDepotServer, guard: AdminGuard) -> FastAPI:
     def status() -> dict:
         return server.status()
 
-    @app.post("/cache/clear")
-    def clear() -> dict:
-        return {"removed": server.storage.table.clear()}
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(server.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
-    def quota_policy() -> IsolatedLRUPolicy:
-        policy = server.storage.table.policy
-        if not isinstance(policy, IsolatedLRUPolicy):
+    @app.post("/cache/clear")
+    def clear(body: ClearBody | None = None) -> dict:
+        return server.clear((body or ClearBody()).scope)
+
+    def quota_policy() -> Quotas:
+        quotas = server.quotas()
+        if quotas is None:
             raise HTTPException(409, "per-cache_salt quotas need --eviction-policy isolated_lru")
-        return policy
+        return quotas
 
     def salt_of(name: str) -> str:
         return "" if name == DEFAULT_SALT_NAME else name
 
-    def quota_doc(policy: IsolatedLRUPolicy, salt: str) -> dict:
-        return {"cache_salt": salt or DEFAULT_SALT_NAME, "quota_bytes": policy.quota(salt), "used_bytes": policy.used(salt)}
+    def quota_doc(quotas: Quotas, salt: str) -> dict:
+        return {"cache_salt": salt or DEFAULT_SALT_NAME, "quota_bytes": quotas.get(salt), "used_bytes": quotas.used(salt)}
 
     @app.get("/quota")
     def list_quotas() -> dict:
-        policy = quota_policy()
-        return {"quotas": [quota_doc(policy, salt) for salt in sorted(policy.quotas())]}
+        quotas = quota_policy()
+        return {"quotas": [quota_doc(quotas, salt) for salt in sorted(quotas.all())]}
 
     @app.get("/quota/{cache_salt:path}")
     def get_quota(cache_salt: str) -> dict:
@@ -95,32 +123,34 @@ def build_app(server: KVDepotServer, guard: AdminGuard) -> FastAPI:
 
     @app.put("/quota/{cache_salt:path}")
     def put_quota(cache_salt: str, body: QuotaBody) -> dict:
-        policy = quota_policy()
-        policy.set_quota(salt_of(cache_salt), body.quota_bytes)
-        server.storage.eviction.kick()  # bring the salt under its new quota now
-        doc = quota_doc(policy, salt_of(cache_salt))
+        quotas = quota_policy()
+        quotas.set(salt_of(cache_salt), body.quota_bytes)  # enforced at once
+        doc = quota_doc(quotas, salt_of(cache_salt))
         chunk = server.largest_chunk_bytes()
-        if 0 < body.quota_bytes < chunk or body.quota_bytes == 0:
+        if body.quota_bytes == 0:
+            doc["warning"] = "a quota of 0 bytes refuses every store for this cache_salt (OVER_QUOTA)"
+        elif body.quota_bytes < chunk:
             doc["warning"] = (
                 f"a quota of {body.quota_bytes} bytes is below one chunk ({chunk} bytes for the largest registered "
                 f"context): stores for this cache_salt will be refused (OVER_QUOTA) until it is raised"
             )
+        if "warning" in doc:
             log.warning("quota for cache_salt %r: %s", cache_salt, doc["warning"])
         return doc
 
     @app.delete("/quota/{cache_salt:path}")
     def delete_quota(cache_salt: str) -> dict:
-        policy = quota_policy()
-        if policy.quota(salt_of(cache_salt)) is None:
+        quotas = quota_policy()
+        if quotas.get(salt_of(cache_salt)) is None:
             raise HTTPException(404, f"no quota for cache_salt {cache_salt!r}")
-        policy.set_quota(salt_of(cache_salt), None)
-        return quota_doc(policy, salt_of(cache_salt))
+        quotas.set(salt_of(cache_salt), None)
+        return quota_doc(quotas, salt_of(cache_salt))
 
     return app
 
 
 class HttpServer:
-    def __init__(self, server: KVDepotServer, config: HttpConfig) -> None:
+    def __init__(self, server: AdminBackend, config: HttpConfig) -> None:
         self._config = config
         guard = AdminGuard(config.host, config.port, config.allowed_hosts)
         self._uvicorn = uvicorn.Server(

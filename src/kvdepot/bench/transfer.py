@@ -22,7 +22,7 @@ import numpy as np
 from kvdepot.bench.serverproc import ServerProcess, free_port
 from kvdepot.bench.stats import gbps, loadavg, memcpy_gbps, percentile, sample, timed
 from kvdepot.layout import KVLayout
-from kvdepot.paged import gather_chunk, scatter_chunk
+from kvdepot.connectors.paged import gather_chunk, scatter_chunk
 
 MiB = 1 << 20
 # A Llama-3-8B-like KV: 32 layers, 8 KV heads of 128, fp16 = 128 KiB per token.

@@ -41,8 +41,8 @@ from kvdepot.layout import KVLayout, kv_array
 from kvdepot.malloc import keep_large_buffers_in_heap
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
-from kvdepot.server.liveness import local_client_info
-from kvdepot.storage.arena import SharedArena
+from kvdepot.protocol.identity import local_client_info
+from kvdepot.shm import SharedArena
 from kvdepot.types import ChunkHash
 
 log = logging.getLogger(__name__)
@@ -247,8 +247,11 @@ class KVClient:
                 np.copyto(out[:, :, i * cs : (i + 1) * cs], view, casting="no")
         return out[:, :, :n]
 
-    def clear(self) -> int:
-        return self._call(m.ClearRequest()).removed
+    def clear(self, scope: str = "l1") -> int:
+        """Drop every unlocked object of L1 (``"l1"``), of every L2 tier (``"tiers"``), or both
+        (``"all"``); returns how many went (a tier that failed to clear counts none)."""
+        reply = self._call(m.ClearRequest(scope=scope))
+        return reply.removed + sum(n for n in reply.tiers_removed.values() if n > 0)
 
     def _stored_chunks(self, hashes: list[ChunkHash], salt: str) -> int:
         """Leading chunks stored, waiting for the server to bring missing ones in from L2 first."""

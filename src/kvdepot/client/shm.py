@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from kvdepot.protocol.messages import ShmInfo
-from kvdepot.storage.arena import Prefaulter, SharedArena
+from kvdepot.shm import Prefaulter, SharedArena
 
 log = logging.getLogger(__name__)
 

@@ -13,6 +13,8 @@ from enum import IntEnum
 
 import msgspec
 
+from kvdepot.types import SlotStatus  # a wire enum too: re-exported here  # noqa: F401
+
 PROTOCOL_VERSION = 2  # 2: ShmInfo.liveness_lock, RENEW_LEASES, SlotStatus.OVER_QUOTA
 
 
@@ -34,16 +36,6 @@ class RequestType(IntEnum):
     CLEAR = 15
     REPORT_BLOCK_ALLOCATION = 16
     RENEW_LEASES = 17
-
-
-class SlotStatus(IntEnum):
-    """Per-chunk outcome of a store reservation (wire values, append-only)."""
-
-    ALLOCATED = 0  # a slot was reserved: write it, then commit
-    EXISTS = 1  # already stored (READY): nothing to write
-    BUSY = 2  # another writer holds it: nothing to write
-    NO_SPACE = 3  # L1 is full of locked objects: not stored
-    OVER_QUOTA = 4  # one chunk is larger than its cache_salt's quota: never stored (raise the quota)
 
 
 class _Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -275,11 +267,12 @@ class EndSessionRequest(_Body):
 
 
 class ClearRequest(_Body):
-    pass
+    scope: str = "l1"  # "l1" | "tiers" | "all"
 
 
 class ClearReply(_Body):
-    removed: int
+    removed: int  # L1 objects
+    tiers_removed: dict[str, int] = msgspec.field(default_factory=dict)  # tier name -> objects (-1: failed)
 
 
 class ReportBlockAllocationRequest(_Body):

@@ -26,12 +26,12 @@ import enum
 import logging
 import os
 import select
-import socket
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvdepot.protocol.identity import local_client_info
 from kvdepot.protocol.messages import ClientInfo
 from kvdepot.types import ClientId
 
@@ -39,25 +39,6 @@ log = logging.getLogger(__name__)
 
 MAX_PID = 1 << 22  # Linux's PID_MAX_LIMIT
 MAX_NOTICES = 4096  # revocation notices kept for clients whose records are gone
-
-
-def boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def pid_namespace() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-def local_client_info() -> ClientInfo:
-    return ClientInfo(pid=os.getpid(), hostname=socket.gethostname(), boot_id=boot_id(), pid_namespace=pid_namespace())
 
 
 def check_client_info(info: ClientInfo) -> str:

@@ -17,7 +17,10 @@ from kvdepot.server.modules.lookup import LookupModule
 from kvdepot.server.modules.management import ManagementModule
 from kvdepot.server.modules.transfer import TransferModule
 from kvdepot.server.rpc import RpcServer
-from kvdepot.storage.manager import StorageManager
+from kvdepot.admin.http import HttpServer
+from kvdepot.observability.metrics import counts
+from kvdepot.storage.manager import ClearScope, QuotaControl, StorageManager, StorageSnapshot
+from kvdepot.types import ClientId
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +29,9 @@ class KVDepotServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.storage = StorageManager(config.storage, holder_alive=self._holder_alive)
-        liveness = LivenessTracker(config.rpc.client_timeout_s, lock_held=self.storage.arena.lock_held)
+        liveness = LivenessTracker(config.rpc.client_timeout_s, lock_held=self.storage.lock_held)
         self.ctx = ServerContext(config, self.storage, liveness)
+        self.ctx.metrics.watch_storage(self.storage.snapshot)
         self.management = ManagementModule(self.ctx)
         modules = [self.management, LookupModule(self.ctx), TransferModule(self.ctx)]
         self.rpc = RpcServer(
@@ -38,12 +42,9 @@ class KVDepotServer:
             workers=config.rpc.workers,
             max_frame_bytes=config.rpc.max_frame_bytes,
             housekeeping=self._housekeeping,
+            metrics=self.ctx.metrics,
         )
-        self.http = None
-        if config.http.port:
-            from kvdepot.admin.http import HttpServer
-
-            self.http = HttpServer(self, config.http)
+        self.http = HttpServer(self, config.http) if config.http.port else None
         self._stopped = threading.Event()
 
     def _holder_alive(self, client) -> bool:
@@ -51,14 +52,12 @@ class KVDepotServer:
         return self.ctx.liveness.may_touch_arena(client)
 
     def _housekeeping(self) -> None:
-        table = self.storage.table
-        expired = table.expire()
+        expired = self.storage.expire()
         if expired:
             log.info("%d leases expired (TTL %.1fs)", expired, self.config.storage.lease_ttl_s)
-        if table.stats().quarantined_leases:
-            released = table.recheck_quarantine()
-            if released:
-                log.info("%d quarantined leases released: their holders are gone", released)
+        released = self.storage.recheck_quarantine()
+        if released:
+            log.info("%d quarantined leases released: their holders are gone", released)
 
     def start(self) -> None:
         """Start every part; if one fails, close what was started (the arena is real memory)."""
@@ -75,7 +74,7 @@ class KVDepotServer:
             __version__,
             ", ".join(self.config.rpc.endpoints),
             self.config.storage.l1_size_gb,
-            self.storage.arena.path,
+            self.storage.shm_offer(ClientId(b"")).path,
             self.config.storage.chunk_size,
             self.config.storage.hash_algorithm,
             f"{self.config.http.host}:{self.config.http.port}" if self.http else "off",
@@ -103,60 +102,41 @@ class KVDepotServer:
             log.info("shutting down")
             self.close()
 
-    def _quarantine_status(self, l1) -> dict:
-        """Arena space held back because a client that was given it may still be running."""
-        clients = []
-        for q in self.storage.table.quarantine():
-            rec = self.ctx.liveness.record(q.owner)
-            clients.append(
-                {
-                    "client": q.owner.hex()[:12],
-                    "pid": rec.info.pid if rec is not None else 0,
-                    "hostname": rec.info.hostname if rec is not None else "",
-                    "state": rec.state.value if rec is not None else "server",
-                    "leases": q.leases,
-                    "bytes": q.bytes,
-                    "since": q.since,
-                    "why": q.why,
-                }
-            )
-        return {"leases": l1.quarantined_leases, "bytes": l1.quarantined_bytes, "clients": clients}
+    # --- what the admin API asks (kvdepot.admin.http.AdminBackend) ---------------------------------
 
-    def _request_failures(self, l1, tiers: list[dict]) -> dict:
-        """Per-request problems by class: each made one request recompute what it lacked, and none
-        stops anyone from caching. (Transport failures are the clients' to see: they never got here.)"""
-        errors = _snapshot(self.rpc.stats.errors)
-        counts = self.ctx.failures.snapshot()
-        return {
-            "lease_expired": errors.get("LEASE_EXPIRED", 0) + counts["lease_expired_frees"],
-            "lease_revoked": errors.get("LEASE_REVOKED", 0),
-            "short_retrieves": counts["short_retrieves"],
-            "over_quota": l1.quota_refused,
-            "corrupt_in_l2": sum(t["corrupt"] for t in tiers),
-        }
+    def rpc_alive(self) -> bool:
+        return self.rpc.alive
 
     def degraded_reasons(self) -> list[str]:
         """Why the server serves less than it was configured to (empty: it serves everything)."""
-        reasons = []
-        for tier in self.storage.tiers_status():
-            if not tier["healthy"]:
-                reasons.append(f"L2 tier {tier['name']} ({tier['kind']}) is down: {tier['last_error'] or 'unknown error'}")
-        pf = self.storage.prefault_status()
-        if pf.state == "failed":
-            reasons.append(f"the L1 prefault failed: {pf.error}")
+        snap = self.storage.snapshot()
+        reasons = [
+            f"L2 tier {t['name']} ({t['kind']}) is down: {t['last_error'] or 'unknown error'}" for t in snap.tiers if not t["healthy"]
+        ]
+        if snap.prefault.state == "failed":
+            reasons.append(f"the L1 prefault failed: {snap.prefault.error}")
         return reasons
 
     def largest_chunk_bytes(self) -> int:
         return self.ctx.contexts.largest_chunk_bytes()
 
-    def rpc_alive(self) -> bool:
-        return self.rpc.alive
+    def clear(self, scope: str) -> dict:
+        result = self.storage.clear(ClearScope(scope))
+        return {"removed": result.l1_removed, "tiers_removed": result.tiers_removed}
+
+    def quotas(self) -> QuotaControl | None:
+        return self.storage.quotas()
+
+    def metrics_text(self) -> bytes:
+        return self.ctx.metrics.text()
 
     def status(self) -> dict:
-        """The /status document (and ``kvdepot status``)."""
-        l1 = self.storage.stats()
-        pf = self.storage.prefault_status()
-        tiers = self.storage.tiers_status()  # asks each backend (at most 0.5 s each): once
+        """The /status document (and ``kvdepot status``): storage's snapshot and the metric registry."""
+        snap = self.storage.snapshot()  # asks each tier's backend (at most 0.5 s each): once
+        l1, pf, metrics = snap.l1, snap.prefault, self.ctx.metrics
+        errors = {k: v for k, v in counts(metrics.errors).items() if v}
+        failures = counts(metrics.request_failures)
+        blocks = counts(metrics.engine_blocks)
         return {
             "version": __version__,
             "chunk_size": self.config.storage.chunk_size,
@@ -173,8 +153,8 @@ class KVDepotServer:
                 "largest_free_bytes": l1.largest_free_bytes,
                 "evicted_objects": l1.evicted_objects,
                 "quota_refused": l1.quota_refused,
-                "eviction_policy": self.config.storage.eviction_policy,
-                "shm_path": self.storage.arena.path,
+                "eviction_policy": snap.eviction_policy,
+                "shm_path": snap.shm_path,
                 "prefault": {
                     "state": pf.state,
                     "progress": round(pf.progress, 4),
@@ -183,26 +163,43 @@ class KVDepotServer:
                     "error": pf.error,
                 },
             },
-            "quarantine": self._quarantine_status(l1),
+            "quarantine": self._quarantine_status(snap),
             "leases": l1.leases,
             "expired_leases": l1.expired_leases,
             "contexts": len(self.ctx.contexts),
             "sessions": len(self.ctx.sessions),
             "clients": len(self.ctx.liveness),
-            "requests": {getattr(k, "name", str(k)): v for k, v in _snapshot(self.rpc.stats.requests).items()},
-            "errors": _snapshot(self.rpc.stats.errors),
-            "request_failures": self._request_failures(l1, tiers),
-            "block_events": _snapshot(self.ctx.block_events),
-            "tiers": tiers,
-            "l2_controllers": self.storage.controllers_status(),
+            "requests": {k: v for k, v in counts(metrics.requests).items() if v},
+            "errors": errors,
+            "request_failures": {
+                # Per-request problems by class: each made one request recompute what it lacked, and
+                # none stops anyone from caching (transport failures never reach the server).
+                "lease_expired": errors.get("LEASE_EXPIRED", 0) + failures.get("lease_expired_frees", 0),
+                "lease_revoked": errors.get("LEASE_REVOKED", 0),
+                "short_retrieves": failures.get("short_retrieves", 0),
+                "over_quota": l1.quota_refused,
+                "corrupt_in_l2": sum(t["corrupt"] for t in snap.tiers),
+            },
+            "block_events": {"allocated": blocks.get("allocated", 0), "freed": blocks.get("freed", 0)},
+            "tiers": snap.tiers,
+            "l2_controllers": snap.controllers,
         }
 
-
-def _snapshot(counts: dict) -> dict:
-    """Copy a dict another thread may be adding keys to (a copy can race with an insert)."""
-    for _ in range(10):
-        try:
-            return dict(counts)
-        except RuntimeError:
-            continue
-    return {}
+    def _quarantine_status(self, snap: StorageSnapshot) -> dict:
+        """Arena space held back because a client that was given it may still be running."""
+        clients = []
+        for q in snap.quarantine:
+            rec = self.ctx.liveness.record(q.owner)
+            clients.append(
+                {
+                    "client": q.owner.hex()[:12],
+                    "pid": rec.info.pid if rec is not None else 0,
+                    "hostname": rec.info.hostname if rec is not None else "",
+                    "state": rec.state.value if rec is not None else "server",
+                    "leases": q.leases,
+                    "bytes": q.bytes,
+                    "since": q.since,
+                    "why": q.why,
+                }
+            )
+        return {"leases": snap.l1.quarantined_leases, "bytes": snap.l1.quarantined_bytes, "clients": clients}

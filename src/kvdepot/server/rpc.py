@@ -17,10 +17,10 @@ import os
 import select
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -29,6 +29,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvdepot.errors import ErrorCode, KVDepotError
+from kvdepot.observability.metrics import Metrics
 from kvdepot.protocol import codec
 from kvdepot.protocol.messages import RequestType
 from kvdepot.server.endpoints import IpcClaim
@@ -70,14 +71,6 @@ class HandlerSpec:
     mode: HandlerMode
 
 
-@dataclass
-class RpcStats:
-    requests: Counter = field(default_factory=Counter)
-    errors: Counter = field(default_factory=Counter)
-    dropped_frames: int = 0
-    disconnects: int = 0
-
-
 class RpcServer:
     def __init__(
         self,
@@ -89,6 +82,7 @@ class RpcServer:
         max_frame_bytes: int = codec.MAX_FRAME_BYTES,
         housekeeping: Callable[[], None] | None = None,
         housekeeping_interval_s: float = 0.1,
+        metrics: Metrics | None = None,
     ) -> None:
         self._endpoints = endpoints
         self._handlers: dict[RequestType, HandlerSpec] = {}
@@ -102,7 +96,10 @@ class RpcServer:
         self._max_frame = max_frame_bytes
         self._housekeeping = housekeeping
         self._hk_interval = housekeeping_interval_s
-        self.stats = RpcStats()
+        self.metrics = metrics or Metrics()
+        # Children made once: a labelled counter's lookup would cost more than the increment.
+        self._requests = {t: self.metrics.requests.labels(t.name) for t in RequestType}
+        self._errors = {c: self.metrics.errors.labels(c.name) for c in ErrorCode}
         self._ctx: zmq.Context | None = None
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -252,12 +249,13 @@ class RpcServer:
             except zmq.Again:
                 return
             if event["event"] == zmq.EVENT_DISCONNECTED:
-                self.stats.disconnects += 1
                 endpoint = event.get("endpoint", b"").decode(errors="replace")
                 if self._goodbyes:
                     self._goodbyes -= 1  # a client that said goodbye closed its socket: all is well
+                    self.metrics.disconnects.labels("goodbye").inc()
                     log.debug("a client closed its connection after its goodbye (%s)", endpoint)
                 else:
+                    self.metrics.disconnects.labels("no_goodbye").inc()
                     log.info(
                         "a connection closed without a goodbye (%s): the client died or reset, or sent a frame "
                         "over the %d-byte hard limit",
@@ -286,7 +284,7 @@ class RpcServer:
                 except Exception:
                     # Last line of defence: whatever a request does, the loop keeps serving.
                     log.exception("dispatching a request failed")
-                    self.stats.errors["INTERNAL"] += 1
+                    self._errors[ErrorCode.INTERNAL].inc()
                     try:
                         self._send_error(router, frames[0], 0, ErrorCode.INTERNAL, "the server failed to handle this request")
                     except zmq.ZMQError:
@@ -299,7 +297,7 @@ class RpcServer:
         client = ClientId(ident)
         received = time.monotonic()
         if len(frames) < 3:
-            self.stats.dropped_frames += 1
+            self.metrics.dropped_frames.inc()
             self._send_error(router, ident, 0, ErrorCode.BAD_REQUEST, f"a request needs header and body frames, got {len(frames) - 1} frames")
             return
         try:
@@ -314,7 +312,7 @@ class RpcServer:
                         header.request_id,
                     )
         except codec.ProtocolViolation as exc:
-            self.stats.errors[exc.code.name] += 1
+            self._errors[exc.code].inc()
             log.warning("rejected a request from %s: %s", ident.hex()[:12], exc)
             self._send_error(router, ident, exc.request_id, exc.code, exc.message)
             return
@@ -322,7 +320,7 @@ class RpcServer:
         if spec is None:
             self._send_error(router, ident, header.request_id, ErrorCode.UNKNOWN_REQUEST_TYPE, f"{rtype.name} is not served here")
             return
-        self.stats.requests[rtype] += 1
+        self._requests[rtype].inc()
         if rtype is RequestType.UNREGISTER_CONTEXT:
             self._goodbyes += 1
         deadline = received + header.timeout_ms / 1000 if header.timeout_ms > 0 else float("inf")
@@ -353,7 +351,7 @@ class RpcServer:
         return codec.encode_reply(call.request_id, reply.body), reply
 
     def _error_frames(self, call: Call, code: ErrorCode, message: str) -> list[Any]:
-        self.stats.errors[code.name] += 1
+        self._errors[code].inc()
         return codec.encode_error(call.request_id, code, message)
 
     def _send(self, sock: zmq.Socket, ident: bytes, call: Call, result) -> None:

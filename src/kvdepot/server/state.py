@@ -1,8 +1,7 @@
-"""What the server knows about its clients' contexts and sessions (never about bytes: that is storage).
+"""What the server knows about its clients' contexts (never about bytes: that is storage).
 
 A context is one engine worker's (model, rank, layout, chunk size), owned by the client that registered
-it. A session is one engine request: it holds the read locks its LOOKUP took until the request
-retrieves, frees them, or ends.
+it. (Sessions, one engine request each, are in ``sessions.py``.)
 """
 
 from __future__ import annotations
@@ -48,39 +47,6 @@ class Context:
         return [ObjectKey(ns + h) for h in hashes]
 
 
-@dataclass(slots=True)
-class Session:
-    """A request's lookup state. ``hits`` is None while a prefetch from L2 runs. Fields change under
-    the SessionTable lock (the RPC loop and the L2 driver thread both touch them)."""
-
-    lease_id: LeaseId
-    keys: list[ObjectKey]  # the keys the lease locks, from chunk 0
-    hits: int | None
-    lock: bool = True
-    all_keys: list[ObjectKey] | None = None  # the whole prompt's keys, while a prefetch runs
-
-
-class FailureCounts:
-    """Per-request problems the server saw, by class (thread-safe): each is one request's miss, never
-    a reason for anyone to stop caching. ``lease_expired_frees``: locks freed after their lease had
-    already ended; ``short_retrieves``: retrieves that found fewer chunks than asked (evicted, or their
-    lookup's locks ended, since the lookup)."""
-
-    CLASSES = ("lease_expired_frees", "short_retrieves")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts = dict.fromkeys(self.CLASSES, 0)
-
-    def add(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._counts[name] += n
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._counts)
-
-
 class ContextRegistry:
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -121,45 +87,3 @@ class ContextRegistry:
             for c in gone:
                 del self._contexts[c.id]
             return gone
-
-
-class SessionTable:
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._sessions: dict[tuple[ContextId, str], Session] = {}
-
-    def __len__(self) -> int:
-        return len(self._sessions)
-
-    def put(self, context_id: ContextId, session_id: str, session: Session) -> Session | None:
-        """Store a session's state; returns the one it replaced (whose locks the caller must release)."""
-        with self._lock:
-            old = self._sessions.get((context_id, session_id))
-            self._sessions[(context_id, session_id)] = session
-            return old
-
-    def get(self, context_id: ContextId, session_id: str) -> Session | None:
-        return self._sessions.get((context_id, session_id))
-
-    @property
-    def lock(self) -> threading.Lock:
-        return self._lock
-
-    def is_current(self, context_id: ContextId, session_id: str, session: Session) -> bool:
-        """Call with ``lock`` held: is ``session`` still the one filed under this id?"""
-        return self._sessions.get((context_id, session_id)) is session
-
-    def take_lease(self, session: Session) -> LeaseId:
-        """Hand the session's locks to a retrieve (the session keeps no lease afterwards)."""
-        with self._lock:
-            lease, session.lease_id = session.lease_id, LeaseId(0)
-            return lease
-
-    def pop(self, context_id: ContextId, session_id: str) -> Session | None:
-        with self._lock:
-            return self._sessions.pop((context_id, session_id), None)
-
-    def pop_context(self, context_id: ContextId) -> list[Session]:
-        with self._lock:
-            keys = [k for k in self._sessions if k[0] == context_id]
-            return [self._sessions.pop(k) for k in keys]

@@ -28,26 +28,37 @@ nothing it writes can become visible), and a quarantined read keeps its pins (th
 what they were, so finishing it afterwards is still a correct read). The table asks ``holder_alive``
 whether a CLIENT toucher's process may still run; SERVER touchers always may.
 
-Every public method is atomic over its batch of keys and holds one lock; ``holder_alive`` and listeners
-are called with the lock released. An illegal transition (committing another client's lease,
+Events: every object gets a generation number when it is created, and an object becoming READY (``stored``)
+or a READY object leaving (``removed``: evicted, cleared, discarded, over quota) queues an ``ObjectEvent``
+under the lock; subscribers get them after the lock is released, in batches, in the order queued (two
+threads' batches may reach subscribers in either order: the generation tells a newer object from an
+older one under the same key). The L2 store controller, the peer tier's directory, the KV-events
+stream and the metrics all read them.
+
+Every public method is atomic over its batch of keys and holds one lock; ``holder_alive`` and
+subscribers are called with the lock released. An illegal transition (committing another client's lease,
 releasing an unknown lease) raises a typed error and changes nothing.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 
 from kvdepot.errors import IllegalTransition, LeaseExpired, LeaseRevoked, UnknownLease
-from kvdepot.protocol.messages import SlotStatus
+from kvdepot.types import SlotStatus
 from kvdepot.storage.allocator import ExtentAllocator
 from kvdepot.storage.eviction import EvictionPolicy
 from kvdepot.types import ClientId, LeaseId, ObjectKey
+
+log = logging.getLogger(__name__)
 
 NO_LEASE = LeaseId(0)
 
@@ -85,6 +96,30 @@ class L1Object:
     readers: int = 0
     writer: LeaseId = NO_LEASE
     doomed: bool = False  # cleared while locked: removed as soon as the last lock goes
+    generation: int = 0  # unique per object ever created in this table
+
+
+class EventKind(Enum):
+    STORED = "stored"  # became READY: visible to readers
+    REMOVED = "removed"  # a READY object left L1
+
+
+class RemovedBecause(Enum):
+    EVICTED = "evicted"
+    CLEARED = "cleared"
+    DISCARDED = "discarded"  # pushed to every tier and dropped from L1 (skip_l1 placement)
+    OVER_QUOTA = "over_quota"
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectEvent:
+    kind: EventKind
+    key: ObjectKey
+    generation: int
+    size: int
+    salt: str
+    writer: ClientId | None = None  # STORED: who published it
+    because: RemovedBecause | None = None  # REMOVED: why
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +201,7 @@ class _Counters:
     quota_refused: int = 0
 
 
-ReadyListener = Callable[[list[ObjectKey], ClientId], None]  # (keys now READY, the writer that published them)
+EventListener = Callable[[list[ObjectEvent]], None]
 HolderAlive = Callable[[ClientId], bool]  # may this client's process still touch arena memory?
 
 
@@ -195,8 +230,10 @@ class ObjectTable:
         self._quarantine: dict[LeaseId, Lease] = {}  # QUARANTINED
         self._ended: OrderedDict[LeaseId, Ending] = OrderedDict()  # recently ended by force
         self._ids = itertools.count(1)
+        self._generations = itertools.count(1)
         self._counters = _Counters()
-        self._ready_listeners: list[ReadyListener] = []
+        self._listeners: list[EventListener] = []
+        self._pending: list[ObjectEvent] = []  # queued under the lock, handed out after it
 
     def __repr__(self) -> str:
         s = self.stats()
@@ -213,8 +250,23 @@ class ObjectTable:
     def lease_ttl_s(self) -> float:
         return self._ttl
 
-    def add_ready_listener(self, listener: ReadyListener) -> None:
-        self._ready_listeners.append(listener)
+    def subscribe(self, listener: EventListener) -> None:
+        """``listener(events)`` gets every batch of stored/removed events, outside the table's lock.
+        It must be quick and must not raise (a failure is logged and the others still get theirs)."""
+        self._listeners.append(listener)
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The table's lock; events queued while it was held go to subscribers once it is released."""
+        with self._lock:
+            yield
+            events, self._pending = self._pending, []
+        if events:
+            for listener in self._listeners:
+                try:
+                    listener(events)
+                except Exception:
+                    log.exception("an L1 event subscriber failed")
 
     # --- writes ----------------------------------------------------------------------------------
 
@@ -238,7 +290,7 @@ class ObjectTable:
         """
         offsets: list[int] = []
         statuses: list[SlotStatus] = []
-        with self._lock:
+        with self._locked():
             lease_id = LeaseId(next(self._ids))
             reserved: list[ObjectKey] = []
             # Keys this batch reports as EXISTS must survive it: evicting one to make room for a later
@@ -268,7 +320,9 @@ class ObjectTable:
                     statuses.append(SlotStatus.NO_SPACE)
                     offsets.append(-1)
                     continue
-                self._objects[key] = L1Object(key, offset, size, ObjectState.WRITING, salt, writer=lease_id)
+                self._objects[key] = L1Object(
+                    key, offset, size, ObjectState.WRITING, salt, writer=lease_id, generation=next(self._generations)
+                )
                 reserved.append(key)
                 statuses.append(SlotStatus.ALLOCATED)
                 offsets.append(offset)
@@ -289,7 +343,7 @@ class ObjectTable:
         a loader whose backend failed for some keys must not publish what it did not write."""
         if lease_id == NO_LEASE:
             return 0
-        with self._lock:
+        with self._locked():
             lease = self._take_lease_locked(lease_id, owner, LeaseKind.WRITE)
             ready: list[ObjectKey] = []
             for key in lease.keys:
@@ -303,17 +357,15 @@ class ObjectTable:
                 obj.writer = NO_LEASE
                 self._counters.ready += 1
                 ready.append(key)
+                self._pending.append(ObjectEvent(EventKind.STORED, key, obj.generation, obj.size, obj.salt, writer=owner))
             self._tell_ready_locked(ready)
-        if ready:
-            for listener in self._ready_listeners:
-                listener(ready, owner)
         return len(ready)
 
     def abort_write(self, lease_id: LeaseId, owner: ClientId) -> int:
         """Drop a reservation: its objects vanish and their space is free again."""
         if lease_id == NO_LEASE:
             return 0
-        with self._lock:
+        with self._locked():
             lease = self._take_lease_locked(lease_id, owner, LeaseKind.WRITE)
             return self._drop_write_locked(lease)
 
@@ -378,12 +430,12 @@ class ObjectTable:
 
     def discard(self, keys: Sequence[ObjectKey]) -> int:
         """Remove READY objects that nobody reads (L2-only placement); returns how many went."""
-        with self._lock:
+        with self._locked():
             n = 0
             for key in keys:
                 obj = self._objects.get(key)
                 if obj is not None and obj.state is ObjectState.READY and obj.readers == 0:
-                    self._remove_locked(obj)
+                    self._remove_locked(obj, RemovedBecause.DISCARDED)
                     n += 1
             return n
 
@@ -411,7 +463,7 @@ class ObjectTable:
         """
         if lease_id == NO_LEASE:
             return 0
-        with self._lock:
+        with self._locked():
             held = self._quarantine.get(lease_id)
             if held is not None and held.owner == owner and held.kind is LeaseKind.READ:
                 return self._let_go_locked(held)
@@ -456,14 +508,14 @@ class ObjectTable:
     def expire(self, now: float | None = None) -> int:
         """End every lease whose TTL has passed; returns how many ended (quarantined ones included)."""
         now = self._clock() if now is None else now
-        with self._lock:
+        with self._locked():
             due = [lease.id for lease in self._leases.values() if lease.expires_at <= now]
             if not due:
                 return 0
             owners = {self._leases[i].owner for i in due}
         alive = {o for o in owners if self._holder_alive(o)}  # outside the lock: it may make syscalls
         ended = 0
-        with self._lock:
+        with self._locked():
             ttl = f"TTL {self._ttl:g} s"
             for lease_id in due:
                 lease = self._leases.get(lease_id)
@@ -478,7 +530,7 @@ class ObjectTable:
         """The client is gone (or declared so): end all its leases. Those it may still touch, if its
         process may still run, are quarantined; the others end at once."""
         alive = self._holder_alive(owner)
-        with self._lock:
+        with self._locked():
             ids = list(self._by_owner.get(owner, ()))
             ending = Ending(why, time.time(), revoked)
             for lease_id in ids:
@@ -487,12 +539,12 @@ class ObjectTable:
 
     def recheck_quarantine(self) -> int:
         """Let go of quarantined leases whose toucher can no longer run; returns how many went."""
-        with self._lock:
+        with self._locked():
             owners = {lease.owner for lease in self._quarantine.values() if lease.toucher is Toucher.CLIENT}
         gone = {o for o in owners if not self._holder_alive(o)}
         if not gone:
             return 0
-        with self._lock:
+        with self._locked():
             victims = [lease for lease in self._quarantine.values() if lease.toucher is Toucher.CLIENT and lease.owner in gone]
             for lease in victims:
                 self._let_go_locked(lease)
@@ -526,7 +578,7 @@ class ObjectTable:
 
     def evict_to(self, target_used_bytes: int) -> int:
         """Evict unlocked READY objects in policy order until usage is at most the target."""
-        with self._lock:
+        with self._locked():
             return self._evict_locked(lambda: self._alloc.stats().used <= target_used_bytes)
 
     def used_bytes(self) -> int:
@@ -536,14 +588,14 @@ class ObjectTable:
 
     def enforce_quotas(self) -> int:
         """Evict what the policy says is over a per-salt quota (unlocked READY objects only)."""
-        with self._lock:
+        with self._locked():
             victims = []
             for key in self._policy.quota_excess():
                 obj = self._objects.get(key)
                 if obj is not None and obj.state is ObjectState.READY and not obj.readers:
                     victims.append(obj)
             for obj in victims:
-                self._remove_locked(obj)
+                self._remove_locked(obj, RemovedBecause.OVER_QUOTA)
             self._counters.evicted += len(victims)
             return len(victims)
 
@@ -553,11 +605,11 @@ class ObjectTable:
 
     def clear(self) -> int:
         """Remove every object. Locked or half-written ones are doomed: they go when their lease ends."""
-        with self._lock:
+        with self._locked():
             removed = 0
             for obj in list(self._objects.values()):
                 if obj.state is ObjectState.READY and obj.readers == 0:
-                    self._remove_locked(obj)
+                    self._remove_locked(obj, RemovedBecause.CLEARED)
                     removed += 1
                 else:
                     obj.doomed = True
@@ -660,12 +712,15 @@ class ObjectTable:
         self._counters.evicted += evicted
         return evicted
 
-    def _remove_locked(self, obj: L1Object) -> None:
+    def _remove_locked(self, obj: L1Object, because: RemovedBecause = RemovedBecause.EVICTED) -> None:
         del self._objects[obj.key]
         self._alloc.free(obj.offset)
         self._policy.on_remove(obj.key)
         if obj.state is ObjectState.READY:
             self._counters.ready -= 1
+            if obj.doomed:
+                because = RemovedBecause.CLEARED
+            self._pending.append(ObjectEvent(EventKind.REMOVED, obj.key, obj.generation, obj.size, obj.salt, because=because))
 
     def _tell_ready_locked(self, keys: list[ObjectKey]) -> None:
         for key in reversed(keys):  # head most recent: the tail goes first

@@ -1,70 +1,79 @@
-"""StorageManager: the facade the server's handlers see. It owns the arena, the object table and the
-background work that keeps L1 healthy (prefault, watermark eviction, lease expiry)."""
+"""StorageManager: the one thing the server's handlers and its admin API see of storage.
+
+It owns the arena, the object table, the L2 tiers and the background work that keeps them healthy
+(prefault, watermark eviction, the L2 controllers), and offers them as verbs: reserve / commit / abort
+a write, lock a prefix / release it, look up (prefetching what L2 holds), renew and end leases, clear
+(L1, tiers, or both), quotas, and one status snapshot. Eviction is kicked inside (a reservation, a quota
+change); nobody outside reaches into the table, the arena or a controller.
+
+Composition: ``__init__`` builds (tiers first: a tier that cannot be built fails before real memory is
+taken), ``start`` starts threads, ``close`` stops them in reverse order. Tier factories receive the
+shared services (the arena's event stream, the node's identity) from here, not only their config.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from enum import Enum
 
 from kvdepot.config import StorageConfig
 from kvdepot.errors import ConfigError
+from kvdepot.shm import HEADER_BYTES, Prefaulter, SharedArena, liveness_offset
 from kvdepot.storage.allocator import ExtentAllocator
-from kvdepot.storage.arena import HEADER_BYTES, Prefaulter, SharedArena
-from kvdepot.storage.controllers import Placement, PrefetchController, StoreController, TierDriver
-from kvdepot.storage.eviction import make_policy
-from kvdepot.storage.l1 import HolderAlive, L1Stats, ObjectTable
+from kvdepot.storage.controllers import (
+    EvictionController,
+    Placement,
+    PrefetchController,
+    PrefetchJob,
+    StoreController,
+    TierDriver,
+)
+from kvdepot.storage.eviction import IsolatedLRUPolicy, make_policy
+from kvdepot.storage.l1 import (
+    EventListener,
+    HolderAlive,
+    L1Stats,
+    ObjectTable,
+    QuarantineEntry,
+    ReadLock,
+    Reservation,
+    Toucher,
+)
 from kvdepot.storage.l2 import registry
+from kvdepot.storage.l2.base import TaskKind, TaskResult
+from kvdepot.types import ClientId, LeaseId, ObjectKey
 
 log = logging.getLogger(__name__)
 
 ALIGNMENT = 4096
+TIER_CLEAR_WAIT_S = 30.0
 
 
-class EvictionController:
-    """Keeps L1 usage under the high watermark by evicting down to the low one.
+class ClearScope(str, Enum):
+    L1 = "l1"  # every unlocked L1 object (locked ones go when their last lock does)
+    TIERS = "tiers"  # every object of every L2 tier (of this server's prefix or directory)
+    ALL = "all"
 
-    It wakes every ``interval_s`` or when ``kick`` is called (after a store reserved space).
-    """
 
-    def __init__(self, table: ObjectTable, high: float, low: float, interval_s: float = 0.1) -> None:
-        self._table = table
-        self._high = int(high * table.capacity)
-        self._low = int(low * table.capacity)
-        self._interval = interval_s
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+@dataclass(frozen=True)
+class ClearResult:
+    l1_removed: int = 0
+    tiers_removed: dict[str, int] = field(default_factory=dict)  # tier name -> objects; -1: failed / timed out
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="kvdepot-eviction", daemon=True)
-        self._thread.start()
 
-    def kick(self) -> None:
-        self._wake.set()
+@dataclass(frozen=True)
+class ShmOffer:
+    """What a client needs to map the arena, and the liveness lock it must hold while it does."""
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-
-    def run_once(self) -> int:
-        n = self._table.enforce_quotas()
-        if self._table.used_bytes() > self._high:
-            n += self._table.evict_to(self._low)
-        return n
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(self._interval)
-            self._wake.clear()
-            try:
-                n = self.run_once()
-                if n:
-                    log.debug("evicted %d objects to the low watermark", n)
-            except Exception:  # never let the controller die silently
-                log.exception("eviction pass failed")
+    path: str
+    size: int
+    nonce: bytes
+    liveness_lock: int
 
 
 @dataclass(frozen=True)
@@ -76,75 +85,266 @@ class PrefaultStatus:
     error: str = ""
 
 
+@dataclass(frozen=True)
+class StorageSnapshot:
+    l1: L1Stats
+    prefault: PrefaultStatus
+    quarantine: list[QuarantineEntry]
+    tiers: list[dict]
+    controllers: dict
+    shm_path: str
+    eviction_policy: str
+
+
+class QuotaControl:
+    """Per-``cache_salt`` L1 quotas (the ``isolated_lru`` policy's); a change is enforced at once."""
+
+    def __init__(self, policy: IsolatedLRUPolicy, kick: Callable[[], None]) -> None:
+        self._policy = policy
+        self._kick = kick
+
+    def get(self, salt: str) -> int | None:
+        return self._policy.quota(salt)
+
+    def set(self, salt: str, quota_bytes: int | None) -> None:
+        self._policy.set_quota(salt, quota_bytes)
+        self._kick()  # bring the salt under its new quota now
+
+    def used(self, salt: str) -> int:
+        return self._policy.used(salt)
+
+    def all(self) -> dict[str, int]:
+        return self._policy.quotas()
+
+
 class StorageManager:
     def __init__(self, config: StorageConfig, holder_alive: HolderAlive | None = None) -> None:
         """``holder_alive(client)``: may that client's process still touch arena memory it was given?
         (the server's liveness tracker answers; without one, every client is assumed to run)."""
         self.config = config
         # Tiers first: a tier that cannot be built must fail before the arena (real memory) exists.
-        self.tiers = [registry.build(registry.parse_spec(spec, i)) for i, spec in enumerate(config.l2)]
-        self.arena = SharedArena.create(
+        self._tiers = [registry.build(registry.parse_spec(spec, i)) for i, spec in enumerate(config.l2)]
+        self._arena = SharedArena.create(
             config.l1_size_bytes + HEADER_BYTES, shm_dir=config.shm_dir, allow_over_memory=config.l1_over_memory
         )
         allocator = ExtentAllocator(config.l1_size_bytes, alignment=ALIGNMENT, base=HEADER_BYTES)
         extra = {} if holder_alive is None else {"holder_alive": holder_alive}
-        self.table = ObjectTable(allocator, make_policy(config.eviction_policy), lease_ttl_s=config.lease_ttl_s, **extra)
-        self.eviction = EvictionController(self.table, config.high_watermark, config.low_watermark)
-        self.prefaulter = Prefaulter(self.arena) if config.prefault else None
-        self.driver: TierDriver | None = None
-        self.store_controller: StoreController | None = None
-        self.prefetcher: PrefetchController | None = None
-        if self.tiers:
-            self.driver = TierDriver(self.tiers)
-            self.store_controller = StoreController(
-                self.table, self.arena, self.tiers, self.driver.wake, Placement(config.l2_placement), config.l2_queue_limit
+        self._table = ObjectTable(allocator, make_policy(config.eviction_policy), lease_ttl_s=config.lease_ttl_s, **extra)
+        self._eviction = EvictionController(self._table, config.high_watermark, config.low_watermark)
+        self._prefaulter = Prefaulter(self._arena) if config.prefault else None
+        self._driver: TierDriver | None = None
+        self._store: StoreController | None = None
+        self._prefetcher: PrefetchController | None = None
+        self._clears: dict[tuple[int, int], Future] = {}  # (tier index, task id) -> its result
+        self._clears_lock = threading.Lock()
+        if self._tiers:
+            self._driver = TierDriver(self._tiers)
+            self._store = StoreController(
+                self._table, self._arena, self._tiers, self._driver.wake, Placement(config.l2_placement), config.l2_queue_limit
             )
-            self.prefetcher = PrefetchController(self.table, self.arena, self.tiers, self.driver.wake)
-            self.driver.add(self.store_controller.step)
-            self.driver.add(self.prefetcher.step)
-            self.table.add_ready_listener(self.store_controller.on_ready)
+            self._prefetcher = PrefetchController(self._table, self._arena, self._tiers, self._driver.wake)
+            self._driver.add(self._store.step)
+            self._driver.add(self._prefetcher.step)
+            self._driver.add(self._clear_step)
+            self._table.subscribe(self._store.on_events)
+
+    def __repr__(self) -> str:
+        return f"StorageManager({self._table!r}, tiers={[t.name for t in self._tiers]})"
+
+    # --- life cycle ----------------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self.prefaulter is not None:
-            self.prefaulter.start()
-        self.eviction.start()
-        for tier in self.tiers:
+        if self._prefaulter is not None:
+            self._prefaulter.start()
+        self._eviction.start()
+        for tier in self._tiers:
             try:
                 tier.start()
             except OSError as exc:  # e.g. an fs path that cannot be made: its configuration is wrong
                 raise ConfigError(f"--l2 tier {tier.name} ({tier.kind}): cannot start: {exc}") from None
             except ValueError as exc:  # e.g. a directory another server's tier holds
                 raise ValueError(f"--l2 tier {tier.name} ({tier.kind}): {exc}") from None
-        if self.driver is not None:
-            self.driver.start()
+        if self._driver is not None:
+            self._driver.start()
 
     def close(self) -> None:
-        if self.driver is not None:
-            self.driver.stop()
-        for tier in self.tiers:
+        if self._driver is not None:
+            self._driver.stop()
+        for tier in self._tiers:
             tier.close()
-        self.eviction.stop()
-        if self.prefaulter is not None:
-            self.prefaulter.stop()
-        self.arena.close()
+        self._eviction.stop()
+        if self._prefaulter is not None:
+            self._prefaulter.stop()
+        self._arena.close()
 
-    def tiers_status(self) -> list[dict]:
-        out = []
-        for tier in self.tiers:
+    # --- capacity and the arena ----------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self._table.capacity
+
+    @property
+    def tier_count(self) -> int:
+        return len(self._tiers)
+
+    def shm_offer(self, client: ClientId) -> ShmOffer:
+        a = self._arena
+        return ShmOffer(a.path, a.size, a.nonce, liveness_offset(a.size, client))
+
+    def lock_held(self, offset: int) -> bool:
+        """Does a worker hold the liveness lock at ``offset`` of the arena file?"""
+        return self._arena.lock_held(offset)
+
+    # --- writes --------------------------------------------------------------------------------------
+
+    def reserve(
+        self,
+        keys: Sequence[ObjectKey],
+        size: int,
+        owner: ClientId,
+        salt: str = "",
+        *,
+        toucher: Toucher,
+        protect: Sequence[ObjectKey] = (),
+        ttl_s: float | None = None,
+    ) -> Reservation:
+        """Slots for the absent keys (see ObjectTable.reserve_write); the eviction controller is kicked."""
+        res = self._table.reserve_write(keys, size, owner, salt, ttl_s=ttl_s, protect=protect, toucher=toucher)
+        self._eviction.kick()
+        return res
+
+    def commit(self, lease: LeaseId, owner: ClientId) -> int:
+        return self._table.commit_write(lease, owner)
+
+    def abort(self, lease: LeaseId, owner: ClientId) -> int:
+        return self._table.abort_write(lease, owner)
+
+    def copy_into(self, offset: int, frames: Sequence) -> None:
+        """Copy received payload frames, in order, into the slot at ``offset`` (the inline store)."""
+        buf = self._arena.buffer
+        pos = offset
+        for frame in frames:
+            src = memoryview(frame).cast("B")
+            buf[pos : pos + src.nbytes] = src
+            pos += src.nbytes
+
+    # --- reads ---------------------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[ObjectKey]) -> int:
+        return self._table.lookup(keys)
+
+    def lock_prefix(self, keys: Sequence[ObjectKey], owner: ClientId, *, session: str = "", toucher: Toucher) -> ReadLock:
+        return self._table.acquire_read(keys, owner, session=session, toucher=toucher)
+
+    def locked_offsets(self, lease: LeaseId, owner: ClientId, start: int, toucher: Toucher) -> list[int]:
+        """The offsets under a lease taken earlier (a session's lookup), now told to ``toucher``."""
+        return self._table.read_lease_offsets(lease, owner, start, toucher)
+
+    def release(self, lease: LeaseId, owner: ClientId, start: int = 0, end: int | None = None) -> int:
+        return self._table.release_read(lease, owner, start, end)
+
+    def payload(self, offset: int, size: int):
+        """The bytes of the object at ``offset``, without a copy (under a read lock: for a send)."""
+        return self._arena.buffer[offset : offset + size]
+
+    def prefetch(self, keys: list[ObjectKey], start: int, size: int, salt: str, on_done: Callable[[int], None]) -> bool:
+        """Fetch ``keys[start:]`` from the tiers into L1 in the background; ``on_done(n)`` (on the tier
+        driver's thread) says how many more leading chunks are now in L1. False: there are no tiers."""
+        if self._prefetcher is None:
+            return False
+        self._prefetcher.submit(PrefetchJob(keys, start, size, salt, on_done))
+        return True
+
+    # --- leases --------------------------------------------------------------------------------------
+
+    def renew(self, owner: ClientId, leases: Sequence[LeaseId], sessions: Sequence[str]) -> int:
+        return self._table.renew(owner, leases, sessions)
+
+    def expire(self) -> int:
+        return self._table.expire()
+
+    def release_owner(self, owner: ClientId, why: str, revoked: bool) -> int:
+        return self._table.release_owner(owner, why, revoked)
+
+    def recheck_quarantine(self) -> int:
+        return self._table.recheck_quarantine() if self._table.stats().quarantined_leases else 0
+
+    def leases_of(self, owner: ClientId) -> int:
+        return self._table.leases_of(owner)
+
+    def quarantine(self) -> list[QuarantineEntry]:
+        return self._table.quarantine()
+
+    # --- events --------------------------------------------------------------------------------------
+
+    def subscribe(self, listener: EventListener) -> None:
+        """Every batch of L1 stored/removed events (see ObjectTable)."""
+        self._table.subscribe(listener)
+
+    # --- admin ---------------------------------------------------------------------------------------
+
+    def clear(self, scope: ClearScope = ClearScope.L1) -> ClearResult:
+        """Empty L1, the tiers, or both. Locked L1 objects go when their last lock does; a tier's clear
+        is waited for at most TIER_CLEAR_WAIT_S (-1 in the result when it failed or took longer)."""
+        l1 = self._table.clear() if scope in (ClearScope.L1, ClearScope.ALL) else 0
+        tiers: dict[str, int] = {}
+        if scope in (ClearScope.TIERS, ClearScope.ALL) and self._driver is not None:
+            futures = []
+            for i, tier in enumerate(self._tiers):
+                fut: Future = Future()
+                with self._clears_lock:
+                    self._clears[(i, tier.submit_clear())] = fut
+                futures.append((tier.name, fut))
+            self._driver.wake()
+            for name, fut in futures:
+                try:
+                    result: TaskResult = fut.result(timeout=TIER_CLEAR_WAIT_S)
+                    tiers[name] = result.value if result.ok else -1
+                except FutureTimeout:
+                    tiers[name] = -1
+        return ClearResult(l1, tiers)
+
+    def _clear_step(self, results: list[tuple[int, TaskResult]]) -> None:
+        for tier_index, result in results:
+            if result.kind is not TaskKind.CLEAR:
+                continue
+            with self._clears_lock:
+                fut = self._clears.pop((tier_index, result.task_id), None)
+            if fut is not None:
+                fut.set_result(result)
+
+    def quotas(self) -> QuotaControl | None:
+        """None unless the eviction policy keeps quotas (``isolated_lru``)."""
+        policy = self._table.policy
+        return QuotaControl(policy, self._eviction.kick) if isinstance(policy, IsolatedLRUPolicy) else None
+
+    # --- status --------------------------------------------------------------------------------------
+
+    def snapshot(self) -> StorageSnapshot:
+        """Everything /status says of storage. Asks each tier's backend (at most 0.5 s each)."""
+        tiers = []
+        for tier in self._tiers:
             u = tier.usage()
-            out.append({f: getattr(u, f) for f in u.__dataclass_fields__})
-        return out
+            tiers.append({f: getattr(u, f) for f in u.__dataclass_fields__})
+        controllers = {}
+        if self._store is not None and self._prefetcher is not None:
+            controllers = {"store": vars(self._store.snapshot()), "prefetch": vars(self._prefetcher.snapshot())}
+        return StorageSnapshot(
+            self._table.stats(),
+            self._prefault_status(),
+            self._table.quarantine(),
+            tiers,
+            controllers,
+            self._arena.path,
+            self.config.eviction_policy,
+        )
 
-    def controllers_status(self) -> dict:
-        if self.store_controller is None or self.prefetcher is None:
-            return {}
-        return {"store": vars(self.store_controller.snapshot()), "prefetch": vars(self.prefetcher.snapshot())}
+    def store_idle(self) -> bool:
+        """Nothing waits to be pushed to L2 and nothing is in flight (tests and benchmarks wait on it)."""
+        return self._store is None or self._store.idle()
 
-    def stats(self) -> L1Stats:
-        return self.table.stats()
-
-    def prefault_status(self) -> PrefaultStatus:
-        p = self.prefaulter
+    def _prefault_status(self) -> PrefaultStatus:
+        p = self._prefaulter
         if p is None:
             return PrefaultStatus("off", 0.0, False, False)
         return PrefaultStatus(p.state.value, p.progress, p.finished, p.supported, p.error)

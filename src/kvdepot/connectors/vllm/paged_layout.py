@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvdepot.layout import KVLayout, as_numpy
-from kvdepot.paged import gather_chunk, scatter_chunk
+from kvdepot.connectors.paged import gather_chunk, scatter_chunk
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from kvdepot.connectors.vllm.config import ConnectorConfig
 from kvdepot.connectors.vllm.metadata import KVDepotConnectorMetadata, KVDepotWorkerMetadata, LoadOp, SaveOp
 from kvdepot.connectors.vllm.paged_layout import PagedKV, make_layout, probe_cpu_layout
 from kvdepot.errors import ErrorCode, KVDepotError
-from kvdepot.protocol.messages import SlotStatus
+from kvdepot.types import SlotStatus
 
 log = logging.getLogger(__name__)
 

@@ -6,9 +6,11 @@ from dataclasses import dataclass, field
 
 from kvdepot.config import ServerConfig
 from kvdepot.errors import LeaseRevoked, UnknownContext
+from kvdepot.observability.metrics import Metrics
 from kvdepot.hashing import HashAlgorithm
 from kvdepot.server.liveness import LivenessTracker
-from kvdepot.server.state import Context, ContextRegistry, FailureCounts, SessionTable
+from kvdepot.server.sessions import SessionTable
+from kvdepot.server.state import Context, ContextRegistry
 from kvdepot.storage.manager import StorageManager
 from kvdepot.types import ClientId
 
@@ -22,8 +24,7 @@ class ServerContext:
     liveness: LivenessTracker
     contexts: ContextRegistry = field(default_factory=ContextRegistry)
     sessions: SessionTable = field(default_factory=SessionTable)
-    block_events: dict[str, int] = field(default_factory=lambda: {"allocated": 0, "freed": 0})
-    failures: FailureCounts = field(default_factory=FailureCounts)
+    metrics: Metrics = field(default_factory=Metrics)
 
     def context_of(self, context_id: int, client: ClientId) -> Context:
         """The caller's context. A client that was revoked (declared gone while it was only silent)

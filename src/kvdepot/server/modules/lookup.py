@@ -2,6 +2,7 @@
 
 A lookup answers from L1 at once. With a session and L2 tiers, chunks missing from L1 are fetched in
 the background; the reply then says ``hits=None`` and QUERY_PREFETCH_STATUS gives the final count.
+Sessions follow the state machine in ``server/sessions.py``.
 """
 
 from __future__ import annotations
@@ -11,10 +12,9 @@ from kvdepot.protocol import messages as m
 from kvdepot.server.modules import ServerContext
 from kvdepot.server.modules.common import context_and_keys
 from kvdepot.server.rpc import Call, HandlerMode, HandlerSpec, Reply
-from kvdepot.server.state import Session
-from kvdepot.storage.controllers import PrefetchJob
-from kvdepot.storage.l1 import NO_LEASE, Toucher
-from kvdepot.types import LeaseId
+from kvdepot.server.sessions import NO_LEASE, Key, Session
+from kvdepot.storage.l1 import Toucher
+from kvdepot.types import ClientId, LeaseId, ObjectKey
 
 MAX_RENEWALS = 1 << 16
 
@@ -22,6 +22,7 @@ MAX_RENEWALS = 1 << 16
 class LookupModule:
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
+        self.storage = ctx.storage
 
     def handlers(self) -> list[HandlerSpec]:
         R, S = m.RequestType, HandlerMode.SYNC
@@ -37,76 +38,63 @@ class LookupModule:
     def lookup(self, call: Call) -> Reply:
         body: m.LookupRequest = call.body
         context, keys = context_and_keys(self.ctx, call)
-        table = self.ctx.storage.table
         if not body.session_id:
-            return Reply(m.LookupReply(hits=table.lookup(keys)))
+            return Reply(m.LookupReply(hits=self.storage.lookup(keys)))
         if body.lock:
             # NOBODY: a lookup lock tells the client no offsets; a retrieve hands them out later.
-            lock = table.acquire_read(keys, call.client, session=body.session_id, toucher=Toucher.NOBODY)
+            lock = self.storage.lock_prefix(keys, call.client, session=body.session_id, toucher=Toucher.NOBODY)
             hits, lease = len(lock.offsets), lock.lease_id
         else:
-            hits, lease = table.lookup(keys), NO_LEASE
-        prefetcher = self.ctx.storage.prefetcher
-        prefetch = body.prefetch and prefetcher is not None and hits < len(keys)
+            hits, lease = self.storage.lookup(keys), NO_LEASE
+        prefetch = body.prefetch and self.storage.tier_count > 0 and hits < len(keys)
         if not prefetch and not body.lock:
             return Reply(m.LookupReply(hits=hits))  # nothing to track: no session is kept
-        session = Session(lease, keys[:hits], None if prefetch else hits, body.lock, keys if prefetch else None)
-        old = self.ctx.sessions.put(context.id, body.session_id, session)
-        if old is not None:
-            self._release(old.lease_id, call)
+        key: Key = (context.id, body.session_id)
+        session, old = self.ctx.sessions.open(key, lease, keys[:hits], hits, body.lock, keys if prefetch else None)
+        self._release(old, call.client)
         if not prefetch:
             return Reply(m.LookupReply(hits=hits, locked=lease != NO_LEASE))
-        assert prefetcher is not None
-        client, sid = call.client, body.session_id
-        prefetcher.submit(
-            PrefetchJob(keys, hits, context.chunk_bytes, body.cache_salt, lambda n: self._prefetched(context.id, sid, session, client, hits + n))
+        client = call.client
+        self.storage.prefetch(
+            keys, hits, context.chunk_bytes, body.cache_salt, lambda n: self._prefetched(key, session, client, hits + n)
         )
         return Reply(m.LookupReply(hits=None, locked=lease != NO_LEASE))
 
-    def _prefetched(self, context_id, session_id: str, session: Session, client, total: int) -> None:
-        """On the L2 driver thread: the prefetch ended with ``total`` leading chunks in L1."""
-        table = self.ctx.storage.table
-        with self.ctx.sessions.lock:
-            if not self.ctx.sessions.is_current(context_id, session_id, session):
-                return  # ended or replaced meanwhile: what was loaded stays in L1 as ordinary objects
-            keys = session.all_keys or session.keys
-            session.all_keys = None
-            if not session.lock:
-                session.hits = total
-                return
-            # Lock the whole prefix afresh, then let go of the lookup's first lock.
-            lock = table.acquire_read(keys[:total], client, session=session_id, toucher=Toucher.NOBODY)
-            old, session.lease_id = session.lease_id, lock.lease_id
-            session.keys = keys[: len(lock.offsets)]
-            session.hits = len(lock.offsets)
+    def _prefetched(self, key: Key, session: Session, client: ClientId, total: int) -> None:
+        """On the L2 driver thread: the prefetch ended with ``total`` leading chunks in L1. A locking
+        session locks that whole prefix afresh, then lets go of its lookup's first lock. (Ended or
+        replaced meanwhile: what was loaded stays in L1 as ordinary objects.)"""
+
+        def lock_prefix(keys: list[ObjectKey]) -> tuple[LeaseId, int]:
+            lock = self.storage.lock_prefix(keys, client, session=key[1], toucher=Toucher.NOBODY)
+            return lock.lease_id, len(lock.offsets)
+
+        old = self.ctx.sessions.prefetched(key, session, total, lock_prefix)
         if old:
-            self._release(old, None, client)
+            self._release(old, client)
 
     def query_prefetch_status(self, call: Call) -> Reply:
         body: m.QueryPrefetchStatusRequest = call.body
         context = self.ctx.context_of(body.context_id, call.client)
-        session = self.ctx.sessions.get(context.id, body.session_id)
-        if session is None:
+        answer = self.ctx.sessions.answer((context.id, body.session_id))
+        if answer is None:
             raise KVDepotError(f"no lookup for session {body.session_id!r}", ErrorCode.UNKNOWN_SESSION)
-        hits = session.hits
-        if hits is not None and not session.lock:
-            self.ctx.sessions.pop(context.id, body.session_id)  # a lock-free session ends when answered
-        return Reply(m.LookupReply(hits=hits, locked=session.lease_id != 0))
+        return Reply(m.LookupReply(hits=answer.hits, locked=answer.locked))
 
     def free_lookup_locks(self, call: Call) -> Reply:
         body: m.FreeLookupLocksRequest = call.body
         context = self.ctx.context_of(body.context_id, call.client)
-        session = self.ctx.sessions.get(context.id, body.session_id)
-        if session is None or not session.lease_id:
+        lease = self.ctx.sessions.lease((context.id, body.session_id))
+        if not lease:
             return Reply(m.FreeLookupLocksReply(released=0))
         end = None if body.end < 0 else body.end
         try:
-            released = self.ctx.storage.table.release_read(session.lease_id, call.client, body.start, end)
+            released = self.storage.release(lease, call.client, body.start, end)
         except (UnknownLease, LeaseExpired):
             # Ended already (TTL, or this client was revoked): there is nothing left to free. Freeing is
             # idempotent, and a request's expired lock is that request's business, never an error that
             # would make an engine stop caching for everyone.
-            self.ctx.failures.add("lease_expired_frees")
+            self.ctx.metrics.request_failures.labels("lease_expired_frees").inc()
             released = 0
         return Reply(m.FreeLookupLocksReply(released=released))
 
@@ -115,14 +103,13 @@ class LookupModule:
         self.ctx.context_of(body.context_id, call.client)
         if len(body.lease_ids) + len(body.sessions) > MAX_RENEWALS:
             raise BadRequest(f"{len(body.lease_ids) + len(body.sessions)} renewals in one request; at most {MAX_RENEWALS}")
-        renewed = self.ctx.storage.table.renew(call.client, [LeaseId(i) for i in body.lease_ids], body.sessions)
+        renewed = self.storage.renew(call.client, [LeaseId(i) for i in body.lease_ids], body.sessions)
         return Reply(m.RenewLeasesReply(renewed=renewed))
 
-    def _release(self, lease_id, call: Call | None, client=None) -> None:
-        if not lease_id:
+    def _release(self, lease: LeaseId, client: ClientId) -> None:
+        if not lease:
             return
         try:
-            self.ctx.storage.table.release_read(lease_id, call.client if call is not None else client)
+            self.storage.release(lease, client)
         except KVDepotError:
-            pass
-
+            pass  # already expired or released

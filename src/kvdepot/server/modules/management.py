@@ -12,8 +12,8 @@ from kvdepot.protocol import messages as m
 from kvdepot.server.liveness import check_client_info
 from kvdepot.server.modules import ServerContext
 from kvdepot.server.rpc import Call, HandlerMode, HandlerSpec, Reply
-from kvdepot.storage.arena import liveness_offset
 from kvdepot.storage.keys import NamespaceSpec
+from kvdepot.storage.manager import ClearScope
 from kvdepot.types import ClientId, ContextId
 
 MAX_BLOCK_REPORT = 1 << 40  # blocks per REPORT_BLOCK_ALLOCATION: far beyond any real engine
@@ -63,14 +63,13 @@ class ManagementModule:
         if not 0 < chunk_size <= MAX_CHUNK_TOKENS:
             raise BadRequest(f"chunk_size {chunk_size} is outside [1, {MAX_CHUNK_TOKENS}]")
         chunk_bytes = layout.chunk_bytes(chunk_size)
-        if chunk_bytes > self.ctx.storage.table.capacity:
-            raise BadRequest(f"one chunk ({chunk_bytes} bytes) is larger than L1 ({self.ctx.storage.table.capacity})")
+        if chunk_bytes > self.ctx.storage.capacity:
+            raise BadRequest(f"one chunk ({chunk_bytes} bytes) is larger than L1 ({self.ctx.storage.capacity})")
         spec = NamespaceSpec(body.model, body.world_size, body.rank, layout.fingerprint(), chunk_size)
-        arena = self.ctx.storage.arena
         # A worker that maps the arena holds a liveness lock there, at an offset of its own, so the
-        # server can tell whether it may still touch arena memory (see storage/arena.py).
-        lock = liveness_offset(arena.size, call.client)
-        self.ctx.liveness.register(call.client, body.client, lock)
+        # server can tell whether it may still touch arena memory (see kvdepot/shm/segment.py).
+        shm = self.ctx.storage.shm_offer(call.client)
+        self.ctx.liveness.register(call.client, body.client, shm.liveness_lock)
         context = self.ctx.contexts.add(call.client, layout, spec)
         log.info(
             "context %d registered: model=%s rank=%d/%d layout=%s chunk=%d tokens (%d bytes)",
@@ -86,15 +85,15 @@ class ManagementModule:
                 max_frame_bytes=cfg.rpc.max_frame_bytes,
                 heartbeat_interval_s=cfg.rpc.heartbeat_interval_s,
                 lease_ttl_s=cfg.storage.lease_ttl_s,
-                shm=m.ShmInfo(path=arena.path, size=arena.size, nonce=arena.nonce, liveness_lock=lock),
-                l2_tiers=len(self.ctx.storage.tiers),
+                shm=m.ShmInfo(path=shm.path, size=shm.size, nonce=shm.nonce, liveness_lock=shm.liveness_lock),
+                l2_tiers=self.ctx.storage.tier_count,
             )
         )
 
     def unregister(self, call: Call) -> Reply:
         context = self.ctx.contexts.remove(call.body.context_id, call.client)
         self._drop_sessions(context.id, call.client)
-        if not self.ctx.contexts.owned_by(call.client) and not self.ctx.storage.table.leases_of(call.client):
+        if not self.ctx.contexts.owned_by(call.client) and not self.ctx.storage.leases_of(call.client):
             self.ctx.liveness.forget(call.client)  # a clean goodbye: stop watching it (SYNC: loop thread)
         return Reply(m.Ack())
 
@@ -103,13 +102,16 @@ class ManagementModule:
 
     def end_session(self, call: Call) -> Reply:
         context = self.ctx.context_of(call.body.context_id, call.client)
-        session = self.ctx.sessions.pop(context.id, call.body.session_id)
-        if session is not None:
-            self._release_quietly(session.lease_id, call.client)
+        self._release_quietly(self.ctx.sessions.end((context.id, call.body.session_id)), call.client)
         return Reply(m.Ack())
 
     def clear(self, call: Call) -> Reply:
-        return Reply(m.ClearReply(removed=self.ctx.storage.table.clear()))
+        try:
+            scope = ClearScope(call.body.scope)
+        except ValueError:
+            raise BadRequest(f"scope {call.body.scope!r} is not one of {[s.value for s in ClearScope]}") from None
+        result = self.ctx.storage.clear(scope)
+        return Reply(m.ClearReply(removed=result.l1_removed, tiers_removed=result.tiers_removed))
 
     def report_block_allocation(self, call: Call) -> Reply:
         body: m.ReportBlockAllocationRequest = call.body
@@ -117,8 +119,8 @@ class ManagementModule:
         for name, value in (("allocated_blocks", body.allocated_blocks), ("freed_blocks", body.freed_blocks)):
             if not 0 <= value <= MAX_BLOCK_REPORT:
                 raise BadRequest(f"{name}={value} is outside [0, {MAX_BLOCK_REPORT}]")
-        self.ctx.block_events["allocated"] += body.allocated_blocks
-        self.ctx.block_events["freed"] += body.freed_blocks
+        self.ctx.metrics.engine_blocks.labels("allocated").inc(body.allocated_blocks)
+        self.ctx.metrics.engine_blocks.labels("freed").inc(body.freed_blocks)
         return Reply(m.Ack())
 
     def client_gone(self, client: ClientId, why: str, exited: bool) -> None:
@@ -127,12 +129,12 @@ class ManagementModule:
         quarantined by the object table until the process is gone."""
         contexts = self.ctx.contexts.remove_owner(client)
         for c in contexts:
-            self.ctx.sessions.pop_context(c.id)
-        table = self.ctx.storage.table
-        released = table.release_owner(client, why, revoked=not exited)
+            self.ctx.sessions.end_context(c.id)  # their locks are the client's: released just below
+        storage = self.ctx.storage
+        released = storage.release_owner(client, why, revoked=not exited)
         if exited:
-            table.recheck_quarantine()  # what it held in quarantine is safe to reuse now
-        held = [q for q in table.quarantine() if q.owner == client]
+            storage.recheck_quarantine()  # what it held in quarantine is safe to reuse now
+        held = [q for q in storage.quarantine() if q.owner == client]
         rec = self.ctx.liveness.record(client)
         pid = rec.info.pid if rec is not None else 0
         if held:
@@ -144,11 +146,13 @@ class ManagementModule:
             log.info("client %s (pid %d) gone (%s): %d leases released, %d contexts dropped", client.hex()[:12], pid, why, released, len(contexts))
 
     def _drop_sessions(self, context_id: ContextId, owner: ClientId) -> None:
-        for session in self.ctx.sessions.pop_context(context_id):
-            self._release_quietly(session.lease_id, owner)
+        for lease in self.ctx.sessions.end_context(context_id):
+            self._release_quietly(lease, owner)
 
     def _release_quietly(self, lease_id, owner: ClientId) -> None:
+        if not lease_id:
+            return
         try:
-            self.ctx.storage.table.release_read(lease_id, owner)
+            self.ctx.storage.release(lease_id, owner)
         except KVDepotError:
             pass  # already expired or released

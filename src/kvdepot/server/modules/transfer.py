@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
-
 from kvdepot.errors import BadRequest, KVDepotError, LeaseRevoked
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
@@ -19,7 +17,7 @@ from kvdepot.server.modules.common import context_and_keys
 from kvdepot.server.rpc import Call, HandlerMode, HandlerSpec, Reply
 from kvdepot.server.state import Context
 from kvdepot.storage.l1 import ReadLock, Toucher
-from kvdepot.types import LeaseId, ObjectKey
+from kvdepot.types import LeaseId
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +25,7 @@ log = logging.getLogger(__name__)
 class TransferModule:
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
-        self.table = ctx.storage.table
-        self.arena = ctx.storage.arena
+        self.storage = ctx.storage
 
     def handlers(self) -> list[HandlerSpec]:
         R, S, B = m.RequestType, HandlerMode.SYNC, HandlerMode.BLOCKING
@@ -55,8 +52,7 @@ class TransferModule:
     def prepare_store(self, call: Call) -> Reply:
         context, keys = context_and_keys(self.ctx, call)
         self._require_watchable(call)
-        res = self.table.reserve_write(keys, context.chunk_bytes, call.client, call.body.cache_salt, toucher=Toucher.CLIENT)
-        self.ctx.storage.eviction.kick()
+        res = self.storage.reserve(keys, context.chunk_bytes, call.client, call.body.cache_salt, toucher=Toucher.CLIENT)
         return Reply(m.PrepareStoreReply(lease_id=res.lease_id, offsets=res.offsets, statuses=[int(s) for s in res.statuses]))
 
     def _context_for_finish(self, call: Call, finish) -> None:
@@ -74,11 +70,11 @@ class TransferModule:
     def commit_store(self, call: Call) -> Reply:
         body: m.CommitStoreRequest = call.body
         lease = LeaseId(body.lease_id)
-        self._context_for_finish(call, lambda: self.table.abort_write(lease, call.client))
+        self._context_for_finish(call, lambda: self.storage.abort(lease, call.client))
         if body.abort:
-            self.table.abort_write(lease, call.client)
+            self.storage.abort(lease, call.client)
             return Reply(m.CommitStoreReply(committed=0))
-        return Reply(m.CommitStoreReply(committed=self.table.commit_write(lease, call.client)))
+        return Reply(m.CommitStoreReply(committed=self.storage.commit(lease, call.client)))
 
     def store_inline(self, call: Call) -> Reply:
         body: m.StoreInlineRequest = call.body
@@ -90,21 +86,15 @@ class TransferModule:
         max_frame = self.ctx.config.rpc.max_frame_bytes
         per = codec.check_payload(call.payload, len(sent), size, context.rows, body.rows_per_frame, max_frame, call.request_id)
         # SERVER: this thread copies into the slots; if the lease ends meanwhile, they stay reserved.
-        res = self.table.reserve_write(sent, size, call.client, body.cache_salt, protect=keys[: body.first], toucher=Toucher.SERVER)
-        self.ctx.storage.eviction.kick()
+        res = self.storage.reserve(sent, size, call.client, body.cache_salt, protect=keys[: body.first], toucher=Toucher.SERVER)
         try:
             for i, (offset, status) in enumerate(zip(res.offsets, res.statuses)):
-                if status != m.SlotStatus.ALLOCATED:
-                    continue
-                pos = offset
-                for frame in call.payload[i * per : (i + 1) * per]:
-                    src = np.frombuffer(frame.buffer, dtype=np.uint8)
-                    self.arena.buffer[pos : pos + src.size] = src
-                    pos += src.size
+                if status == m.SlotStatus.ALLOCATED:
+                    self.storage.copy_into(offset, [f.buffer for f in call.payload[i * per : (i + 1) * per]])
         except BaseException:
-            self.table.abort_write(res.lease_id, call.client)
+            self.storage.abort(res.lease_id, call.client)
             raise
-        self.table.commit_write(res.lease_id, call.client)
+        self.storage.commit(res.lease_id, call.client)
         return Reply(m.StoreInlineReply(statuses=[int(s) for s in res.statuses]))
 
     # --- retrieve ------------------------------------------------------------------------------------
@@ -128,22 +118,17 @@ class TransferModule:
         if body.limit:
             keys = keys[: body.start + body.limit]
         if body.session_id:
-            session = self.ctx.sessions.get(context.id, body.session_id)
-            if session is not None and session.lease_id and _same_prefix(session.keys, keys, body.start):
-                lease = self.ctx.sessions.take_lease(session)  # the retrieve now owns the locks
+            lease = self.ctx.sessions.hand_over((context.id, body.session_id), keys, body.start)
+            if lease:  # the retrieve now owns the session's locks
                 try:
-                    offsets = self.table.read_lease_offsets(lease, call.client, body.start, toucher)[: len(keys) - body.start]
+                    offsets = self.storage.locked_offsets(lease, call.client, body.start, toucher)[: len(keys) - body.start]
                     if offsets:
                         return context, ReadLock(lease, offsets, context.chunk_bytes)
                     # The session freed the locks where this retrieve starts: lock afresh instead.
-                    self.table.release_read(lease, call.client)
+                    self.storage.release(lease, call.client)
                 except KVDepotError:
                     pass  # expired meanwhile: lock afresh below
-        return context, self.table.acquire_read(keys[body.start :], call.client, toucher=toucher)
-
-    def prepare_retrieve(self, call: Call) -> Reply:
-        _, lock = self._lock_for_retrieve(call, Toucher.CLIENT)
-        return Reply(m.PrepareRetrieveReply(lease_id=lock.lease_id, offsets=lock.offsets))
+        return context, self.storage.lock_prefix(keys[body.start :], call.client, toucher=toucher)
 
     def _count_short(self, call: Call, found: int) -> None:
         """A session's retrieve that found fewer chunks than it asked for: what its lookup promised was
@@ -151,15 +136,19 @@ class TransferModule:
         body = call.body
         asked = (body.limit or len(body.keys) - body.start) if body.session_id else 0
         if found < asked:
-            self.ctx.failures.add("short_retrieves")
+            self.ctx.metrics.request_failures.labels("short_retrieves").inc()
+
+    def prepare_retrieve(self, call: Call) -> Reply:
+        _, lock = self._lock_for_retrieve(call, Toucher.CLIENT)
+        return Reply(m.PrepareRetrieveReply(lease_id=lock.lease_id, offsets=lock.offsets))
 
     def commit_retrieve(self, call: Call) -> Reply:
         body: m.CommitRetrieveRequest = call.body
         lease = LeaseId(body.lease_id)
-        self._context_for_finish(call, lambda: self.table.release_read(lease, call.client))
+        self._context_for_finish(call, lambda: self.storage.release(lease, call.client))
         # A lease that ended while its reader could still read kept its pins, so that read was sound;
         # LeaseExpired here means the pins did go (the reader could not be watched): the reads were unsafe.
-        self.table.release_read(lease, call.client)
+        self.storage.release(lease, call.client)
         return Reply(m.Ack())
 
     def retrieve_inline(self, call: Call) -> Reply:
@@ -167,25 +156,20 @@ class TransferModule:
         context, lock = self._lock_for_retrieve(call, Toucher.SERVER)
         if not lock.offsets:
             if lock.lease_id:
-                self.table.release_read(lock.lease_id, call.client)
+                self.storage.release(lock.lease_id, call.client)
             return Reply(m.RetrieveInlineReply(found=0))
         size = context.chunk_bytes
         max_frame = self.ctx.config.rpc.max_frame_bytes
         rpf = codec.rows_per_frame_for(size, context.rows, max_frame)
         payload = []
         for offset in lock.offsets:
-            payload.extend(codec.split_object(self.arena.buffer[offset : offset + size], context.rows, rpf, max_frame))
+            payload.extend(codec.split_object(self.storage.payload(offset, size), context.rows, rpf, max_frame))
         owner, lease = call.client, lock.lease_id
 
         def release() -> None:  # once ZeroMQ no longer reads the arena
             try:
-                self.table.release_read(lease, owner)
+                self.storage.release(lease, owner)
             except KVDepotError:
                 pass
 
         return Reply(m.RetrieveInlineReply(found=len(lock.offsets), rows_per_frame=rpf), payload, on_sent=release)
-
-
-def _same_prefix(locked: list[ObjectKey], keys: list[ObjectKey], start: int) -> bool:
-    n = min(len(locked), len(keys))
-    return n > start and locked[start:n] == keys[start:n]

@@ -64,12 +64,13 @@ class TaskKind(Enum):
     LOOKUP = "lookup"
     LOAD = "load"
     UNLOCK = "unlock"
+    CLEAR = "clear"
 
 
 @dataclass(frozen=True, slots=True)
 class TaskResult:
     """``value`` per kind: STORE list[bool] (stored per key); LOOKUP int (leading keys present and
-    pinned); LOAD list[bool] (loaded and verified per key); UNLOCK None."""
+    pinned); LOAD list[bool] (loaded and verified per key); UNLOCK None; CLEAR int (objects removed)."""
 
     task_id: TaskId
     kind: TaskKind
@@ -109,6 +110,8 @@ class L2Adapter(Protocol):
     def submit_load(self, keys: Sequence[ObjectKey], dests: Sequence[memoryview]) -> TaskId: ...
 
     def submit_unlock(self, keys: Sequence[ObjectKey]) -> TaskId: ...
+
+    def submit_clear(self) -> TaskId: ...
 
     def completed(self) -> list[TaskResult]: ...
 
@@ -166,6 +169,10 @@ class BackendAdapter(ABC):
     def submit_unlock(self, keys: Sequence[ObjectKey]) -> TaskId:
         keys = list(keys)
         return self._submit(TaskKind.UNLOCK, lambda: self._unpin(keys), None, always=True)
+
+    def submit_clear(self) -> TaskId:
+        """Remove every object of this tier (its prefix or directory: never anything else)."""
+        return self._submit(TaskKind.CLEAR, self._clear_counted, 0)
 
     def completed(self) -> list[TaskResult]:
         if self._efd < 0:
@@ -249,6 +256,10 @@ class BackendAdapter(ABC):
     @abstractmethod
     def _delete(self, key: ObjectKey) -> None:
         """Remove one object (absent is fine)."""
+
+    @abstractmethod
+    def _clear(self) -> int:
+        """Remove every object of this tier; returns how many there were (as far as it can tell)."""
 
     def _usage(self) -> tuple[int, int, int]:
         """(used bytes, capacity bytes or 0, objects); backends override where they can tell."""
@@ -355,6 +366,11 @@ class BackendAdapter(ABC):
         if failure is not None:
             raise _PartlyDone(out, failure)
         return out
+
+    def _clear_counted(self) -> int:
+        n = self._clear()
+        log.info("L2 %s (%s) cleared: %d objects", self.name, self.kind, n)
+        return n
 
     def _lookup_and_pin(self, keys: list[ObjectKey]) -> int:
         # Pin first, then look: an object seen present can no longer be evicted before its load.

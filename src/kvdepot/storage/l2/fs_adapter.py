@@ -342,6 +342,13 @@ class FsAdapter(BackendAdapter):
                     self._used -= size
             _unlink_quiet(self._path(key))
 
+    def _clear(self) -> int:
+        with self._mu:
+            keys = list(self._index)
+        for key in keys:
+            self._delete(key)
+        return len(keys)
+
     def _usage(self) -> tuple[int, int, int]:
         with self._mu:
             return self._used, self._capacity, len(self._index)

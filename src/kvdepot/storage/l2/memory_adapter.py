@@ -88,6 +88,13 @@ class MemoryAdapter(BackendAdapter):
             if blob is not None:
                 self._used -= len(blob[0]) + len(blob[1])
 
+    def _clear(self) -> int:
+        with self._mu:
+            n = len(self._objects)
+            self._objects.clear()
+            self._used = 0
+            return n
+
     def _usage(self) -> tuple[int, int, int]:
         with self._mu:
             return self._used, self._capacity, len(self._objects)

@@ -190,6 +190,17 @@ class S3Adapter(BackendAdapter):
         self._ensure_bucket()
         self._client.delete_object(Bucket=self._config.bucket, Key=self.object_name(key))
 
+    def _clear(self) -> int:
+        """Every object under our prefix, listed and deleted a thousand at a time."""
+        self._ensure_bucket()
+        bucket, removed = self._config.bucket, 0
+        for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=self._config.prefix):
+            names = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if names:
+                self._client.delete_objects(Bucket=bucket, Delete={"Objects": names, "Quiet": True})
+                removed += len(names)
+        return removed
+
     def _usage(self) -> tuple[int, int, int]:
         """One listing page under the prefix: exact when the tier holds at most 1000 objects, else
         (0, 0, 0), unknown (S3 has no cheap count). Nothing is asked of a tier that is down."""

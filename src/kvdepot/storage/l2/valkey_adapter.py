@@ -214,6 +214,20 @@ class ValkeyAdapter(BackendAdapter):
     def _delete(self, key: ObjectKey) -> None:
         self._drop_object(key, b"")
 
+    def _clear(self) -> int:
+        """Every key under our prefix (manifests, parts and the counter) goes; another prefix's keys,
+        or the rest of the server's, are never touched."""
+        count = int(self._client.get(self._counter) or 0)
+        batch: list[bytes] = []
+        for name in self._client.scan_iter(match=_glob_escape(self._prefix) + b"*", count=1000):
+            batch.append(name)
+            if len(batch) >= 512:
+                self._client.unlink(*batch)
+                batch.clear()
+        if batch:
+            self._client.unlink(*batch)
+        return max(0, count)
+
     def _usage(self) -> tuple[int, int, int]:
         """(server used_memory, server maxmemory or 0, manifests under our prefix). Memory figures are
         the whole server's; the object count is a counter that misses TTL expiry and server-side
@@ -283,3 +297,13 @@ ADAPTER = AdapterType(
     ValkeyAdapter,
     help="Valkey/Redis server; objects above max_value_mib are split into parts behind a manifest",
 )
+
+
+def _glob_escape(prefix: bytes) -> bytes:
+    """``prefix`` for a SCAN MATCH pattern: its glob characters taken literally."""
+    out = bytearray()
+    for b in prefix:
+        if b in b"*?[]\\":
+            out += b"\\"
+        out.append(b)
+    return bytes(out)

@@ -1,0 +1,1 @@
+"""Metrics (and later events, logs and traces) in one place."""

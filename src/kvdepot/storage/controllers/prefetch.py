@@ -1,0 +1,209 @@
+"""``PrefetchController``: serves LOOKUP misses from the tiers.
+
+It asks the tiers for the missing chunks, reserves L1 slots, loads into them, and publishes only what
+loaded and verified. The session then reports the full hit and a retrieve reads from L1.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kvdepot.errors import IllegalTransition
+from kvdepot.shm import SharedArena
+from kvdepot.storage.controllers.owners import BACKGROUND_LEASE_TTL_S, PREFETCH_OWNER
+from kvdepot.storage.l1 import NO_LEASE, ObjectTable, Toucher
+from kvdepot.storage.l2.base import L2Adapter, TaskKind, TaskResult
+from kvdepot.types import LeaseId, ObjectKey, SlotStatus
+
+log = logging.getLogger(__name__)
+
+
+class PrefetchState(Enum):
+    LOOKUP = "lookup"
+    LOAD = "load"
+    DONE = "done"
+
+
+@dataclass
+class PrefetchJob:
+    """One LOOKUP's fetch of missing chunks ``keys[start:]`` from L2. ``on_done(loaded)`` gets how many
+    chunks from the first ``start`` on are now READY in L1 (a prefix). Tiers are asked in order; a tier
+    that holds part of what is missing supplies that part, and the next tier is asked for the rest::
+
+        LOOKUP(tier t) ──has none (or failed): next_tier──► LOOKUP(t+1)
+           │ has some: start_load                    ▲
+           ▼                                         │ supplied all it had, more missing: supplied
+         LOAD(t) ──loaded: supplied─────────────────┘
+           │                                     (a chunk failed, no tier left, or nothing missing)
+           └────────────────────────── finish ──► DONE
+
+    Each transition checks the state it leaves and raises IllegalTransition (changing nothing) when
+    called from another; only the driver thread moves a job."""
+
+    keys: list[ObjectKey]
+    start: int  # advances as tiers supply chunks
+    size: int
+    salt: str
+    on_done: Callable[[int], None]
+    state: PrefetchState = PrefetchState.LOOKUP
+    tier: int = 0
+    found: int = 0
+    loaded: int = 0  # chunks supplied so far, from the first start on
+    lease: LeaseId = NO_LEASE
+    load_keys: list[ObjectKey] = field(default_factory=list)
+
+    def _require(self, *states: PrefetchState) -> None:
+        if self.state not in states:
+            raise IllegalTransition(f"prefetch job is {self.state.value}, not {' or '.join(s.value for s in states)}")
+
+    def next_tier(self) -> None:
+        """The current tier had none of the missing chunks (or failed): ask the next one."""
+        self._require(PrefetchState.LOOKUP)
+        self.tier += 1
+
+    def start_load(self, lease: LeaseId, keys: list[ObjectKey], found: int) -> None:
+        """L1 slots are reserved under ``lease`` for ``keys``, of the ``found`` chunks the tier has."""
+        self._require(PrefetchState.LOOKUP)
+        self.state, self.lease, self.load_keys, self.found = PrefetchState.LOAD, lease, keys, found
+
+    def supplied(self, n: int, complete: bool) -> bool:
+        """``n`` more chunks are READY in L1; returns whether to ask the next tier for the rest (the
+        tier gave all it had and more is missing)."""
+        self._require(PrefetchState.LOOKUP, PrefetchState.LOAD)
+        self.state = PrefetchState.LOOKUP
+        self.loaded += n
+        self.start += n
+        if complete and self.start < len(self.keys):
+            self.tier += 1
+            return True
+        return False
+
+    def finish(self) -> int:
+        self._require(PrefetchState.LOOKUP, PrefetchState.LOAD)
+        self.state = PrefetchState.DONE
+        return self.loaded
+
+
+@dataclass
+class PrefetchStats:
+    jobs: int = 0
+    running: int = 0
+    lookups_hit: int = 0
+    chunks_loaded: int = 0
+    chunks_failed: int = 0
+
+
+class PrefetchController:
+    def __init__(self, table: ObjectTable, arena: SharedArena, tiers: Sequence[L2Adapter], wake: Callable[[], None]) -> None:
+        self._tiers = list(tiers)
+        self.wake = wake
+        self._table = table
+        self._arena = arena
+        self._lock = threading.Lock()
+        self._incoming: deque[PrefetchJob] = deque()
+        self._tasks: dict[tuple[int, int], PrefetchJob] = {}
+        self.stats = PrefetchStats()
+
+    def submit(self, job: PrefetchJob) -> None:
+        with self._lock:
+            self._incoming.append(job)
+            self.stats.jobs += 1
+            self.stats.running += 1
+        self.wake()
+
+    def snapshot(self) -> PrefetchStats:
+        with self._lock:
+            return PrefetchStats(**vars(self.stats))
+
+    def step(self, results: list[tuple[int, TaskResult]]) -> None:
+        with self._lock:
+            new = list(self._incoming)
+            self._incoming.clear()
+        for job in new:
+            self._ask(job)
+        for tier_index, result in results:
+            with self._lock:
+                job = self._tasks.pop((tier_index, result.task_id), None)
+            if job is None:
+                continue
+            if job.state is PrefetchState.LOOKUP and result.kind is TaskKind.LOOKUP:
+                self._after_lookup(job, result)
+            elif job.state is PrefetchState.LOAD and result.kind is TaskKind.LOAD:
+                self._after_load(job, result)
+
+    def _ask(self, job: PrefetchJob) -> None:
+        """Ask the job's current tier how many of the missing chunks it holds."""
+        if job.tier >= len(self._tiers) or job.start >= len(job.keys):
+            self._finish(job)
+            return
+        task = self._tiers[job.tier].submit_lookup_and_lock(job.keys[job.start :])
+        with self._lock:
+            self._tasks[(job.tier, task)] = job
+
+    def _after_lookup(self, job: PrefetchJob, result: TaskResult) -> None:
+        if not result.ok or result.value == 0:
+            job.next_tier()
+            self._ask(job)
+            return
+        wanted = job.keys[job.start : job.start + result.value]
+        res = self._table.reserve_write(
+            wanted, job.size, PREFETCH_OWNER, job.salt, ttl_s=BACKGROUND_LEASE_TTL_S, toucher=Toucher.SERVER
+        )
+        usable = 0
+        for status in res.statuses:
+            if status not in (SlotStatus.ALLOCATED, SlotStatus.EXISTS):
+                break
+            usable += 1
+        load_keys = [k for k, st in zip(wanted[:usable], res.statuses) if st == SlotStatus.ALLOCATED]
+        dests = [memoryview(self._arena.buffer[off : off + job.size]) for off, st in zip(res.offsets[:usable], res.statuses) if st == SlotStatus.ALLOCATED]
+        if not load_keys:  # all already in L1 (or none could get a slot)
+            self._table.finish_write(res.lease_id, PREFETCH_OWNER, set())
+            self._unlock(job, wanted)
+            self._advance(job, usable, complete=usable == len(wanted))
+            return
+        job.start_load(res.lease_id, load_keys, usable)
+        task = self._tiers[job.tier].submit_load(job.load_keys, dests)
+        with self._lock:
+            self._tasks[(job.tier, task)] = job
+            self.stats.lookups_hit += 1
+
+    def _after_load(self, job: PrefetchJob, result: TaskResult) -> None:
+        loaded = {k for k, ok in zip(job.load_keys, result.value) if ok}
+        published = self._table.finish_write(job.lease, PREFETCH_OWNER, loaded)
+        self._unlock(job, job.keys[job.start : job.start + job.found])
+        with self._lock:
+            self.stats.chunks_loaded += published
+            self.stats.chunks_failed += len(job.load_keys) - len(loaded)
+        # The usable prefix ends at the first chunk that is neither loaded nor already present.
+        prefix = 0
+        for key in job.keys[job.start : job.start + job.found]:
+            if key in job.load_keys and key not in loaded:
+                break
+            prefix += 1
+        self._advance(job, prefix, complete=prefix == job.found)
+
+    def _advance(self, job: PrefetchJob, supplied: int, complete: bool) -> None:
+        """``supplied`` more chunks are in L1. If the tier gave all it had, ask the next tier for the
+        rest; a chunk that failed to load ends the prefix here."""
+        if job.supplied(supplied, complete):
+            self._ask(job)
+        else:
+            self._finish(job)
+
+    def _unlock(self, job: PrefetchJob, keys: list[ObjectKey]) -> None:
+        if keys:
+            self._tiers[job.tier].submit_unlock(keys)
+
+    def _finish(self, job: PrefetchJob) -> None:
+        loaded = job.finish()
+        with self._lock:
+            self.stats.running -= 1
+        try:
+            job.on_done(loaded)
+        except Exception:
+            log.exception("prefetch completion callback failed")

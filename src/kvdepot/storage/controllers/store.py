@@ -1,0 +1,151 @@
+"""``StoreController``: pushes every object that becomes READY in L1 to the tiers (write-through).
+
+Its queue is bounded: when L2 cannot keep up, new objects are dropped from the push and counted, and
+L1 keeps serving. ``skip_l1`` placement removes an object from L1 once every tier has it. It learns of
+new objects from the object table's ``stored`` events, and never blocks the request path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from kvdepot.shm import SharedArena
+from kvdepot.storage.controllers.owners import BACKGROUND_LEASE_TTL_S, PREFETCH_OWNER, STORE_OWNER
+from kvdepot.storage.l1 import EventKind, ObjectEvent, ObjectTable
+from kvdepot.storage.l2.base import L2Adapter, TaskKind, TaskResult
+from kvdepot.types import LeaseId, ObjectKey
+
+log = logging.getLogger(__name__)
+
+class Placement(str, Enum):
+    WRITE_THROUGH = "write_through"  # in L1 and every tier
+    SKIP_L1 = "skip_l1"  # in every tier; dropped from L1 once they all have it
+
+
+@dataclass
+class _StoreBatch:
+    lease: LeaseId
+    keys: list[ObjectKey]
+    pending: int  # tiers that have not answered yet
+    stored_everywhere: list[bool]
+
+
+@dataclass
+class StoreStats:
+    queued: int = 0
+    in_flight: int = 0
+    submitted: int = 0
+    stored: int = 0
+    failed: int = 0
+    dropped: int = 0
+    skipped_gone: int = 0
+
+
+class StoreController:
+    def __init__(
+        self,
+        table: ObjectTable,
+        arena: SharedArena,
+        tiers: Sequence[L2Adapter],
+        wake: Callable[[], None],
+        placement: Placement = Placement.WRITE_THROUGH,
+        queue_limit: int = 65536,
+        batch_size: int = 16,
+        max_in_flight: int = 8,
+    ) -> None:
+        self._tiers = list(tiers)
+        self.wake = wake
+        self._table = table
+        self._arena = arena
+        self._placement = placement
+        self._queue: deque[ObjectKey] = deque()
+        self._queue_limit = queue_limit
+        self._batch = batch_size
+        self._max_in_flight = max_in_flight
+        self._lock = threading.Lock()
+        self._batches: dict[tuple[int, int], _StoreBatch] = {}  # (tier index, task id) -> batch
+        self._open = 0
+        self.stats = StoreStats()
+
+    def on_events(self, events: list[ObjectEvent]) -> None:
+        """ObjectTable subscriber (runs on a request thread): enqueue new objects, never wait. What the
+        prefetcher loaded from L2 is not pushed back: that would only repeat the bytes."""
+        keys = [e.key for e in events if e.kind is EventKind.STORED and e.writer != PREFETCH_OWNER]
+        if not keys:
+            return
+        with self._lock:
+            room = self._queue_limit - len(self._queue)
+            if room < len(keys):
+                self.stats.dropped += len(keys) - max(room, 0)
+                keys = keys[: max(room, 0)]
+            self._queue.extend(keys)
+        if keys:
+            self.wake()
+
+    def idle(self) -> bool:
+        """Nothing queued and nothing in flight (tests and the restart benchmark wait on this)."""
+        with self._lock:
+            return not self._queue and self._open == 0
+
+    def snapshot(self) -> StoreStats:
+        with self._lock:
+            self.stats.queued = len(self._queue)
+            self.stats.in_flight = self._open
+            return StoreStats(**vars(self.stats))
+
+    def step(self, results: list[tuple[int, TaskResult]]) -> None:
+        for tier_index, result in results:
+            self._complete(tier_index, result)
+        while True:
+            with self._lock:
+                if self._open >= self._max_in_flight or not self._queue:
+                    return
+                keys = [self._queue.popleft() for _ in range(min(self._batch, len(self._queue)))]
+                self._open += 1  # in flight from the moment it leaves the queue: idle() never lies
+            self._submit(keys)
+
+    def _submit(self, keys: list[ObjectKey]) -> None:
+        lease, objects = self._table.acquire_read_each(keys, STORE_OWNER, ttl_s=BACKGROUND_LEASE_TTL_S)
+        with self._lock:
+            self.stats.skipped_gone += len(keys) - len(objects)
+            if not objects:
+                self._open -= 1
+                return
+            self.stats.submitted += len(objects)
+        items = [(key, memoryview(self._arena.buffer[off : off + size])) for key, off, size in objects]
+        batch = _StoreBatch(lease, [k for k, _, _ in objects], len(self._tiers), [True] * len(objects))
+        for i, tier in enumerate(self._tiers):
+            task = tier.submit_store(items)
+            with self._lock:
+                self._batches[(i, task)] = batch
+
+    def _complete(self, tier_index: int, result: TaskResult) -> None:
+        if result.kind is not TaskKind.STORE:
+            return
+        with self._lock:
+            batch = self._batches.pop((tier_index, result.task_id), None)
+            if batch is None:
+                return
+            for i, ok in enumerate(result.value):
+                batch.stored_everywhere[i] &= bool(ok)
+            stored = sum(1 for ok in result.value if ok)
+            self.stats.stored += stored
+            self.stats.failed += len(result.value) - stored
+            batch.pending -= 1
+            finished = batch.pending == 0
+            if finished:
+                self._open -= 1
+        if not finished:
+            return
+        try:
+            self._table.release_read(batch.lease, STORE_OWNER)
+        except Exception:
+            pass  # expired: nothing left to release
+        if self._placement is Placement.SKIP_L1:
+            self._table.discard([k for k, ok in zip(batch.keys, batch.stored_everywhere) if ok])
+        self.wake()  # the in-flight slot is free: take more from the queue
