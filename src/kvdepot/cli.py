@@ -83,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("server", help="run the KV-cache server")  # each option's help states its default
-    add_server_args(s)
+    from kvdepot.storage.l2.registry import describe
+
+    add_server_args(s, tier_help=describe())
     s.set_defaults(func=cmd_server)
 
     st = sub.add_parser("status", help="print a running server's /status")

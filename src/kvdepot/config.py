@@ -1,33 +1,78 @@
-"""Configuration: one dataclass per part, each with its ``add_*_args`` / ``from_args`` pair.
+"""Configuration: one msgspec struct per part, the single source of every option.
 
-Defaults live here and nowhere else; ``kvdepot server --help`` shows every one of them.
+Each field carries its type, default, constraints (``Meta(ge=..., le=...)``) and help text. From them
+``add_config_args`` generates the ``kvdepot server`` flags and ``from_args`` builds the struct back, and
+every struct checks its constraints and cross-field rules when it is constructed, from the command line
+or in code alike: a bad value is a ``ConfigError`` naming the flag, never a server that starts and then
+refuses every client. This module reads no other part of kvdepot's (storage, the server and the CLI
+read it). Tier specs (``--l2``) are strings here; storage's registry parses and checks them.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
-from dataclasses import dataclass, field
+from typing import Annotated, Any, ClassVar, Literal
 
+import msgspec
+
+from kvdepot.errors import ConfigError
 from kvdepot.hashing import HashAlgorithm
-from kvdepot.protocol.codec import MAX_FRAME_BYTES
-from kvdepot.storage.eviction import POLICIES
 
 GiB = 1 << 30
 MIN_L1_GB = 1 / 1024  # 1 MiB: below that no real chunk fits
-MAX_L1_GB = 1 << 20
+MAX_L1_GB = float(1 << 20)
 MAX_CHUNK_TOKENS = 1 << 16  # the server refuses larger chunk sizes at registration too
+MAX_FRAME_MIB = 16
+EVICTION_POLICIES = ("lru", "isolated_lru", "noop")  # storage.eviction.POLICIES (a test keeps them equal)
+
+HashName = Literal["sha256", "blake3", "xxh3_128"]
+PolicyName = Literal["lru", "isolated_lru", "noop"]
 
 
-@dataclass(frozen=True)
-class RpcConfig:
-    host: str = "127.0.0.1"
-    port: int = 5555
-    ipc_path: str | None = None
-    workers: int = 4
-    max_frame_bytes: int = MAX_FRAME_BYTES
-    heartbeat_interval_s: float = 1.0
-    client_timeout_s: float = 10.0
+def option(description: str, **constraints: Any) -> msgspec.Meta:
+    """Field metadata: constraints, help text, and ``cli`` overrides (``flag``, ``action``)."""
+    cli = constraints.pop("cli", None)
+    return msgspec.Meta(description=description, extra={"cli": cli or {}}, **constraints)
+
+
+class ConfigStruct(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Checks its own constraints on construction (msgspec alone checks them only when converting).
+    Errors name the field as a flag (``--chunk-size``), or by its own name when ``_flag_prefix`` is
+    None (settings that arrive as a JSON object, like a connector's extra config)."""
+
+    _flag_prefix: ClassVar[str | None] = ""
+
+    def __post_init__(self) -> None:
+        for name, check in _checks(type(self)):
+            problem = check(getattr(self, name))
+            if problem:
+                raise ConfigError(f"{flag_of(type(self), name)} {problem}")
+        self._check_together()
+
+    def _check_together(self) -> None:
+        """Rules between fields (overridden)."""
+
+
+class RpcConfig(ConfigStruct, frozen=True, kw_only=True):
+    host: Annotated[str, option("address to bind; the endpoint is tcp://HOST:PORT", min_length=1)] = "127.0.0.1"
+    port: Annotated[int, option("TCP port; 0 turns TCP off", ge=0, le=65535)] = 5555
+    ipc_path: Annotated[str, option("also listen on ipc://IPC_PATH (empty: off)")] = ""
+    workers: Annotated[int, option("threads for BLOCKING handlers", ge=1, le=256)] = 4
+    max_frame_mib: Annotated[int, option("largest payload frame in MiB", ge=1, le=256)] = MAX_FRAME_MIB
+    heartbeat_interval_s: Annotated[float, option("how often idle clients ping", gt=0)] = 1.0
+    client_timeout_s: Annotated[float, option("a client silent this long is revoked and its leases end", gt=0)] = 10.0
+
+    def _check_together(self) -> None:
+        if self.port == 0 and not self.ipc_path:
+            raise ConfigError("no endpoint: give --port or --ipc-path")
+        if self.client_timeout_s <= self.heartbeat_interval_s:
+            raise ConfigError("--client-timeout-s must be longer than --heartbeat-interval-s")
+
+    @property
+    def max_frame_bytes(self) -> int:
+        return self.max_frame_mib << 20
 
     @property
     def endpoints(self) -> list[str]:
@@ -37,176 +82,194 @@ class RpcConfig:
         return eps
 
 
-@dataclass(frozen=True)
-class StorageConfig:
-    l1_size_gb: float = 2.0
-    chunk_size: int = 256
-    hash_algorithm: str = HashAlgorithm.SHA256.value
-    eviction_policy: str = "lru"
-    high_watermark: float = 0.95
-    low_watermark: float = 0.85
-    lease_ttl_s: float = 60.0
-    prefault: bool = True
-    shm_dir: str = "/dev/shm"
-    l2: tuple[str, ...] = ()  # tier specs, in lookup order (see storage/l2/registry.py)
-    l2_placement: str = "write_through"
-    l2_queue_limit: int = 65536
-    l1_over_memory: bool = False  # start even when L1 exceeds the machine's available memory
+class StorageConfig(ConfigStruct, frozen=True, kw_only=True):
+    l1_size_gb: Annotated[
+        float, option("shared-memory L1 size in GiB (reserved at start)", ge=MIN_L1_GB, le=MAX_L1_GB)
+    ] = 2.0
+    chunk_size: Annotated[int, option("tokens per chunk object", ge=1, le=MAX_CHUNK_TOKENS)] = 256
+    hash_algorithm: Annotated[HashName, option("chunk hash; xxh3_128 only for trusted deployments")] = "sha256"
+    eviction_policy: Annotated[PolicyName, option("L1 eviction policy")] = "lru"
+    high_watermark: Annotated[float, option("evict when L1 usage exceeds this fraction", gt=0, le=1)] = 0.95
+    low_watermark: Annotated[float, option("...down to this fraction", gt=0, le=1)] = 0.85
+    lease_ttl_s: Annotated[float, option("a lock nobody renews ends after this long", gt=0)] = 60.0
+    prefault: Annotated[bool, option("populate the arena in the background at start-up")] = True
+    shm_dir: Annotated[str, option("directory of the shared-memory arena", min_length=1)] = "/dev/shm"
+    l1_over_memory: Annotated[
+        bool, option("start even when --l1-size-gb exceeds the machine's available memory (the OS may then swap or kill processes)")
+    ] = False
+    l2: Annotated[
+        tuple[str, ...],
+        option("add an L2 tier, looked up in the order given: 'TYPE:key=value,...' or JSON '{\"type\": TYPE, ...}'", cli={"action": "append", "metavar": "SPEC"}),
+    ] = ()
+    l2_placement: Annotated[
+        Literal["write_through", "skip_l1"],
+        option("write_through keeps objects in L1 and every tier; skip_l1 drops them from L1 once every tier has them"),
+    ] = "write_through"
+    l2_queue_limit: Annotated[int, option("objects waiting for L2; beyond it new ones are not pushed (counted)", ge=1)] = 65536
+
+    def _check_together(self) -> None:
+        if self.low_watermark > self.high_watermark:
+            raise ConfigError("need --low-watermark <= --high-watermark")
 
     @property
     def l1_size_bytes(self) -> int:
         return int(self.l1_size_gb * GiB)
 
 
-@dataclass(frozen=True)
-class HttpConfig:
-    host: str = "127.0.0.1"
-    port: int = 8080  # 0 turns the HTTP API off
-    allowed_hosts: tuple[str, ...] = ()  # extra Host names the admin API answers to
+class HttpConfig(ConfigStruct, frozen=True, kw_only=True):
+    _flag_prefix: ClassVar[str | None] = "http-"
+
+    host: Annotated[str, option("address of the HTTP API", cli={"default": None, "shown": "same as --host"})] = "127.0.0.1"
+    port: Annotated[int, option("HTTP port; 0 turns HTTP off", ge=0, le=65535)] = 8080
+    allowed_hosts: Annotated[
+        tuple[str, ...],
+        option(
+            "comma-separated extra host names the HTTP API answers to (loopback names, the bound address and this "
+            "machine's names always work; others are refused against DNS rebinding)",
+            cli={"action": "comma"},
+        ),
+    ] = ()
 
 
-@dataclass(frozen=True)
-class ServerConfig:
-    rpc: RpcConfig = field(default_factory=RpcConfig)
-    storage: StorageConfig = field(default_factory=StorageConfig)
-    http: HttpConfig = field(default_factory=HttpConfig)
-    log_level: str = "info"
+class ServerConfig(ConfigStruct, frozen=True, kw_only=True):
+    rpc: RpcConfig = msgspec.field(default_factory=RpcConfig)
+    storage: StorageConfig = msgspec.field(default_factory=StorageConfig)
+    http: HttpConfig = msgspec.field(default_factory=HttpConfig)
+    log_level: Annotated[Literal["debug", "info", "warning", "error"], option("log level")] = "info"
 
 
-def add_rpc_args(p: argparse.ArgumentParser) -> None:
-    d = RpcConfig()
-    g = p.add_argument_group("RPC (ZeroMQ)")
-    g.add_argument("--host", default=d.host, help="address to bind; the endpoint is tcp://HOST:PORT (default: %(default)s)")
-    g.add_argument("--port", type=int, default=d.port, help="TCP port; 0 turns TCP off (default: %(default)s)")
-    g.add_argument("--ipc-path", default=d.ipc_path, help="also listen on ipc://IPC_PATH (default: off)")
-    g.add_argument("--workers", type=int, default=d.workers, help="threads for BLOCKING handlers (default: %(default)s)")
-    g.add_argument("--max-frame-mib", type=int, default=d.max_frame_bytes >> 20, help="largest payload frame in MiB (default: %(default)s)")
-    g.add_argument("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s, help="how often idle clients ping (default: %(default)s)")
-    g.add_argument("--client-timeout-s", type=float, default=d.client_timeout_s, help="a client silent this long is gone and its leases end (default: %(default)s)")
+# --- constraints ---------------------------------------------------------------------------------
 
 
-def rpc_from_args(a: argparse.Namespace) -> RpcConfig:
-    _finite(heartbeat_interval_s=a.heartbeat_interval_s, client_timeout_s=a.client_timeout_s)
-    if a.port == 0 and not a.ipc_path:
-        raise ValueError("no endpoint: give --port or --ipc-path")
-    if not 0 <= a.port <= 65535:
-        raise ValueError(f"--port {a.port} is not a TCP port")
-    if a.heartbeat_interval_s <= 0 or a.client_timeout_s <= 0:
-        raise ValueError("--heartbeat-interval-s and --client-timeout-s must be positive")
-    if a.client_timeout_s <= a.heartbeat_interval_s:
-        raise ValueError("--client-timeout-s must be longer than --heartbeat-interval-s")
-    if a.workers < 1:
-        raise ValueError("--workers must be at least 1")
-    if not 1 <= a.max_frame_mib <= 256:
-        raise ValueError("--max-frame-mib must be in [1, 256]")
-    return RpcConfig(
-        host=a.host,
-        port=a.port,
-        ipc_path=a.ipc_path,
-        workers=a.workers,
-        max_frame_bytes=a.max_frame_mib << 20,
-        heartbeat_interval_s=a.heartbeat_interval_s,
-        client_timeout_s=a.client_timeout_s,
-    )
+def flag_of(cls: type, name: str) -> str:
+    if cls._flag_prefix is None:
+        return name
+    return f"--{cls._flag_prefix}{name.replace('_', '-')}"
 
 
-def add_storage_args(p: argparse.ArgumentParser) -> None:
-    d = StorageConfig()
-    g = p.add_argument_group("storage (L1)")
-    g.add_argument("--l1-size-gb", type=float, default=d.l1_size_gb, help="shared-memory L1 size in GiB (default: %(default)s)")
-    g.add_argument("--chunk-size", type=int, default=d.chunk_size, help="tokens per chunk object (default: %(default)s)")
-    g.add_argument("--hash-algorithm", choices=[h.value for h in HashAlgorithm], default=d.hash_algorithm, help="chunk hash; xxh3_128 only for trusted deployments (default: %(default)s)")
-    g.add_argument("--eviction-policy", choices=sorted(POLICIES), default=d.eviction_policy, help="L1 eviction policy (default: %(default)s)")
-    g.add_argument("--high-watermark", type=float, default=d.high_watermark, help="evict when L1 usage exceeds this fraction (default: %(default)s)")
-    g.add_argument("--low-watermark", type=float, default=d.low_watermark, help="...down to this fraction (default: %(default)s)")
-    g.add_argument("--lease-ttl-s", type=float, default=d.lease_ttl_s, help="a lock not finished within this time ends (default: %(default)s)")
-    g.add_argument("--no-prefault", dest="prefault", action="store_false", help="do not populate the arena in the background at start-up")
-    g.add_argument("--l1-over-memory", action="store_true", help="start even when --l1-size-gb exceeds the machine's available memory (the OS may then swap or kill processes)")
-    g.add_argument("--shm-dir", default=d.shm_dir, help="directory of the shared-memory arena (default: %(default)s)")
-    g2 = p.add_argument_group("storage (L2 tiers)")
-    g2.add_argument(
-        "--l2",
-        action="append",
-        default=[],
-        metavar="SPEC",
-        help="add an L2 tier, looked up in the order given: 'TYPE:key=value,...' or JSON "
-        "'{\"type\": TYPE, ...}'. Types: " + _tier_help(),
-    )
-    g2.add_argument("--l2-placement", choices=["write_through", "skip_l1"], default=d.l2_placement, help="write_through keeps objects in L1 and every tier; skip_l1 drops them from L1 once every tier has them (default: %(default)s)")
-    g2.add_argument("--l2-queue-limit", type=int, default=d.l2_queue_limit, help="objects waiting for L2; beyond it new ones are not pushed (counted) (default: %(default)s)")
+@functools.cache
+def _checks(cls: type) -> list[tuple[str, Any]]:
+    """(field, check(value) -> problem or '') for every constrained field of ``cls``."""
+    out = []
+    for f in msgspec.inspect.type_info(cls).fields:
+        t = f.type.type if isinstance(f.type, msgspec.inspect.Metadata) else f.type
+        check = _check_for(t)
+        if check is not None:
+            out.append((f.name, check))
+    return out
 
 
-def _finite(**values: float) -> None:
-    for name, value in values.items():
-        if not math.isfinite(value):
-            raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+def _check_for(t: Any):
+    if isinstance(t, (msgspec.inspect.IntType, msgspec.inspect.FloatType)):
+        lo = t.ge if t.ge is not None else t.gt
+        hi = t.le if t.le is not None else t.lt
+        closed = ("[" if t.gt is None else "(", "]" if t.lt is None else ")")
+        is_float = isinstance(t, msgspec.inspect.FloatType)
+
+        def check_number(v: Any) -> str:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or (not is_float and not isinstance(v, int)):
+                return f"{v!r} is not {'a number' if is_float else 'an integer'}"
+            if is_float and not math.isfinite(v):
+                return f"{v} must be a finite number"
+            bad = (t.ge is not None and v < t.ge) or (t.gt is not None and v <= t.gt) or (t.le is not None and v > t.le) or (
+                t.lt is not None and v >= t.lt
+            )
+            if not bad:
+                return ""
+            if lo is not None and hi is not None:
+                return f"{v:g} is outside {closed[0]}{lo:g}, {hi:g}{closed[1]}"
+            return f"{v:g} must be {'>=' if t.ge is not None else '>' if t.gt is not None else '<=' if t.le is not None else '<'} {(lo if lo is not None else hi):g}"
+
+        return check_number
+    if isinstance(t, msgspec.inspect.StrType) and t.min_length:
+        return lambda v: "must not be empty" if isinstance(v, str) and len(v) < t.min_length else ""
+    if isinstance(t, msgspec.inspect.LiteralType):
+        return lambda v: "" if v in t.values else f"{v!r} is not one of {list(t.values)}"
+    return None
 
 
-def storage_from_args(a: argparse.Namespace) -> StorageConfig:
-    _finite(l1_size_gb=a.l1_size_gb, high_watermark=a.high_watermark, low_watermark=a.low_watermark, lease_ttl_s=a.lease_ttl_s)
-    if not MIN_L1_GB <= a.l1_size_gb <= MAX_L1_GB:
-        raise ValueError(f"--l1-size-gb {a.l1_size_gb:g} is outside [{MIN_L1_GB:g}, {MAX_L1_GB:g}] (GiB; 1 MiB at least)")
-    if not 0 < a.chunk_size <= MAX_CHUNK_TOKENS:
-        raise ValueError(f"--chunk-size {a.chunk_size} is outside [1, {MAX_CHUNK_TOKENS}] tokens")
-    if not 0 < a.low_watermark <= a.high_watermark <= 1:
-        raise ValueError("need 0 < --low-watermark <= --high-watermark <= 1")
-    if a.lease_ttl_s <= 0:
-        raise ValueError("--lease-ttl-s must be positive")
-    from kvdepot.storage.l2.registry import parse_spec
-
-    for i, spec in enumerate(a.l2):
-        parse_spec(spec, i)  # raises ValueError naming the bad key or value
-    if a.l2_queue_limit < 1:
-        raise ValueError("--l2-queue-limit must be positive")
-    return StorageConfig(
-        l2=tuple(a.l2),
-        l2_placement=a.l2_placement,
-        l2_queue_limit=a.l2_queue_limit,
-        l1_size_gb=a.l1_size_gb,
-        chunk_size=a.chunk_size,
-        hash_algorithm=a.hash_algorithm,
-        eviction_policy=a.eviction_policy,
-        high_watermark=a.high_watermark,
-        low_watermark=a.low_watermark,
-        lease_ttl_s=a.lease_ttl_s,
-        prefault=a.prefault,
-        shm_dir=a.shm_dir,
-        l1_over_memory=a.l1_over_memory,
-    )
+# --- the command line ----------------------------------------------------------------------------
 
 
-def _tier_help() -> str:
-    from kvdepot.storage.l2.registry import describe
+def add_config_args(parser: argparse.ArgumentParser, cls: type[ConfigStruct], title: str, extra_help: dict[str, str] | None = None) -> None:
+    """One flag per field of ``cls`` (nested structs are their own groups), help showing the default."""
+    group = parser.add_argument_group(title)
+    defaults = cls()
+    for f in msgspec.inspect.type_info(cls).fields:
+        meta = f.type if isinstance(f.type, msgspec.inspect.Metadata) else None
+        t = meta.type if meta is not None else f.type
+        if isinstance(t, msgspec.inspect.StructType):
+            continue
+        cli = (meta.extra or {}).get("cli", {}) if meta is not None else {}
+        doc = (meta.extra_json_schema or {}).get("description", "") if meta is not None else ""
+        doc += (extra_help or {}).get(f.name, "")
+        default = getattr(defaults, f.name)
+        flag = flag_of(cls, f.name)
+        dest = f"{cls.__name__}.{f.name}"
+        shown = cli.get("shown", "%(default)s")
+        if isinstance(t, msgspec.inspect.BoolType):
+            if default:  # on by default: the flag turns it off
+                group.add_argument(f"--no-{flag[2:]}", dest=dest, action="store_false", default=True, help=f"do not {doc}")
+            else:
+                group.add_argument(flag, dest=dest, action="store_true", default=False, help=doc)
+            continue
+        kw: dict[str, Any] = {"dest": dest, "default": cli.get("default", default), "metavar": f.name.upper()}
+        if default == "":
+            shown = "off"
+        if cli.get("action") == "append":
+            kw.update(action="append", default=[], metavar=cli.get("metavar"))
+            shown = "none"
+        elif cli.get("action") == "comma":
+            kw.update(type=_comma_list, default=())
+            shown = "none"
+        elif isinstance(t, msgspec.inspect.LiteralType):
+            kw["choices"] = list(t.values)
+            kw.pop("metavar")
+        elif isinstance(t, (msgspec.inspect.IntType, msgspec.inspect.FloatType)):
+            kw["type"] = int if isinstance(t, msgspec.inspect.IntType) else float
+        group.add_argument(flag, help=f"{doc} (default: {shown})", **kw)
 
-    return describe().replace("%", "%%")
+
+def _comma_list(text: str) -> tuple[str, ...]:
+    return tuple(h.strip() for h in text.split(",") if h.strip())
 
 
-def add_http_args(p: argparse.ArgumentParser) -> None:
-    d = HttpConfig()
-    g = p.add_argument_group("HTTP API")
-    g.add_argument("--http-host", default=None, help="address of the HTTP API (default: same as --host)")
-    g.add_argument("--http-port", type=int, default=d.port, help="HTTP port; 0 turns HTTP off (default: %(default)s)")
-    g.add_argument(
-        "--http-allowed-hosts",
-        default="",
-        help="comma-separated extra host names the HTTP API answers to (loopback names, the bound address and "
-        "this machine's names always work; others are refused against DNS rebinding) (default: none)",
-    )
+def _values_of(cls: type[ConfigStruct], args: argparse.Namespace) -> dict[str, Any]:
+    prefix = f"{cls.__name__}."
+    return {k[len(prefix) :]: v for k, v in vars(args).items() if k.startswith(prefix) and v is not None}
 
 
-def http_from_args(a: argparse.Namespace) -> HttpConfig:
-    if not 0 <= a.http_port <= 65535:
-        raise ValueError(f"--http-port {a.http_port} is not a TCP port")
-    allowed = tuple(h.strip() for h in a.http_allowed_hosts.split(",") if h.strip())
-    return HttpConfig(host=a.http_host or a.host, port=a.http_port, allowed_hosts=allowed)
-
-
-def add_server_args(p: argparse.ArgumentParser) -> None:
-    add_rpc_args(p)
-    add_storage_args(p)
-    add_http_args(p)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default: %(default)s)")
+def add_server_args(p: argparse.ArgumentParser, tier_help: str = "") -> None:
+    add_config_args(p, RpcConfig, "RPC (ZeroMQ)")
+    add_config_args(p, StorageConfig, "storage (L1 and L2 tiers)", {"l2": f". Types: {tier_help}".replace("%", "%%") if tier_help else ""})
+    add_config_args(p, HttpConfig, "HTTP API")
+    add_config_args(p, ServerConfig, "logging")
 
 
 def server_from_args(a: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(rpc=rpc_from_args(a), storage=storage_from_args(a), http=http_from_args(a), log_level=a.log_level)
+    """The ServerConfig the flags describe; ConfigError (a ValueError) naming the first bad flag."""
+    rpc = _build(RpcConfig, _values_of(RpcConfig, a))
+    http_values = _values_of(HttpConfig, a)
+    http_values.setdefault("host", rpc.host)  # --http-host defaults to --host
+    storage_values = _values_of(StorageConfig, a)
+    storage_values["l2"] = tuple(storage_values.get("l2", ()))
+    return _build(
+        ServerConfig,
+        {
+            "rpc": rpc,
+            "storage": _build(StorageConfig, storage_values),
+            "http": _build(HttpConfig, http_values),
+            **_values_of(ServerConfig, a),
+        },
+    )
+
+
+def _build(cls: type, values: dict[str, Any]):
+    try:
+        return cls(**values)
+    except TypeError as exc:  # a field's type (argparse converted it already, so only in code)
+        raise ConfigError(f"{cls.__name__}: {exc}") from None
+
+
+def hash_algorithm(config: StorageConfig) -> HashAlgorithm:
+    return HashAlgorithm(config.hash_algorithm)

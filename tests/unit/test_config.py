@@ -1,15 +1,28 @@
-"""`kvdepot server` arguments: defaults equal the dataclass defaults, bad values raise ValueError."""
+"""`kvdepot server` arguments: the flags are generated from the config structs, their defaults are the
+structs' defaults, and a bad value raises ValueError (ConfigError) naming the flag, on the command line
+and in code alike."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 
+import msgspec
 import pytest
 
 from kvdepot.cli import build_parser
-from kvdepot.config import GiB, HttpConfig, RpcConfig, ServerConfig, StorageConfig, server_from_args
+from kvdepot.config import (
+    EVICTION_POLICIES,
+    GiB,
+    ConfigError,
+    HttpConfig,
+    RpcConfig,
+    ServerConfig,
+    StorageConfig,
+    server_from_args,
+)
+from kvdepot.hashing import HashAlgorithm
 from kvdepot.protocol.codec import MAX_FRAME_BYTES
+from kvdepot.storage.eviction import POLICIES
 
 
 def parse(*argv: str):
@@ -38,7 +51,7 @@ def test_every_flag_reaches_its_field():
         )
     )
     assert config == ServerConfig(
-        rpc=RpcConfig(host="0.0.0.0", port=6000, ipc_path="/tmp/kv.sock", workers=2, max_frame_bytes=4 << 20,
+        rpc=RpcConfig(host="0.0.0.0", port=6000, ipc_path="/tmp/kv.sock", workers=2, max_frame_mib=4,
                       heartbeat_interval_s=0.5, client_timeout_s=3.0),
         storage=StorageConfig(l1_size_gb=0.5, chunk_size=64, hash_algorithm="blake3", eviction_policy="noop",
                               high_watermark=0.9, low_watermark=0.5, lease_ttl_s=30.0, prefault=False, shm_dir="/tmp"),
@@ -46,7 +59,44 @@ def test_every_flag_reaches_its_field():
         log_level="debug",
     )
     assert config.storage.l1_size_bytes == GiB // 2
+    assert config.rpc.max_frame_bytes == 4 << 20
     assert config.rpc.endpoints == ["tcp://0.0.0.0:6000", "ipc:///tmp/kv.sock"]
+
+
+def test_repeatable_and_list_flags():
+    config = server_from_args(
+        parse("--l2", "memory:size_gb=1", "--l2", "fs:path=/x", "--l1-over-memory", "--http-allowed-hosts", "a.example, b", "--l2-placement", "skip_l1")
+    )
+    assert config.storage.l2 == ("memory:size_gb=1", "fs:path=/x")
+    assert config.storage.l1_over_memory and config.storage.l2_placement == "skip_l1"
+    assert config.http.allowed_hosts == ("a.example", "b")
+
+
+def choices(cls, name: str) -> set[str]:
+    [field] = [f for f in msgspec.inspect.type_info(cls).fields if f.name == name]
+    return set(field.type.type.values)
+
+
+def test_the_choices_are_the_ones_the_parts_know():
+    assert set(EVICTION_POLICIES) == set(POLICIES) == choices(StorageConfig, "eviction_policy")
+    assert {h.value for h in HashAlgorithm} == choices(StorageConfig, "hash_algorithm")
+
+
+@pytest.mark.parametrize(
+    "make, flag",
+    [
+        (lambda: StorageConfig(chunk_size=0), "--chunk-size"),
+        (lambda: StorageConfig(l1_size_gb=float("nan")), "--l1-size-gb"),
+        (lambda: StorageConfig(eviction_policy="fifo"), "--eviction-policy"),
+        (lambda: StorageConfig(low_watermark=0.9, high_watermark=0.5), "--low-watermark"),
+        (lambda: RpcConfig(workers=True), "--workers"),
+        (lambda: RpcConfig(port=0), "--port"),
+        (lambda: HttpConfig(port=-1), "--http-port"),
+    ],
+)
+def test_a_config_built_in_code_is_checked_too(make, flag):
+    with pytest.raises(ConfigError, match=flag):
+        make()
 
 
 def test_http_host_defaults_to_the_rpc_host():
@@ -112,11 +162,11 @@ def test_choices_and_types_are_enforced_by_the_parser(argv):
 def test_server_command_rejects_bad_config_with_exit_code_2(capsys):
     args = parse("--chunk-size", "0")
     assert args.func(args) == 2
-    assert "kvdepot server: --chunk-size 0 is outside [1, 65536] tokens" in capsys.readouterr().err
+    assert "kvdepot server: --chunk-size 0 is outside [1, 65536]" in capsys.readouterr().err
 
 
-def test_config_dataclasses_are_frozen():
-    with pytest.raises(dataclasses.FrozenInstanceError):
+def test_configs_are_frozen():
+    with pytest.raises(AttributeError):
         StorageConfig().chunk_size = 1  # type: ignore[misc]
 
 

@@ -1,5 +1,6 @@
-"""What every engine connector needs around a KVClient: telling a transport failure from a request's
-own problem, a circuit breaker per direction, and counting both in the log.
+"""What every engine connector needs around a KVClient: its settings, telling a transport failure from a
+request's own problem, a circuit breaker per direction, counting both in the log, and one resilient
+client (connected on first need, checked, switched off for a while after a transport failure).
 
 Failure classes:
 
@@ -16,8 +17,57 @@ import logging
 import threading
 import time
 from collections import Counter
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
+import msgspec
+
+from kvdepot.client.client import KVClient, check_url
+from kvdepot.config import MAX_CHUNK_TOKENS, ConfigError, ConfigStruct, option
 from kvdepot.errors import ErrorCode, KVDepotError
+from kvdepot.layout import KVLayout
+
+S = TypeVar("S", bound="ClientSettings")
+
+
+class ClientSettings(ConfigStruct, frozen=True, kw_only=True):
+    """The settings every connector has, from its engine's extra-config JSON (unknown keys are an error;
+    errors name the key)."""
+
+    _flag_prefix: ClassVar[str | None] = None  # keys, not flags
+
+    url: Annotated[str, option("the kvdepot server's ZeroMQ endpoint (tcp://HOST:PORT or ipc://PATH)")] = "tcp://127.0.0.1:5555"
+    model_name: Annotated[
+        str, option("the model part of every key; empty: the engine's model. Engines share chunks only when they agree on it")
+    ] = ""
+    chunk_size: Annotated[
+        int, option("tokens per chunk, a multiple of the engine's block size; 0: 256 rounded up to one", ge=0, le=MAX_CHUNK_TOKENS)
+    ] = 0
+    transport: Annotated[Literal["auto", "shm", "inline"], option("shm (same host, one copy), inline, or auto")] = "auto"
+    timeout_s: Annotated[float, option("deadline of one request to the server", gt=0)] = 5.0
+    retry_after_s: Annotated[
+        float, option("after a transport failure, how long the failing direction leaves the server alone", ge=0)
+    ] = 5.0
+
+    def _check_together(self) -> None:
+        try:
+            check_url(self.url)
+        except ValueError as exc:
+            raise ConfigError(f"url: {exc}") from None
+
+    @classmethod
+    def from_extra(cls: type[S], extra: dict[str, Any] | None, what: str = "kvdepot connector option") -> S:
+        """Settings from a JSON object: strings such as "true" or "256" are converted; unknown keys
+        and bad values raise ValueError naming the key."""
+        try:
+            return msgspec.convert(dict(extra or {}), cls, strict=False)
+        except msgspec.ValidationError as exc:
+            text = str(exc)
+            known = sorted(f.name for f in msgspec.structs.fields(cls))
+            if text.startswith("Object contains unknown field"):
+                name = text.split("`")[1]
+                raise ValueError(f"unknown {what}(s) [{name!r}]; known: {known}") from None
+            head, sep, where = text.rpartition(" - at `$.")
+            raise ValueError(f"{what} {where.rstrip('`')}: {head}" if sep else f"{what}: {text}") from None
 
 TRANSPORT_CODES = frozenset(
     {ErrorCode.TIMEOUT, ErrorCode.DEADLINE_EXCEEDED, ErrorCode.CONNECTION, ErrorCode.SHUTTING_DOWN, ErrorCode.VERSION_MISMATCH}
@@ -99,3 +149,82 @@ class FailureTally:
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return {f"{d}/{c}": n for (d, c), n in self.counts.items()}
+
+
+class ResilientClient:
+    """A KVClient for one engine process (or one TP rank of it), connected on first need rather than in
+    the engine's constructor (which may run before it forks), with the chunk size checked, and switched
+    off per direction for ``retry_after_s`` after a transport failure. Several (one per rank) may share
+    one breaker and one tally."""
+
+    def __init__(
+        self,
+        settings: ClientSettings,
+        model: str,
+        layout: KVLayout,
+        chunk_size: int,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        transport: str | None = None,
+        connect_timeout_s: float = 1.0,
+        breaker: CircuitBreaker | None = None,
+        tally: FailureTally | None = None,
+        **client_options: Any,
+    ) -> None:
+        self.settings = settings
+        self.model = model
+        self.layout = layout
+        self.chunk_size = chunk_size
+        self.rank = rank
+        self.world_size = world_size
+        self.transport = transport or settings.transport
+        self.connect_timeout_s = min(settings.timeout_s, connect_timeout_s)  # a missing server stalls no step for long
+        self.breaker = breaker or CircuitBreaker(settings.retry_after_s)
+        self.tally = tally or FailureTally(logging.getLogger(__name__), "kvdepot")
+        self._options = client_options
+        self.client: KVClient | None = None
+
+    def __repr__(self) -> str:
+        return f"ResilientClient({self.settings.url}, rank={self.rank}/{self.world_size}, {self.client!r}, {self.breaker!r})"
+
+    def get(self, direction: str) -> KVClient | None:
+        """The client, or None while ``direction`` (or connecting) is switched off."""
+        if not self.breaker.allows(direction) or not self.breaker.allows("connect"):
+            return None
+        if self.client is None:
+            self.client = self._connect()
+        return self.client
+
+    def _connect(self) -> KVClient | None:
+        try:
+            client = KVClient(
+                self.settings.url,
+                self.model,
+                self.layout,
+                rank=self.rank,
+                world_size=self.world_size,
+                transport=self.transport,
+                timeout_s=self.settings.timeout_s,
+                connect_timeout_s=self.connect_timeout_s,
+                chunk_size=self.chunk_size,
+                **self._options,
+            )
+        except KVDepotError as exc:
+            self.failed("connect", exc, f"connecting to {self.settings.url}")
+            return None
+        if client.chunk_size != self.chunk_size:
+            client.close()
+            raise ValueError(f"kvdepot registered chunk_size {client.chunk_size}, asked for {self.chunk_size}")
+        return client
+
+    def failed(self, direction: str, exc: BaseException, what: str) -> str:
+        """Count the failure; a transport failure also switches ``direction`` off for a while."""
+        if is_transport_failure(exc):
+            self.breaker.trip(direction)
+        return self.tally.add(direction, exc, what, self.settings.retry_after_s)
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import threading
 
 from kvdepot import __version__
@@ -28,7 +29,8 @@ log = logging.getLogger(__name__)
 class KVDepotServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.storage = StorageManager(config.storage, holder_alive=self._holder_alive)
+        node = f"{socket.gethostname()}:{config.rpc.port or config.rpc.ipc_path}"
+        self.storage = StorageManager(config.storage, holder_alive=self._holder_alive, node=node)
         liveness = LivenessTracker(config.rpc.client_timeout_s, lock_held=self.storage.lock_held)
         self.ctx = ServerContext(config, self.storage, liveness)
         self.ctx.metrics.watch_storage(self.storage.snapshot)

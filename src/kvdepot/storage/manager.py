@@ -45,7 +45,7 @@ from kvdepot.storage.l1 import (
     Toucher,
 )
 from kvdepot.storage.l2 import registry
-from kvdepot.storage.l2.base import TaskKind, TaskResult
+from kvdepot.storage.l2.base import TaskKind, TaskResult, TierServices
 from kvdepot.types import ClientId, LeaseId, ObjectKey
 
 log = logging.getLogger(__name__)
@@ -118,18 +118,25 @@ class QuotaControl:
 
 
 class StorageManager:
-    def __init__(self, config: StorageConfig, holder_alive: HolderAlive | None = None) -> None:
+    def __init__(self, config: StorageConfig, holder_alive: HolderAlive | None = None, node: str = "") -> None:
         """``holder_alive(client)``: may that client's process still touch arena memory it was given?
-        (the server's liveness tracker answers; without one, every client is assumed to run)."""
+        (the server's liveness tracker answers; without one, every client is assumed to run).
+        ``node``: this server's identity, for tiers that talk to peers."""
         self.config = config
-        # Tiers first: a tier that cannot be built must fail before the arena (real memory) exists.
-        self._tiers = [registry.build(registry.parse_spec(spec, i)) for i, spec in enumerate(config.l2)]
+        # Specs first: a bad one must fail before the arena (real memory) exists.
+        specs = [registry.parse_spec(spec, i) for i, spec in enumerate(config.l2)]
         self._arena = SharedArena.create(
             config.l1_size_bytes + HEADER_BYTES, shm_dir=config.shm_dir, allow_over_memory=config.l1_over_memory
         )
         allocator = ExtentAllocator(config.l1_size_bytes, alignment=ALIGNMENT, base=HEADER_BYTES)
         extra = {} if holder_alive is None else {"holder_alive": holder_alive}
         self._table = ObjectTable(allocator, make_policy(config.eviction_policy), lease_ttl_s=config.lease_ttl_s, **extra)
+        services = TierServices(node=node, arena=self._arena, subscribe=self._table.subscribe)
+        try:
+            self._tiers = [registry.build(spec, services) for spec in specs]
+        except BaseException:
+            self._arena.close()
+            raise
         self._eviction = EvictionController(self._table, config.high_watermark, config.low_watermark)
         self._prefaulter = Prefaulter(self._arena) if config.prefault else None
         self._driver: TierDriver | None = None

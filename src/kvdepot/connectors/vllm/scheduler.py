@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvdepot.client.client import KVClient
-from kvdepot.connectors.common import CircuitBreaker, FailureTally, is_transport_failure
+from kvdepot.connectors.common import CircuitBreaker, FailureTally, ResilientClient, is_transport_failure
 from kvdepot.connectors.vllm.config import ConnectorConfig
 from kvdepot.connectors.vllm.metadata import KVDepotConnectorMetadata, KVDepotWorkerMetadata, LoadOp, SaveOp
 from kvdepot.errors import KVDepotError
@@ -94,65 +94,53 @@ class RequestState:
 
 
 class ClientPool:
-    """One KVClient per KV rank, created on first use (not in vLLM's constructor, which may run
-    before the engine forks). A transport failure opens the lookup breaker for ``retry_after_s``
-    (the server may still hold locks for us meanwhile; their TTL ends them)."""
+    """One client per KV rank (``ResilientClient``s sharing one breaker and one tally): created on
+    first use, and switched off for ``retry_after_s`` after a transport failure (the server may still
+    hold locks for us meanwhile; their TTL ends them)."""
 
     def __init__(self, config: ConnectorConfig, model: str, layout: KVLayout, world_size: int, chunk_size: int, sessions) -> None:
-        self.config = config
-        self.model = model
-        self.layout = layout
-        self.world_size = world_size
-        self.chunk_size = chunk_size
         self.breaker = CircuitBreaker(config.retry_after_s)
         self.tally = FailureTally(log, "kvdepot scheduler")
+        self.ranks = [
+            ResilientClient(
+                config,
+                model,
+                layout,
+                chunk_size,
+                rank=rank,
+                world_size=world_size,
+                transport="inline",  # the scheduler moves no KV: no need to map the arena
+                connect_timeout_s=CONNECT_TIMEOUT_S,
+                breaker=self.breaker,
+                tally=self.tally,
+                prefault=False,
+                tune_malloc=False,
+            )
+            for rank in range(world_size)
+        ]
         self._sessions = sessions  # () -> the session ids this scheduler still holds
-        self._clients: list[KVClient] | None = None
+        self._logged = False
 
     def get(self) -> list[KVClient] | None:
-        if not self.breaker.allows("lookup"):
-            return None
-        if self._clients is not None:
-            return self._clients
-        clients: list[KVClient] = []
-        try:
-            for rank in range(self.world_size):
-                client = KVClient(
-                    self.config.url,
-                    self.model,
-                    self.layout,
-                    rank=rank,
-                    world_size=self.world_size,
-                    transport="inline",  # the scheduler moves no KV: no need to map the arena
-                    timeout_s=self.config.timeout_s,
-                    connect_timeout_s=min(self.config.timeout_s, CONNECT_TIMEOUT_S),  # a server that is not there stalls no step for long
-                    chunk_size=self.chunk_size,
-                    prefault=False,
-                    tune_malloc=False,
-                )
-                client.renew_sessions = self._sessions  # its heartbeat renews the locks of held requests
-                clients.append(client)
-        except KVDepotError as exc:
-            for c in clients:
-                c.close()
-            self.failed(exc, "connecting")
-            return None
-        if clients[0].chunk_size != self.chunk_size:
-            raise ValueError(f"kvdepot registered chunk_size {clients[0].chunk_size}, asked for {self.chunk_size}")
-        self._clients = clients
-        log.info("kvdepot scheduler: %d context(s) on %s, chunk_size %d", len(clients), self.config.url, self.chunk_size)
+        clients = []
+        for r in self.ranks:
+            client = r.get("lookup")
+            if client is None:
+                return None
+            client.renew_sessions = self._sessions  # its heartbeat renews the locks of held requests
+            clients.append(client)
+        if not self._logged:
+            self._logged = True
+            log.info("kvdepot scheduler: %d context(s) on %s, chunk_size %d", len(clients), self.ranks[0].settings.url, self.ranks[0].chunk_size)
         return clients
 
     def failed(self, exc: Exception, what: str) -> None:
         """Count the failure; a transport failure also stops lookups for ``retry_after_s``."""
-        if is_transport_failure(exc):
-            self.breaker.trip("lookup")
-        self.tally.add("lookup", exc, what, self.config.retry_after_s)
+        self.ranks[0].failed("lookup", exc, what)
 
     def close(self) -> None:
-        for c in self._clients or ():
-            c.close()
-        self._clients = None
+        for r in self.ranks:
+            r.close()
 
 
 class SchedulerSide:

@@ -37,7 +37,7 @@ from contextlib import ExitStack, contextmanager
 import numpy as np
 
 from kvdepot.client.client import KVClient
-from kvdepot.connectors.common import CircuitBreaker, FailureTally, is_transport_failure
+from kvdepot.connectors.common import CircuitBreaker, FailureTally, ResilientClient
 from kvdepot.connectors.vllm.config import ConnectorConfig
 from kvdepot.connectors.vllm.metadata import KVDepotConnectorMetadata, KVDepotWorkerMetadata, LoadOp, SaveOp
 from kvdepot.connectors.vllm.paged_layout import PagedKV, make_layout, probe_cpu_layout
@@ -57,7 +57,7 @@ class WorkerSide:
         self.cache_dtype = cache_dtype
         self.kv_rank = kv_rank
         self.kv_world = kv_world
-        self.client: KVClient | None = None
+        self._resilient: ResilientClient | None = None
         self.paged: PagedKV | None = None
         self._layout = None
         self._model_id = model
@@ -94,37 +94,23 @@ class WorkerSide:
         self.layer_index = {n: i for i, n in enumerate(names)}
         self._layout = make_layout(len(names), heads, head_size, first.dtype)
         self._model_id = self.model + fmt.model_suffix
+        self._resilient = ResilientClient(
+            self.config,
+            self._model_id,
+            self._layout,
+            self.chunk_size,
+            rank=self.kv_rank,
+            world_size=self.kv_world,
+            breaker=self.breaker,
+            tally=self.tally,
+        )
         self._connect()
         log.info("kvdepot worker: %r", self)
 
     def _connect(self) -> KVClient | None:
-        """The client, connected on first need; None for ``retry_after_s`` after a failed attempt
-        (the engine runs uncached meanwhile rather than not at all)."""
-        if self.client is not None:
-            return self.client
-        if not self.breaker.allows("connect"):
-            return None
-        try:
-            client = KVClient(
-                self.config.url,
-                self._model_id,
-                self._layout,
-                rank=self.kv_rank,
-                world_size=self.kv_world,
-                transport=self.config.transport,
-                timeout_s=self.config.timeout_s,
-                connect_timeout_s=min(self.config.timeout_s, 1.0),
-                chunk_size=self.chunk_size,
-            )
-        except KVDepotError as exc:
-            self.breaker.trip("connect")
-            self.tally.add("connect", exc, f"connecting to {self.config.url}", self.config.retry_after_s)
-            return None
-        if client.chunk_size != self.chunk_size:
-            client.close()
-            raise ValueError(f"kvdepot registered chunk_size {client.chunk_size}, asked for {self.chunk_size}")
-        self.client = client
-        return client
+        """The client, connected on first need; None while connecting is switched off after a failed
+        attempt (the engine runs uncached meanwhile rather than not at all)."""
+        return self._resilient.get("connect") if self._resilient is not None else None
 
     def shutdown(self) -> None:
         if self._async_queue is not None:
@@ -133,9 +119,12 @@ class WorkerSide:
                 self._async_thread.join(timeout=10)
         if self._layerwise is not None:
             self._layerwise.join()
-        if self.client is not None:
-            self.client.close()
-            self.client = None
+        if self._resilient is not None:
+            self._resilient.close()
+
+    @property
+    def client(self) -> KVClient | None:
+        return self._resilient.client if self._resilient is not None else None
 
     # --- loads ---------------------------------------------------------------------------------------
 
@@ -206,9 +195,8 @@ class WorkerSide:
 
     def _failed(self, direction: str, exc: Exception, what: str) -> None:
         """Count it; a transport failure also stops this direction for ``retry_after_s``."""
-        if is_transport_failure(exc):
-            self.breaker.trip(direction)
-        self.tally.add(direction, exc, what, self.config.retry_after_s)
+        assert self._resilient is not None
+        self._resilient.failed(direction, exc, what)
 
     def _report_missing(self, op: LoadOp, found: int) -> None:
         first_block = max(found * self.blocks_per_chunk, op.skip_blocks)

@@ -22,7 +22,6 @@ import itertools
 import logging
 import os
 import threading
-import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -35,6 +34,7 @@ from typing import Any, Protocol
 import msgspec
 
 from kvdepot.storage.l2.envelope import CorruptObject, DestinationMismatch, RejectedObject
+from kvdepot.storage.l2.health import TierHealth
 from kvdepot.types import ObjectKey
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,17 @@ class L2Usage:
     last_error: str
 
 
+@dataclass(frozen=True)
+class TierServices:
+    """What the composition root gives every tier besides its own config: the node it runs in (for
+    tiers that talk to peers), the L1 arena (for tiers that read or write it directly) and L1's
+    stored/removed events (for tiers that publish what L1 holds). Tiers use what they need."""
+
+    node: str = ""
+    arena: Any = None
+    subscribe: Callable[[Callable[[list], None]], None] | None = None
+
+
 class L2Adapter(Protocol):
     name: str
     kind: str
@@ -125,8 +136,9 @@ class BackendAdapter(ABC):
 
     kind = "abstract"
 
-    def __init__(self, name: str, workers: int = 2, retry_interval_s: float = 2.0) -> None:
+    def __init__(self, name: str, workers: int = 2, retry_interval_s: float = 2.0, services: TierServices | None = None) -> None:
         self.name = name
+        self.services = services or TierServices()
         self._workers = workers
         self._retry = retry_interval_s
         self._ids = itertools.count(1)
@@ -134,16 +146,14 @@ class BackendAdapter(ABC):
         self._done: deque[TaskResult] = deque()
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._pool: ThreadPoolExecutor | None = None
-        self._healthy = True
-        self._down_since = 0.0
-        self._last_error = ""
+        self._health = TierHealth(retry_interval_s)
         self._stats = {"stored": 0, "loaded": 0, "corrupt": 0, "failures": 0}
         self._pins: dict[ObjectKey, int] = {}
         self._usage_cache: tuple[int, int, int] = (0, 0, 0)
         self._usage_future: Future | None = None
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r}, healthy={self._healthy})"
+        return f"{type(self).__name__}({self.name!r}, {self._health!r})"
 
     # --- the contract --------------------------------------------------------------------------------
 
@@ -196,7 +206,7 @@ class BackendAdapter(ABC):
         return L2Usage(
             self.name,
             self.kind,
-            self._healthy,
+            self._health.healthy,
             used,
             capacity,
             objects,
@@ -204,7 +214,7 @@ class BackendAdapter(ABC):
             stats["loaded"],
             stats["corrupt"],
             stats["failures"],
-            self._last_error,
+            self._health.last_error,
         )
 
     def _current_usage(self) -> tuple[int, int, int]:
@@ -285,8 +295,8 @@ class BackendAdapter(ABC):
         task_id = next(self._ids)
         if self._pool is None:
             raise RuntimeError(f"L2 adapter {self.name} is not started")
-        if not always and not self._may_try():
-            self._finish(TaskResult(task_id, kind, miss, ok=False, error=f"{self.name} is down: {self._last_error}"))
+        if not always and not self._health.admit():
+            self._finish(TaskResult(task_id, kind, miss, ok=False, error=f"{self.name} is down: {self._health.last_error}"))
             return task_id
         self._pool.submit(self._run, task_id, kind, work, miss)
         return task_id
@@ -318,26 +328,20 @@ class BackendAdapter(ABC):
         except OSError:
             pass  # closed during shutdown
 
-    def _may_try(self) -> bool:
-        if self._healthy:
-            return True
-        if time.monotonic() - self._down_since >= self._retry:
-            self._down_since = time.monotonic()  # one probe per interval
-            return True
-        return False
-
     def _mark_down(self, exc: Exception) -> None:
         self._count("failures")
-        self._last_error = f"{type(exc).__name__}: {exc}"
-        if self._healthy:
-            log.warning("L2 %s (%s) failed, serving from L1 only until it recovers: %s", self.name, self.kind, self._last_error)
-        self._healthy = False
-        self._down_since = time.monotonic()
+        error = f"{type(exc).__name__}: {exc}"
+        if self._health.failed(error):
+            log.warning("L2 %s (%s) failed, serving from L1 only until it recovers: %s", self.name, self.kind, error)
 
     def _mark_up(self) -> None:
-        if not self._healthy:
+        if self._health.succeeded():
             log.info("L2 %s (%s) recovered", self.name, self.kind)
-        self._healthy = True
+
+    @property
+    def _healthy(self) -> bool:
+        """For the adapters' own status calls: never ask a backend that is down."""
+        return self._health.healthy
 
     def _store_all(self, items: list[tuple[ObjectKey, memoryview]]) -> list[bool]:
         """Per-key outcome, counted once it is durable. A rejected object fails alone; when the backend

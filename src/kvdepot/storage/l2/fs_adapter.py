@@ -37,7 +37,7 @@ from typing import Annotated
 import msgspec
 
 from kvdepot.storage.l2 import envelope
-from kvdepot.storage.l2.base import BackendAdapter, checked
+from kvdepot.storage.l2.base import BackendAdapter, TierServices, checked
 from kvdepot.storage.l2.envelope import HEADER_BYTES, CorruptObject, DestinationMismatch, RejectedObject
 from kvdepot.storage.l2.registry import AdapterType
 from kvdepot.types import NAMESPACE_BYTES, ObjectKey
@@ -67,9 +67,9 @@ class FsConfig(msgspec.Struct, forbid_unknown_fields=True):
 class FsAdapter(BackendAdapter):
     kind = "fs"
 
-    def __init__(self, name: str, config: FsConfig) -> None:
+    def __init__(self, name: str, config: FsConfig, services: TierServices | None = None) -> None:
         config = checked(config)
-        super().__init__(name, workers=config.workers)
+        super().__init__(name, workers=config.workers, services=services)
         self._root = os.path.abspath(config.path)
         self._capacity = int(config.size_gb * (1 << 30))
         self._o_direct = config.o_direct

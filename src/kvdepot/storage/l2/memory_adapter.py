@@ -14,7 +14,7 @@ import msgspec
 
 from kvdepot.storage.l2 import envelope
 from kvdepot.storage.l2.envelope import RejectedObject
-from kvdepot.storage.l2.base import BackendAdapter, checked
+from kvdepot.storage.l2.base import BackendAdapter, TierServices, checked
 from kvdepot.storage.l2.registry import AdapterType
 from kvdepot.types import ObjectKey
 
@@ -27,9 +27,9 @@ class MemoryConfig(msgspec.Struct, forbid_unknown_fields=True):
 class MemoryAdapter(BackendAdapter):
     kind = "memory"
 
-    def __init__(self, name: str, config: MemoryConfig) -> None:
+    def __init__(self, name: str, config: MemoryConfig, services: TierServices | None = None) -> None:
         config = checked(config)
-        super().__init__(name, workers=config.workers)
+        super().__init__(name, workers=config.workers, services=services)
         self._capacity = int(config.size_gb * (1 << 30))
         # key -> (header+key, payload): kept apart so a store copies the payload once.
         self._objects: OrderedDict[ObjectKey, tuple[bytes, bytes]] = OrderedDict()

@@ -31,7 +31,7 @@ ENTRY_POINT_GROUP = "kvdepot.l2_adapters"
 class AdapterType:
     name: str
     config: type[msgspec.Struct]
-    factory: Callable[[str, Any], base.L2Adapter]  # (tier name, config) -> adapter
+    factory: Callable[[str, Any, base.TierServices], base.L2Adapter]  # (tier name, config, services) -> adapter
     help: str = ""
 
 
@@ -98,11 +98,12 @@ def _name_the_key(message: str) -> str:
     return f"{where.rstrip('`')}: {head}" if sep else message
 
 
-def build(spec: TierSpec) -> base.L2Adapter:
-    """The adapter for a parsed spec; a failure here (a path that cannot be made, a client library
-    that refuses the options) is a configuration error naming the tier."""
+def build(spec: TierSpec, services: base.TierServices | None = None) -> base.L2Adapter:
+    """The adapter for a parsed spec, given the composition root's shared services; a failure here (a
+    path that cannot be made, a client library that refuses the options) is a configuration error
+    naming the tier."""
     try:
-        return adapter_types()[spec.type].factory(spec.name, spec.config)
+        return adapter_types()[spec.type].factory(spec.name, spec.config, services or base.TierServices())
     except (OSError, ValueError, TypeError, ImportError) as exc:
         raise ConfigError(f"--l2 tier {spec.name} ({spec.type}): {exc}") from None
 

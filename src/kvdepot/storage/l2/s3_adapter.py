@@ -21,7 +21,7 @@ from typing import Annotated, Any
 import msgspec
 
 from kvdepot.storage.l2 import envelope
-from kvdepot.storage.l2.base import BackendAdapter, checked
+from kvdepot.storage.l2.base import BackendAdapter, TierServices, checked
 from kvdepot.storage.l2.envelope import CorruptObject, DestinationMismatch
 from kvdepot.storage.l2.registry import AdapterType
 from kvdepot.types import ObjectKey
@@ -60,9 +60,9 @@ class S3Config(msgspec.Struct, forbid_unknown_fields=True):
 class S3Adapter(BackendAdapter):
     kind = "s3"
 
-    def __init__(self, name: str, config: S3Config) -> None:
+    def __init__(self, name: str, config: S3Config, services: TierServices | None = None) -> None:
         config = checked(config)
-        super().__init__(name, workers=config.workers)
+        super().__init__(name, workers=config.workers, services=services)
         self._config = config
         self._client: Any = None
         self._fanout: ThreadPoolExecutor | None = None  # HEADs and multipart parts, in parallel

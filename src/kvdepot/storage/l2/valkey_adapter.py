@@ -32,7 +32,7 @@ from typing import Annotated, Any
 import msgspec
 
 from kvdepot.storage.l2 import envelope
-from kvdepot.storage.l2.base import BackendAdapter, checked
+from kvdepot.storage.l2.base import BackendAdapter, TierServices, checked
 from kvdepot.storage.l2.envelope import CorruptObject, DestinationMismatch
 from kvdepot.storage.l2.registry import AdapterType
 from kvdepot.types import ObjectKey
@@ -95,9 +95,9 @@ class ValkeyConfig(msgspec.Struct, forbid_unknown_fields=True):
 class ValkeyAdapter(BackendAdapter):
     kind = "valkey"
 
-    def __init__(self, name: str, config: ValkeyConfig) -> None:
+    def __init__(self, name: str, config: ValkeyConfig, services: TierServices | None = None) -> None:
         config = checked(config)
-        super().__init__(name, workers=config.workers)
+        super().__init__(name, workers=config.workers, services=services)
         self._config = config
         self._prefix = config.prefix.encode()
         self._counter = self._prefix + b"#objects"

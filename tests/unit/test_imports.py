@@ -1,0 +1,96 @@
+"""Imports run one way: engine -> client -> wire -> server dispatch -> storage -> tiers.
+
+Every ``import`` in ``src/kvdepot`` is read (module level, inside functions, under TYPE_CHECKING) and
+checked against the edges that must never exist. A new forbidden edge fails this test, naming the file,
+the line and the rule; the last test proves the checker itself catches one.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+# package (or module) -> what it must never import
+FORBIDDEN: dict[str, tuple[str, ...]] = {
+    # leaves: everyone may use them, they use nothing of kvdepot's but each other
+    "kvdepot.types": ("kvdepot.",),
+    "kvdepot.errors": ("kvdepot.",),
+    "kvdepot.hashing": ("kvdepot.client", "kvdepot.server", "kvdepot.storage", "kvdepot.protocol", "kvdepot.config"),
+    "kvdepot.layout": ("kvdepot.client", "kvdepot.server", "kvdepot.storage", "kvdepot.protocol", "kvdepot.config"),
+    "kvdepot.observability": ("kvdepot.server", "kvdepot.storage", "kvdepot.client", "kvdepot.admin", "kvdepot.connectors"),
+    # the shared-memory segment: both sides map it, so it knows neither
+    "kvdepot.shm": ("kvdepot.server", "kvdepot.storage", "kvdepot.client", "kvdepot.protocol", "kvdepot.config"),
+    # the wire knows messages, never who sends or stores them
+    "kvdepot.protocol": ("kvdepot.server", "kvdepot.storage", "kvdepot.client", "kvdepot.config", "kvdepot.admin"),
+    # a client runs in an engine: nothing of the server's may come along
+    "kvdepot.client": ("kvdepot.server", "kvdepot.storage", "kvdepot.admin", "kvdepot.connectors", "kvdepot.bench", "kvdepot.config"),
+    "kvdepot.connectors": ("kvdepot.server", "kvdepot.storage", "kvdepot.admin", "kvdepot.bench"),
+    # storage knows bytes and keys, never the wire or who asks
+    "kvdepot.storage": ("kvdepot.protocol", "kvdepot.server", "kvdepot.client", "kvdepot.admin", "kvdepot.connectors", "kvdepot.bench"),
+    # configuration is read by everyone and reads no one (storage reads it: never the other way)
+    "kvdepot.config": ("kvdepot.storage", "kvdepot.server", "kvdepot.client", "kvdepot.admin", "kvdepot.connectors", "kvdepot.bench"),
+    # the admin API depends on a small Protocol, never on the server it serves
+    "kvdepot.admin": ("kvdepot.server", "kvdepot.storage", "kvdepot.client", "kvdepot.connectors"),
+    # the server's dispatch never reaches back into the things built on top of it
+    "kvdepot.server": ("kvdepot.client", "kvdepot.connectors", "kvdepot.bench"),
+}
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(SRC).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, imported module) for every import statement in ``source``, relative ones resolved."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out.extend((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            out.append((node.lineno, name))
+            out.extend((node.lineno, f"{name}.{alias.name}") for alias in node.names)  # `from pkg import mod`
+    return out
+
+
+def violations(module: str, imported: list[tuple[int, str]]) -> list[str]:
+    """One message per (import statement, rule) broken."""
+    found: dict[tuple[int, str], str] = {}
+    for owner, banned in FORBIDDEN.items():
+        if module != owner and not module.startswith(owner + "."):
+            continue
+        for line, name in imported:
+            for b in banned:
+                prefix = b.rstrip(".")
+                if (name == prefix or name.startswith(prefix + ".")) and not name.startswith(owner):
+                    found.setdefault((line, prefix), f"{module}:{line} imports {name} ({owner} must not import {prefix})")
+    return list(found.values())
+
+
+def test_no_forbidden_import_edge():
+    problems = []
+    files = sorted((SRC / "kvdepot").rglob("*.py"))
+    assert len(files) > 40
+    for path in files:
+        module = module_name(path)
+        problems += violations(module, imports_of(path.read_text(), module, path.name == "__init__.py"))
+    assert not problems, "forbidden imports:\n" + "\n".join(problems)
+
+
+def test_the_check_catches_a_forbidden_edge():
+    planted = "from kvdepot.server.liveness import LivenessTracker\n\ndef f():\n    from ..storage import l1\n"
+    found = violations("kvdepot.client.client", imports_of(planted, "kvdepot.client.client", False))
+    assert len(found) == 2, found  # the server import, and the lazy relative storage import
+    assert any("kvdepot.server.liveness" in f for f in found) and any("kvdepot.storage" in f for f in found)
+    assert violations("kvdepot.client.client", imports_of("import numpy\nfrom kvdepot.protocol import codec\n", "kvdepot.client.client", False)) == []
