@@ -94,7 +94,7 @@ def test_heartbeats_survive_a_restart(make_server, seed):
         old = srv.proc
         assert old.stop() == 0
         # Let a few heartbeats fail against the dead endpoint (bounded wait for them to have happened).
-        hb = c._reg.heartbeat_interval_s
+        hb = c.registration.heartbeat_interval_s
         assert hb == pytest.approx(0.2)
         time.sleep(5 * hb)
         new = ServerProcess(args=list(old.args), port=old.port, http_port=old.http_port, ipc_path=old.ipc_path, log_path=str(srv.log_path))

@@ -1,19 +1,25 @@
 """KVClient: what an engine worker uses to store, find and fetch KV chunks.
 
-One client = one ZeroMQ DEALER socket and one registered context (model, rank, layout). It is safe to
-share between threads: requests are serialised on the socket, and every zero-copy block gets memory of
-its own (arena slots on shm, a staging buffer checked out for that block alone on inline), so a view
-stays valid until its own block exits, whatever other threads or nested blocks do. A background
-heartbeat keeps the server from declaring an idle client gone; if the server restarts, the client
-registers again on its own.
+A thin facade over three parts, each in its own module:
 
-Transports: ``shm`` (same host: the worker copies straight into / out of the server's arena, one copy)
-and ``inline`` (raw payload frames). ``auto`` picks shm when the arena can be mapped.
+- ``RpcChannel`` (``channel.py``): one DEALER socket, request ids, deadlines, pipelining, thread-safe.
+- a ``TransferPath`` (``transfer.py``): ``ShmPath`` (same host: the worker copies straight into or out
+  of the server's arena, one copy) or ``InlinePath`` (raw payload frames); ``auto`` picks shm when the
+  arena can be mapped, once per registration, and says why (``transport_reason``).
+- the registered context (model, rank, layout, chunk size) and its renewals: a heartbeat keeps the
+  server from declaring an idle client gone and renews the leases of blocks still open and of the
+  sessions the owner names (``renew_sessions``); if the server restarts, the client registers again.
+
+It is safe to share between threads: every zero-copy block gets memory of its own (arena slots on shm,
+a staging buffer checked out for that block alone on inline), so a view stays valid until its own block
+exits, whatever other threads or nested blocks do.
+
+Constructing a KVClient connects it (the public contract in ARCHITECTURE §7); ``connect=False`` builds
+it without I/O or threads, for ``connect()`` later.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import threading
@@ -23,40 +29,41 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
-import zmq
 
+from kvdepot.client.channel import Heartbeat, RpcChannel
 from kvdepot.client.shm import try_attach
-from kvdepot.client.staging import StagingPool
-from kvdepot.errors import (
-    BadRequest,
-    ErrorCode,
-    KVDepotError,
-    KVDepotTimeout,
-    ServerUnreachable,
-    TransportUnavailable,
-    UnknownContext,
-)
+from kvdepot.client.transfer import InlinePath, PathChanged, ShmPath, StoreSlots, TransferPath
+from kvdepot.errors import BadRequest, KVDepotError, KVDepotTimeout, ServerUnreachable, TransportUnavailable, UnknownContext
 from kvdepot.hashing import HashAlgorithm, chunk_hashes
 from kvdepot.layout import KVLayout, kv_array
 from kvdepot.malloc import keep_large_buffers_in_heap
-from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.identity import local_client_info
-from kvdepot.shm import SharedArena
 from kvdepot.types import ChunkHash
 
 log = logging.getLogger(__name__)
 
 Tokens = Sequence[int] | np.ndarray
+__all__ = ["ClientOptions", "ClientSession", "KVClient", "StoreSlots", "check_url"]
 
-INLINE_BATCH_BYTES = 32 << 20  # inline transfers go as pipelined messages of about this size
 
+@dataclass(frozen=True)
+class ClientOptions:
+    """How a client behaves (the context it registers is model, layout, rank and world size)."""
 
-class StoreSlots(list):
-    """One entry per complete chunk: a writable ``[K, L, T, H, D]`` array, or None where nothing is to be
-    written. ``statuses`` says why (SlotStatus per chunk)."""
+    transport: str = "auto"  # "auto" | "shm" | "inline"
+    timeout_s: float = 10.0  # deadline of one request
+    connect_timeout_s: float = 5.0  # how long to wait for a server to answer at all
+    chunk_size: int = 0  # 0: the server's default
+    heartbeat: bool = True  # ping when idle and renew held leases (off: the TTL ends them)
+    prefault: bool = True  # populate this process's mapping of the arena in the background
+    tune_malloc: bool = True  # keep freed multi-MiB buffers in the heap (inline receives)
 
-    statuses: list[m.SlotStatus]
+    def __post_init__(self) -> None:
+        if self.transport not in ("auto", "shm", "inline"):
+            raise ValueError(f"transport must be auto, shm or inline, got {self.transport!r}")
+        if not self.timeout_s > 0 or not self.connect_timeout_s > 0:
+            raise ValueError("timeout_s and connect_timeout_s must be positive")
 
 
 @dataclass(frozen=True)
@@ -86,76 +93,95 @@ class KVClient:
         prefault: bool = True,
         tune_malloc: bool = True,
         connect_timeout_s: float = 5.0,
+        *,
+        options: ClientOptions | None = None,
+        connect: bool = True,
     ) -> None:
-        if transport not in ("auto", "shm", "inline"):
-            raise ValueError(f"transport must be auto, shm or inline, got {transport!r}")
         check_url(url)
         self.url = url
         self.model = model
         self.layout = layout
         self.rank = rank
         self.world_size = world_size
-        self.timeout_s = timeout_s
-        self._requested_transport = transport
-        self._requested_chunk_size = chunk_size
-        self._prefault = prefault
-        self._tune_malloc = tune_malloc and not os.environ.get("KVDEPOT_NO_MALLOC_TUNING")
-        self._ids = itertools.count(1)
-        self._rcvtimeo = -1
-        self._lock = threading.RLock()
-        self._last_request = time.monotonic()
-        self._zctx = zmq.Context.instance()
-        self._sock = self._connect()
-        self._arena: SharedArena | None = None
-        self._staging = StagingPool()
-        self._prefaulter = None
+        self.options = options or ClientOptions(
+            transport=transport,
+            timeout_s=timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            chunk_size=chunk_size,
+            heartbeat=heartbeat,
+            prefault=prefault,
+            tune_malloc=tune_malloc and not os.environ.get("KVDEPOT_NO_MALLOC_TUNING"),
+        )
+        self.timeout_s = self.options.timeout_s
+        self.channel = RpcChannel(url)
+        self.path: TransferPath | None = None
         self.transport = "inline"
         self.transport_reason = ""  # why ``transport`` is what it is (what ``auto`` found)
-        self._closed = False
-        # Leases of zero-copy blocks open right now: renewed until the block exits (it cannot leak them).
-        self._held_leases: set[int] = set()
+        self._reg: _Registration | None = None
+        self._ctx_lock = threading.RLock()  # (re-)registration
+        self._held_leases: set[int] = set()  # leases of zero-copy blocks open right now
         self._held_lock = threading.Lock()
+        self._heartbeat: Heartbeat | None = None
+        self._closed = False
         self.renew_sessions: Callable[[], Iterable[str]] | None = None
         """The owner's sessions still in use (e.g. an engine's requests waiting or computing): their
         locks are renewed with the heartbeat. Called from the heartbeat thread: it must be thread-safe.
         A session the owner stops naming is no longer renewed, so the TTL ends it if it leaked."""
+        if connect:
+            self.connect()
+
+    def connect(self) -> KVClient:
+        """Open the channel, register the context (choosing the transport) and start the heartbeat."""
+        self.channel.open()
         try:
-            self._reg = self._register(timeout_s=connect_timeout_s)
+            self._reg = self._register(timeout_s=self.options.connect_timeout_s)
         except KVDepotTimeout:
             self._close_transport()
             raise ServerUnreachable(
-                f"no kvdepot server answered at {url} within connect_timeout_s={connect_timeout_s:g} s "
+                f"no kvdepot server answered at {self.url} within connect_timeout_s={self.options.connect_timeout_s:g} s "
                 f"(is it running, and is this its address?)"
             ) from None
         except BaseException:
             self._close_transport()
             raise
-        self._hb_stop = threading.Event()
-        self._hb_thread: threading.Thread | None = None
-        if heartbeat:
-            self._hb_thread = threading.Thread(target=self._heartbeat, name="kvdepot-heartbeat", daemon=True)
-            self._hb_thread.start()
+        if self.options.heartbeat:
+            tick = max(0.05, min(self._reg.heartbeat_interval_s, self._reg.lease_ttl_s / 4))
+            self._heartbeat = Heartbeat(tick, self._beat)
+            self._last_renewal = time.monotonic()
+            self._heartbeat.start()
+        return self
 
     # --- public properties ---------------------------------------------------------------------------
 
     @property
+    def registration(self) -> _Registration:
+        if self._reg is None:
+            raise KVDepotError("client is not connected")
+        return self._reg
+
+    @property
     def chunk_size(self) -> int:
-        return self._reg.chunk_size
+        return self.registration.chunk_size
 
     @property
     def chunk_bytes(self) -> int:
-        return self._reg.chunk_bytes
+        return self.registration.chunk_bytes
 
     @property
     def context_id(self) -> int:
-        return self._reg.context_id
+        return self.registration.context_id
+
+    @property
+    def max_frame_bytes(self) -> int:
+        return self.registration.max_frame_bytes
 
     @property
     def hash_algorithm(self) -> HashAlgorithm:
-        return self._reg.algorithm
+        return self.registration.algorithm
 
     def __repr__(self) -> str:
-        return f"KVClient({self.url!r}, model={self.model!r}, transport={self.transport!r}, chunk_size={self.chunk_size})"
+        size = self._reg.chunk_size if self._reg else 0
+        return f"KVClient({self.url!r}, model={self.model!r}, transport={self.transport!r}, chunk_size={size})"
 
     # --- life cycle ----------------------------------------------------------------------------------
 
@@ -169,40 +195,39 @@ class KVClient:
         if self._closed:
             return
         self._closed = True
-        self._hb_stop.set()
-        if self._hb_thread is not None:
-            self._hb_thread.join(timeout=2)
-        with self._lock:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        if self._reg is not None:
             try:
-                self._call(m.UnregisterContextRequest(context_id=self._reg.context_id), timeout_s=min(1.0, self.timeout_s))
+                self.channel.call(
+                    m.UnregisterContextRequest(context_id=self._reg.context_id), timeout_s=min(1.0, self.timeout_s), closing=True
+                )
             except KVDepotError:
                 pass
-            self._close_transport()
+        self._close_transport()
 
     def _close_transport(self) -> None:
-        self._sock.close(linger=0)
-        if self._prefaulter is not None:
-            self._prefaulter.stop()
-        if self._arena is not None:
-            self._arena.close()  # also drops our liveness lock
-            self._arena = None
+        self.channel.close()
+        if self.path is not None:
+            self.path.close()
 
     # --- simple API ----------------------------------------------------------------------------------
 
     def wait_prefault(self, timeout_s: float | None = None) -> bool:
         """Block until this process's mapping of the arena is populated (shm transport only)."""
-        return self._prefaulter is None or self._prefaulter.wait(timeout_s)
+        prefaulter = getattr(self.path, "prefaulter", None)
+        return prefaulter is None or prefaulter.wait(timeout_s)
 
     def ping(self) -> bool:
-        return self._call(m.PingRequest()).ok
+        return self.channel.ping(self.timeout_s)
 
     def hashes(self, tokens: Tokens) -> list[ChunkHash]:
         """Chunk hashes of every complete chunk of ``tokens`` (the keys the server stores them under)."""
-        return chunk_hashes(tokens, self.chunk_size, self._reg.algorithm)
+        return chunk_hashes(tokens, self.chunk_size, self.registration.algorithm)
 
     def lookup(self, tokens: Tokens, cache_salt: str | None = None) -> int:
         """How many leading tokens are stored (a multiple of chunk_size). Takes no lock."""
-        return self._stored_chunks(self.hashes(tokens), cache_salt or "") * self.chunk_size
+        return self.stored_chunks(self.hashes(tokens), cache_salt or "") * self.chunk_size
 
     def store(self, tokens: Tokens, kv, cache_salt: str | None = None, raw: bool = False) -> int:
         """Store the complete chunks of ``kv`` ``[K, L, len(tokens), H, D]``; returns the leading tokens
@@ -212,65 +237,46 @@ class KVClient:
         n_tokens = len(tokens)
         hashes = self.hashes(tokens)
         kv = self._check_kv(kv, n_tokens, raw, exact=True)
-        cs = self.chunk_size
-        if self.transport == "inline" and kv.flags.c_contiguous:
-            return self._store_inline_rows(hashes, kv, cache_salt or "") * cs
-        with self.prepare_store(hashes, cache_salt) as slots:
-            for i, slot in enumerate(slots):
-                if slot is not None:
-                    np.copyto(slot, kv[:, :, i * cs : (i + 1) * cs], casting="no")
-        return _leading_stored(slots.statuses) * cs
+        return self._path().store(hashes, kv, cache_salt or "") * self.chunk_size
 
-    def retrieve(
-        self, tokens: Tokens, cache_salt: str | None = None, out: np.ndarray | None = None, raw: bool = False
-    ) -> np.ndarray:
+    def retrieve(self, tokens: Tokens, cache_salt: str | None = None, out: np.ndarray | None = None, raw: bool = False) -> np.ndarray:
         """The KV of the leading stored chunks of ``tokens``: ``[K, L, n, H, D]``, as an array of the
         layout's storage dtype (bfloat16 and fp8 come as same-width unsigned integers holding the bits).
 
         ``out`` (optional, ``[K, L, >= n, H, D]``, of the layout's dtype, or its raw bits with ``raw=True``)
         is filled instead of allocating a new array.
         """
-        cs = self.chunk_size
         hashes = self.hashes(tokens)
         if out is not None:
             out = self._check_kv(out, 0, raw)
-        if self.transport == "inline":
-            return self._retrieve_inline_into(hashes, cache_salt or "", out)
-        # (prepare_retrieve below waits for an L2 prefetch when the server has tiers)
-        with self.prepare_retrieve(hashes, cache_salt) as views:
-            n = len(views) * cs
-            if out is None:
-                out = self.layout.empty(n)
-            else:
-                out = self._check_tokens(out, n)
-            for i, view in enumerate(views):
-                np.copyto(out[:, :, i * cs : (i + 1) * cs], view, casting="no")
-        return out[:, :, :n]
+        salt = cache_salt or ""
+        if self.registration.l2_tiers and self.transport == "shm":
+            self.stored_chunks(hashes, salt)  # let the server bring L2 hits into L1 first
+        return self._path().retrieve_into(hashes, salt, out)
 
     def clear(self, scope: str = "l1") -> int:
         """Drop every unlocked object of L1 (``"l1"``), of every L2 tier (``"tiers"``), or both
         (``"all"``); returns how many went (a tier that failed to clear counts none)."""
-        reply = self._call(m.ClearRequest(scope=scope))
+        reply = self.channel.call(m.ClearRequest(scope=scope), timeout_s=max(self.timeout_s, 60.0))
         return reply.removed + sum(n for n in reply.tiers_removed.values() if n > 0)
 
-    def _stored_chunks(self, hashes: list[ChunkHash], salt: str) -> int:
+    def stored_chunks(self, hashes: list[ChunkHash], salt: str) -> int:
         """Leading chunks stored, waiting for the server to bring missing ones in from L2 first."""
         if not hashes:
             return 0
-        if not self._reg.l2_tiers:
+        if not self.registration.l2_tiers:
             return self.lookup_chunks(hashes, salt) or 0
-        sid = f"_kvdepot-{os.urandom(8).hex()}"
-        req = m.LookupRequest(context_id=0, keys=list(hashes), cache_salt=salt, session_id=sid, lock=False)
-        hits = self._call_ctx(req).hits
+        session = self.session(f"_kvdepot-{os.urandom(8).hex()}")
+        hits = session.lookup(hashes, salt, lock=False)
         deadline = time.monotonic() + self.timeout_s
         delay = 0.0002
         while hits is None:
             if time.monotonic() > deadline:
-                self.end_session(sid)
+                session.end()
                 raise KVDepotTimeout(f"the prefetch from L2 did not finish within {self.timeout_s:.1f}s")
             time.sleep(delay)
             delay = min(delay * 2, 0.005)
-            hits = self.query_prefetch_status(sid)
+            hits = session.status()
         return hits
 
     # --- zero-copy API -------------------------------------------------------------------------------
@@ -282,12 +288,8 @@ class KVClient:
         ``tokens`` may also be the chunk hashes from ``hashes()``. On the shm path the slots are the
         server's arena itself; never use them after the block.
         """
-        hashes = self._as_hashes(tokens)
-        salt = cache_salt or ""
-        if self.transport == "shm":
-            yield from self._prepare_store_shm(hashes, salt)
-        else:
-            yield from self._prepare_store_inline(hashes, salt)
+        with self._path().prepare_store(self._as_hashes(tokens), cache_salt or "") as slots:
+            yield slots
 
     @contextmanager
     def prepare_retrieve(
@@ -296,19 +298,16 @@ class KVClient:
         """Read-only views of the leading stored chunks (from chunk ``start``); released on exit."""
         hashes = self._as_hashes(tokens)
         salt = cache_salt or ""
-        if self._reg.l2_tiers and not session_id:
-            self._stored_chunks(hashes, salt)  # let the server bring L2 hits into L1 first
-        if self.transport == "shm":
-            yield from self._prepare_retrieve_shm(hashes, salt, session_id, start)
-            return
-        views, buffer = self._retrieve_inline(hashes, salt, session_id, start)
-        try:
+        if self.registration.l2_tiers and not session_id:
+            self.stored_chunks(hashes, salt)  # let the server bring L2 hits into L1 first
+        with self._path().prepare_retrieve(hashes, salt, session_id, start) as views:
             yield views
-        finally:
-            if buffer is not None:
-                self._staging.release(buffer)  # the block is over: its views must not be used any more
 
-    # --- session API (engine connectors) -------------------------------------------------------------
+    # --- sessions (engine connectors) ----------------------------------------------------------------
+
+    def session(self, session_id: str) -> ClientSession:
+        """The verbs of one engine request's session (see ``ClientSession``)."""
+        return ClientSession(self, session_id)
 
     def lookup_chunks(self, hashes: list[ChunkHash], cache_salt: str | None = None, session_id: str = "") -> int | None:
         """Leading chunks stored. With ``session_id`` they stay locked for that session until it
@@ -316,68 +315,62 @@ class KVClient:
         if not hashes:
             return 0
         req = m.LookupRequest(context_id=0, keys=list(hashes), cache_salt=cache_salt or "", session_id=session_id)
-        return self._call_ctx(req).hits
+        return self.call_ctx(req).hits
 
     def query_prefetch_status(self, session_id: str) -> int | None:
-        return self._call_ctx(m.QueryPrefetchStatusRequest(context_id=0, session_id=session_id)).hits
+        return self.session(session_id).status()
 
     def free_lookup_locks(self, session_id: str, start: int = 0, end: int = -1) -> int:
-        return self._call_ctx(m.FreeLookupLocksRequest(context_id=0, session_id=session_id, start=start, end=end)).released
+        return self.session(session_id).free(start, end)
 
     def end_session(self, session_id: str) -> None:
-        self._call_ctx(m.EndSessionRequest(context_id=0, session_id=session_id))
+        self.session(session_id).end()
 
     def report_block_allocation(self, allocated: int = 0, freed: int = 0) -> None:
-        self._call_ctx(m.ReportBlockAllocationRequest(context_id=0, allocated_blocks=allocated, freed_blocks=freed))
+        self.call_ctx(m.ReportBlockAllocationRequest(context_id=0, allocated_blocks=allocated, freed_blocks=freed))
 
-    # --- shm path ------------------------------------------------------------------------------------
+    def renew(self, sessions: Iterable[str] = (), lease_ids: Iterable[int] = ()) -> int:
+        """Push the TTL of these sessions' locks and of these leases (this client's own) to now + TTL;
+        returns how many leases were renewed (ended ones are skipped, not an error)."""
+        req = m.RenewLeasesRequest(context_id=0, lease_ids=list(lease_ids), sessions=list(sessions))
+        if not req.lease_ids and not req.sessions:
+            return 0
+        return self.call_ctx(req).renewed
 
-    def _slot(self, offset: int, writable: bool) -> np.ndarray:
-        assert self._arena is not None
-        view = self._arena.buffer[offset : offset + self.chunk_bytes]
-        return self.layout.view_chunk(view, self.chunk_size, writable=writable)
+    # --- what the transfer paths use (transfer.PathHost) ---------------------------------------------
 
-    def _prepare_store_shm(self, hashes: list[ChunkHash], salt: str) -> Iterator[StoreSlots]:
-        reply = self._call_ctx(m.PrepareStoreRequest(context_id=0, keys=list(hashes), cache_salt=salt))
-        context_id = self._reg.context_id
-        slots = StoreSlots(
-            self._slot(off, True) if st == m.SlotStatus.ALLOCATED else None
-            for off, st in zip(reply.offsets, reply.statuses)
-        )
-        slots.statuses = [m.SlotStatus(s) for s in reply.statuses]
-        with self._holding(reply.lease_id):
-            try:
-                yield slots
-            except BaseException:
-                self._finish_store(context_id, reply.lease_id, abort=True)
-                raise
-            self._finish_store(context_id, reply.lease_id, abort=False)
+    def call(self, body, payload: Sequence = ()):
+        """A request as is (no re-registration: e.g. a commit, whose lease a new context would not know)."""
+        return self.channel.call(body, payload, timeout_s=self.timeout_s)
 
-    def _finish_store(self, context_id: int, lease_id: int, abort: bool) -> None:
-        if lease_id == 0:
-            return
+    def call_ctx(self, body, payload: Sequence = (), want_payload: bool = False, path: object = None):
+        """A request on our context; registers again once if the server forgot it (restart, revocation).
+        ``path``: the transfer path asking; if registering again replaced it (a restarted server, a new
+        arena), PathChanged is raised instead of redoing the request (its answer would be the new
+        path's to read)."""
+        reg = self.registration
+        body.context_id = reg.context_id
         try:
-            self._call(m.CommitStoreRequest(context_id=context_id, lease_id=lease_id, abort=abort))
-        except KVDepotError:
-            if not abort:
-                raise
-            # An abort that fails (server gone, lease expired) leaves nothing behind: the lease ends.
+            return self.channel.call(body, payload, timeout_s=self.timeout_s, want_payload=want_payload)
+        except UnknownContext:
+            body.context_id = self._reregister(reg).context_id
+            if path is not None and self.path is not path:
+                raise PathChanged() from None
+            return self.channel.call(body, payload, timeout_s=self.timeout_s, want_payload=want_payload)
 
-    def _prepare_retrieve_shm(self, hashes: list[ChunkHash], salt: str, session_id: str, start: int) -> Iterator[list[np.ndarray]]:
-        req = m.PrepareRetrieveRequest(context_id=0, keys=list(hashes), cache_salt=salt, session_id=session_id, start=start)
-        reply = self._call_ctx(req)
-        context_id = self._reg.context_id
-        views = [self._slot(off, False) for off in reply.offsets]
-        with self._holding(reply.lease_id):
-            try:
-                yield views
-            finally:
-                if reply.lease_id:
-                    # LeaseExpired here means the bytes may have been reused while read: it propagates.
-                    self._call(m.CommitRetrieveRequest(context_id=context_id, lease_id=reply.lease_id))
+    def pipeline_ctx(self, requests: list[tuple[object, Sequence]], on_reply=None) -> list:
+        """Pipelined requests on our context, registering again once if the server forgot it."""
+        reg = self.registration
+        try:
+            return self.channel.pipeline(requests, on_reply, timeout_s=self.timeout_s)
+        except UnknownContext:
+            new = self._reregister(reg)
+            for body, _ in requests:
+                body.context_id = new.context_id
+            return self.channel.pipeline(requests, on_reply, timeout_s=self.timeout_s)
 
     @contextmanager
-    def _holding(self, lease_id: int) -> Iterator[None]:
+    def holding(self, lease_id: int) -> Iterator[None]:
         """While the block runs, the heartbeat renews its lease: a slow block is not a leaked one."""
         if not lease_id:
             yield
@@ -390,196 +383,23 @@ class KVClient:
             with self._held_lock:
                 self._held_leases.discard(lease_id)
 
-    # --- inline path ---------------------------------------------------------------------------------
+    # --- registration --------------------------------------------------------------------------------
 
-    @property
-    def _rows(self) -> int:
-        return self.layout.kv_factor * self.layout.num_layers
+    def _path(self) -> TransferPath:
+        if self.path is None:
+            raise KVDepotError("client is not connected")
+        return self.path
 
-    def _send_store_inline(self, hashes: list[ChunkHash], salt: str, first: int, chunk_frames: list[list], rpf: int) -> list[m.SlotStatus]:
-        """Store chunks ``hashes[first:]`` whose frames are ``chunk_frames`` as pipelined messages of
-        about INLINE_BATCH_BYTES each: bounded memory on both ends, and the server copies one batch
-        into L1 while the next is still on the wire."""
-        per_batch = max(1, INLINE_BATCH_BYTES // self.chunk_bytes)
-        requests = []
-        for i in range(first, len(hashes), per_batch):
-            j = min(i + per_batch, len(hashes))
-            body = m.StoreInlineRequest(
-                context_id=self._reg.context_id, keys=list(hashes[:j]), cache_salt=salt, rows_per_frame=rpf, first=i, count=j - i
-            )
-            requests.append((body, [f for frames in chunk_frames[i - first : j - first] for f in frames]))
-        replies = self._pipeline_ctx(requests)
-        return [m.SlotStatus(s) for r in replies for s in r.statuses]
-
-    def _prepare_store_inline(self, hashes: list[ChunkHash], salt: str) -> Iterator[StoreSlots]:
-        first = self.lookup_chunks(hashes, salt) or 0  # skip sending what is already there
-        n_new = len(hashes) - first
-        buffer = self._staging.acquire(n_new * self.chunk_bytes)  # this block's alone
-        staging = buffer[: n_new * self.chunk_bytes].reshape(n_new, self.chunk_bytes)
-        slots = StoreSlots([None] * first)
-        slots.extend(self.layout.view_chunk(staging[i], self.chunk_size) for i in range(n_new))
-        slots.statuses = [m.SlotStatus.EXISTS] * first + [m.SlotStatus.ALLOCATED] * n_new
-        try:
-            yield slots  # an exception inside the block just drops the staging contents
-        except BaseException:
-            self._staging.release(buffer)
-            raise
-        if not n_new:
-            self._staging.release(buffer)
-            return
-        max_frame = self._reg.max_frame_bytes
-        rpf = codec.rows_per_frame_for(self.chunk_bytes, self._rows, max_frame)
-        frames = [codec.split_object(row, self._rows, rpf, max_frame) for row in staging]
-        # On failure the buffer is dropped, not pooled: ZeroMQ may still be sending from it.
-        slots.statuses[first:] = self._send_store_inline(hashes, salt, first, frames, rpf)
-        self._staging.release(buffer)
-
-    def _store_inline_rows(self, hashes: list[ChunkHash], kv: np.ndarray, salt: str) -> int:
-        """Send a C-contiguous ``kv`` without staging: each (k, layer) row of a chunk is contiguous in
-        it, so it goes out as its own frame, straight from the caller's memory."""
-        first = self.lookup_chunks(hashes, salt) or 0
-        if first == len(hashes):
-            return len(hashes)
-        cs = self.chunk_size
-        row_bytes = self.chunk_bytes // self._rows
-        if row_bytes > self._reg.max_frame_bytes or row_bytes < (64 << 10):
-            # Rows too big for a frame, or so small that ZeroMQ would copy them anyway: stage instead.
-            with self.prepare_store(hashes, salt) as slots:
-                for i, slot in enumerate(slots):
-                    if slot is not None:
-                        np.copyto(slot, kv[:, :, i * cs : (i + 1) * cs], casting="no")
-            return _leading_stored(slots.statuses)
-        frames = []
-        for i in range(first, len(hashes)):
-            rows = np.reshape(kv[:, :, i * cs : (i + 1) * cs], (self._rows, -1), copy=False)
-            frames.append([memoryview(r).cast("B") for r in rows])
-        statuses = [m.SlotStatus.EXISTS] * first + self._send_store_inline(hashes, salt, first, frames, 1)
-        return _leading_stored(statuses)
-
-    def _fetch_inline(
-        self, hashes: list[ChunkHash], salt: str, session_id: str, start: int, consume, n_found: int | None = None
-    ) -> int:
-        """Fetch the stored chunks from ``start`` on as pipelined bounded replies.
-
-        ``consume(chunk_index, frames, rows_per_frame)`` gets each chunk's checked frames as its reply
-        arrives. Returns how many chunks (from ``start``) form the prefix that was delivered.
-        """
-        if session_id:
-            # The session's locks decide what is found (a plain lookup cannot see chunks that are
-            # locked but cleared meanwhile): one request, whose reply says how many.
-            n_found, per_batch = len(hashes) - start, len(hashes)
-        else:
-            if n_found is None:
-                # Objects are keyed per chunk, so this counts the stored run from ``start`` on.
-                n_found = self.lookup_chunks(hashes[start:], salt) or 0
-            per_batch = max(1, INLINE_BATCH_BYTES // self.chunk_bytes)
-        starts = list(range(start, start + n_found, per_batch))
-        requests = [
-            (
-                m.RetrieveInlineRequest(
-                    context_id=self._reg.context_id,
-                    keys=list(hashes),
-                    cache_salt=salt,
-                    session_id=session_id,
-                    start=s0,
-                    limit=min(per_batch, start + n_found - s0),
-                ),
-                (),
-            )
-            for s0 in starts
-        ]
-        got = [0] * len(starts)
-        max_frame = self._reg.max_frame_bytes
-
-        def on_reply(index: int, reply: m.RetrieveInlineReply, frames: list) -> None:
-            per = codec.check_payload(frames, reply.found, self.chunk_bytes, self._rows, reply.rows_per_frame, max_frame, 0)
-            got[index] = reply.found
-            for k in range(reply.found):
-                consume(starts[index] + k - start, frames[k * per : (k + 1) * per], reply.rows_per_frame)
-
-        if requests:
-            self._pipeline_ctx(requests, on_reply)
-        # A prefix: stop at the first batch that came back short (evicted since the lookup).
-        n = 0
-        for index, s0 in enumerate(starts):
-            n = s0 - start + got[index]
-            if got[index] < min(per_batch, start + n_found - s0):
-                break
-        return n
-
-    def _retrieve_inline(
-        self, hashes: list[ChunkHash], salt: str, session_id: str, start: int
-    ) -> tuple[list[np.ndarray], np.ndarray | None]:
-        """Views for prepare_retrieve on the inline path, and the staging buffer they live in (the
-        caller releases it when its block exits). A single-frame chunk is viewed where ZeroMQ received
-        it; multi-frame chunks are joined into this call's own buffer as each reply arrives, so received
-        frames are freed as we go rather than all held at once."""
-        n_found = len(hashes) - start if session_id else self._stored_chunks(hashes[start:], salt)
-        buffer = None
-        if self.chunk_bytes > codec.TARGET_FRAME_BYTES and n_found:
-            buffer = self._staging.acquire(n_found * self.chunk_bytes)
-        views: dict[int, np.ndarray] = {}
-
-        def consume(i: int, parts: list, rows_per_frame: int) -> None:
-            if len(parts) == 1:
-                views[i] = self.layout.view_chunk(parts[0].buffer, self.chunk_size, writable=False)
-                return
-            assert buffer is not None
-            base = pos = i * self.chunk_bytes
-            for f in parts:
-                src = np.frombuffer(f.buffer, np.uint8)
-                buffer[pos : pos + src.size] = src
-                pos += src.size
-            views[i] = self.layout.view_chunk(buffer[base:pos], self.chunk_size, writable=False)
-
-        try:
-            n = self._fetch_inline(hashes, salt, session_id, start, consume, None if session_id else n_found)
-        except BaseException:
-            if buffer is not None:
-                self._staging.release(buffer)  # receives only write into it: nothing else holds it
-            raise
-        return [views[i] for i in range(n)], buffer
-
-    def _retrieve_inline_into(self, hashes: list[ChunkHash], salt: str, out: np.ndarray | None) -> np.ndarray:
-        """Copy each received frame straight into its rows of ``out`` (already checked: the layout's
-        storage dtype) as its reply arrives (one copy)."""
-        if out is not None and not out.flags.c_contiguous:
-            result = self._retrieve_inline_into(hashes, salt, None)
-            target = self._check_tokens(out, result.shape[2])
-            np.copyto(target[:, :, : result.shape[2]], result, casting="no")
-            return target[:, :, : result.shape[2]]
-        cs = self.chunk_size
-        n_found = self._stored_chunks(hashes, salt)
-        out = self.layout.empty(n_found * cs) if out is None else self._check_tokens(out, n_found * cs)
-        dtype = self.layout.storage_dtype
-
-        def consume(c: int, parts: list, rows_per_frame: int) -> None:
-            rows = np.reshape(out[:, :, c * cs : (c + 1) * cs], (self._rows, -1), copy=False)
-            if rows_per_frame == 0:  # byte-split frames: rows larger than a frame
-                rows[...] = np.concatenate([np.frombuffer(f.buffer, dtype=dtype) for f in parts]).reshape(rows.shape)
-                return
-            r = 0
-            for frame in parts:
-                src = np.frombuffer(frame.buffer, dtype=dtype).reshape(-1, rows.shape[1])
-                rows[r : r + src.shape[0]] = src
-                r += src.shape[0]
-
-        n = self._fetch_inline(hashes, salt, "", 0, consume, n_found)
-        return out[:, :, : n * cs]
-
-    # --- plumbing ------------------------------------------------------------------------------------
-
-    def _connect(self) -> zmq.Socket:
-        sock = self._zctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.connect(self.url)
-        return sock
+    def _reregister(self, failed: _Registration) -> _Registration:
+        """Register again, unless another thread already did since ``failed`` stopped working."""
+        with self._ctx_lock:
+            if self._reg is failed:
+                log.warning("kvdepot: the server forgot context %d; registering again", failed.context_id)
+                self._reg = self._register()
+            return self._reg
 
     def _register(self, timeout_s: float | None = None) -> _Registration:
-        lay = self.layout
+        lay, opts = self.layout, self.options
         req = m.RegisterContextRequest(
             protocol_version=m.PROTOCOL_VERSION,
             model=self.model,
@@ -588,31 +408,11 @@ class KVClient:
             ),
             world_size=self.world_size,
             rank=self.rank,
-            chunk_size=self._requested_chunk_size,
+            chunk_size=opts.chunk_size,
             client=local_client_info(),
         )
-        reply: m.RegisterContextReply = self._call(req, timeout_s=timeout_s)
-        if self._requested_transport != "inline":
-            if self._arena is not None and (reply.shm is None or self._arena.nonce != reply.shm.nonce):
-                if self._prefaulter is not None:
-                    self._prefaulter.stop()
-                self._arena.close()  # the server restarted with a new arena
-                self._arena = None
-            if self._arena is None:
-                self._arena, self._prefaulter, why = try_attach(reply.shm, self._prefault)
-                self.transport_reason = why
-                if self._arena is None and self._requested_transport == "shm":
-                    raise TransportUnavailable(f"shm transport requested but {why}")
-                if self._arena is None:
-                    # The arena's file is visible here but unusable: most likely a misconfiguration
-                    # (permissions, a second server, a stale path) rather than a remote client.
-                    visible = reply.shm is not None and os.path.exists(reply.shm.path)
-                    log.log(logging.WARNING if visible else logging.INFO, "kvdepot: using the inline transport (%s)", why)
-        else:
-            self.transport_reason = "inline was asked for"
-        self.transport = "shm" if self._arena is not None else "inline"
-        if self.transport == "inline" and self._tune_malloc:
-            keep_large_buffers_in_heap()  # received frames reuse warm heap instead of fresh pages
+        reply: m.RegisterContextReply = self.channel.call(req, timeout_s=timeout_s or self.timeout_s)
+        self._choose_path(reply)
         log.info("kvdepot: context %d on %s, transport %s", reply.context_id, self.url, self.transport)
         return _Registration(
             reply.context_id,
@@ -625,135 +425,56 @@ class KVClient:
             reply.lease_ttl_s,
         )
 
-    def _call_ctx(self, body, payload: Sequence = (), want_payload: bool = False):
-        """A request on our context; re-registers once if the server forgot it (restart, timeout)."""
-        with self._lock:
-            body.context_id = self._reg.context_id
-            try:
-                return self._call(body, payload, want_payload=want_payload)
-            except UnknownContext:
-                log.warning("kvdepot: the server forgot context %d; registering again", self._reg.context_id)
-                self._reg = self._register()
-                body.context_id = self._reg.context_id
-                return self._call(body, payload, want_payload=want_payload)
-
-    def _pipeline_ctx(self, requests: list[tuple[object, Sequence]], on_reply=None) -> list:
-        """``_pipeline`` on our context, registering again once if the server forgot it."""
-        with self._lock:
-            try:
-                return self._pipeline(requests, on_reply)
-            except UnknownContext:
-                self._reg = self._register()
-                for body, _ in requests:
-                    body.context_id = self._reg.context_id
-                return self._pipeline(requests, on_reply)
-
-    def _call(self, body, payload: Sequence = (), timeout_s: float | None = None, want_payload: bool = False):
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        with self._lock:
-            rid = self._send(body, payload, timeout)
-            deadline = time.monotonic() + timeout
-            while True:
-                header, reply_body, frames = self._recv(body, deadline)
-                if header.request_id != rid:
-                    continue  # a late reply to a request we already gave up on
-                result = codec.decode_reply_body(codec.request_type_of(body), header, reply_body)
-                return (result, frames) if want_payload else result
-
-    def _pipeline(self, requests: list[tuple[object, Sequence]], on_reply=None, window: int = 4) -> list:
-        """Send ``requests`` with up to ``window`` in flight and collect every reply (in request order).
-
-        ``on_reply(index, result, frames)`` runs as each reply arrives, so a caller can consume one
-        reply's payload while ZeroMQ is still receiving the next. The first error is raised (the other
-        replies are then discarded as stale when they arrive).
-        """
-        with self._lock:
-            results: list = [None] * len(requests)
-            pending: dict[int, int] = {}
-            deadline = time.monotonic() + self.timeout_s
-            sent = 0
-            while sent < len(requests) or pending:
-                while sent < len(requests) and len(pending) < window:
-                    body, payload = requests[sent]
-                    pending[self._send(body, payload, self.timeout_s)] = sent
-                    sent += 1
-                header, reply_body, frames = self._recv(requests[0][0], deadline)
-                index = pending.pop(header.request_id, None)
-                if index is None:
-                    continue
-                result = codec.decode_reply_body(codec.request_type_of(requests[index][0]), header, reply_body)
-                results[index] = result
-                if on_reply is not None:
-                    on_reply(index, result, frames)
-            return results
-
-    def _send(self, body, payload: Sequence, timeout: float) -> int:
-        """Send one request; returns its id. Called with the lock held."""
-        if self._closed and not isinstance(body, m.UnregisterContextRequest):
-            raise KVDepotError("client is closed", ErrorCode.CONNECTION)
-        sock = self._sock
-        rid = next(self._ids)
-        header, encoded = codec.encode_request(rid, body, int(timeout * 1000))
-        # Small frames are copied (cheaper than zero-copy bookkeeping); KV payload is not.
-        if payload:
-            sock.send(header, zmq.SNDMORE)
-            sock.send(encoded, zmq.SNDMORE)
-            sock.send_multipart(payload, copy=False)
+    def _choose_path(self, reply: m.RegisterContextReply) -> None:
+        """Keep the current path, or pick one: shm when the arena maps (and is still the same one)."""
+        opts = self.options
+        current = self.path
+        if isinstance(current, ShmPath) and reply.shm is not None and current.arena.nonce == reply.shm.nonce:
+            return  # the same arena: nothing to change
+        if isinstance(current, InlinePath) and opts.transport == "inline":
+            return
+        if current is not None:
+            current.close()  # the server restarted with a new arena
+            self.path = None
+        if opts.transport == "inline":
+            self.path, self.transport_reason = InlinePath(self), "inline was asked for"
         else:
-            sock.send_multipart((header, encoded))
-        self._last_request = time.monotonic()
-        return rid
+            arena, prefaulter, why = try_attach(reply.shm, opts.prefault)
+            self.transport_reason = why
+            if arena is not None:
+                self.path = ShmPath(self, arena, prefaulter)
+            elif opts.transport == "shm":
+                raise TransportUnavailable(f"shm transport requested but {why}")
+            else:
+                # The arena's file visible here but unusable is most likely a misconfiguration
+                # (permissions, a second server, a stale path) rather than a remote client.
+                visible = reply.shm is not None and os.path.exists(reply.shm.path)
+                log.log(logging.WARNING if visible else logging.INFO, "kvdepot: using the inline transport (%s)", why)
+                self.path = InlinePath(self)
+        self.transport = self.path.name
+        if self.transport == "inline" and opts.tune_malloc:
+            keep_large_buffers_in_heap()  # received frames reuse warm heap instead of fresh pages
 
-    def _recv(self, body, deadline: float):
-        """Receive the next reply (any request id) before ``deadline``. Called with the lock held."""
-        sock = self._sock
-        # A blocking recv with RCVTIMEO saves a poll() syscall per request.
-        remaining_ms = int((deadline - time.monotonic()) * 1000)
-        if remaining_ms <= 0:
-            raise KVDepotTimeout(f"{type(body).__name__} got no reply from {self.url} in time")
-        if remaining_ms != self._rcvtimeo:
-            sock.setsockopt(zmq.RCVTIMEO, remaining_ms)
-            self._rcvtimeo = remaining_ms
-        try:
-            reply_header = sock.recv()
-            reply_body = sock.recv() if sock.getsockopt(zmq.RCVMORE) else b""
-            frames = []
-            while sock.getsockopt(zmq.RCVMORE):
-                frames.append(sock.recv(copy=False))
-        except zmq.Again:
-            raise KVDepotTimeout(f"{type(body).__name__} got no reply from {self.url} in time") from None
-        return codec.decode_reply_header(reply_header), reply_body, frames
+    # --- heartbeat -----------------------------------------------------------------------------------
 
-    def renew(self, sessions: Iterable[str] = (), lease_ids: Iterable[int] = ()) -> int:
-        """Push the TTL of these sessions' locks and of these leases (this client's own) to now + TTL;
-        returns how many leases were renewed (ended ones are skipped, not an error)."""
-        req = m.RenewLeasesRequest(context_id=0, lease_ids=list(lease_ids), sessions=list(sessions))
-        if not req.lease_ids and not req.sessions:
-            return 0
-        return self._call_ctx(req).renewed
-
-    def _heartbeat(self) -> None:
-        """Ping when idle (the server counts silence as death), and renew what is held well within the
-        lease TTL: the leases of open zero-copy blocks and the owner's sessions (``renew_sessions``)."""
-        interval = self._reg.heartbeat_interval_s
-        tick = max(0.05, min(interval, self._reg.lease_ttl_s / 4))
-        last_renewal = time.monotonic()
-        while not self._hb_stop.wait(tick):
-            now = time.monotonic()
-            if now - last_renewal >= self._reg.lease_ttl_s / 4:
-                last_renewal = now
-                if self._renew_held():
-                    continue  # a renewal is a request: proof of life as well
-            if now - self._last_request < interval:
-                continue
-            if not self._lock.acquire(timeout=interval):
-                continue  # a request is in flight: that is proof of life already
+    def _beat(self) -> None:
+        """Renew what is held well within the lease TTL (the leases of open zero-copy blocks and the
+        owner's sessions), and ping when idle (the server counts silence as death)."""
+        reg = self.registration
+        now = time.monotonic()
+        if now - self._last_renewal >= reg.lease_ttl_s / 4:
+            self._last_renewal = now
+            if self._renew_held():
+                return  # a renewal is a request: proof of life as well
+        if now - self.channel.last_request < reg.heartbeat_interval_s:
+            return
+        with self.channel.held(reg.heartbeat_interval_s) as got:
+            if not got:
+                return  # a request is in flight: that is proof of life already
             try:
-                self._call(m.PingRequest(), timeout_s=max(interval, 1.0))
+                self.channel.ping(timeout_s=max(reg.heartbeat_interval_s, 1.0))
             except KVDepotError as exc:
                 log.debug("heartbeat failed: %s", exc)
-            finally:
-                self._lock.release()
 
     def _renew_held(self) -> bool:
         with self._held_lock:
@@ -766,15 +487,16 @@ class KVClient:
                 log.exception("kvdepot: renew_sessions failed")
         if not leases and not sessions:
             return False
-        if not self._lock.acquire(timeout=self._reg.lease_ttl_s / 4):
-            return False
-        try:
-            self.renew(sessions, leases)
-        except KVDepotError as exc:
-            log.debug("lease renewal failed: %s", exc)
-        finally:
-            self._lock.release()
+        with self.channel.held(self.registration.lease_ttl_s / 4) as got:
+            if not got:
+                return False
+            try:
+                self.renew(sessions, leases)
+            except KVDepotError as exc:
+                log.debug("lease renewal failed: %s", exc)
         return True
+
+    # --- checks --------------------------------------------------------------------------------------
 
     def _as_hashes(self, tokens) -> list[ChunkHash]:
         if isinstance(tokens, list) and tokens and isinstance(tokens[0], bytes):
@@ -785,9 +507,7 @@ class KVClient:
         """``kv`` as an array of the layout's storage dtype (a view), after checking its dtype is the
         layout's exactly and its shape ``[K, L, T, H, D]`` with ``T == n_tokens`` (``exact``) or
         ``T >= n_tokens``. Any mismatch is a BadRequest naming both sides."""
-        return self._check_tokens(kv_array(kv, self.layout, raw), n_tokens, exact)
-
-    def _check_tokens(self, kv: np.ndarray, n_tokens: int, exact: bool = False) -> np.ndarray:
+        kv = kv_array(kv, self.layout, raw)
         lay = self.layout
         want = (lay.kv_factor, lay.num_layers, lay.num_kv_heads, lay.head_dim)
         if kv.ndim != 5 or (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4]) != want:
@@ -797,6 +517,46 @@ class KVClient:
         if kv.shape[2] < n_tokens:
             raise BadRequest(f"kv holds {kv.shape[2]} tokens, need at least {n_tokens}")
         return kv
+
+
+class ClientSession:
+    """One engine request's session on the server: its lookup (and the locks it takes), the L2 prefetch
+    that may follow, freeing locks the engine does not need, a retrieve that takes the locks over, and
+    the end. The server keeps the state (``server/sessions.py``); this is only the verbs."""
+
+    def __init__(self, client: KVClient, session_id: str) -> None:
+        self.client = client
+        self.id = session_id
+
+    def __repr__(self) -> str:
+        return f"ClientSession({self.id!r})"
+
+    def lookup(self, hashes: list[ChunkHash], cache_salt: str | None = None, lock: bool = True, prefetch: bool = True) -> int | None:
+        """Leading chunks stored (locked for this session when ``lock``); None: a prefetch from L2 runs,
+        ask ``status()`` again."""
+        if not hashes:
+            return 0
+        req = m.LookupRequest(
+            context_id=0, keys=list(hashes), cache_salt=cache_salt or "", session_id=self.id, lock=lock, prefetch=prefetch
+        )
+        return self.client.call_ctx(req).hits
+
+    def status(self) -> int | None:
+        return self.client.call_ctx(m.QueryPrefetchStatusRequest(context_id=0, session_id=self.id)).hits
+
+    def free(self, start: int = 0, end: int = -1) -> int:
+        """Release the locks on chunks ``[start, end)`` (the engine has them itself)."""
+        return self.client.call_ctx(m.FreeLookupLocksRequest(context_id=0, session_id=self.id, start=start, end=end)).released
+
+    def retrieve(self, hashes: list[ChunkHash], cache_salt: str | None = None, start: int = 0):
+        """``prepare_retrieve`` of ``hashes[start:]`` under this session's locks (a context manager)."""
+        return self.client.prepare_retrieve(hashes, cache_salt, session_id=self.id, start=start)
+
+    def renew(self) -> int:
+        return self.client.renew(sessions=[self.id])
+
+    def end(self) -> None:
+        self.client.call_ctx(m.EndSessionRequest(context_id=0, session_id=self.id))
 
 
 def check_url(url: str) -> None:
@@ -810,12 +570,3 @@ def check_url(url: str) -> None:
         ok = False
     if not ok:
         raise ValueError(f"kvdepot URL {url!r} is not tcp://HOST:PORT or ipc://PATH (e.g. tcp://127.0.0.1:5555)")
-
-
-def _leading_stored(statuses: list[m.SlotStatus]) -> int:
-    n = 0
-    for s in statuses:
-        if s not in (m.SlotStatus.ALLOCATED, m.SlotStatus.EXISTS):
-            break
-        n += 1
-    return n

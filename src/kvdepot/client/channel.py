@@ -1,0 +1,187 @@
+"""RpcChannel: typed requests to one kvdepot endpoint over one ZeroMQ DEALER socket.
+
+It owns request ids, deadlines and pipelining, and nothing above them (no context, no KV): a KVClient
+uses one, and so can a node calling another node. It is safe for several threads at once: each call or
+pipeline holds the channel for its whole exchange, so a reply always reaches the thread that asked;
+others wait their turn (a late reply to a request given up on is recognised by its id and dropped).
+
+Life cycle: ``RpcChannel(url)`` builds nothing; ``open`` connects the socket; ``close`` closes it. A
+``Heartbeat`` runs a callback on its own thread, started and stopped explicitly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import zmq
+
+from kvdepot.errors import ErrorCode, KVDepotError, KVDepotTimeout
+from kvdepot.protocol import codec
+from kvdepot.protocol import messages as m
+
+OnReply = Callable[[int, object, list], None]  # (request index, typed reply, payload frames)
+
+
+class RpcChannel:
+    def __init__(self, url: str, context: zmq.Context | None = None) -> None:
+        self.url = url
+        self._zctx = context or zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
+        self._ids = itertools.count(1)
+        self._rcvtimeo = -1
+        self._lock = threading.RLock()
+        self.last_request = 0.0  # monotonic time of the last request sent
+        self.closed = False
+
+    def __repr__(self) -> str:
+        return f"RpcChannel({self.url!r}, open={self._sock is not None and not self.closed})"
+
+    def open(self) -> RpcChannel:
+        sock = self._zctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.connect(self.url)
+        self._sock = sock
+        return self
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            if self._sock is not None:
+                self._sock.close(linger=0)
+
+    def held(self, timeout_s: float):
+        """The channel's lock, for a caller that wants it only if it comes within ``timeout_s``
+        (``with ch.held(t) as got: if got: ...``): the heartbeat does not queue behind a request."""
+        return _TryLock(self._lock, timeout_s)
+
+    # --- requests ------------------------------------------------------------------------------------
+
+    def call(self, body, payload: Sequence = (), timeout_s: float = 10.0, want_payload: bool = False, closing: bool = False):
+        """One request, one reply (typed; the server's error reply raises the matching KVDepotError)."""
+        with self._lock:
+            rid = self._send(body, payload, timeout_s, closing)
+            deadline = time.monotonic() + timeout_s
+            while True:
+                header, reply_body, frames = self._recv(body, deadline)
+                if header.request_id != rid:
+                    continue  # a late reply to a request given up on
+                result = codec.decode_reply_body(codec.request_type_of(body), header, reply_body)
+                return (result, frames) if want_payload else result
+
+    def pipeline(self, requests: list[tuple[object, Sequence]], on_reply: OnReply | None = None, timeout_s: float = 10.0, window: int = 4) -> list:
+        """Send ``requests`` with up to ``window`` in flight and collect every reply (in request order).
+
+        ``on_reply(index, result, frames)`` runs as each reply arrives, so a caller can consume one
+        reply's payload while ZeroMQ is still receiving the next. The first error is raised (the other
+        replies are then discarded as stale when they arrive).
+        """
+        with self._lock:
+            results: list = [None] * len(requests)
+            pending: dict[int, int] = {}
+            deadline = time.monotonic() + timeout_s
+            sent = 0
+            while sent < len(requests) or pending:
+                while sent < len(requests) and len(pending) < window:
+                    body, payload = requests[sent]
+                    pending[self._send(body, payload, timeout_s)] = sent
+                    sent += 1
+                header, reply_body, frames = self._recv(requests[0][0], deadline)
+                index = pending.pop(header.request_id, None)
+                if index is None:
+                    continue
+                result = codec.decode_reply_body(codec.request_type_of(requests[index][0]), header, reply_body)
+                results[index] = result
+                if on_reply is not None:
+                    on_reply(index, result, frames)
+            return results
+
+    def _send(self, body, payload: Sequence, timeout_s: float, closing: bool = False) -> int:
+        """Send one request; returns its id. Called with the lock held."""
+        if self.closed and not closing:
+            raise KVDepotError("client is closed", ErrorCode.CONNECTION)
+        sock = self._sock
+        if sock is None:
+            raise KVDepotError("channel is not open", ErrorCode.CONNECTION)
+        rid = next(self._ids)
+        header, encoded = codec.encode_request(rid, body, int(timeout_s * 1000))
+        # Small frames are copied (cheaper than zero-copy bookkeeping); KV payload is not.
+        if payload:
+            sock.send(header, zmq.SNDMORE)
+            sock.send(encoded, zmq.SNDMORE)
+            sock.send_multipart(payload, copy=False)
+        else:
+            sock.send_multipart((header, encoded))
+        self.last_request = time.monotonic()
+        return rid
+
+    def _recv(self, body, deadline: float):
+        """Receive the next reply (any request id) before ``deadline``. Called with the lock held."""
+        sock = self._sock
+        assert sock is not None
+        # A blocking recv with RCVTIMEO saves a poll() syscall per request.
+        remaining_ms = int((deadline - time.monotonic()) * 1000)
+        if remaining_ms <= 0:
+            raise KVDepotTimeout(f"{type(body).__name__} got no reply from {self.url} in time")
+        if remaining_ms != self._rcvtimeo:
+            sock.setsockopt(zmq.RCVTIMEO, remaining_ms)
+            self._rcvtimeo = remaining_ms
+        try:
+            reply_header = sock.recv()
+            reply_body = sock.recv() if sock.getsockopt(zmq.RCVMORE) else b""
+            frames = []
+            while sock.getsockopt(zmq.RCVMORE):
+                frames.append(sock.recv(copy=False))
+        except zmq.Again:
+            raise KVDepotTimeout(f"{type(body).__name__} got no reply from {self.url} in time") from None
+        return codec.decode_reply_header(reply_header), reply_body, frames
+
+    def ping(self, timeout_s: float = 10.0) -> bool:
+        return self.call(m.PingRequest(), timeout_s=timeout_s).ok
+
+
+class _TryLock:
+    def __init__(self, lock: threading.RLock, timeout_s: float) -> None:
+        self._lock, self._timeout, self._got = lock, timeout_s, False
+
+    def __enter__(self) -> bool:
+        self._got = self._lock.acquire(timeout=self._timeout)
+        return self._got
+
+    def __exit__(self, *exc) -> None:
+        if self._got:
+            self._lock.release()
+
+
+class Heartbeat:
+    """Calls ``tick()`` every ``interval_s`` on its own thread, from ``start`` until ``stop``. A tick that
+    raises is logged by the caller's tick itself; the loop never dies of one."""
+
+    def __init__(self, interval_s: float, tick: Callable[[], None], name: str = "kvdepot-heartbeat") -> None:
+        self._interval = interval_s
+        self._tick = tick
+        self._name = name
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._tick()
+            except Exception:  # never let the heartbeat die: the server would declare us gone
+                pass

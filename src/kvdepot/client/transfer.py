@@ -1,0 +1,383 @@
+"""How a client moves KV bytes: one class per path, behind ``TransferPath``, chosen once at connect.
+
+- ``ShmPath`` (same host): PREPARE/COMMIT against the server's arena, which this process maps; the
+  engine's gather or scatter is the one copy. Offsets come only with a lease, renewed while the block
+  runs (``host.holding``), and the arena is watched by this process's liveness lock.
+- ``InlinePath`` (any host): raw payload frames over the socket, as pipelined bounded messages. A
+  zero-copy block gets a staging buffer of its own from the pool, held until the block exits.
+- A later ``cuda_ipc`` path plugs in here.
+
+A path asks its host (the KVClient) for the context's numbers and for requests on the context
+(``PathHost``); it never registers, reconnects or owns the socket itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from typing import Protocol
+
+import numpy as np
+
+from kvdepot.client.staging import StagingPool
+from kvdepot.layout import KVLayout
+from kvdepot.protocol import codec
+from kvdepot.protocol import messages as m
+from kvdepot.shm import Prefaulter, SharedArena
+from kvdepot.types import ChunkHash, SlotStatus
+
+INLINE_BATCH_BYTES = 32 << 20  # inline transfers go as pipelined messages of about this size
+
+
+class StoreSlots(list):
+    """One entry per complete chunk: a writable ``[K, L, T, H, D]`` array, or None where nothing is to be
+    written. ``statuses`` says why (SlotStatus per chunk)."""
+
+    statuses: list[SlotStatus]
+
+
+class PathHost(Protocol):
+    """What a path needs of its client."""
+
+    layout: KVLayout
+
+    @property
+    def chunk_size(self) -> int: ...
+    @property
+    def chunk_bytes(self) -> int: ...
+    @property
+    def context_id(self) -> int: ...
+    @property
+    def max_frame_bytes(self) -> int: ...
+    def call(self, body, payload: Sequence = ()): ...
+    def call_ctx(self, body, payload: Sequence = (), want_payload: bool = False, path: object = None): ...
+    @property
+    def path(self) -> TransferPath | None: ...
+    def pipeline_ctx(self, requests: list[tuple[object, Sequence]], on_reply=None) -> list: ...
+    def lookup_chunks(self, hashes: list[ChunkHash], cache_salt: str | None = None, session_id: str = "") -> int | None: ...
+    def stored_chunks(self, hashes: list[ChunkHash], salt: str) -> int: ...
+    def holding(self, lease_id: int) -> AbstractContextManager[None]: ...
+
+
+class TransferPath(Protocol):
+    name: str  # "shm" | "inline"
+
+    def prepare_store(self, hashes: list[ChunkHash], salt: str) -> AbstractContextManager[StoreSlots]: ...
+    def prepare_retrieve(self, hashes: list[ChunkHash], salt: str, session_id: str, start: int) -> AbstractContextManager[list[np.ndarray]]: ...
+    def store(self, hashes: list[ChunkHash], kv: np.ndarray, salt: str) -> int: ...
+    def retrieve_into(self, hashes: list[ChunkHash], salt: str, out: np.ndarray | None) -> np.ndarray: ...
+    def close(self) -> None: ...
+
+
+class PathChanged(Exception):
+    """The server forgot our context and registering again brought a different path (a restarted
+    server: a new arena). The request was not redone; the caller redoes it on the host's new path."""
+
+
+def leading_stored(statuses: list[SlotStatus]) -> int:
+    n = 0
+    for s in statuses:
+        if s not in (SlotStatus.ALLOCATED, SlotStatus.EXISTS):
+            break
+        n += 1
+    return n
+
+
+def _copy_chunks(slots: StoreSlots, kv: np.ndarray, cs: int) -> None:
+    for i, slot in enumerate(slots):
+        if slot is not None:
+            np.copyto(slot, kv[:, :, i * cs : (i + 1) * cs], casting="no")
+
+
+# --- shm -------------------------------------------------------------------------------------------
+
+
+class ShmPath:
+    name = "shm"
+
+    def __init__(self, host: PathHost, arena: SharedArena, prefaulter: Prefaulter | None) -> None:
+        self._host = host
+        self.arena = arena
+        self.prefaulter = prefaulter
+
+    def __repr__(self) -> str:
+        return f"ShmPath({self.arena.path})"
+
+    def close(self) -> None:
+        if self.prefaulter is not None:
+            self.prefaulter.stop()
+        self.arena.close()  # also drops our liveness lock
+
+    def _slot(self, offset: int, writable: bool) -> np.ndarray:
+        h = self._host
+        view = self.arena.buffer[offset : offset + h.chunk_bytes]
+        return h.layout.view_chunk(view, h.chunk_size, writable=writable)
+
+    @contextmanager
+    def prepare_store(self, hashes: list[ChunkHash], salt: str) -> Iterator[StoreSlots]:
+        h = self._host
+        try:
+            reply = h.call_ctx(m.PrepareStoreRequest(context_id=0, keys=list(hashes), cache_salt=salt), path=self)
+        except PathChanged:  # the server restarted: its offsets are into another arena
+            with h.path.prepare_store(hashes, salt) as slots:
+                yield slots
+            return
+        context_id = h.context_id
+        slots = StoreSlots(
+            self._slot(off, True) if st == SlotStatus.ALLOCATED else None for off, st in zip(reply.offsets, reply.statuses)
+        )
+        slots.statuses = [SlotStatus(s) for s in reply.statuses]
+        with h.holding(reply.lease_id):
+            try:
+                yield slots
+            except BaseException:
+                self._finish_store(context_id, reply.lease_id, abort=True)
+                raise
+            self._finish_store(context_id, reply.lease_id, abort=False)
+
+    def _finish_store(self, context_id: int, lease_id: int, abort: bool) -> None:
+        if lease_id == 0:
+            return
+        try:
+            self._host.call(m.CommitStoreRequest(context_id=context_id, lease_id=lease_id, abort=abort))
+        except Exception:
+            if not abort:
+                raise
+            # An abort that fails (server gone, lease expired) leaves nothing behind: the lease ends.
+
+    @contextmanager
+    def prepare_retrieve(self, hashes: list[ChunkHash], salt: str, session_id: str, start: int) -> Iterator[list[np.ndarray]]:
+        h = self._host
+        req = m.PrepareRetrieveRequest(context_id=0, keys=list(hashes), cache_salt=salt, session_id=session_id, start=start)
+        try:
+            reply = h.call_ctx(req, path=self)
+        except PathChanged:  # the server restarted: its offsets are into another arena
+            with h.path.prepare_retrieve(hashes, salt, session_id, start) as views:
+                yield views
+            return
+        context_id = h.context_id
+        views = [self._slot(off, False) for off in reply.offsets]
+        with h.holding(reply.lease_id):
+            try:
+                yield views
+            finally:
+                if reply.lease_id:
+                    # LeaseExpired here means the bytes may have been reused while read: it propagates.
+                    h.call(m.CommitRetrieveRequest(context_id=context_id, lease_id=reply.lease_id))
+
+    def store(self, hashes: list[ChunkHash], kv: np.ndarray, salt: str) -> int:
+        with self.prepare_store(hashes, salt) as slots:
+            _copy_chunks(slots, kv, self._host.chunk_size)
+        return leading_stored(slots.statuses)
+
+    def retrieve_into(self, hashes: list[ChunkHash], salt: str, out: np.ndarray | None) -> np.ndarray:
+        h = self._host
+        cs = h.chunk_size
+        with self.prepare_retrieve(hashes, salt, "", 0) as views:
+            n = len(views) * cs
+            out = h.layout.empty(n) if out is None else _check_room(out, n)
+            for i, view in enumerate(views):
+                np.copyto(out[:, :, i * cs : (i + 1) * cs], view, casting="no")
+        return out[:, :, :n]
+
+
+# --- inline ----------------------------------------------------------------------------------------
+
+
+class InlinePath:
+    name = "inline"
+
+    def __init__(self, host: PathHost) -> None:
+        self._host = host
+        self._staging = StagingPool()
+
+    def __repr__(self) -> str:
+        return f"InlinePath({self._staging!r})"
+
+    def close(self) -> None:
+        pass
+
+    @property
+    def _rows(self) -> int:
+        lay = self._host.layout
+        return lay.kv_factor * lay.num_layers
+
+    def _send_store(self, hashes: list[ChunkHash], salt: str, first: int, chunk_frames: list[list], rpf: int) -> list[SlotStatus]:
+        """Store chunks ``hashes[first:]`` whose frames are ``chunk_frames`` as pipelined messages of
+        about INLINE_BATCH_BYTES each: bounded memory on both ends, and the server copies one batch
+        into L1 while the next is still on the wire."""
+        h = self._host
+        per_batch = max(1, INLINE_BATCH_BYTES // h.chunk_bytes)
+        requests = []
+        for i in range(first, len(hashes), per_batch):
+            j = min(i + per_batch, len(hashes))
+            body = m.StoreInlineRequest(
+                context_id=h.context_id, keys=list(hashes[:j]), cache_salt=salt, rows_per_frame=rpf, first=i, count=j - i
+            )
+            requests.append((body, [f for frames in chunk_frames[i - first : j - first] for f in frames]))
+        replies = h.pipeline_ctx(requests)
+        return [SlotStatus(s) for r in replies for s in r.statuses]
+
+    @contextmanager
+    def prepare_store(self, hashes: list[ChunkHash], salt: str) -> Iterator[StoreSlots]:
+        h = self._host
+        first = h.lookup_chunks(hashes, salt) or 0  # skip sending what is already there
+        n_new = len(hashes) - first
+        buffer = self._staging.acquire(n_new * h.chunk_bytes)  # this block's alone
+        staging = buffer[: n_new * h.chunk_bytes].reshape(n_new, h.chunk_bytes)
+        slots = StoreSlots([None] * first)
+        slots.extend(h.layout.view_chunk(staging[i], h.chunk_size) for i in range(n_new))
+        slots.statuses = [SlotStatus.EXISTS] * first + [SlotStatus.ALLOCATED] * n_new
+        try:
+            yield slots  # an exception inside the block just drops the staging contents
+        except BaseException:
+            self._staging.release(buffer)
+            raise
+        if not n_new:
+            self._staging.release(buffer)
+            return
+        max_frame = h.max_frame_bytes
+        rpf = codec.rows_per_frame_for(h.chunk_bytes, self._rows, max_frame)
+        frames = [codec.split_object(row, self._rows, rpf, max_frame) for row in staging]
+        # On failure the buffer is dropped, not pooled: ZeroMQ may still be sending from it.
+        slots.statuses[first:] = self._send_store(hashes, salt, first, frames, rpf)
+        self._staging.release(buffer)
+
+    def store(self, hashes: list[ChunkHash], kv: np.ndarray, salt: str) -> int:
+        """A C-contiguous ``kv`` goes without staging: each (k, layer) row of a chunk is contiguous in
+        it, so it is sent as its own frame, straight from the caller's memory."""
+        h = self._host
+        cs = h.chunk_size
+        row_bytes = h.chunk_bytes // self._rows
+        if not kv.flags.c_contiguous or row_bytes > h.max_frame_bytes or row_bytes < (64 << 10):
+            # Strided, rows too big for a frame, or so small that ZeroMQ would copy them anyway: stage.
+            with self.prepare_store(hashes, salt) as slots:
+                _copy_chunks(slots, kv, cs)
+            return leading_stored(slots.statuses)
+        first = h.lookup_chunks(hashes, salt) or 0
+        if first == len(hashes):
+            return len(hashes)
+        frames = []
+        for i in range(first, len(hashes)):
+            rows = np.reshape(kv[:, :, i * cs : (i + 1) * cs], (self._rows, -1), copy=False)
+            frames.append([memoryview(r).cast("B") for r in rows])
+        statuses = [SlotStatus.EXISTS] * first + self._send_store(hashes, salt, first, frames, 1)
+        return leading_stored(statuses)
+
+    def _fetch(self, hashes: list[ChunkHash], salt: str, session_id: str, start: int, consume, n_found: int | None = None) -> int:
+        """Fetch the stored chunks from ``start`` on as pipelined bounded replies.
+
+        ``consume(chunk_index, frames, rows_per_frame)`` gets each chunk's checked frames as its reply
+        arrives. Returns how many chunks (from ``start``) form the prefix that was delivered.
+        """
+        h = self._host
+        if session_id:
+            # The session's locks decide what is found (a plain lookup cannot see chunks that are
+            # locked but cleared meanwhile): one request, whose reply says how many.
+            n_found, per_batch = len(hashes) - start, len(hashes)
+        else:
+            if n_found is None:
+                # Objects are keyed per chunk, so this counts the stored run from ``start`` on.
+                n_found = h.lookup_chunks(hashes[start:], salt) or 0
+            per_batch = max(1, INLINE_BATCH_BYTES // h.chunk_bytes)
+        starts = list(range(start, start + n_found, per_batch))
+        requests = [
+            (
+                m.RetrieveInlineRequest(
+                    context_id=h.context_id,
+                    keys=list(hashes),
+                    cache_salt=salt,
+                    session_id=session_id,
+                    start=s0,
+                    limit=min(per_batch, start + n_found - s0),
+                ),
+                (),
+            )
+            for s0 in starts
+        ]
+        got = [0] * len(starts)
+        max_frame = h.max_frame_bytes
+
+        def on_reply(index: int, reply: m.RetrieveInlineReply, frames: list) -> None:
+            per = codec.check_payload(frames, reply.found, h.chunk_bytes, self._rows, reply.rows_per_frame, max_frame, 0)
+            got[index] = reply.found
+            for k in range(reply.found):
+                consume(starts[index] + k - start, frames[k * per : (k + 1) * per], reply.rows_per_frame)
+
+        if requests:
+            h.pipeline_ctx(requests, on_reply)
+        # A prefix: stop at the first batch that came back short (evicted since the lookup).
+        n = 0
+        for index, s0 in enumerate(starts):
+            n = s0 - start + got[index]
+            if got[index] < min(per_batch, start + n_found - s0):
+                break
+        return n
+
+    @contextmanager
+    def prepare_retrieve(self, hashes: list[ChunkHash], salt: str, session_id: str, start: int) -> Iterator[list[np.ndarray]]:
+        """Views of the leading stored chunks: a single-frame chunk is viewed where ZeroMQ received it;
+        multi-frame chunks are joined into this block's own staging buffer as each reply arrives (so
+        received frames are freed as we go), given back when the block exits."""
+        h = self._host
+        n_found = len(hashes) - start if session_id else h.stored_chunks(hashes[start:], salt)
+        buffer = None
+        if h.chunk_bytes > codec.TARGET_FRAME_BYTES and n_found:
+            buffer = self._staging.acquire(n_found * h.chunk_bytes)
+        views: dict[int, np.ndarray] = {}
+
+        def consume(i: int, parts: list, rows_per_frame: int) -> None:
+            if len(parts) == 1:
+                views[i] = h.layout.view_chunk(parts[0].buffer, h.chunk_size, writable=False)
+                return
+            assert buffer is not None
+            base = pos = i * h.chunk_bytes
+            for f in parts:
+                src = np.frombuffer(f.buffer, np.uint8)
+                buffer[pos : pos + src.size] = src
+                pos += src.size
+            views[i] = h.layout.view_chunk(buffer[base:pos], h.chunk_size, writable=False)
+
+        try:
+            n = self._fetch(hashes, salt, session_id, start, consume, None if session_id else n_found)
+            yield [views[i] for i in range(n)]
+        finally:
+            if buffer is not None:
+                self._staging.release(buffer)  # the block is over: its views must not be used any more
+
+    def retrieve_into(self, hashes: list[ChunkHash], salt: str, out: np.ndarray | None) -> np.ndarray:
+        """Copy each received frame straight into its rows of ``out`` (already checked: the layout's
+        storage dtype) as its reply arrives (one copy)."""
+        h = self._host
+        if out is not None and not out.flags.c_contiguous:
+            result = self.retrieve_into(hashes, salt, None)
+            target = _check_room(out, result.shape[2])
+            np.copyto(target[:, :, : result.shape[2]], result, casting="no")
+            return target[:, :, : result.shape[2]]
+        cs = h.chunk_size
+        n_found = h.stored_chunks(hashes, salt)
+        out = h.layout.empty(n_found * cs) if out is None else _check_room(out, n_found * cs)
+        dtype = h.layout.storage_dtype
+        rows_n = self._rows
+
+        def consume(c: int, parts: list, rows_per_frame: int) -> None:
+            rows = np.reshape(out[:, :, c * cs : (c + 1) * cs], (rows_n, -1), copy=False)
+            if rows_per_frame == 0:  # byte-split frames: rows larger than a frame
+                rows[...] = np.concatenate([np.frombuffer(f.buffer, dtype=dtype) for f in parts]).reshape(rows.shape)
+                return
+            r = 0
+            for frame in parts:
+                src = np.frombuffer(frame.buffer, dtype=dtype).reshape(-1, rows.shape[1])
+                rows[r : r + src.shape[0]] = src
+                r += src.shape[0]
+
+        n = self._fetch(hashes, salt, "", 0, consume, n_found)
+        return out[:, :, : n * cs]
+
+
+def _check_room(out: np.ndarray, n_tokens: int) -> np.ndarray:
+    from kvdepot.errors import BadRequest
+
+    if out.shape[2] < n_tokens:
+        raise BadRequest(f"out holds {out.shape[2]} tokens, need at least {n_tokens}")
+    return out
