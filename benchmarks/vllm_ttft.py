@@ -31,22 +31,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import random
-import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-VOCAB = 1024
-FIRST_WORD = 3  # ids 0-2 are <unk>, <s>, </s>
+# The engine harness is the e2e tests' (tests/support/vllm_engines.py): the same worker, model and environment.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from support.vllm_engines import Engine, ModelShape, TinyModel, connector_config, interrupt_group, make_tiny_model, words  # noqa: E402
+
+from kvdepot.bench.serverproc import ServerProcess, free_port  # noqa: E402
+
 CHUNK = 256  # tokens per chunk, kvdepot and LMCache alike (a multiple of vLLM's CPU block size, 128)
 MODEL_NAME = "kvdepot-bench-llama"
 MAX_TOKENS = 8
@@ -78,249 +79,13 @@ class Scale:
     user_msg_len: int
     max_model_len: int
 
+    @property
+    def shape(self) -> ModelShape:
+        return ModelShape(self.layers, self.hidden, self.heads, self.kv_heads, self.max_model_len)
+
 
 FULL = Scale(8, 1024, 8, 4, (4096, 6144), 3, 32, 1024, 2, 3, 256, 8192)
 QUICK = Scale(4, 512, 8, 4, (1024, 2048), 3, 32, 512, 2, 3, 128, 4096)
-
-
-# --- the model ------------------------------------------------------------------------------------------
-
-
-def make_model(path: Path, s: Scale) -> str:
-    """A random-weight Llama and a word-level tokenizer (``w0 w1 ...``), saved like a hub model (the
-    same recipe as tests/e2e/conftest.py's tiny_model)."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    path.mkdir(parents=True, exist_ok=True)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": FIRST_WORD + i for i in range(VOCAB - FIRST_WORD)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(path)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=s.hidden,
-        intermediate_size=2 * s.hidden,
-        num_hidden_layers=s.layers,
-        num_attention_heads=s.heads,
-        num_key_value_heads=s.kv_heads,
-        head_dim=s.hidden // s.heads,
-        max_position_embeddings=s.max_model_len,
-        bos_token_id=1,
-        eos_token_id=2,
-        initializer_range=0.08,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(1234)
-    LlamaForCausalLM(config).save_pretrained(path)
-    return str(path)
-
-
-def words(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(FIRST_WORD, VOCAB) for _ in range(n)]
-
-
-# --- processes ------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        return sk.getsockname()[1]
-
-
-def engine_env(tmp: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """vLLM's CPU backend on a small machine (as tests/e2e/conftest.py's engine_env), caches in tmp.
-    The model runner's OpenMP threads are bound by VLLM_CPU_OMP_THREADS_BIND; every other process of
-    the engine gets one OpenMP thread."""
-    (tmp / "tmp").mkdir(parents=True, exist_ok=True)
-    cpus = sorted(os.sched_getaffinity(0))[:2]
-    env = {
-        **os.environ,
-        "VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}-{cpus[-1]}" if len(cpus) > 1 else str(cpus[0]),
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "2",
-        "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
-        "TMPDIR": str(tmp / "tmp"),
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-    }
-    env.update(extra or {})
-    return env
-
-
-class EngineDied(RuntimeError):
-    pass
-
-
-@dataclass
-class Engine:
-    """This file run with ``--worker``: one vLLM ``LLM``, driven by JSON lines."""
-
-    model: str
-    kv_config: dict | None
-    workdir: Path
-    name: str
-    max_model_len: int
-    env_extra: dict[str, str] = field(default_factory=dict)
-    proc: subprocess.Popen | None = None
-    _replies: queue.Queue = field(default_factory=queue.Queue)
-
-    @property
-    def log_path(self) -> Path:
-        return self.workdir / f"{self.name}.log"
-
-    def start(self, timeout_s: float = 600.0) -> Engine:
-        read_fd, write_fd = os.pipe()
-        cmd = [
-            sys.executable, os.path.abspath(__file__), "--worker",
-            "--model", self.model,
-            "--kv-transfer-config", json.dumps(self.kv_config),
-            "--result-fd", str(write_fd),
-            "--max-model-len", str(self.max_model_len),
-        ]  # fmt: skip
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.PIPE,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            pass_fds=(write_fd,),
-            env=engine_env(self.workdir, self.env_extra),
-            start_new_session=True,
-        )
-        os.close(write_fd)
-        log.close()
-        threading.Thread(target=self._read, args=(read_fd,), daemon=True).start()
-        ready = self._next(timeout_s)
-        assert ready.get("ready"), ready
-        return self
-
-    def _read(self, fd: int) -> None:
-        with os.fdopen(fd) as f:
-            for line in f:
-                self._replies.put(json.loads(line))
-        self._replies.put(None)
-
-    def _next(self, timeout_s: float) -> dict:
-        try:
-            reply = self._replies.get(timeout=timeout_s)
-        except queue.Empty:
-            raise TimeoutError(f"{self.name} did not answer in {timeout_s}s; log: {self.tail()}") from None
-        if reply is None:
-            raise EngineDied(f"{self.name} exited; log: {self.tail()}")
-        return reply
-
-    def call(self, cmd: dict, timeout_s: float = 600.0) -> dict:
-        assert self.proc is not None and self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
-        self.proc.stdin.flush()
-        reply = self._next(timeout_s)
-        if "error" in reply:
-            raise RuntimeError(f"{self.name}: {reply['error']}\n{reply.get('traceback', '')}")
-        return reply
-
-    def one(self, prompt: list[int], max_tokens: int = MAX_TOKENS) -> dict:
-        """Reset vLLM's prefix cache, then one request alone."""
-        self.call({"op": "reset_prefix_cache"})
-        r = self.call({"op": "generate", "prompts": [prompt], "max_tokens": max_tokens})
-        out = r["outputs"][0]
-        out["seconds"] = r["seconds"]
-        return out
-
-    def tail(self, n: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return "(no log)"
-
-    def close(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            self.call({"op": "exit"}, timeout_s=60)
-            self.proc.wait(60)
-        except Exception:
-            pass
-        finally:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait()
-
-
-def worker_main(argv: list[str]) -> None:
-    """The engine process (as tests/e2e/engine_worker.py): one JSON command a line on stdin, one JSON
-    reply a line on --result-fd."""
-    p = argparse.ArgumentParser()
-    p.add_argument("--worker", action="store_true")
-    p.add_argument("--model", required=True)
-    p.add_argument("--kv-transfer-config", required=True)
-    p.add_argument("--result-fd", type=int, required=True)
-    p.add_argument("--max-model-len", type=int, required=True)
-    a = p.parse_args(argv)
-    results = os.fdopen(a.result_fd, "w", buffering=1)
-
-    def reply(obj) -> None:
-        results.write(json.dumps(obj) + "\n")
-        results.flush()
-
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
-
-    kv = json.loads(a.kv_transfer_config)
-    llm = LLM(
-        model=a.model,
-        dtype="float32",
-        max_model_len=a.max_model_len,
-        max_num_batched_tokens=a.max_model_len,  # a whole prompt in one step
-        enforce_eager=True,
-        seed=0,
-        disable_log_stats=False,
-        kv_transfer_config=KVTransferConfig(**kv) if kv else None,
-    )
-    reply({"ready": True, "pid": os.getpid()})
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        cmd = json.loads(line)
-        try:
-            op = cmd["op"]
-            if op == "generate":
-                prompts = [TokensPrompt(prompt_token_ids=ids) for ids in cmd["prompts"]]
-                params = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"], ignore_eos=True)
-                t0 = time.perf_counter()
-                outs = llm.generate(prompts, params, use_tqdm=False)
-                seconds = time.perf_counter() - t0
-                reply(
-                    {
-                        "seconds": seconds,
-                        "outputs": [
-                            {
-                                "token_ids": list(o.outputs[0].token_ids),
-                                "num_cached_tokens": o.num_cached_tokens or 0,
-                                "ttft_s": getattr(o.metrics, "first_token_latency", None),
-                            }
-                            for o in outs
-                        ],
-                    }
-                )
-            elif op == "reset_prefix_cache":
-                reply({"ok": bool(llm.reset_prefix_cache())})
-            elif op == "exit":
-                reply({"ok": True})
-                break
-            else:
-                reply({"error": f"unknown op {op!r}"})
-        except Exception as exc:
-            reply({"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
-    del llm
 
 
 # --- LMCache (a benchmark peer) -------------------------------------------------------------------------
@@ -387,18 +152,7 @@ class LMCacheServer:
         raise TimeoutError(f"LMCache server not listening in {timeout_s}s")
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
+        interrupt_group(self.proc, grace_s=20)
 
 
 # --- workloads ------------------------------------------------------------------------------------------
@@ -428,7 +182,7 @@ def run_workloads(engine: Engine, s: Scale, rep: int = 0) -> list[Record]:
     recs: list[Record] = []
 
     def rec(workload: str, kind: str, tag: str, prompt: list[int]) -> list[int]:
-        o = engine.one(prompt)
+        o = engine.one(prompt, MAX_TOKENS)
         ttft = o["ttft_s"] if o["ttft_s"] else o["seconds"]
         recs.append(Record(workload, kind, f"r{rep}/{tag}", len(prompt), ttft, o["seconds"], o["num_cached_tokens"], o["token_ids"]))
         return o["token_ids"]
@@ -454,7 +208,7 @@ def run_workloads(engine: Engine, s: Scale, rep: int = 0) -> list[Record]:
     return recs
 
 
-def run_config(name: str, model: str, s: Scale, work: Path, repeats: int) -> list[Record]:
+def run_config(name: str, model: TinyModel, s: Scale, work: Path, repeats: int) -> list[Record]:
     wd = work / name
     wd.mkdir(parents=True, exist_ok=True)
     server = None
@@ -462,20 +216,13 @@ def run_config(name: str, model: str, s: Scale, work: Path, repeats: int) -> lis
     if name == "none":
         kv = None
     elif name == "kvdepot":
-        from kvdepot.bench.serverproc import ServerProcess
-
         server = ServerProcess(
             args=["--chunk-size", str(CHUNK), "--l1-size-gb", "2", "--log-level", "warning"],
             http_port=free_port(),
             env={"OMP_NUM_THREADS": "1"},
             log_path=str(wd / "kvdepot-server.log"),
         ).start()
-        kv = {
-            "kv_connector": "KVDepotConnector",
-            "kv_connector_module_path": "kvdepot.connectors.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"url": server.url, "chunk_size": CHUNK, "model_name": MODEL_NAME},
-        }
+        kv = connector_config(server.url, chunk_size=CHUNK, model_name=MODEL_NAME)
     elif name == "lmcache":
         ensure_lmcache(wd / "lmcache-install.log")
         port = free_port()
@@ -488,9 +235,18 @@ def run_config(name: str, model: str, s: Scale, work: Path, repeats: int) -> lis
         env_extra["PYTHONPATH"] = os.pathsep.join(filter(None, [str(LMCACHE_TARGET), os.environ.get("PYTHONPATH")]))
     else:
         raise ValueError(name)
-    engine = Engine(model, kv, wd, f"engine-{name}", s.max_model_len, env_extra)
+    engine = Engine(
+        model,
+        kv,
+        wd,
+        name=f"engine-{name}",
+        max_model_len=s.max_model_len,
+        llm_kwargs={"max_num_batched_tokens": s.max_model_len},  # a whole prompt in one step
+        kvcache_gb=2,
+        env_extra={"OMP_NUM_THREADS": "1", **env_extra},  # one OpenMP thread outside the model runner
+    )
     try:
-        engine.start()
+        engine.start(timeout_s=600)
         warm_up(engine, s)
         return [r for rep in range(repeats) for r in run_workloads(engine, s, rep)]
     finally:
@@ -530,9 +286,6 @@ def summarize(name: str, recs: list[Record]) -> dict:
 
 
 def main() -> None:
-    if "--worker" in sys.argv[1:]:
-        worker_main(sys.argv[1:])
-        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller model and prompts (4 layers, hidden 512, 1-2k-token docs)")
     ap.add_argument("--configs", default="none,kvdepot,lmcache")
@@ -546,7 +299,7 @@ def main() -> None:
     print(f"workdir (logs): {work}", flush=True)
     load_start = os.getloadavg()
     t_start = time.monotonic()
-    model = make_model(work / "model", s)
+    model = make_tiny_model(work / "model", s.shape)
 
     results: dict[str, list[Record] | str] = {}
     for name in args.configs.split(","):

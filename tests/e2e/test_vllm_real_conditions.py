@@ -19,9 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvdepot.bench.serverproc import ServerProcess, free_port
+from support.servers import Server, start_server, stop_server
+from support.vllm_engines import BLOCK, Engine, connector_config, expected_hit, make_prompts
 
-from .conftest import BLOCK, Engine, Server, connector_config, expected_hit, make_prompts
+from .conftest import VLLM_SERVER
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -34,13 +35,9 @@ MAX_TOKENS = 4
 @pytest.fixture(scope="module")
 def short_ttl_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("short-ttl-server")
-    proc = ServerProcess(
-        args=["--chunk-size", str(BLOCK), "--l1-size-gb", "1", "--lease-ttl-s", str(TTL_S), "--no-prefault"],
-        http_port=free_port(),
-        log_path=str(tmp / "server.log"),
-    )
-    with proc:
-        yield Server(proc)
+    s = start_server(tmp, "server", ["--lease-ttl-s", str(TTL_S)], ipc=False, base=VLLM_SERVER)
+    yield s
+    stop_server(s)
 
 
 @dataclass

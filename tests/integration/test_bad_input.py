@@ -13,12 +13,12 @@ from kvdepot.errors import ErrorCode, KVDepotError
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 
-from .conftest import (
+from support.servers import (
     CHUNK,
     LAYOUT,
     RawPeer,
-    _start_server,
-    _stop_server,
+    start_server,
+    stop_server,
     assert_bytes_equal,
     encode_body,
     make_kv,
@@ -36,9 +36,9 @@ ROWS = LAYOUT.kv_factor * LAYOUT.num_layers  # 4 rows of 2 KiB
 def srv(tmp_path_factory):
     # Raw peers are never declared gone here (client timeout far away), so any lease they leave behind
     # stays visible: only the server's own bookkeeping can bring the count back to zero.
-    s = _start_server(tmp_path_factory.mktemp("bad"), "bad-input", ["--max-frame-mib", "1", "--client-timeout-s", "600"])
+    s = start_server(tmp_path_factory.mktemp("bad"), "bad-input", ["--max-frame-mib", "1", "--client-timeout-s", "600"])
     yield s
-    _stop_server(s)
+    stop_server(s)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 from kvdepot.errors import ErrorCode
 from kvdepot.protocol import messages as m
 
-from .conftest import RawPeer, raw_header
+from support.servers import RawPeer, raw_header
 
 BAD_STR = b"\xa2\xff\xfe"  # msgpack fixstr of two bytes that are not UTF-8
 enc = msgspec.msgpack.encode

@@ -7,7 +7,7 @@ import pytest
 
 from kvdepot import KVLayout
 
-from .conftest import CHUNK, assert_bytes_equal, make_kv, make_tokens, wait_until
+from support.servers import CHUNK, assert_bytes_equal, make_kv, make_tokens, wait_until
 
 BIG = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64)  # 4 KiB a token, 64 KiB a chunk
 L1_GB = "0.015625"  # 16 MiB = 256 chunks of 64 KiB

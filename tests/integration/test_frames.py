@@ -13,7 +13,7 @@ import pytest
 from kvdepot import KVLayout
 from kvdepot.errors import BadRequest
 
-from .conftest import CHUNK, LAYOUT, _start_server, _stop_server, assert_bytes_equal, make_kv, make_tokens
+from support.servers import CHUNK, LAYOUT, assert_bytes_equal, make_kv, make_tokens, start_server, stop_server
 
 LAYOUTS = {
     # row = T*H*D*itemsize with T = 16
@@ -25,9 +25,9 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    s = _start_server(tmp_path_factory.mktemp("frames"), "frames", ["--max-frame-mib", "1"])
+    s = start_server(tmp_path_factory.mktemp("frames"), "frames", ["--max-frame-mib", "1"])
     yield s
-    _stop_server(s)
+    stop_server(s)
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))

@@ -22,7 +22,7 @@ from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.identity import boot_id, pid_namespace
 
-from .conftest import CHUNK, LAYOUT, MODEL, RawPeer, assert_bytes_equal, make_kv, make_tokens, wait_until
+from support.servers import CHUNK, LAYOUT, MODEL, RawPeer, assert_bytes_equal, make_kv, make_tokens, wait_until
 
 SEED = int(os.environ.get("KVDEPOT_FUZZ_SEED", "20240611"))
 PEERS = 4

@@ -21,7 +21,7 @@ from kvdepot.bench.serverproc import free_port
 from kvdepot.protocol import codec
 from kvdepot.protocol.messages import PingRequest
 
-from .conftest import CHUNK, LAYOUT, assert_bytes_equal, make_kv, make_tokens
+from support.servers import CHUNK, LAYOUT, assert_bytes_equal, make_kv, make_tokens
 
 PY = sys.executable
 

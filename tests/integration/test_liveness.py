@@ -18,7 +18,7 @@ from kvdepot.errors import ErrorCode, LeaseExpired
 from kvdepot.protocol import messages as m
 from kvdepot.types import SlotStatus
 
-from .conftest import CHUNK, LAYOUT, MODEL, assert_bytes_equal, make_kv, make_tokens, wait_until
+from support.servers import CHUNK, LAYOUT, MODEL, assert_bytes_equal, make_kv, make_tokens, wait_until
 
 WORKER = Path(__file__).with_name("_worker.py")
 

@@ -7,20 +7,8 @@ import time
 
 import pytest
 
-from kvdepot.bench.serverproc import ServerProcess
 
-from .conftest import CHUNK, LAYOUT, assert_bytes_equal, make_kv, make_tokens, wait_until
-
-
-def _restart(srv) -> None:
-    """Stop the server process and start a new one with the very same ports and ipc path."""
-    old = srv.proc
-    assert old.stop() == 0, "the server must exit cleanly on SIGTERM"
-    new = ServerProcess(
-        args=list(old.args), port=old.port, http_port=old.http_port, ipc_path=old.ipc_path, log_path=str(srv.log_path)
-    )
-    new.start()
-    srv.proc = new
+from support.servers import CHUNK, LAYOUT, assert_bytes_equal, make_kv, make_tokens, wait_until
 
 
 @pytest.mark.parametrize("endpoint", ["tcp", "ipc"])
@@ -36,7 +24,7 @@ def test_client_keeps_working_across_a_restart(make_server, endpoint, transport,
         assert c.store(t1, kv1) == 4 * CHUNK
         shm_before = srv.status()["l1"]["shm_path"]
 
-        _restart(srv)
+        srv.restart()
         assert srv.status()["l1"]["shm_path"] != shm_before  # a new arena
 
         # The first call finds its context unknown, registers again and goes on.
@@ -61,7 +49,7 @@ def test_client_keeps_working_across_a_restart(make_server, endpoint, transport,
         assert srv.status()["leases"] == 0
 
         # A second restart works just as well (the client remaps again).
-        _restart(srv)
+        srv.restart()
         assert c.store(t2, kv2) == 5 * CHUNK
         assert_bytes_equal(c.retrieve(t2), kv2)
         assert srv.status()["l1"]["objects"] == 5
@@ -75,7 +63,7 @@ def test_client_operations_right_after_restart_with_prepare_store(make_server, s
     kv = make_kv(LAYOUT, len(t), seed)
     with srv.client() as c:
         assert c.store(t, kv) == 3 * CHUNK
-        _restart(srv)
+        srv.restart()
         # The very first request after the restart is a PREPARE_STORE on the shm path: the slots it
         # hands out must be in the *new* arena, or the server would never see the bytes.
         with c.prepare_store(t) as slots:
@@ -91,15 +79,12 @@ def test_heartbeats_survive_a_restart(make_server, seed):
     """While the server is down the heartbeat fails quietly; afterwards the client is usable again."""
     srv = make_server("--heartbeat-interval-s", "0.2")
     with srv.client() as c:
-        old = srv.proc
-        assert old.stop() == 0
+        assert srv.stop() == 0
         # Let a few heartbeats fail against the dead endpoint (bounded wait for them to have happened).
         hb = c.registration.heartbeat_interval_s
         assert hb == pytest.approx(0.2)
         time.sleep(5 * hb)
-        new = ServerProcess(args=list(old.args), port=old.port, http_port=old.http_port, ipc_path=old.ipc_path, log_path=str(srv.log_path))
-        new.start()
-        srv.proc = new
+        srv.start_again()
         assert c.ping()
         t = make_tokens(2 * CHUNK, seed)
         kv = make_kv(LAYOUT, len(t), seed)

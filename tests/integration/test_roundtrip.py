@@ -9,7 +9,7 @@ import pytest
 from kvdepot import KVLayout
 from kvdepot.types import SlotStatus
 
-from .conftest import CHUNK, LAYOUT, assert_bytes_equal, make_kv, make_tokens
+from support.servers import CHUNK, LAYOUT, assert_bytes_equal, make_kv, make_tokens
 
 
 def _url(server, endpoint: str) -> str:

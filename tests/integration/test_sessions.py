@@ -7,7 +7,7 @@ import pytest
 
 from kvdepot.errors import ErrorCode, KVDepotError
 
-from .conftest import CHUNK, LAYOUT, assert_bytes_equal, make_kv, make_tokens
+from support.servers import CHUNK, LAYOUT, assert_bytes_equal, make_kv, make_tokens
 
 
 @pytest.fixture

@@ -16,20 +16,16 @@ import pytest
 
 from kvdepot.bench.serverproc import free_port
 
-from .conftest import wait_until
-from .tiers_conftest import (  # noqa: F401  (own_valkey, own_weed, remote_backend, small_tmpfs: fixtures)
+from support.backends import resize_tmpfs
+from support.plugin import RemoteBackend
+from support.servers import wait_until
+from support.tiers import (
     BIG_CHUNK,
-    RemoteBackend,
     assert_consistent,
     assert_prefix_bytes,
     assert_served_whole,
     fs_spec,
     make_prompt,
-    own_valkey,
-    own_weed,
-    remote_backend,
-    resize_tmpfs,
-    small_tmpfs,
     start_tier_server,
     store_full,
     store_stats,

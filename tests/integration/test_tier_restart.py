@@ -20,7 +20,7 @@ import numpy as np
 
 from kvdepot.bench.serverproc import free_port
 
-from .tiers_conftest import (
+from support.tiers import (
     Prompt,
     assert_consistent,
     assert_no_loss_counters,

@@ -18,8 +18,8 @@ import pytest
 
 from kvdepot.bench.serverproc import free_port
 
-from .conftest import CHUNK, LAYOUT, as_bits, wait_until
-from .tiers_conftest import (  # noqa: F401  (s3_server, valkey_server: fixtures)
+from support.servers import CHUNK, LAYOUT, as_bits, wait_until
+from support.tiers import (
     BIG_CHUNK,
     TINY_L1_GB,
     assert_consistent,
@@ -31,13 +31,11 @@ from .tiers_conftest import (  # noqa: F401  (s3_server, valkey_server: fixtures
     fs_spec,
     make_prompt,
     prefetch_stats,
-    s3_server,
     s3_spec,
     start_tier_server,
     store_full,
     store_stats,
     tier_of,
-    valkey_server,
     valkey_spec,
     wait_prefetch,
     wait_store_idle,

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from integration.conftest import CHUNK, LAYOUT, make_kv, make_tokens
+from support.servers import CHUNK, LAYOUT, make_kv, make_tokens
 
 
 @pytest.fixture

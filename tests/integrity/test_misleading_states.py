@@ -3,9 +3,7 @@ that name the thing to fix."""
 
 from __future__ import annotations
 
-import logging
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -15,12 +13,17 @@ import httpx
 import msgspec
 import pytest
 
-from integration.conftest import CHUNK, LAYOUT, MODEL, RawPeer, make_kv, make_tokens, wait_until
-from integration.tiers_conftest import (  # noqa: F401  (small_tmpfs: a fixture)
+from kvdepot import KVClient
+from kvdepot.bench.serverproc import free_port
+from kvdepot.errors import BadRequest, ErrorCode, KVDepotError
+from kvdepot.protocol import messages as m
+from kvdepot.types import SlotStatus
+
+from support.servers import CHUNK, LAYOUT, MODEL, RawPeer, make_kv, make_tokens, wait_until
+from support.tiers import (
     BIG_CHUNK,
     fs_spec,
     make_prompt,
-    small_tmpfs,
     start_tier_server,
     store_full,
     store_stats,
@@ -28,11 +31,6 @@ from integration.tiers_conftest import (  # noqa: F401  (small_tmpfs: a fixture)
     valkey_spec,
     wait_store_idle,
 )
-from kvdepot import KVClient
-from kvdepot.bench.serverproc import free_port
-from kvdepot.errors import BadRequest, ErrorCode, KVDepotError
-from kvdepot.protocol import messages as m
-from kvdepot.types import SlotStatus
 
 CHUNK_BYTES = LAYOUT.chunk_bytes(CHUNK)
 

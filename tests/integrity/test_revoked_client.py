@@ -20,9 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from integration.conftest import CHUNK, LAYOUT, MODEL, RawPeer, make_tokens, wait_until
 from kvdepot.errors import BadRequest, ErrorCode
 from kvdepot.protocol import messages as m
+
+from support.servers import CHUNK, LAYOUT, MODEL, RawPeer, make_tokens, wait_until
 
 WORKER = Path(__file__).with_name("_paused_worker.py")
 SERVER_ARGS = ["--client-timeout-s", "1", "--heartbeat-interval-s", "0.2", "--lease-ttl-s", "600"]

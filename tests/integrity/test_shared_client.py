@@ -11,8 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from integration.conftest import CHUNK, as_bits, make_kv, make_tokens
 from kvdepot import KVLayout
+
+from support.servers import CHUNK, as_bits, make_kv, make_tokens
 
 THREADS = 6
 ROUNDS = 4
@@ -58,11 +59,11 @@ def strided(kv: np.ndarray, how: str) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def big_server(tmp_path_factory):
-    from integration.conftest import _start_server, _stop_server
+    from support.servers import start_server, stop_server
 
-    s = _start_server(tmp_path_factory.mktemp("shared"), "shared-client", ["--l1-size-gb", "0.75"])
+    s = start_server(tmp_path_factory.mktemp("shared"), "shared-client", ["--l1-size-gb", "0.75"])
     yield s
-    _stop_server(s)
+    stop_server(s)
 
 
 @pytest.mark.parametrize("layout_name", sorted(LAYOUTS))

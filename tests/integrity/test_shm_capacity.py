@@ -11,11 +11,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from integration.conftest import CHUNK, LAYOUT, MODEL, assert_bytes_equal, make_kv, make_tokens
-from integration.tiers_conftest import resize_tmpfs, small_tmpfs  # noqa: F401  (fixture)
+from support.backends import resize_tmpfs
+from support.servers import CHUNK, LAYOUT, assert_bytes_equal, make_kv, make_tokens
 
 
 def run_server(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from integration.conftest import CHUNK, make_tokens
 from kvdepot import KVLayout
 from kvdepot.errors import BadRequest
+
+from support.servers import CHUNK, make_tokens
 
 BF16 = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16")
 FP16 = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16")

@@ -17,9 +17,10 @@ import tempfile
 
 import pytest
 
-from integration.conftest import CHUNK, LAYOUT, MODEL, assert_bytes_equal, make_kv, make_tokens
 from kvdepot import KVClient
 from kvdepot.bench.serverproc import ServerProcess, free_port
+
+from support.servers import CHUNK, LAYOUT, MODEL, assert_bytes_equal, make_kv, make_tokens
 
 
 @pytest.fixture

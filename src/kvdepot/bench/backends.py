@@ -22,6 +22,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvdepot.bench.serverproc import free_port
+
 
 INSTALL_HINT = (
     "install the test servers: `sudo bash scripts/install-test-servers.sh` (Debian's redis-server) "
@@ -30,15 +32,6 @@ INSTALL_HINT = (
 START_TIMEOUT_S = 30.0
 _unique = itertools.count(1)
 _PR_SET_PDEATHSIG = 1
-
-
-def free_port(avoid: set[int] | frozenset[int] = frozenset()) -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in avoid:
-            return port
 
 
 def _port_is_free(port: int) -> bool:

@@ -11,10 +11,14 @@ import time
 from dataclasses import dataclass, field
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(avoid: set[int] | frozenset[int] = frozenset()) -> int:
+    """A loopback TCP port nothing listens on right now (and not one of ``avoid``)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
 
 
 @dataclass

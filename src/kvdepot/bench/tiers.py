@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvdepot.bench.stats import gbps, loadavg, percentile, sample, timed
+from kvdepot.bench.stats import gbps, loadavg, sample, timed
 from kvdepot.bench.transfer import Row, _pin_threads
 from kvdepot.layout import KVLayout
 from kvdepot.storage.l2 import registry

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from kvdepot.errors import UnknownContext
 from kvdepot.layout import KVLayout
 from kvdepot.storage.keys import NamespaceSpec
-from kvdepot.types import ClientId, ContextId, LeaseId, ObjectKey
+from kvdepot.types import ClientId, ContextId, ObjectKey
 
 
 @dataclass(slots=True)

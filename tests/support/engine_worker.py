@@ -1,4 +1,7 @@
-"""One vLLM engine in its own process, driven by JSON commands (tests/e2e/conftest.py's Engine).
+"""One vLLM engine in its own process, driven by JSON commands (``support.vllm_engines.Engine``).
+
+(Its harness module is not called ``vllm.py``: this script's directory is first on its ``sys.path``,
+and that name would shadow vLLM.)
 
 Commands arrive one per line on stdin; each gets exactly one JSON reply line on the file descriptor
 given by --result-fd (stdout and stderr stay free for vLLM's logs, which go to a file):
@@ -25,7 +28,7 @@ import traceback
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
-    parser.add_argument("--kv-transfer-config", required=True, help="JSON, as for vLLM's OpenAI server")
+    parser.add_argument("--kv-transfer-config", required=True, help="JSON, as for vLLM's OpenAI server; null: no connector")
     parser.add_argument("--result-fd", type=int, required=True)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--compiled", action="store_true", help="torch.compile instead of eager mode")
@@ -43,6 +46,7 @@ def main() -> None:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
+    kv = json.loads(args.kv_transfer_config)
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
@@ -51,9 +55,12 @@ def main() -> None:
         seed=0,
         disable_log_stats=False,
         distributed_executor_backend="uni" if args.single_process else None,
-        kv_transfer_config=KVTransferConfig(**json.loads(args.kv_transfer_config)),
+        kv_transfer_config=KVTransferConfig(**kv) if kv else None,
         **json.loads(args.llm_kwargs),
     )
+    def prompt(p: dict) -> TokensPrompt:
+        return TokensPrompt(prompt_token_ids=p["ids"], **({"cache_salt": p["salt"]} if p.get("salt") else {}))
+
     reply({"ready": True, "pid": os.getpid()})
     for line in sys.stdin:
         if not line.strip():
@@ -62,10 +69,7 @@ def main() -> None:
         try:
             op = cmd["op"]
             if op == "generate":
-                prompts = [
-                    TokensPrompt(prompt_token_ids=p["ids"], **({"cache_salt": p["salt"]} if p.get("salt") else {}))
-                    for p in cmd["prompts"]
-                ]
+                prompts = [prompt(p) for p in cmd["prompts"]]
                 params = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"], ignore_eos=True)
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts, params, use_tqdm=False)
@@ -76,7 +80,7 @@ def main() -> None:
                         "outputs": [
                             {
                                 "token_ids": list(o.outputs[0].token_ids),
-                                "num_cached_tokens": o.num_cached_tokens,
+                                "num_cached_tokens": o.num_cached_tokens or 0,
                                 "ttft_s": getattr(o.metrics, "first_token_latency", None),
                                 "num_preemptions": getattr(o.metrics, "num_preemptions", None),
                             }

@@ -1,8 +1,10 @@
-"""Shared fixtures for the integration tests: real ``kvdepot server`` processes, real sockets.
+"""Real ``kvdepot server`` processes for the tests, and the data and waiting helpers that go with them.
 
-Every server here is a child process started through ``kvdepot.bench.serverproc.ServerProcess``; the
-tests talk to it over tcp://127.0.0.1 and ipc://, and read its HTTP ``/status``. Servers are small
-(16-64 MiB of L1, chunks of 16 tokens) so the whole suite stays quick on two cores.
+Every server is a child process started through ``kvdepot.bench.serverproc.ServerProcess`` (the one
+launcher, shared with the demo and the benchmarks); tests talk to it over tcp://127.0.0.1 and ipc://,
+and read its HTTP ``/status``. Servers are small (16-64 MiB of L1, chunks of 16 tokens unless a test
+says otherwise) so the whole suite stays quick on two cores. ``RawPeer`` speaks the protocol by hand
+(for malformed and hostile input). The fixtures are in ``plugin.py``.
 """
 
 from __future__ import annotations
@@ -11,8 +13,7 @@ import os
 import shutil
 import tempfile
 import time
-import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,6 +109,15 @@ class Server:
         assert r.status_code == 200, r.text
         return r.json()
 
+    def wait_status(self, pred, timeout_s: float = 30.0) -> dict:
+        """The first /status for which ``pred`` holds (or the last one seen, after ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            st = self.status()
+            if pred(st) or time.monotonic() > deadline:
+                return st
+            time.sleep(0.1)
+
     def leases(self) -> int:
         return self.status()["leases"]
 
@@ -134,13 +144,30 @@ class Server:
     def stop(self) -> int | None:
         return self.proc.stop()
 
+    def start_again(self) -> None:
+        """A new server process with the very same options, ports and ipc path (after ``stop``)."""
+        old = self.proc
+        self.proc = ServerProcess(
+            args=list(old.args), port=old.port, http_port=old.http_port, ipc_path=old.ipc_path, log_path=str(self.log_path)
+        )
+        self.proc.start()
 
-def _start_server(log_dir: Path, name: str, args: list[str], http: bool = True, ipc: bool = True, port: int = 0) -> Server:
+    def restart(self) -> None:
+        """Stop the server (it must exit cleanly on SIGTERM) and start it again on the same endpoints."""
+        assert self.stop() == 0, "the server must exit cleanly on SIGTERM"
+        self.start_again()
+
+
+def start_server(
+    log_dir: Path, name: str, args: list[str], http: bool = True, ipc: bool = True, port: int = 0, base: tuple[str, ...] | None = None
+) -> Server:
+    """A running server (``base`` options, by default the small test ones, then ``args``: later wins)."""
     ipc_dir = tempfile.mkdtemp(prefix="kvd-")  # short: ipc paths are limited to ~107 bytes
     log_path = log_dir / f"{name}.log"
+    base_args = list(base) if base is not None else ["--chunk-size", str(CHUNK), "--l1-size-gb", SMALL_L1]
     for attempt in range(3):
         proc = ServerProcess(
-            args=["--chunk-size", str(CHUNK), "--l1-size-gb", SMALL_L1, *args],
+            args=[*base_args, *args],
             port=port,
             http_port=free_port() if http else 0,
             ipc_path=os.path.join(ipc_dir, "s.ipc") if ipc else None,
@@ -159,42 +186,12 @@ def _start_server(log_dir: Path, name: str, args: list[str], http: bool = True, 
     raise AssertionError("unreachable")
 
 
-def _stop_server(server: Server) -> None:
+def stop_server(server: Server) -> None:
     try:
         server.stop()
     finally:
         if server.ipc_dir:
             shutil.rmtree(server.ipc_dir, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[Server]:
-    """One default server shared by a test module (tests use distinct tokens and clean up their locks)."""
-    log_dir = tmp_path_factory.mktemp("server")
-    s = _start_server(log_dir, "shared", [])
-    yield s
-    _stop_server(s)
-
-
-@pytest.fixture
-def make_server(tmp_path) -> Iterator[Callable[..., Server]]:
-    """Start servers with extra options for one test; all are stopped in teardown."""
-    started: list[Server] = []
-
-    def start(*args: str, http: bool = True, ipc: bool = True, port: int = 0, name: str | None = None) -> Server:
-        s = _start_server(tmp_path, name or f"server{len(started)}", list(args), http=http, ipc=ipc, port=port)
-        started.append(s)
-        return s
-
-    yield start
-    for s in started:
-        _stop_server(s)
-
-
-@pytest.fixture
-def seed(request) -> int:
-    """A per-test seed so different tests never share token chains on a shared server."""
-    return zlib.crc32(request.node.nodeid.encode()) % (1 << 31)
 
 
 # --- raw protocol peers -----------------------------------------------------------------------------

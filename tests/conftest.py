@@ -1,0 +1,3 @@
+"""The suite's fixtures live in ``tests/support/plugin.py``; helpers are imported from ``support.*``."""
+
+pytest_plugins = ["support.plugin"]

@@ -1,0 +1,372 @@
+"""vLLM engines for the e2e tests and the TTFT benchmark: a random-weight Llama made on the spot, an
+engine in its own process (``engine_worker.py``) driven by JSON lines, and vLLM's OpenAI server.
+
+The benchmark (``benchmarks/vllm_ttft.py``) imports this module too, so the tests and the benchmark run
+the same engine the same way. Nothing here imports vLLM: the engine runs in its own process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvdepot.bench.serverproc import free_port
+
+WORKER = Path(__file__).with_name("engine_worker.py")
+BLOCK = 128  # vLLM's CPU block size, and the chunk size the tests register
+MODEL_NAME = "kvdepot-e2e-tiny-llama"  # the model part of the keys (ClientSettings.model_name)
+VOCAB = 1024
+FIRST_WORD = 3  # ids 0-2 are <unk>, <s>, </s>
+
+
+def require_vllm() -> None:
+    """Fail the calling test (never skip it) where vLLM is not installed."""
+    import pytest  # here, not at the top: the benchmark imports this module without pytest
+
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:  # a missing engine is a failure here, not a skip
+        pytest.fail(f"vLLM is not installed ({exc}); run scripts/install-vllm.sh", pytrace=False)
+
+
+# --- the model -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    max_positions: int = 8192
+
+
+TINY = ModelShape(layers=4, hidden=512, heads=8, kv_heads=4)
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    path: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "float32"
+
+
+def make_tiny_model(path: Path, shape: ModelShape = TINY) -> TinyModel:
+    """A random-weight Llama and a word-level tokenizer (``w0 w1 ...``), saved like a hub model. Its
+    attention is sharper than the default initialisation gives, so a prompt's KV visibly steers the
+    output; small enough that a 1k-token prefill takes a fraction of a second on 2 cores."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": FIRST_WORD + i for i in range(VOCAB - FIRST_WORD)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(path)
+    head_dim = shape.hidden // shape.heads
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=shape.hidden,
+        intermediate_size=2 * shape.hidden,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=shape.max_positions,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.08,  # sharper attention than the default 0.02: the context matters
+        torch_dtype="float32",
+    )
+    torch.manual_seed(1234)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return TinyModel(str(path), shape.layers, shape.kv_heads, head_dim)
+
+
+def make_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [words(rng, n) for n in lengths]
+
+
+def words(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(FIRST_WORD, VOCAB) for _ in range(n)]
+
+
+def expected_hit(prompt_len: int, block: int = BLOCK) -> int:
+    """All complete chunks but never the whole prompt: vLLM computes at least the last token."""
+    return (prompt_len - 1) // block * block
+
+
+def connector_config(url: str, chunk_size: int = BLOCK, model_name: str = MODEL_NAME, **extra) -> dict:
+    """``--kv-transfer-config`` for the kvdepot connector, as a user writes it."""
+    return {
+        "kv_connector": "KVDepotConnector",
+        "kv_connector_module_path": "kvdepot.connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"url": url, "chunk_size": chunk_size, "model_name": model_name, **extra},
+    }
+
+
+# --- engines -------------------------------------------------------------------------------------------
+
+
+def engine_env(tmp: Path, kvcache_gb: int = 1, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for vLLM's CPU backend on a small machine, every cache inside ``tmp``: the model
+    runner's OpenMP threads bound to (at most 4 of) this process's CPUs, nothing reserved."""
+    cpus = sorted(os.sched_getaffinity(0))[:4]
+    (tmp / "tmp").mkdir(parents=True, exist_ok=True)
+    return {
+        **os.environ,
+        "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_CPU_KVCACHE_SPACE": str(kvcache_gb),
+        "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
+        "TMPDIR": str(tmp / "tmp"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        **(extra or {}),
+    }
+
+
+class EngineDied(RuntimeError):
+    pass
+
+
+def interrupt_group(proc: subprocess.Popen | None, grace_s: float) -> None:
+    """SIGINT (a clean shutdown), then after ``grace_s`` SIGKILL for whatever is left of the process
+    group (a server started with ``start_new_session=True`` and its children)."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+@dataclass
+class Engine:
+    """An ``engine_worker.py`` process: one vLLM ``LLM``, with ``kv_config`` (None: no connector)."""
+
+    model: TinyModel
+    kv_config: dict | None
+    workdir: Path
+    name: str = "engine"
+    compiled: bool = False
+    single_process: bool = False
+    dtype: str = "float32"
+    llm_kwargs: dict = field(default_factory=dict)
+    max_model_len: int = 4096
+    kvcache_gb: int = 1
+    env_extra: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+    _replies: queue.Queue = field(default_factory=queue.Queue)
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"{self.name}.log"
+
+    def start(self, timeout_s: float = 300.0) -> Engine:
+        read_fd, write_fd = os.pipe()
+        cmd = [
+            sys.executable,
+            str(WORKER),
+            "--model", self.model.path,
+            "--kv-transfer-config", json.dumps(self.kv_config),
+            "--result-fd", str(write_fd),
+            "--max-model-len", str(self.max_model_len),
+            "--llm-kwargs", json.dumps(self.llm_kwargs),
+            "--dtype", self.dtype,
+        ]  # fmt: skip
+        if self.compiled:
+            cmd.append("--compiled")
+        if self.single_process:
+            cmd.append("--single-process")
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            pass_fds=(write_fd,),
+            env=engine_env(self.workdir, self.kvcache_gb, self.env_extra),
+            start_new_session=True,  # its own process group: kill() takes the engine core and workers too
+        )
+        os.close(write_fd)
+        log.close()
+        threading.Thread(target=self._read, args=(read_fd,), daemon=True).start()
+        ready = self._next(timeout_s)
+        assert ready.get("ready"), ready
+        return self
+
+    def _read(self, fd: int) -> None:
+        with os.fdopen(fd) as f:
+            for line in f:
+                self._replies.put(json.loads(line))
+        self._replies.put(None)  # the process closed its end: it exited
+
+    def _next(self, timeout_s: float) -> dict:
+        try:
+            reply = self._replies.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"{self.name} did not answer in {timeout_s}s; log: {self.tail()}") from None
+        if reply is None:
+            raise EngineDied(f"{self.name} exited; log: {self.tail()}")
+        return reply
+
+    def send(self, cmd: dict) -> None:
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def call(self, cmd: dict, timeout_s: float = 300.0) -> dict:
+        self.send(cmd)
+        reply = self._next(timeout_s)
+        if "error" in reply:
+            raise RuntimeError(f"{self.name}: {reply['error']}\n{reply.get('traceback', '')}")
+        return reply
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 16, salt: str = "") -> dict:
+        return self.call({"op": "generate", "prompts": [{"ids": p, "salt": salt} for p in prompts], "max_tokens": max_tokens})
+
+    def one(self, prompt: list[int], max_tokens: int = 16) -> dict:
+        """Reset vLLM's own prefix cache, then one request alone: its output, with ``seconds``."""
+        self.call({"op": "reset_prefix_cache"})
+        r = self.generate([prompt], max_tokens)
+        return {**r["outputs"][0], "seconds": r["seconds"]}
+
+    def tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return "(no log)"
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def close(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            self.call({"op": "exit"}, timeout_s=60)
+            self.proc.wait(60)
+        except Exception:
+            pass
+        finally:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # whatever is left of its process group
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass
+class ApiServer:
+    """vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``) with the connector given
+    as the same JSON a user would pass."""
+
+    model: TinyModel
+    kv_config: dict
+    workdir: Path
+    name: str = "api-server"
+    port: int = 0
+    proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 300.0) -> ApiServer:
+        self.port = free_port()
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model.path,
+            "--served-model-name", "tiny",
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--dtype", "float32",
+            "--max-model-len", "4096",
+            "--enforce-eager",
+            "--seed", "0",
+            "--enable-prompt-tokens-details",
+            "--kv-transfer-config", json.dumps(self.kv_config),
+        ]  # fmt: skip
+        log = open(self.workdir / f"{self.name}.log", "ab")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=engine_env(self.workdir), start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EngineDied(f"{self.name} exited with {self.proc.returncode}; log: {self.tail()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not healthy in {timeout_s}s; log: {self.tail()}")
+
+    def complete(self, prompt: list[int], max_tokens: int = 16) -> dict:
+        """One greedy completion: the token ids and the prompt tokens the engine served from cache."""
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        }
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=300) as r:
+            out = json.load(r)
+        seconds = time.perf_counter() - t0
+        choice = out["choices"][0]
+        tokens = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+        details = out["usage"].get("prompt_tokens_details") or {}
+        return {"token_ids": tokens, "num_cached_tokens": details.get("cached_tokens") or 0, "seconds": seconds}
+
+    def tail(self, n: int = 4000) -> str:
+        try:
+            return (self.workdir / f"{self.name}.log").read_text(errors="replace")[-n:]
+        except OSError:
+            return "(no log)"
+
+    def close(self) -> None:
+        interrupt_group(self.proc, grace_s=60)
+
+    def __enter__(self) -> ApiServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
