@@ -94,3 +94,50 @@ def test_the_check_catches_a_forbidden_edge():
     assert len(found) == 2, found  # the server import, and the lazy relative storage import
     assert any("kvdepot.server.liveness" in f for f in found) and any("kvdepot.storage" in f for f in found)
     assert violations("kvdepot.client.client", imports_of("import numpy\nfrom kvdepot.protocol import codec\n", "kvdepot.client.client", False)) == []
+
+
+# --- the storage facade -------------------------------------------------------------------------------
+
+# What the server (dispatch, handlers, composition root) and the admin API may import of storage: the
+# facade and the key namespace. Tables, arenas, controllers and tiers stay behind StorageManager.
+STORAGE_FACADE = ("kvdepot.storage.manager", "kvdepot.storage.keys")
+FACADE_USERS = ("kvdepot.server", "kvdepot.admin")
+
+
+def facade_breaches(module: str, source: str, is_package: bool) -> list[str]:
+    """Imports of storage internals, and private attributes read off anything named ``storage``."""
+    if not any(module == u or module.startswith(u + ".") for u in FACADE_USERS):
+        return []
+    by_line: dict[int, str] = {}
+    for line, name in imports_of(source, module, is_package):
+        inside = name.startswith("kvdepot.storage.")
+        if inside and not any(name == f or name.startswith(f + ".") for f in STORAGE_FACADE):
+            by_line.setdefault(line, f"{module}:{line} imports {name} (only {', '.join(STORAGE_FACADE)})")
+    found = list(by_line.values())
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = node.value
+            owner_name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+            if owner_name in ("storage", "manager"):
+                found.append(f"{module}:{node.lineno} reads {owner_name}.{node.attr} (a storage internal)")
+    return found
+
+
+def test_handlers_and_admin_see_storage_only_through_its_facade():
+    problems = []
+    for path in sorted((SRC / "kvdepot").rglob("*.py")):
+        module = module_name(path)
+        problems += facade_breaches(module, path.read_text(), path.name == "__init__.py")
+    assert not problems, "storage internals used outside storage:\n" + "\n".join(problems)
+
+
+def test_the_facade_check_catches_a_breach():
+    planted = (
+        "from kvdepot.storage.l1 import ObjectTable\n"
+        "from kvdepot.storage.manager import StorageManager\n"
+        "def h(state):\n    return state.storage._table.stats()\n"
+    )
+    found = facade_breaches("kvdepot.server.modules.lookup", planted, False)
+    assert len(found) == 2, found
+    assert "kvdepot.storage.l1" in found[0] and "storage._table" in found[1]
+    assert facade_breaches("kvdepot.storage.manager", planted, False) == []  # storage itself may

@@ -48,6 +48,10 @@ from kvdepot.storage.l2 import registry
 from kvdepot.storage.l2.base import TaskKind, TaskResult, TierServices
 from kvdepot.types import ClientId, LeaseId, ObjectKey
 
+# The value types handlers hold (a read lock's offsets, who touches a lease) come from here too, so that
+# the server imports storage through this module alone.
+__all__ = ["ClearResult", "ClearScope", "QuotaControl", "ReadLock", "StorageManager", "StorageSnapshot", "Toucher"]
+
 log = logging.getLogger(__name__)
 
 ALIGNMENT = 4096

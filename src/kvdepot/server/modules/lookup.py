@@ -13,7 +13,7 @@ from kvdepot.server.modules import ServerContext
 from kvdepot.server.modules.common import context_and_keys
 from kvdepot.server.rpc import Call, HandlerMode, HandlerSpec, Reply
 from kvdepot.server.sessions import NO_LEASE, Key, Session
-from kvdepot.storage.l1 import Toucher
+from kvdepot.storage.manager import Toucher
 from kvdepot.types import ClientId, LeaseId, ObjectKey
 
 MAX_RENEWALS = 1 << 16

@@ -16,7 +16,7 @@ from kvdepot.server.modules import ServerContext
 from kvdepot.server.modules.common import context_and_keys
 from kvdepot.server.rpc import Call, HandlerMode, HandlerSpec, Reply
 from kvdepot.server.state import Context
-from kvdepot.storage.l1 import ReadLock, Toucher
+from kvdepot.storage.manager import ReadLock, Toucher
 from kvdepot.types import LeaseId
 
 log = logging.getLogger(__name__)
