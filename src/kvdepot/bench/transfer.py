@@ -125,7 +125,7 @@ def _bench_size(server: ServerProcess, size_mib: int, n: int, transports: list[s
     zmq_put = zmq_get = None
     if "inline" in transports:
         from kvdepot.bench.rawzmq import bulk_gbps
-        from kvdepot.client.client import INLINE_BATCH_BYTES
+        from kvdepot.client.transfer import INLINE_BATCH_BYTES
         from kvdepot.protocol.codec import TARGET_FRAME_BYTES
 
         ep = f"ipc://{tempfile.mkdtemp(prefix='kvdepot-raw-')}/raw.sock"

@@ -1,0 +1,61 @@
+"""The commands a newcomer runs first: ``kvdepot demo`` and ``kvdepot bench transfer|tiers``, as real
+processes, small. They must run to the end and report every row they promise; no figure is judged here
+(performance is the benchmarks' business), only that each was measured.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+KVDEPOT = [sys.executable, "-m", "kvdepot.cli"]
+
+
+def run(*args: str, cwd: Path, timeout: float = 240) -> str:
+    r = subprocess.run([*KVDEPOT, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"kvdepot {' '.join(args)} exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r.stdout
+
+
+def measured(value: str) -> float:
+    """The leading number of a row's value ("7.3 GB/s (…)", "204 / 281 µs", "17.9 ms (…)")."""
+    m = re.match(r"\s*([0-9.]+)", value)
+    assert m, f"no figure in {value!r}"
+    return float(m.group(1))
+
+
+def test_demo_runs_both_transports_bit_exact(tmp_path):
+    out = run("demo", "--l1-size-gb", "0.25", cwd=tmp_path)
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("shm ", "inline "))}
+    assert set(rows) == {"shm", "inline"}, out
+    assert all(r[-1] == "yes" for r in rows.values()), out  # the bit-exact column
+    assert "demo passed" in out
+
+
+def test_bench_transfer_reports_every_row_against_its_limit(tmp_path):
+    out_json = tmp_path / "transfer.json"
+    run("bench", "transfer", "--quick", "--sizes-mib", "2", "--chunks", "4", "--l1-size-gb", "0.25", "--json", str(out_json), cwd=tmp_path)
+    rows = {r["metric"]: r for r in json.loads(out_json.read_text())["rows"]}
+    for family in ("memcpy", "shm 4 x 2 MiB store", "shm 4 x 2 MiB retrieve", "inline (ipc) 4 x 2 MiB store", "PING tcp", "LOOKUP 32k tokens tcp p50, from a Python list"):
+        assert any(name.startswith(family) for name in rows), f"no {family!r} row in {list(rows)}"
+    for name, row in rows.items():
+        assert measured(row["value"]) > 0, (name, row)
+        if row["ratio"]:
+            assert float(row["ratio"]) > 0, (name, row)  # every figure stands next to its limit
+
+
+def test_bench_tiers_reports_every_adapter(tmp_path, valkey_server, s3_server):
+    # The command starts its own backends (as a user runs it); the fixtures only make sure the binaries
+    # are there and fail with the install step if not.
+    out_json = tmp_path / "tiers.json"
+    run("bench", "tiers", "--quick", "--sizes-mib", "2", "--objects", "4", "--json", str(out_json), cwd=tmp_path)
+    rows = {r["metric"]: r for r in json.loads(out_json.read_text())["rows"]}
+    for adapter in ("fs", "valkey", "s3", "memory"):
+        for op in ("store", "load (verified)"):
+            assert f"{adapter} 4 x 2 MiB {op}" in rows, f"no {adapter} {op} row in {list(rows)}"
+    assert any(name.startswith("LOOKUP 8k tokens, all hits from fs L2") for name in rows)
+    for name, row in rows.items():
+        assert measured(row["value"]) > 0, (name, row)
