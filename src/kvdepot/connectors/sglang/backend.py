@@ -1,0 +1,279 @@
+"""KVDepotHiCacheStorage: kvdepot as SGLang HiCache's L3 (its "storage backend").
+
+SGLang keeps KV in three tiers: device, host (its HiCache host pool) and storage. It backs pages up
+from the host pool to storage on a backup thread, and on a prefix miss asks storage how many leading
+pages it has (``batch_exists``, prefetch thread) and then reads them into the host pool
+(``batch_get_v1`` or ``batch_get``, prefetch I/O thread). One SGLang page is one kvdepot chunk
+(``pages.PageCodec``); SGLang's page key, a sha256 chain over the page's tokens, is kvdepot's chunk hash
+byte for byte, and the registered context adds what the key lacks (model, TP rank, layout, page size).
+
+Rules this class keeps, because SGLang's threads depend on them:
+
+- never raise out of a call SGLang makes from its threads, and never return None where a list or a
+  number is expected (a None kills SGLang's daemon thread); a failure is a miss (reads) or a
+  not-stored (writes), counted by class (``connectors.common``);
+- never block past ``timeout_s`` (2 s by default, under SGLang's prefetch timeout): a dead or slow
+  kvdepot is a fast miss, and after a transport failure the failing direction (lookup, load, save)
+  leaves the server alone for ``retry_after_s``;
+- a repeated write of a stored page is one round trip and no copy (the server answers EXISTS).
+
+Zero copy: with ``"interface_v1": 1`` SGLang passes host-pool indices, and each page is copied straight
+between the host pool and the server's shared-memory arena (one copy); off-host (or ``transport:
+"inline"``) it travels inline. Without it, SGLang hands flat page tensors to ``batch_set`` and
+``batch_get`` (one more copy, in SGLang).
+
+Lifecycle: constructed by SGLang's loader (settings checked: a bad key fails SGLang's start with the
+key named), ``register_mem_pool_host`` fixes the layout (an unsupported host layout fails the start or
+the attach), the first call connects; ``close`` (SGLang's detach) closes the client. Attach and detach
+at run time (``POST /attach_hicache_storage_backend``) build and close a fresh instance each time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+
+from kvdepot.connectors.common import FailureTally, ResilientClient
+from kvdepot.connectors.sglang.pages import PageCodec
+from kvdepot.connectors.sglang.settings import SGLangSettings
+from kvdepot.errors import ErrorCode, KVDepotError
+from kvdepot.hashing import HashAlgorithm
+from kvdepot.types import ChunkHash, SlotStatus
+
+log = logging.getLogger(__name__)
+
+_STORED = (SlotStatus.ALLOCATED, SlotStatus.EXISTS, SlotStatus.BUSY)  # written now, or already there / by another writer
+
+
+def page_hash(key: str) -> ChunkHash:
+    """SGLang's page key (64 hex digits of a sha256 chain) as kvdepot's chunk hash; any other key
+    (a future key scheme) is hashed, so that it still names one object."""
+    if len(key) == 64:
+        try:
+            return ChunkHash(bytes.fromhex(key))
+        except ValueError:
+            pass
+    return ChunkHash(hashlib.sha256(key.encode()).digest())
+
+
+class KVDepotHiCacheStorage(HiCacheStorage):
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
+        self.storage_config = storage_config
+        self.settings = SGLangSettings.from_extra(storage_config.extra_config, "kvdepot SGLang backend option")
+        self.codec: PageCodec | None = None
+        self._resilient: ResilientClient | None = None
+        self.tally = FailureTally(log, "kvdepot (SGLang)")
+        mla = storage_config.is_mla_model
+        # MLA's latent is the same on every TP rank: one copy, written by SGLang's designated writer.
+        self.writer = storage_config.is_storage_writer
+        self.rank, self.world_size = (0, 1) if mla else (storage_config.tp_rank, storage_config.tp_size)
+
+    def __repr__(self) -> str:
+        return f"KVDepotHiCacheStorage({self.settings.url}, {self._resilient!r})"
+
+    # --- set-up ---------------------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        codec = PageCodec.of(mem_pool_host)
+        if self.settings.chunk_size not in (0, codec.page_size):
+            raise ValueError(f"chunk_size {self.settings.chunk_size}: with SGLang a chunk is one page ({codec.page_size} tokens); leave it out")
+        if self._resilient is not None:
+            self._resilient.close()
+        self.codec = codec
+        self._resilient = ResilientClient(
+            self.settings,
+            self.model_identity(),
+            codec.layout,
+            codec.page_size,
+            rank=self.rank,
+            world_size=self.world_size,
+            tally=self.tally,
+        )
+        log.info(
+            "kvdepot: SGLang storage backend for %s (rank %d/%d, %s, page %d, %s) on %s, %s interface",
+            self._resilient.model, self.rank, self.world_size, mem_pool_host.layout, codec.page_size,
+            codec.layout.fingerprint(), self.settings.url, "v1 (host indices)" if self.settings.interface_v1 else "flat-page",
+        )
+
+    def model_identity(self) -> str:
+        """The model part of every object's identity: the extra-config's ``model_name``, else SGLang's
+        model name, plus the pipeline and context-parallel shard (each holds other layers or tokens)."""
+        cfg = self.storage_config
+        name = self.settings.model_name or cfg.model_name or ""
+        if cfg.pp_size > 1:
+            name += f"|pp{cfg.pp_rank}/{cfg.pp_size}"
+        if cfg.attn_cp_size > 1:
+            name += f"|cp{cfg.attn_cp_rank}/{cfg.attn_cp_size}"
+        if cfg.dcp_size > 1:
+            name += f"|dcp{cfg.dcp_rank}/{cfg.dcp_size}"
+        return name
+
+    def _client(self, direction: str):
+        if self._resilient is None:
+            return None
+        client = self._resilient.get(direction)
+        if client is not None and client.hash_algorithm is not HashAlgorithm.SHA256:
+            # SGLang's keys are sha256: a server hashing otherwise keys objects SGLang can never name.
+            exc = KVDepotError(f"the kvdepot server hashes with {client.hash_algorithm.value}; SGLang needs sha256", ErrorCode.BAD_REQUEST)
+            self._resilient.failed("connect", exc, "checking the server")
+            return None
+        return client
+
+    def _failed(self, direction: str, exc: BaseException, what: str) -> None:
+        if self._resilient is not None:
+            self._resilient.failed(direction, exc, what)
+        else:
+            log.warning("kvdepot (SGLang): %s failed: %s", what, exc)
+
+    # --- lookups --------------------------------------------------------------------------------------
+
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """How many leading pages of ``keys`` kvdepot holds (L2 hits are brought into L1 first)."""
+        if not keys:
+            return 0
+        try:
+            client = self._client("lookup")
+            if client is None:
+                return 0
+            return int(client.stored_chunks([page_hash(k) for k in keys], ""))
+        except Exception as exc:  # noqa: BLE001 - a miss, never an exception in SGLang's prefetch thread
+            self._failed("lookup", exc, f"a lookup of {len(keys)} pages")
+            return 0
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # --- the zero-copy interface (extra-config "interface_v1": 1) ---------------------------------------
+
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
+        """Copy the leading stored pages of ``keys`` into the host pool at ``host_indices``; True for
+        each page copied (SGLang uses the leading run of True)."""
+        done = [False] * len(keys)
+        if not keys or self.codec is None:
+            return done
+        codec = self.codec
+        try:
+            starts = codec.page_starts(host_indices, len(keys))
+            targets = (codec.host_page(s) for s in starts)
+            return self._read([page_hash(k) for k in keys], targets, f"a load of {len(keys)} pages")
+        except Exception as exc:  # noqa: BLE001
+            self._failed("load", exc, f"a load of {len(keys)} pages")
+            return done
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
+        """Store the pages at ``host_indices`` under ``keys``; True for each page stored (now or before)."""
+        if not keys or self.codec is None:
+            return [False] * len(keys)
+        codec = self.codec
+        try:
+            starts = codec.page_starts(host_indices, len(keys))
+            return self._write([page_hash(k) for k in keys], lambda i: codec.host_page(starts[i]), f"a save of {len(keys)} pages")
+        except Exception as exc:  # noqa: BLE001
+            self._failed("save", exc, f"a save of {len(keys)} pages")
+            return [False] * len(keys)
+
+    # --- the flat-page interface (SGLang's default for dynamic backends) --------------------------------
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[torch.Tensor | None]:
+        """Fill each flat page tensor of ``target_locations``; the tensor for a page fetched, None for the
+        first page missing and every page after it."""
+        if not keys:
+            return []
+        if self.codec is None or target_locations is None:
+            return [None] * len(keys)
+        codec = self.codec
+        try:
+            targets = (codec.chunk_view(t) for t in target_locations)
+            done = self._read([page_hash(k) for k in keys], targets, f"a load of {len(keys)} pages")
+        except Exception as exc:  # noqa: BLE001
+            self._failed("load", exc, f"a load of {len(keys)} pages")
+            return [None] * len(keys)
+        return [t if ok else None for t, ok in zip(target_locations, done)]
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location] if target_location is not None else None)[0]
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
+        if not keys:
+            return True
+        if self.codec is None or values is None or len(values) != len(keys):
+            return False
+        codec = self.codec
+        try:
+            return all(self._write([page_hash(k) for k in keys], lambda i: codec.chunk_view(values[i]), f"a save of {len(keys)} pages"))
+        except Exception as exc:  # noqa: BLE001
+            self._failed("save", exc, f"a save of {len(keys)} pages")
+            return False
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value] if value is not None else None)
+
+    # --- the two copies -------------------------------------------------------------------------------
+
+    def _read(self, hashes: list[ChunkHash], targets, what: str) -> list[bool]:
+        done = [False] * len(hashes)
+        client = self._client("load")
+        if client is None:
+            return done
+        copied = 0
+        try:
+            with client.prepare_retrieve(hashes) as views:
+                for view, target in zip(views, targets):
+                    np.copyto(target, view)
+                    copied += 1
+        except KVDepotError as exc:
+            # Also a lease that ended before the copy did: those bytes may have changed under us.
+            self._failed("load", exc, what)
+            return done
+        done[:copied] = [True] * copied
+        return done
+
+    def _write(self, hashes: list[ChunkHash], source, what: str) -> list[bool]:
+        if not self.writer:
+            return [True] * len(hashes)  # MLA: another rank writes the one shared copy
+        client = self._client("save")
+        if client is None:
+            return [False] * len(hashes)
+        try:
+            with client.prepare_store(hashes) as slots:
+                for i, slot in enumerate(slots):
+                    if slot is not None:
+                        np.copyto(slot, source(i))
+        except KVDepotError as exc:
+            self._failed("save", exc, what)
+            return [False] * len(hashes)
+        stored = [status in _STORED for status in slots.statuses]
+        refused = [s for s in slots.statuses if s not in _STORED]
+        if refused:  # L1 full of locked objects, or a quota: a future miss, nothing more
+            code = ErrorCode.NO_SPACE if refused[0] is SlotStatus.NO_SPACE else ErrorCode.BAD_REQUEST
+            self.tally.add("save", KVDepotError(f"{len(refused)} of {len(slots)} pages {refused[0].name}", code), what)
+        return stored
+
+    # --- the rest of SGLang's interface ----------------------------------------------------------------
+
+    def clear(self) -> bool:
+        """Not from SGLang: kvdepot is shared with other engines and models. Clear it through its admin
+        port (``POST /cache/clear``)."""
+        log.warning("kvdepot: SGLang asked to clear L3; kvdepot is shared, so nothing was dropped (use its POST /cache/clear)")
+        return False
+
+    def get_stats(self):
+        return None  # SGLang then logs its own counters; kvdepot's are on its /status and /metrics
+
+    def failures(self) -> dict[str, int]:
+        """Failures so far by direction/class (what the log summarises)."""
+        return self.tally.snapshot()
+
+    def close(self) -> None:
+        if self._resilient is not None:
+            self._resilient.close()

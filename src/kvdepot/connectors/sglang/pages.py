@@ -1,0 +1,114 @@
+"""SGLang's HiCache host pool seen as kvdepot chunks: one SGLang page is one kvdepot chunk.
+
+A kvdepot chunk is ``[K, L, T, H, D]`` (``kvdepot.layout``). SGLang's host pool keeps the same numbers
+in one of several memory layouts; each page of it is, without copying, a strided view that a permutation
+turns into the chunk's shape. The table below names the axes of one page as SGLang's own
+``get_data_page(index, flat=False)`` returns it (``p`` is the page axis of length 1, ``k`` keys/values,
+``l`` layers, ``t`` tokens, ``h`` KV heads, ``d`` head dim; MLA pages have no ``k``: one latent):
+
+=================== ============ =============
+layout              MHA page     MLA page
+=================== ============ =============
+layer_first         k l t h d    l t h d
+page_first          k t l h d    t l h d
+page_first_direct   k p l t h d  p l t h d
+page_head           k p h t l d  (none)
+=================== ============ =============
+
+Copies go straight between a page's view and a kvdepot buffer (an arena slot on the shm transport: the
+one copy); bfloat16 and fp8 travel as same-width unsigned integers, never converted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvdepot.layout import KVLayout
+
+_MHA_AXES = {
+    "layer_first": "kltHd",
+    "page_first": "ktlHd",
+    "page_first_direct": "kpltHd",
+    "page_head": "kpHtld",
+}
+_MLA_AXES = {
+    "layer_first": "ltHd",
+    "page_first": "tlHd",
+    "page_first_direct": "pltHd",
+}
+_CHUNK_AXES = "kltHd"  # [K, L, T, H, D]; H upper-case only so that no two axes share a letter
+
+
+def supported_layouts(mla: bool) -> list[str]:
+    return sorted(_MLA_AXES if mla else _MHA_AXES)
+
+
+@dataclass(frozen=True)
+class PageCodec:
+    """How one page of a host pool maps onto a chunk: the page's shape as SGLang returns it, and the
+    axis order that makes it ``[K, L, T, H, D]``."""
+
+    pool: object  # SGLang's HostKVCache
+    layout: KVLayout
+    page_size: int
+    axes: str  # the page's axes, from the table above
+    page_shape: tuple[int, ...]
+    permutation: tuple[int, ...]
+    add_kv_axis: bool  # MLA: one latent, so K = 1
+
+    @classmethod
+    def of(cls, pool) -> PageCodec:
+        """The codec of SGLang's host pool ``pool`` (MHA or MLA); ValueError for anything kvdepot cannot
+        hold (another layout, K and V of different widths, an unsupported dtype)."""
+        mla = hasattr(pool, "kv_lora_rank")
+        name = pool.layout
+        table = _MLA_AXES if mla else _MHA_AXES
+        if name not in table:
+            kind = "MLA" if mla else "MHA"
+            raise ValueError(f"kvdepot cannot hold SGLang's {name!r} host layout for {kind}; use one of {supported_layouts(mla)}")
+        if mla:
+            heads, width = 1, int(pool.kv_cache_dim)
+        else:
+            if int(pool.v_head_dim) != int(pool.head_dim):
+                raise ValueError(f"keys ({pool.head_dim}) and values ({pool.v_head_dim}) of different widths are not supported")
+            heads, width = int(pool.head_num), int(pool.head_dim)
+        dtype = str(pool.dtype).removeprefix("torch.")
+        layout = KVLayout(int(pool.layer_num), heads, width, dtype=dtype, use_mla=mla)
+        axes = table[name]
+        page = pool.get_data_page(0, flat=False)
+        kept = axes.replace("p", "")
+        if mla:
+            kept = "k" + kept
+        permutation = tuple(kept.index(a) for a in _CHUNK_AXES)
+        return cls(pool, layout, int(pool.page_size), axes, tuple(page.shape), permutation, mla)
+
+    def chunk_view(self, page: torch.Tensor) -> np.ndarray:
+        """A writable numpy view ``[K, L, T, H, D]`` (storage dtype) of one page tensor (no copy)."""
+        page = page.reshape(self.page_shape) if page.dim() == 1 else page
+        if "p" in self.axes:
+            page = page.squeeze(self.axes.index("p"))
+        if self.add_kv_axis:
+            page = page.unsqueeze(0)
+        return _as_numpy(page.permute(self.permutation), self.layout)
+
+    def host_page(self, token_index: int) -> np.ndarray:
+        """The chunk view of the host pool's page that starts at token ``token_index``."""
+        return self.chunk_view(self.pool.get_data_page(token_index, flat=False))
+
+    def page_starts(self, host_indices: torch.Tensor, pages: int) -> list[int]:
+        """The first host index of each of ``pages`` pages (SGLang passes every token's index)."""
+        if host_indices.numel() < pages * self.page_size:
+            raise ValueError(f"{host_indices.numel()} host indices for {pages} pages of {self.page_size}")
+        return host_indices[: pages * self.page_size : self.page_size].tolist()
+
+
+def _as_numpy(t: torch.Tensor, layout: KVLayout) -> np.ndarray:
+    """A numpy view of a CPU tensor holding ``layout``'s dtype, as its storage dtype: bfloat16 (which
+    numpy lacks) as uint16 and fp8 as uint8, through a same-width integer view of the tensor."""
+    if t.device.type != "cpu":
+        raise ValueError(f"SGLang's host pool is on {t.device}; kvdepot copies host pages only")
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.view(width).numpy().view(layout.storage_dtype)

@@ -1,0 +1,71 @@
+"""SGLang's own storage paths over a real kvdepot server, without an SGLang server (fast): the backend
+built by SGLang's loader, real host pools in every layout kvdepot holds, SGLang's page keys, and
+HiCacheController's page functions (``inproc_worker.py``). One worker process runs every scenario."""
+
+from __future__ import annotations
+
+import pytest
+
+from support.servers import free_port
+from support.sglang_engines import run_inproc
+
+CASES = [
+    ["mha", "layer_first", "bfloat16", 1],
+    ["mha", "layer_first", "bfloat16", 0],
+    ["mha", "page_first", "bfloat16", 1],
+    ["mha", "page_first_direct", "float16", 1],
+    ["mha", "page_head", "float32", 0],
+    ["mla", "layer_first", "bfloat16", 1],
+    ["mla", "page_first", "bfloat16", 0],
+    ["mla", "page_first_direct", "bfloat16", 1],
+]
+
+
+@pytest.fixture(scope="module")
+def found(server):
+    return run_inproc(server.url, "all", {"cases": CASES, "dead_url": f"tcp://127.0.0.1:{free_port()}", "timeout_s": 0.5})
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "/".join(map(str, c)))
+def test_pages_round_trip_byte_exact_in_every_layout(found, case):
+    r = found["roundtrips"]["{}/{}/{}/v{}".format(*case)]
+    assert r["stored"] is True and r["again"] is True  # a repeated write is a successful no-op
+    assert r["exists"] == 4 and r["got"] == 4
+    assert r["same"], "the pages read back differ from those stored"
+    # another host layout of the same model reads the same objects, byte for byte
+    assert r["got_other_layout"] == 4 and r["same_other_layout"], r
+    assert r["foreign"] == 0, "another model's backend saw these pages"
+    assert r["partial"] == 2  # leading pages only
+    assert r["failures"] == {}
+
+
+def test_sglang_page_keys_are_kvdepot_chunk_hashes(found):
+    """Same tokens, same hashes: a chunk stored by a plain KVClient (as vLLM's connector stores it,
+    chunk = page = 64 tokens, same model name and layout) is the page SGLang reads."""
+    h = found["hashes"]
+    assert h["sglang"] == h["kvdepot"] and len(h["sglang"]) == 4
+    assert h["got"] == 4 and h["same_bytes"]
+
+
+def test_a_missing_kvdepot_is_a_fast_miss_and_never_an_exception(found):
+    d = found["dead"]
+    for name in ("exists", "get_v1", "set_v1", "get", "set", "exists_again"):
+        assert "raised" not in d[name], d[name]
+        assert d[name]["seconds"] < 5.0, f"{name} took {d[name]['seconds']:.1f}s (SGLang gives up on a prefetch after 2 s + ...)"
+    assert d["exists"]["value"] == 0 and d["exists_again"]["value"] == 0
+    assert d["get_v1"]["value"] == [False] * 4 and d["set_v1"]["value"] == [False] * 4
+    assert d["get"]["value"] == [None] * 4 and d["set"]["value"] is False
+    assert d["failures"] == {"connect/transport": 1}  # then the breaker answers without trying
+
+
+def test_misconfiguration_fails_sglang_start_with_the_reason(found):
+    c = found["config_errors"]
+    assert "unknown kvdepot SGLang backend option" in c["unknown_key"] and "'urll'" in c["unknown_key"]
+    assert "url" in c["bad_url"] and "http://nope" in c["bad_url"]
+    assert "one page (64 tokens)" in c["chunk_size"]
+
+
+def test_mla_is_written_once_and_read_by_every_rank(found):
+    m = found["mla_replicas"]
+    assert m["non_writer_set"] == [True, True] and m["before"] == 0  # a non-writer rank stores nothing
+    assert m["writer_set"] == [True, True] and m["after"] == 2  # ... and reads the writer's copy
