@@ -30,7 +30,6 @@ at run time (``POST /attach_hicache_storage_backend``) build and close a fresh i
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from typing import Any
 
@@ -39,7 +38,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from kvdepot.connectors.common import FailureTally, ResilientClient
-from kvdepot.connectors.sglang.pages import PageCodec
+from kvdepot.connectors.sglang.pages import PageCodec, page_hash
 from kvdepot.connectors.sglang.settings import SGLangSettings
 from kvdepot.errors import ErrorCode, KVDepotError
 from kvdepot.hashing import HashAlgorithm
@@ -48,17 +47,6 @@ from kvdepot.types import ChunkHash, SlotStatus
 log = logging.getLogger(__name__)
 
 _STORED = (SlotStatus.ALLOCATED, SlotStatus.EXISTS, SlotStatus.BUSY)  # written now, or already there / by another writer
-
-
-def page_hash(key: str) -> ChunkHash:
-    """SGLang's page key (64 hex digits of a sha256 chain) as kvdepot's chunk hash; any other key
-    (a future key scheme) is hashed, so that it still names one object."""
-    if len(key) == 64:
-        try:
-            return ChunkHash(bytes.fromhex(key))
-        except ValueError:
-            pass
-    return ChunkHash(hashlib.sha256(key.encode()).digest())
 
 
 class KVDepotHiCacheStorage(HiCacheStorage):

@@ -21,12 +21,14 @@ one copy); bfloat16 and fp8 travel as same-width unsigned integers, never conver
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvdepot.layout import KVLayout
+from kvdepot.types import ChunkHash
 
 _MHA_AXES = {
     "layer_first": "kltHd",
@@ -103,6 +105,17 @@ class PageCodec:
         if host_indices.numel() < pages * self.page_size:
             raise ValueError(f"{host_indices.numel()} host indices for {pages} pages of {self.page_size}")
         return host_indices[: pages * self.page_size : self.page_size].tolist()
+
+
+def page_hash(key: str) -> ChunkHash:
+    """SGLang's page key (64 hex digits of a sha256 chain) as kvdepot's chunk hash; any other key
+    (a future key scheme) is hashed, so that it still names one object."""
+    if len(key) == 64:
+        try:
+            return ChunkHash(bytes.fromhex(key))
+        except ValueError:
+            pass
+    return ChunkHash(hashlib.sha256(key.encode()).digest())
 
 
 def _as_numpy(t: torch.Tensor, layout: KVLayout) -> np.ndarray:
