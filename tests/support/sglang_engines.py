@@ -81,6 +81,7 @@ class SGLangServer:
     max_total_tokens: int = 8192
     dtype: str = "bfloat16"
     layout: str = "layer_first"
+    page_size: int = PAGE
     admin_api_key: str = ""  # needed for runtime attach/detach
     port: int = 0
     proc: subprocess.Popen | None = None
@@ -100,7 +101,7 @@ class SGLangServer:
             "--dtype", self.dtype,
             "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--disable-cuda-graph",
             "--max-total-tokens", str(self.max_total_tokens),
-            "--page-size", str(PAGE), "--enable-cache-report", "--skip-server-warmup",
+            "--page-size", str(self.page_size), "--enable-cache-report", "--skip-server-warmup",
             "--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-io-backend", "direct",
             "--hicache-mem-layout", self.layout,
         ]  # fmt: skip

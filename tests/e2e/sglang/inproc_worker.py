@@ -228,10 +228,55 @@ def scenario_mla_replicas(url: str, args: dict) -> dict:
     return {"non_writer_set": skipped, "before": before, "writer_set": stored, "after": after}
 
 
+def wait_stopped(pid: int, timeout_s: float = 5.0) -> None:
+    """SIGSTOP is delivered asynchronously: wait until every thread of ``pid`` is really stopped."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        if all(s in ("T", "t") for s in states):
+            return
+        time.sleep(0.005)
+    raise RuntimeError(f"process {pid} did not stop")
+
+
+def scenario_stalled(url: str, args: dict) -> dict:
+    """A kvdepot that stops answering (SIGSTOP: alive, connected, silent): misses within ``timeout_s``,
+    then at once while the breaker is open; after SIGCONT and ``retry_after_s`` (3 s) the pages are there again."""
+    import signal
+
+    host = host_pool("mha", "layer_first", "bfloat16")
+    b = backend(url, host, model="stalled-model", timeout_s=0.5, retry_after_s=3.0)
+    keys = get_storage_hash_str(tokens(2 * PAGE, 31), None, page_size=PAGE)
+    idx = torch.arange(0, 2 * PAGE, dtype=torch.int64)
+    fill_random(host, idx, 31)
+    out = {"stored": b.batch_set_v1(keys, idx)}
+    os.kill(args["pid"], signal.SIGSTOP)
+    wait_stopped(args["pid"])
+    try:
+        for name, call in (("exists", lambda: b.batch_exists(keys)), ("get_v1", lambda: b.batch_get_v1(keys, idx + 4 * PAGE)),
+                           ("set_v1", lambda: b.batch_set_v1(keys, idx)), ("exists_again", lambda: b.batch_exists(keys))):  # fmt: skip
+            t0 = time.monotonic()
+            try:
+                out[name] = {"value": call(), "seconds": time.monotonic() - t0}
+            except Exception as exc:  # the test fails on this
+                out[name] = {"raised": repr(exc), "seconds": time.monotonic() - t0}
+    finally:
+        os.kill(args["pid"], signal.SIGCONT)
+    time.sleep(3.5)
+    out["after"] = b.batch_exists(keys)
+    out["failures"] = b.failures()
+    b.close()
+    return out
+
+
 def scenario_all(url: str, args: dict) -> dict:
     """Every scenario in one process (SGLang's imports take seconds): the dead one against ``dead_url``."""
-    out = {name: fn(url, args) for name, fn in SCENARIOS.items() if name not in ("all", "dead")}
+    out = {name: fn(url, args) for name, fn in SCENARIOS.items() if name not in ("all", "dead", "stalled")}
     out["dead"] = scenario_dead(args["dead_url"], args)
+    out["stalled"] = scenario_stalled(url, args)  # last: it stops the server for a moment
     return out
 
 
@@ -241,6 +286,7 @@ SCENARIOS = {
     "dead": scenario_dead,
     "config_errors": scenario_config_errors,
     "mla_replicas": scenario_mla_replicas,
+    "stalled": scenario_stalled,
     "all": scenario_all,
 }
 

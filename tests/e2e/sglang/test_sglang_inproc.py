@@ -23,7 +23,8 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def found(server):
-    return run_inproc(server.url, "all", {"cases": CASES, "dead_url": f"tcp://127.0.0.1:{free_port()}", "timeout_s": 0.5})
+    args = {"cases": CASES, "dead_url": f"tcp://127.0.0.1:{free_port()}", "timeout_s": 0.5, "pid": server.proc.proc.pid}
+    return run_inproc(server.url, "all", args)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "/".join(map(str, c)))
@@ -56,6 +57,18 @@ def test_a_missing_kvdepot_is_a_fast_miss_and_never_an_exception(found):
     assert d["get_v1"]["value"] == [False] * 4 and d["set_v1"]["value"] == [False] * 4
     assert d["get"]["value"] == [None] * 4 and d["set"]["value"] is False
     assert d["failures"] == {"connect/transport": 1}  # then the breaker answers without trying
+
+
+def test_a_silent_kvdepot_is_a_miss_within_the_timeout_and_is_used_again_once_back(found):
+    s = found["stalled"]
+    assert s["stored"] == [True, True]
+    for name in ("exists", "get_v1", "set_v1", "exists_again"):
+        assert "raised" not in s[name], s[name]
+        assert s[name]["seconds"] < 3.0, f"{name} blocked for {s[name]['seconds']:.1f}s on a stopped server (timeout_s=0.5)"
+    assert s["exists"]["value"] == 0 and s["get_v1"]["value"] == [False, False] and s["set_v1"]["value"] == [False, False]
+    assert s["exists_again"]["value"] == 0 and s["exists_again"]["seconds"] < 0.1  # the breaker answers
+    assert s["failures"].get("lookup/transport", 0) >= 1
+    assert s["after"] == 2, "the pages were lost, or kvdepot was not used again after retry_after_s"
 
 
 def test_misconfiguration_fails_sglang_start_with_the_reason(found):
