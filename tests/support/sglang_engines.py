@@ -155,8 +155,14 @@ class SGLangServer:
 
     def flush_cache(self) -> None:
         """Empty SGLang's device and host tiers (never L3)."""
-        self.check_alive()
-        r = httpx.post(f"{self.url}/flush_cache", headers=self.admin_headers(), timeout=60.0)
+        deadline = time.monotonic() + 60.0
+        while True:
+            self.check_alive()
+            r = httpx.post(f"{self.url}/flush_cache", headers=self.admin_headers(), timeout=60.0)
+            # SGLang refuses while work is pending (a request's backup to L3 still running): wait for it.
+            if r.status_code != 400 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         r.raise_for_status()
 
     def admin_headers(self) -> dict[str, str]:
