@@ -4,15 +4,15 @@ A kvdepot chunk is ``[K, L, T, H, D]`` (``kvdepot.layout``). SGLang's host pool 
 in one of several memory layouts; each page of it is, without copying, a strided view that a permutation
 turns into the chunk's shape. The table below names the axes of one page as SGLang's own
 ``get_data_page(index, flat=False)`` returns it (``p`` is the page axis of length 1, ``k`` keys/values,
-``l`` layers, ``t`` tokens, ``h`` KV heads, ``d`` head dim; MLA pages have no ``k``: one latent):
+``l`` layers, ``t`` tokens, ``H`` KV heads, ``d`` head dim; MLA pages have no ``k``: one latent):
 
 =================== ============ =============
 layout              MHA page     MLA page
 =================== ============ =============
-layer_first         k l t h d    l t h d
-page_first          k t l h d    t l h d
-page_first_direct   k p l t h d  p l t h d
-page_head           k p h t l d  (none)
+layer_first         k l t H d    l t H d
+page_first          k t l H d    t l H d
+page_first_direct   k p l t H d  p l t H d
+page_head           k p H t l d  (none)
 =================== ============ =============
 
 Copies go straight between a page's view and a kvdepot buffer (an arena slot on the shm transport: the
@@ -89,7 +89,7 @@ class PageCodec:
 
     def chunk_view(self, page: torch.Tensor) -> np.ndarray:
         """A writable numpy view ``[K, L, T, H, D]`` (storage dtype) of one page tensor (no copy)."""
-        page = page.reshape(self.page_shape) if page.dim() == 1 else page
+        page = page.view(self.page_shape) if page.dim() == 1 else page  # view, never a silent copy: loads write into it
         if "p" in self.axes:
             page = page.squeeze(self.axes.index("p"))
         if self.add_kv_axis:
