@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 from kvdepot.bench.serverproc import free_port
-from support.vllm_engines import ModelShape
+from support.vllm_engines import ModelShape, interrupt_group
 
 REPO = Path(__file__).resolve().parents[2]
 SGLANG_VENV = Path(os.environ.get("KVDEPOT_SGLANG_VENV", REPO / ".venv-sglang"))
@@ -187,19 +187,7 @@ class SGLangServer:
         """SIGTERM to the launcher only (it stops its scheduler and detokenizer), then SIGKILL for
         whatever of its session is left."""
         proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        interrupt_group(proc, grace_s, signal.SIGTERM)
 
 
 def storage_tokens(reply: dict) -> int:

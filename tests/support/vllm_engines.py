@@ -149,16 +149,18 @@ class EngineDied(RuntimeError):
     pass
 
 
-def interrupt_group(proc: subprocess.Popen | None, grace_s: float) -> None:
-    """SIGINT (a clean shutdown), then after ``grace_s`` SIGKILL for whatever is left of the process
-    group (a server started with ``start_new_session=True`` and its children)."""
-    if proc is None or proc.poll() is not None:
+def interrupt_group(proc: subprocess.Popen | None, grace_s: float, sig: int = signal.SIGINT) -> None:
+    """``sig`` (SIGINT: a clean shutdown) to the process, then after ``grace_s`` SIGKILL for whatever is
+    left of its process group (a server started with ``start_new_session=True`` and its children, even
+    when the process itself has already gone)."""
+    if proc is None:
         return
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        pass
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
