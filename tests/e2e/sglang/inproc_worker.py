@@ -30,21 +30,12 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E40
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 
-PAGE = 64
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # tests/: the shared harness
+from support.sglang_engines import PAGE, backend_config  # noqa: E402
+
 LAYERS, HEADS, HEAD_DIM = 2, 2, 64
 MLA_RANK, MLA_ROPE = 64, 16
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def extra(url: str, interface_v1: int, **more) -> dict:
-    return {
-        "backend_name": "kvdepot",
-        "module_path": "kvdepot.connectors.sglang",
-        "class_name": "KVDepotHiCacheStorage",
-        "interface_v1": interface_v1,
-        "url": url,
-        **more,
-    }
 
 
 def host_pool(kind: str, layout: str, dtype: str):
@@ -65,7 +56,7 @@ def backend(url: str, host, *, interface_v1: int = 1, mla: bool = False, tp_rank
     config = HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=mla,
         enable_storage_metrics=False, is_page_first_layout=host.layout != "layer_first", model_name=model,
-        extra_config=extra(url, interface_v1, **more),
+        extra_config=backend_config(url, interface_v1, **more),
     )
     b = StorageBackendFactory.create_backend("dynamic", config, host)
     b.register_mem_pool_host(host)
