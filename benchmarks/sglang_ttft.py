@@ -25,19 +25,15 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from support.sglang_engines import PAGE, SGLangServer, backend_config, storage_tokens  # noqa: E402
-from support.vllm_engines import FIRST_WORD, VOCAB, ModelShape, make_tiny_model  # noqa: E402
-
-from kvdepot.bench.serverproc import ServerProcess, free_port  # noqa: E402
+from kvdepot.bench.engines.sglang_engines import PAGE, SGLangServer, backend_config, storage_tokens
+from kvdepot.bench.engines.vllm_engines import FIRST_WORD, VOCAB, ModelShape, make_tiny_model
+from kvdepot.bench.serverproc import ServerProcess, free_port
 
 FULL = ModelShape(layers=8, hidden=512, heads=8, kv_heads=4)  # bf16 KV: 8 KiB a token, 32 MiB a 4k prompt
 QUICK = ModelShape(layers=4, hidden=256, heads=4, kv_heads=2)
@@ -121,13 +117,13 @@ def kvdepot_load_s(url: str, model_path: str, prompts: list[list[int]]) -> float
     """What a hit's L3 read costs by itself: the same pages SGLang read (its model identity, its page
     size), fetched from the same server over the same shm path into one host buffer; the median over
     the prompts."""
-    from kvdepot import KVClient, KVLayout
+    from kvdepot import ClientOptions, KVClient, KVLayout
     from kvdepot.hashing import chunk_hashes
 
     shape = SHAPE_OF[model_path]
     layout = KVLayout(shape.layers, shape.kv_heads, shape.hidden // shape.heads, dtype="bfloat16")
     times = []
-    with KVClient(url, model_path, layout, chunk_size=PAGE) as c:
+    with KVClient(url, model_path, layout, options=ClientOptions(chunk_size=PAGE)) as c:
         c.wait_prefault()  # as in a long-running engine: this process's mapping of the arena is populated
         pages = (len(prompts[0]) - 1) // PAGE
         out = np.ones(layout.chunk_shape(pages * PAGE), dtype=layout.storage_dtype)  # touched, like SGLang's host pool

@@ -41,12 +41,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# The engine harness is the e2e tests' (tests/support/vllm_engines.py): the same worker, model and environment.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from support.vllm_engines import Engine, ModelShape, TinyModel, connector_config, interrupt_group, make_tiny_model, words  # noqa: E402
-
-from kvdepot.bench.serverproc import ServerProcess, free_port  # noqa: E402
+# The engine harness is the e2e tests' (kvdepot.bench.engines.vllm_engines): the same worker, model and environment.
+from kvdepot.bench.engines.vllm_engines import Engine, ModelShape, TinyModel, connector_config, interrupt_group, make_tiny_model, words
+from kvdepot.bench.serverproc import ServerProcess, free_port
 
 CHUNK = 256  # tokens per chunk, kvdepot and LMCache alike (a multiple of vLLM's CPU block size, 128)
 MODEL_NAME = "kvdepot-bench-llama"

@@ -2,6 +2,7 @@
 
 __version__ = "0.1.0"
 
+from kvdepot.client.options import ClientOptions, Transport  # noqa: E402
 from kvdepot.errors import ErrorCode, KVDepotError  # noqa: E402
 from kvdepot.layout import KVLayout  # noqa: E402
 
@@ -15,4 +16,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["KVClient", "KVLayout", "KVDepotError", "ErrorCode", "__version__"]
+__all__ = ["ClientOptions", "ErrorCode", "KVClient", "KVDepotError", "KVLayout", "Transport", "__version__"]

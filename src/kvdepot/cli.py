@@ -10,7 +10,7 @@ import urllib.error
 import urllib.request
 
 from kvdepot import __version__
-from kvdepot.config import add_server_args, server_from_args
+from kvdepot.config import HttpConfig, add_server_args, server_from_args
 from kvdepot.errors import ConfigError
 
 
@@ -48,12 +48,13 @@ def cmd_server(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    url = f"http://{args.http_host}:{args.http_port}/status"
+    base = args.url.rstrip("/") if args.url else f"http://{args.http_host}:{args.http_port}"
+    url = f"{base}/status"
     try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
+        with urllib.request.urlopen(url, timeout=args.timeout_s) as resp:
             print(json.dumps(json.load(resp), indent=2))
-    except (urllib.error.URLError, OSError) as exc:
-        print(f"kvdepot status: cannot reach {url}: {exc}", file=sys.stderr)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        print(f"kvdepot status: cannot read {url}: {exc} (is the server's HTTP API on --http-port?)", file=sys.stderr)
         return 1
     return 0
 
@@ -88,9 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(s, tier_help=describe())
     s.set_defaults(func=cmd_server)
 
-    st = sub.add_parser("status", help="print a running server's /status")
-    st.add_argument("--http-host", default="127.0.0.1")
-    st.add_argument("--http-port", type=int, default=8080)
+    st = sub.add_parser("status", help="print a running server's /status (its HTTP API, not the ZeroMQ port)")
+    http = HttpConfig()  # the server's own defaults: one source
+    st.add_argument("--http-host", default=http.host, help="the server's --http-host (default: %(default)s)")
+    st.add_argument("--http-port", type=int, default=http.port, help="the server's --http-port (default: %(default)s)")
+    st.add_argument("--url", default="", help="the HTTP API's base URL instead, e.g. http://10.0.0.5:8080 (default: from the two above)")
+    st.add_argument("--timeout-s", type=float, default=5.0, help="how long to wait for an answer (default: %(default)s)")
     st.set_defaults(func=cmd_status)
 
     d = sub.add_parser("demo", help="start a server on embedded defaults and run a short workload against it")

@@ -4,13 +4,18 @@ Each field carries its type, default, constraints (``Meta(ge=..., le=...)``) and
 ``add_config_args`` generates the ``kvdepot server`` flags and ``from_args`` builds the struct back, and
 every struct checks its constraints and cross-field rules when it is constructed, from the command line
 or in code alike: a bad value is a ``ConfigError`` naming the flag, never a server that starts and then
-refuses every client. This module reads no other part of kvdepot's (storage, the server and the CLI
-read it). Tier specs (``--l2``) are strings here; storage's registry parses and checks them.
+refuses every client. A field whose values are a closed set is typed by its enum (``HashAlgorithm``,
+``EvictionPolicyName``, ``Placement``): the enum is the one source of the values, and the CLI's choices,
+the check and the help are derived from it; a plain string naming a member is accepted in code and
+stored as the member. This module reads no other part of kvdepot's but the bottom layer (storage, the
+server, the tiers, the connectors and the CLI read it). Tier specs (``--l2``) are strings here; storage's
+registry parses them into the tiers' own ``ConfigStruct``s.
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
 import functools
 import math
 from typing import Annotated, Any, ClassVar, Literal
@@ -19,16 +24,26 @@ import msgspec
 
 from kvdepot.errors import ConfigError
 from kvdepot.hashing import HashAlgorithm
+from kvdepot.limits import MAX_CHUNK_TOKENS, MAX_FRAME_BYTES
 
 GiB = 1 << 30
 MIN_L1_GB = 1 / 1024  # 1 MiB: below that no real chunk fits
 MAX_L1_GB = float(1 << 20)
-MAX_CHUNK_TOKENS = 1 << 16  # the server refuses larger chunk sizes at registration too
-MAX_FRAME_MIB = 16
-EVICTION_POLICIES = ("lru", "isolated_lru", "noop")  # storage.eviction.POLICIES (a test keeps them equal)
 
-HashName = Literal["sha256", "blake3", "xxh3_128"]
-PolicyName = Literal["lru", "isolated_lru", "noop"]
+
+class EvictionPolicyName(str, enum.Enum):
+    """The L1 eviction policies (``kvdepot.storage.eviction`` has one class per member)."""
+
+    LRU = "lru"
+    ISOLATED_LRU = "isolated_lru"  # LRU with a byte quota per cache_salt (set through /quota)
+    NOOP = "noop"  # never evicts: a full L1 refuses new stores
+
+
+class Placement(str, enum.Enum):
+    """Where objects live once L2 tiers exist."""
+
+    WRITE_THROUGH = "write_through"  # in L1 and every tier
+    SKIP_L1 = "skip_l1"  # in every tier; dropped from L1 once they all have it
 
 
 def option(description: str, **constraints: Any) -> msgspec.Meta:
@@ -45,6 +60,10 @@ class ConfigStruct(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     _flag_prefix: ClassVar[str | None] = ""
 
     def __post_init__(self) -> None:
+        for name, members in _enum_fields(type(self)):
+            value = getattr(self, name)
+            if not isinstance(value, members) and value in members._value2member_map_:
+                msgspec.structs.force_setattr(self, name, members(value))  # "lru" given in code
         for name, check in _checks(type(self)):
             problem = check(getattr(self, name))
             if problem:
@@ -60,7 +79,7 @@ class RpcConfig(ConfigStruct, frozen=True, kw_only=True):
     port: Annotated[int, option("TCP port; 0 turns TCP off", ge=0, le=65535)] = 5555
     ipc_path: Annotated[str, option("also listen on ipc://IPC_PATH (empty: off)")] = ""
     workers: Annotated[int, option("threads for BLOCKING handlers", ge=1, le=256)] = 4
-    max_frame_mib: Annotated[int, option("largest payload frame in MiB", ge=1, le=256)] = MAX_FRAME_MIB
+    max_frame_mib: Annotated[int, option("largest payload frame in MiB", ge=1, le=256)] = MAX_FRAME_BYTES >> 20
     heartbeat_interval_s: Annotated[float, option("how often idle clients ping", gt=0)] = 1.0
     client_timeout_s: Annotated[float, option("a client silent this long is revoked and its leases end", gt=0)] = 10.0
 
@@ -87,8 +106,10 @@ class StorageConfig(ConfigStruct, frozen=True, kw_only=True):
         float, option("shared-memory L1 size in GiB (reserved at start)", ge=MIN_L1_GB, le=MAX_L1_GB)
     ] = 2.0
     chunk_size: Annotated[int, option("tokens per chunk object", ge=1, le=MAX_CHUNK_TOKENS)] = 256
-    hash_algorithm: Annotated[HashName, option("chunk hash; xxh3_128 only for trusted deployments")] = "sha256"
-    eviction_policy: Annotated[PolicyName, option("L1 eviction policy")] = "lru"
+    hash_algorithm: Annotated[HashAlgorithm, option("chunk hash; xxh3_128 only for trusted deployments")] = HashAlgorithm.SHA256
+    eviction_policy: Annotated[
+        EvictionPolicyName, option("L1 eviction policy (isolated_lru: LRU with a byte quota per cache_salt, set through /quota)")
+    ] = EvictionPolicyName.LRU
     high_watermark: Annotated[float, option("evict when L1 usage exceeds this fraction", gt=0, le=1)] = 0.95
     low_watermark: Annotated[float, option("...down to this fraction", gt=0, le=1)] = 0.85
     lease_ttl_s: Annotated[float, option("a lock nobody renews ends after this long", gt=0)] = 60.0
@@ -102,9 +123,9 @@ class StorageConfig(ConfigStruct, frozen=True, kw_only=True):
         option("add an L2 tier, looked up in the order given: 'TYPE:key=value,...' or JSON '{\"type\": TYPE, ...}'", cli={"action": "append", "metavar": "SPEC"}),
     ] = ()
     l2_placement: Annotated[
-        Literal["write_through", "skip_l1"],
+        Placement,
         option("write_through keeps objects in L1 and every tier; skip_l1 drops them from L1 once every tier has them"),
-    ] = "write_through"
+    ] = Placement.WRITE_THROUGH
     l2_queue_limit: Annotated[int, option("objects waiting for L2; beyond it new ones are not pushed (counted)", ge=1)] = 65536
 
     def _check_together(self) -> None:
@@ -148,11 +169,21 @@ def flag_of(cls: type, name: str) -> str:
 
 
 @functools.cache
+def _enum_fields(cls: type) -> list[tuple[str, type[enum.Enum]]]:
+    """(field, enum class) for every enum-typed field of ``cls``."""
+    return [(f.name, t.cls) for f in msgspec.inspect.type_info(cls).fields if isinstance(t := _bare(f.type), msgspec.inspect.EnumType)]
+
+
+def _bare(t: Any) -> Any:
+    return t.type if isinstance(t, msgspec.inspect.Metadata) else t
+
+
+@functools.cache
 def _checks(cls: type) -> list[tuple[str, Any]]:
     """(field, check(value) -> problem or '') for every constrained field of ``cls``."""
     out = []
     for f in msgspec.inspect.type_info(cls).fields:
-        t = f.type.type if isinstance(f.type, msgspec.inspect.Metadata) else f.type
+        t = _bare(f.type)
         check = _check_for(t)
         if check is not None:
             out.append((f.name, check))
@@ -185,6 +216,8 @@ def _check_for(t: Any):
         return lambda v: "must not be empty" if isinstance(v, str) and len(v) < t.min_length else ""
     if isinstance(t, msgspec.inspect.LiteralType):
         return lambda v: "" if v in t.values else f"{v!r} is not one of {list(t.values)}"
+    if isinstance(t, msgspec.inspect.EnumType):
+        return lambda v: "" if isinstance(v, t.cls) else f"{v!r} is not one of {[m.value for m in t.cls]}"
     return None
 
 
@@ -224,6 +257,10 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type[ConfigStruct], ti
             shown = "none"
         elif isinstance(t, msgspec.inspect.LiteralType):
             kw["choices"] = list(t.values)
+            kw.pop("metavar")
+        elif isinstance(t, msgspec.inspect.EnumType):
+            kw["choices"] = [m.value for m in t.cls]
+            kw["default"] = default.value
             kw.pop("metavar")
         elif isinstance(t, (msgspec.inspect.IntType, msgspec.inspect.FloatType)):
             kw["type"] = int if isinstance(t, msgspec.inspect.IntType) else float
@@ -270,6 +307,3 @@ def _build(cls: type, values: dict[str, Any]):
     except TypeError as exc:  # a field's type (argparse converted it already, so only in code)
         raise ConfigError(f"{cls.__name__}: {exc}") from None
 
-
-def hash_algorithm(config: StorageConfig) -> HashAlgorithm:
-    return HashAlgorithm(config.hash_algorithm)

@@ -3,7 +3,7 @@
 ``h[i] = H(h[i-1] || tokens[i*C:(i+1)*C] as little-endian uint32)`` with ``h[-1]`` empty. With sha256
 and a chunk that equals one page, this is SGLang HiCache's page key. Only complete chunks get a hash.
 Model, rank, layout and salt are deliberately *not* mixed in here: they form the object's namespace
-(``kvdepot.storage.keys``), so the same token chain can be compared across deployments.
+(``kvdepot.keys``), so the same token chain can be compared across deployments.
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
-"""Identifier types shared by every layer.
+"""Identifier types and the small enums every layer shares.
 
-They are ``NewType``s over plain builtins, so they cost nothing at run time but keep a chunk hash from
-being passed where an object key is expected.
+Identifiers are ``NewType``s over plain builtins, so they cost nothing at run time but keep a chunk hash
+from being passed where an object key is expected. The enums here travel on the wire or through several
+layers (wire, storage, admin), so they live below all of them; each is the one source of its values.
 """
 
 from __future__ import annotations
 
-from enum import IntEnum
+from collections.abc import Iterable
+from enum import Enum, IntEnum
 from typing import NewType
 
 ChunkHash = NewType("ChunkHash", bytes)
@@ -24,8 +26,11 @@ ContextId = NewType("ContextId", int)
 LeaseId = NewType("LeaseId", int)
 """A lease on a set of L1 objects: a write reservation or a group of read locks."""
 
-SessionId = NewType("SessionId", str)
-"""An engine request id; lookup locks and prefetch state are kept per session."""
+NodeId = NewType("NodeId", str)
+"""One kvdepot server in a fleet (``host:port``): what the peer tier's directory records as an owner."""
+
+NO_LEASE = LeaseId(0)
+"""No lease: nothing was reserved or locked."""
 
 NAMESPACE_BYTES = 16
 
@@ -38,3 +43,26 @@ class SlotStatus(IntEnum):
     BUSY = 2  # another writer holds it: nothing to write
     NO_SPACE = 3  # L1 is full of locked objects: not stored
     OVER_QUOTA = 4  # one chunk is larger than its cache_salt's quota: never stored (raise the quota)
+
+    @property
+    def holds(self) -> bool:
+        """Once written (ALLOCATED) or as it is (EXISTS), the chunk is stored: part of a prefix."""
+        return self is SlotStatus.ALLOCATED or self is SlotStatus.EXISTS
+
+
+class ClearScope(str, Enum):
+    """What a CLEAR empties (the wire's ``ClearRequest.scope`` and the admin API's ``/cache/clear``)."""
+
+    L1 = "l1"  # every unlocked L1 object (locked ones go when their last lock does)
+    TIERS = "tiers"  # every object of every L2 tier (of this server's prefix or directory)
+    ALL = "all"
+
+
+def leading_run(flags: Iterable[bool]) -> int:
+    """How many of the first items are true: the length of a prefix (chunks after a gap are no hit)."""
+    n = 0
+    for flag in flags:
+        if not flag:
+            break
+        n += 1
+    return n

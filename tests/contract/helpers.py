@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvdepot.storage.l2.base import L2Adapter, TaskKind, TaskResult
+from kvdepot.storage.l2.contract import L2Adapter, TaskKind, TaskResult
 from kvdepot.types import NAMESPACE_BYTES, ObjectKey
 
 HASH_BYTES = 32

@@ -1,4 +1,4 @@
-"""The L2 adapter contract (ARCHITECTURE §6, ``storage/l2/base.py``), run unchanged over every adapter.
+"""The L2 adapter contract (ARCHITECTURE §6, ``storage/l2/contract.py``), run unchanged over every adapter.
 
 Every test takes ``adapter`` (or ``make_adapter``), parametrized over memory, fs, valkey and s3. Keys
 are random per test, so server-backed adapters may share one server across tests; counts are
@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvdepot.storage.l2.base import L2Usage, TaskKind
+from kvdepot.storage.l2.contract import L2Usage, TaskKind
 from kvdepot.storage.l2.envelope import HEADER_BYTES
 
 from .helpers import (

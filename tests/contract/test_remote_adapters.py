@@ -14,7 +14,8 @@ import time
 import pytest
 
 from kvdepot.storage.l2 import registry
-from kvdepot.storage.l2.base import BackendAdapter, TaskResult
+from kvdepot.storage.l2.backend import BackendAdapter
+from kvdepot.storage.l2.contract import TaskResult
 from kvdepot.storage.l2.s3_adapter import S3Adapter, S3Config
 from kvdepot.storage.l2.valkey_adapter import ORPHAN_TTL_S, ValkeyAdapter, ValkeyConfig
 

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from kvdepot.bench.engines.vllm_engines import BLOCK
+
 from support.servers import start_server, stop_server
-from support.vllm_engines import BLOCK
 
 VLLM_SERVER = ("--chunk-size", str(BLOCK), "--l1-size-gb", "1", "--no-prefault")  # the default lease TTL
 

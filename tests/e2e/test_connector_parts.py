@@ -12,12 +12,12 @@ import time
 import numpy as np
 import pytest
 
-from kvdepot import KVClient, KVLayout
+from kvdepot import ClientOptions, KVClient, KVLayout
+from kvdepot.bench.engines.vllm_engines import require_vllm
 from kvdepot.bench.serverproc import free_port
 from kvdepot.hashing import chunk_hashes
 
 from support.servers import Server
-from support.vllm_engines import require_vllm
 
 CS = 128  # chunk size = vLLM's CPU block size here, unless a test says otherwise
 BS = 128
@@ -56,7 +56,7 @@ def tokens(n: int, seed: int = 0) -> list[int]:
 def store(url: str, toks: list[int], n_chunks: int, rank: int = 0, world: int = 1, salt: str = "", chunk: int = CS) -> np.ndarray:
     lay = layout()
     kv = np.random.default_rng(rank + 7).standard_normal(lay.chunk_shape(n_chunks * chunk)).astype(np.float32)
-    with KVClient(url, MODEL, lay, rank=rank, world_size=world, chunk_size=chunk) as c:
+    with KVClient(url, MODEL, lay, rank=rank, world_size=world, options=ClientOptions(chunk_size=chunk)) as c:
         assert c.store(toks[: n_chunks * chunk], kv, cache_salt=salt) == n_chunks * chunk
     return kv
 
@@ -386,7 +386,7 @@ def test_chunks_in_the_standard_layout(server):
     toks = tokens(CS + 1)
     save, _ = ops(toks, 1, [4], [0])
     w.wait_for_save(meta(saves=[save]))
-    with KVClient(server.url, MODEL, layout("float32"), chunk_size=CS) as c:
+    with KVClient(server.url, MODEL, layout("float32"), options=ClientOptions(chunk_size=CS)) as c:
         chunk = c.retrieve(toks)
     assert np.array_equal(chunk[0], keys.numpy()) and np.array_equal(chunk[1], values.numpy())
     w.shutdown()
@@ -409,7 +409,7 @@ def test_chunks_gone_before_the_load_become_load_errors(server):
     toks = tokens(3 * CS + 1)
     save, load = ops(toks, 3, [1, 2, 3], [4, 5, 6])
     worker(server.url, src).wait_for_save(meta(saves=[save]))
-    with KVClient(server.url, MODEL, layout("bfloat16"), chunk_size=CS) as c:
+    with KVClient(server.url, MODEL, layout("bfloat16"), options=ClientOptions(chunk_size=CS)) as c:
         c.clear()
         kv = np.zeros(layout("bfloat16").chunk_shape(CS), dtype=np.uint16)
         assert c.store(toks[:CS], kv, raw=True) == CS  # only the first chunk is back

@@ -19,8 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvdepot.bench.engines.vllm_engines import BLOCK, Engine, connector_config, expected_hit, make_prompts
+
 from support.servers import Server, start_server, stop_server
-from support.vllm_engines import BLOCK, Engine, connector_config, expected_hit, make_prompts
 
 from .conftest import VLLM_SERVER
 

@@ -17,7 +17,7 @@ def main() -> None:
     import numpy as np
 
     import kvdepot.client.client as client_mod
-    from kvdepot import KVClient, KVLayout
+    from kvdepot import ClientOptions, KVClient, KVLayout
     from kvdepot.protocol import messages
 
     if args.get("pid0"):
@@ -25,7 +25,7 @@ def main() -> None:
         client_mod.local_client_info = lambda: messages.ClientInfo()
 
     layout = KVLayout(*args["layout"])
-    c = KVClient(args["url"], model=args["model"], layout=layout, timeout_s=10.0)
+    c = KVClient(args["url"], model=args["model"], layout=layout, options=ClientOptions(timeout_s=10.0))
     tokens = np.asarray(args["tokens"], dtype=np.int64)
     if args["mode"] == "store":
         with c.prepare_store(tokens) as slots:

@@ -309,5 +309,5 @@ def test_status_command_prints_the_servers_json(make_server, seed):
 def test_status_command_without_a_server():
     r = _cli("status", "--http-port", str(free_port()))
     assert r.returncode == 1
-    assert "cannot reach" in r.stderr
+    assert "cannot read" in r.stderr and "--http-port" in r.stderr
     assert "Traceback" not in r.stderr

@@ -172,7 +172,7 @@ def test_lease_ttl_ends_an_abandoned_store_but_keeps_its_slots_from_reuse(make_s
     chunk_bytes = LAYOUT.chunk_bytes(CHUNK)
     with srv.client() as c:
         hashes = c.hashes(tokens)
-        reply = c.call_ctx(m.PrepareStoreRequest(context_id=0, keys=hashes))
+        reply = c.link.request(m.PrepareStoreRequest(context_id=0, keys=hashes))
         assert reply.lease_id != 0
         assert reply.statuses == [int(SlotStatus.ALLOCATED)] * n
         assert c.lookup(tokens) == 0  # WRITING objects are invisible
@@ -190,11 +190,11 @@ def test_lease_ttl_ends_an_abandoned_store_but_keeps_its_slots_from_reuse(make_s
 
         assert c.store(tokens, kv) == n * CHUNK  # the keys are free: stored in other slots
         assert_bytes_equal(c.retrieve(tokens), kv)
-        new_offsets = set(c.call_ctx(m.PrepareRetrieveRequest(context_id=0, keys=hashes)).offsets)
+        new_offsets = set(c.link.request(m.PrepareRetrieveRequest(context_id=0, keys=hashes)).offsets)
         assert not new_offsets & set(reply.offsets), "a quarantined slot was handed out again"
 
         with pytest.raises(LeaseExpired, match="expired at .*TTL 1 s") as exc_info:
-            c.call(m.CommitStoreRequest(context_id=c.context_id, lease_id=reply.lease_id))
+            c.link.finish(m.CommitStoreRequest(context_id=c.context_id, lease_id=reply.lease_id))
         assert exc_info.value.code == ErrorCode.LEASE_EXPIRED
         # The late commit published nothing, and its slots are back.
         assert_bytes_equal(c.retrieve(tokens), kv)

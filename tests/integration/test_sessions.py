@@ -206,8 +206,8 @@ def test_prepare_retrieve_limit_caps_the_chunks_locked(srv, seed, limit, expecte
     with srv.client(transport="shm") as c:
         tokens, _ = _stored(c, 4, seed)
         req = m.PrepareRetrieveRequest(context_id=0, keys=list(c.hashes(tokens)), limit=limit)
-        reply = c.call_ctx(req)
+        reply = c.link.request(req)
         assert len(reply.offsets) == expected
         assert srv.status()["leases"] == 1
-        c.call_ctx(m.CommitRetrieveRequest(context_id=0, lease_id=reply.lease_id))
+        c.link.request(m.CommitRetrieveRequest(context_id=0, lease_id=reply.lease_id))
         assert srv.status()["leases"] == 0

@@ -21,8 +21,8 @@ def main() -> None:
     args = json.loads(sys.argv[1])
     import numpy as np
 
-    import kvdepot.client.client as client_mod
-    from kvdepot import KVClient, KVLayout
+    import kvdepot.client.registration as client_mod
+    from kvdepot import ClientOptions, KVClient, KVLayout
     from kvdepot.errors import KVDepotError
     from kvdepot.protocol import messages
 
@@ -32,7 +32,7 @@ def main() -> None:
         client_mod.local_client_info = lambda: messages.ClientInfo()
 
     layout = KVLayout(*args["layout"])
-    c = KVClient(args["url"], model=args["model"], layout=layout, timeout_s=10.0)
+    c = KVClient(args["url"], model=args["model"], layout=layout, options=ClientOptions(timeout_s=10.0))
     tokens = np.asarray(args["tokens"], dtype=np.int64)
     value = args["value"]
     out: dict = {}

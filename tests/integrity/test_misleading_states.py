@@ -13,7 +13,7 @@ import httpx
 import msgspec
 import pytest
 
-from kvdepot import KVClient
+from kvdepot import ClientOptions, KVClient
 from kvdepot.bench.serverproc import free_port
 from kvdepot.errors import BadRequest, ErrorCode, KVDepotError
 from kvdepot.protocol import messages as m
@@ -139,7 +139,7 @@ def test_connecting_to_nothing_says_so_quickly():
     url = f"tcp://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
     with pytest.raises(KVDepotError) as exc_info:
-        KVClient(url, MODEL, LAYOUT, connect_timeout_s=0.5)
+        KVClient(url, MODEL, LAYOUT, options=ClientOptions(connect_timeout_s=0.5))
     assert time.monotonic() - t0 < 3
     assert exc_info.value.code == ErrorCode.CONNECTION
     assert f"no kvdepot server answered at {url}" in str(exc_info.value) and "connect_timeout_s" in str(exc_info.value)

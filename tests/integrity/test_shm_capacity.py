@@ -49,10 +49,10 @@ def test_l1_larger_than_memory_refuses_to_start_unless_allowed(small_tmpfs):
 
 STORE_AND_CHECK = """
 import sys, numpy as np
-from kvdepot import KVClient, KVLayout
+from kvdepot import ClientOptions, KVClient, KVLayout
 url, transport, n_prompts = sys.argv[1], sys.argv[2], int(sys.argv[3])
 layout = KVLayout(2, 2, 32)
-with KVClient(url, model="m", layout=layout, transport=transport) as c:
+with KVClient(url, model="m", layout=layout, options=ClientOptions(transport=transport)) as c:
     assert c.transport == transport, c.transport
     for p in range(n_prompts):
         tokens = np.arange(p * 10**6, p * 10**6 + 64 * 16)

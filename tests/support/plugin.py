@@ -200,7 +200,7 @@ def small_tmpfs() -> Iterator[Path]:
 def tiny_model(tmp_path_factory):
     """A random-weight Llama (4 layers, hidden 512, 4 KV heads of 64) with a word-level tokenizer; vLLM
     (and torch) must be installed: without them the test fails, it does not skip."""
-    from support.vllm_engines import TINY, make_tiny_model, require_vllm
+    from kvdepot.bench.engines.vllm_engines import TINY, make_tiny_model, require_vllm
 
     require_vllm()
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), TINY)

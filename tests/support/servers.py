@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import zmq
 
-from kvdepot import KVClient, KVLayout
+from kvdepot import ClientOptions, KVClient, KVLayout
 from kvdepot.bench.serverproc import ServerProcess, free_port
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
@@ -129,11 +129,10 @@ class Server:
     def alive(self) -> bool:
         return self.proc.proc is not None and self.proc.proc.poll() is None
 
-    def client(self, url: str | None = None, **kw) -> KVClient:
-        kw.setdefault("model", MODEL)
-        kw.setdefault("layout", LAYOUT)
-        kw.setdefault("timeout_s", 10.0)
-        return KVClient(url or self.url, **kw)
+    def client(self, url: str | None = None, *, model: str = MODEL, layout: KVLayout = LAYOUT, rank: int = 0, world_size: int = 1, **options) -> KVClient:
+        """A connected client of this server; ``options`` are ClientOptions fields (timeout_s 10 s here)."""
+        options.setdefault("timeout_s", 10.0)
+        return KVClient(url or self.url, model, layout, rank=rank, world_size=world_size, options=ClientOptions(**options))
 
     def log_text(self) -> str:
         try:

@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 
+from kvdepot.errors import IllegalTransition
 from kvdepot.client.staging import StagingPool
 from kvdepot.shm import segment as arena_mod
 from kvdepot.shm import (
@@ -80,7 +81,7 @@ def test_a_prefault_that_fails_says_failed_not_finished(shm_dir):
     p.start()
     assert p.wait(10)
     assert p.state is PrefaultState.FAILED and not p.finished and p.error
-    with pytest.raises(RuntimeError):
+    with pytest.raises(IllegalTransition):
         p.start()
     os.close(a.fd)
     os.unlink(a.path)

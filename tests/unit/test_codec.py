@@ -6,6 +6,8 @@ import msgspec
 import pytest
 
 from kvdepot.errors import ErrorCode, KVDepotError, LeaseExpired, UnknownLease
+from kvdepot.config import RpcConfig
+from kvdepot.limits import MAX_FRAME_BYTES
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.codec import (
@@ -351,5 +353,5 @@ def test_check_payload_rejects_an_impossible_split_as_payload_mismatch():
 
 
 def test_default_limits():
-    assert codec.MAX_FRAME_BYTES == 16 << 20
+    assert MAX_FRAME_BYTES == 16 << 20 and RpcConfig().max_frame_bytes == MAX_FRAME_BYTES  # one source
     assert codec.MAX_BODY_BYTES == 8 << 20

@@ -11,18 +11,21 @@ import pytest
 
 from kvdepot.cli import build_parser
 from kvdepot.config import (
-    EVICTION_POLICIES,
-    GiB,
     ConfigError,
+    ConfigStruct,
+    EvictionPolicyName,
+    GiB,
     HttpConfig,
+    Placement,
     RpcConfig,
     ServerConfig,
     StorageConfig,
     server_from_args,
 )
 from kvdepot.hashing import HashAlgorithm
-from kvdepot.protocol.codec import MAX_FRAME_BYTES
-from kvdepot.storage.eviction import POLICIES
+from kvdepot.limits import MAX_FRAME_BYTES
+from kvdepot.storage.eviction import POLICIES, make_policy
+from kvdepot.storage.l2.registry import adapter_types
 
 
 def parse(*argv: str):
@@ -68,18 +71,44 @@ def test_repeatable_and_list_flags():
         parse("--l2", "memory:size_gb=1", "--l2", "fs:path=/x", "--l1-over-memory", "--http-allowed-hosts", "a.example, b", "--l2-placement", "skip_l1")
     )
     assert config.storage.l2 == ("memory:size_gb=1", "fs:path=/x")
-    assert config.storage.l1_over_memory and config.storage.l2_placement == "skip_l1"
+    assert config.storage.l1_over_memory and config.storage.l2_placement is Placement.SKIP_L1
     assert config.http.allowed_hosts == ("a.example", "b")
 
 
-def choices(cls, name: str) -> set[str]:
-    [field] = [f for f in msgspec.inspect.type_info(cls).fields if f.name == name]
-    return set(field.type.type.values)
+def cli_choices(flag: str) -> list[str]:
+    [action] = [a for a in build_parser()._subparsers._group_actions[0].choices["server"]._actions if flag in a.option_strings]
+    return list(action.choices)
 
 
-def test_the_choices_are_the_ones_the_parts_know():
-    assert set(EVICTION_POLICIES) == set(POLICIES) == choices(StorageConfig, "eviction_policy")
-    assert {h.value for h in HashAlgorithm} == choices(StorageConfig, "hash_algorithm")
+@pytest.mark.parametrize(
+    "flag, enum",
+    [("--eviction-policy", EvictionPolicyName), ("--hash-algorithm", HashAlgorithm), ("--l2-placement", Placement)],
+)
+def test_the_cli_choices_are_the_enum(flag, enum):
+    # one source: the enum types the field, and the flag's choices are derived from it
+    assert cli_choices(flag) == [m.value for m in enum]
+
+
+def test_every_eviction_policy_name_has_its_policy():
+    assert set(POLICIES) == set(EvictionPolicyName)
+    for name in EvictionPolicyName:
+        assert make_policy(name.value).name is name
+
+
+def test_a_plain_string_in_code_becomes_the_member():
+    config = StorageConfig(eviction_policy="noop", hash_algorithm="blake3", l2_placement="skip_l1")
+    assert config.eviction_policy is EvictionPolicyName.NOOP
+    assert config.hash_algorithm is HashAlgorithm.BLAKE3
+    assert config.l2_placement is Placement.SKIP_L1
+    assert config == StorageConfig(eviction_policy=EvictionPolicyName.NOOP, hash_algorithm=HashAlgorithm.BLAKE3, l2_placement=Placement.SKIP_L1)
+
+
+@pytest.mark.parametrize("kind", sorted(adapter_types()))
+def test_every_tier_config_is_a_config_struct_with_help_for_each_key(kind):
+    config = adapter_types()[kind].config
+    assert issubclass(config, ConfigStruct) and config._flag_prefix is None  # errors name the key, not a flag
+    for f in msgspec.inspect.type_info(config).fields:
+        assert isinstance(f.type, msgspec.inspect.Metadata) and f.type.extra_json_schema.get("description"), f"{kind}: {f.name} has no help"
 
 
 @pytest.mark.parametrize(
@@ -88,6 +117,7 @@ def test_the_choices_are_the_ones_the_parts_know():
         (lambda: StorageConfig(chunk_size=0), "--chunk-size"),
         (lambda: StorageConfig(l1_size_gb=float("nan")), "--l1-size-gb"),
         (lambda: StorageConfig(eviction_policy="fifo"), "--eviction-policy"),
+        (lambda: StorageConfig(l2_placement="nowhere"), "--l2-placement"),
         (lambda: StorageConfig(low_watermark=0.9, high_watermark=0.5), "--low-watermark"),
         (lambda: RpcConfig(workers=True), "--workers"),
         (lambda: RpcConfig(port=0), "--port"),

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from kvdepot.connectors.common import CircuitBreaker, FailureTally, failure_class, is_transport_failure
+from kvdepot.breaker import BreakerState
+from kvdepot.connectors.common import DIRECTION_OF, Breakers, Direction, FailureTally, failure_class, is_transport_failure
 from kvdepot.errors import (
     BadRequest,
     ErrorCode,
@@ -14,6 +15,7 @@ from kvdepot.errors import (
     LeaseRevoked,
     ServerUnreachable,
 )
+from kvdepot.protocol import messages as m
 
 
 class Clock:
@@ -30,24 +32,37 @@ def test_transport_failures_are_told_from_a_requests_own_problem():
         assert not is_transport_failure(exc) and failure_class(exc) == name
 
 
-def test_the_breaker_opens_one_direction_for_a_while():
+def test_a_transport_failure_switches_one_direction_off_until_a_probe_is_answered():
     clock = Clock()
-    b = CircuitBreaker(5.0, clock=clock)
-    assert b.allows("load") and b.allows("save")
-    b.trip("load")
-    assert not b.allows("load") and b.allows("save") and b.allows("lookup")
+    b = Breakers(5.0, clock=clock)
+    assert b.admit(Direction.LOAD) and b.admit(Direction.SAVE)
+    b.failed(Direction.LOAD, "timeout")
+    assert not b.admit(Direction.LOAD) and b.admit(Direction.SAVE) and b.admit(Direction.LOOKUP)
     clock.now += 4.9
-    assert not b.allows("load")
+    assert not b.admit(Direction.LOAD)
     clock.now += 0.2
-    assert b.allows("load")
+    assert b.admit(Direction.LOAD)  # one probe
+    assert not b.admit(Direction.LOAD)  # the others stay misses until the probe is answered
+    b.answered(m.RequestType.LOOKUP)  # a reply in another direction proves nothing about loads
+    assert b[Direction.LOAD].state is BreakerState.PROBING
+    b.answered(m.RequestType.PREPARE_RETRIEVE)
+    assert b[Direction.LOAD].up and b.admit(Direction.LOAD) and b.admit(Direction.LOAD)
+
+
+def test_every_request_a_connector_sends_closes_its_own_direction():
+    # the requests of each direction (what the vLLM and SGLang connectors send for it)
+    assert {t.name for t, d in DIRECTION_OF.items() if d is Direction.LOAD} == {"PREPARE_RETRIEVE", "COMMIT_RETRIEVE", "RETRIEVE_INLINE"}
+    assert {t.name for t, d in DIRECTION_OF.items() if d is Direction.SAVE} == {"PREPARE_STORE", "COMMIT_STORE", "STORE_INLINE"}
+    assert DIRECTION_OF[m.RequestType.REGISTER_CONTEXT] is Direction.CONNECT
+    assert DIRECTION_OF[m.RequestType.LOOKUP] is Direction.LOOKUP
 
 
 def test_the_tally_counts_and_logs_each_class_once_then_in_summaries(caplog):
     tally = FailureTally(logging.getLogger("t"), "kvdepot test", every_s=0.0)
     with caplog.at_level(logging.INFO, logger="t"):
-        tally.add("load", LeaseExpired("gone"), "the load for r1")
-        tally.add("load", LeaseExpired("gone"), "the load for r2")
-        tally.add("save", KVDepotTimeout("slow"), "the save for r3", retry_after_s=5)
+        tally.add(Direction.LOAD, LeaseExpired("gone"), "the load for r1")
+        tally.add(Direction.LOAD, LeaseExpired("gone"), "the load for r2")
+        tally.add(Direction.SAVE, KVDepotTimeout("slow"), "the save for r3", retry_after_s=5)
     assert tally.snapshot() == {"load/lease_expired": 2, "save/transport": 1}
     text = caplog.text
     assert text.count("lease_expired: [LEASE_EXPIRED] gone") == 1  # the first of its class, in words

@@ -12,29 +12,60 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
-# package (or module) -> what it must never import
+# package (or module) -> what it must never import. The layers, bottom up (ARCHITECTURE §7): core (types,
+# limits, errors, events, keys, breaker, hashing, layout, config, shm) -> protocol (the wire) -> rpc
+# (channel and dispatch, both sides) -> client -> connectors; and rpc -> server -> storage (through its
+# manager only) -> tiers. Observability is fed; admin depends on a Protocol the server implements.
+ALL = ("kvdepot.",)
+ABOVE_CORE = (
+    "kvdepot.protocol",
+    "kvdepot.rpc",
+    "kvdepot.client",
+    "kvdepot.connectors",
+    "kvdepot.server",
+    "kvdepot.storage",
+    "kvdepot.admin",
+    "kvdepot.observability",
+    "kvdepot.bench",
+    "kvdepot.cli",
+)
 FORBIDDEN: dict[str, tuple[str, ...]] = {
-    # leaves: everyone may use them, they use nothing of kvdepot's but each other
-    "kvdepot.types": ("kvdepot.",),
-    "kvdepot.errors": ("kvdepot.",),
-    "kvdepot.hashing": ("kvdepot.client", "kvdepot.server", "kvdepot.storage", "kvdepot.protocol", "kvdepot.config"),
-    "kvdepot.layout": ("kvdepot.client", "kvdepot.server", "kvdepot.storage", "kvdepot.protocol", "kvdepot.config"),
-    "kvdepot.observability": ("kvdepot.server", "kvdepot.storage", "kvdepot.client", "kvdepot.admin", "kvdepot.connectors"),
+    # leaves: everyone may use them; they use nothing of kvdepot's (events and keys name types only)
+    "kvdepot.types": ALL,
+    "kvdepot.limits": ALL,
+    "kvdepot.errors": ALL,
+    "kvdepot.breaker": ALL,
+    "kvdepot.events": tuple(m for m in ABOVE_CORE) + ("kvdepot.config", "kvdepot.keys", "kvdepot.shm", "kvdepot.hashing"),
+    "kvdepot.keys": tuple(m for m in ABOVE_CORE) + ("kvdepot.config", "kvdepot.events", "kvdepot.shm", "kvdepot.hashing"),
+    "kvdepot.hashing": ABOVE_CORE + ("kvdepot.config",),
+    "kvdepot.layout": ABOVE_CORE + ("kvdepot.config",),
+    # configuration is read by everyone and reads only the leaves (storage reads it: never the other way)
+    "kvdepot.config": ABOVE_CORE + ("kvdepot.shm",),
     # the shared-memory segment: both sides map it, so it knows neither
-    "kvdepot.shm": ("kvdepot.server", "kvdepot.storage", "kvdepot.client", "kvdepot.protocol", "kvdepot.config"),
-    # the wire knows messages, never who sends or stores them
-    "kvdepot.protocol": ("kvdepot.server", "kvdepot.storage", "kvdepot.client", "kvdepot.config", "kvdepot.admin"),
-    # a client runs in an engine: nothing of the server's may come along
-    "kvdepot.client": ("kvdepot.server", "kvdepot.storage", "kvdepot.admin", "kvdepot.connectors", "kvdepot.bench", "kvdepot.config"),
-    "kvdepot.connectors": ("kvdepot.server", "kvdepot.storage", "kvdepot.admin", "kvdepot.bench"),
-    # storage knows bytes and keys, never the wire or who asks
-    "kvdepot.storage": ("kvdepot.protocol", "kvdepot.server", "kvdepot.client", "kvdepot.admin", "kvdepot.connectors", "kvdepot.bench"),
-    # configuration is read by everyone and reads no one (storage reads it: never the other way)
-    "kvdepot.config": ("kvdepot.storage", "kvdepot.server", "kvdepot.client", "kvdepot.admin", "kvdepot.connectors", "kvdepot.bench"),
+    "kvdepot.shm": ABOVE_CORE + ("kvdepot.config",),
+    # the wire knows messages, never who sends, serves or stores them
+    "kvdepot.protocol": ABOVE_CORE[1:] + ("kvdepot.config",),
+    # the RPC layer: both sides use it; it knows neither (nor what a server is configured with)
+    "kvdepot.rpc": ("kvdepot.client", "kvdepot.connectors", "kvdepot.server", "kvdepot.storage", "kvdepot.admin", "kvdepot.bench", "kvdepot.config"),
+    # a client runs in an engine: nothing of the server's may come along, nor the RPC server side
+    "kvdepot.client": (
+        "kvdepot.server", "kvdepot.storage", "kvdepot.admin", "kvdepot.connectors", "kvdepot.bench", "kvdepot.config",
+        "kvdepot.rpc.server", "kvdepot.rpc.dispatch", "kvdepot.observability",
+    ),
+    "kvdepot.connectors": ("kvdepot.server", "kvdepot.storage", "kvdepot.admin", "kvdepot.bench", "kvdepot.rpc.server", "kvdepot.rpc.dispatch"),
+    # storage knows bytes and keys, never the wire, the RPC layer (either side) or who asks
+    "kvdepot.storage": (
+        "kvdepot.protocol", "kvdepot.rpc", "kvdepot.server", "kvdepot.client", "kvdepot.admin", "kvdepot.connectors", "kvdepot.bench",
+        "kvdepot.observability",
+    ),
     # the admin API depends on a small Protocol, never on the server it serves
-    "kvdepot.admin": ("kvdepot.server", "kvdepot.storage", "kvdepot.client", "kvdepot.connectors"),
-    # the server's dispatch never reaches back into the things built on top of it
-    "kvdepot.server": ("kvdepot.client", "kvdepot.connectors", "kvdepot.bench"),
+    "kvdepot.admin": ("kvdepot.server", "kvdepot.storage", "kvdepot.client", "kvdepot.connectors", "kvdepot.rpc", "kvdepot.bench"),
+    # observability is fed events and snapshots; it reaches into nothing
+    "kvdepot.observability": (
+        "kvdepot.server", "kvdepot.storage", "kvdepot.client", "kvdepot.admin", "kvdepot.connectors", "kvdepot.rpc", "kvdepot.bench",
+    ),
+    # the server serves: it never calls out through the client or the connectors
+    "kvdepot.server": ("kvdepot.client", "kvdepot.connectors", "kvdepot.bench", "kvdepot.rpc.channel"),
 }
 
 
@@ -99,8 +130,9 @@ def test_the_check_catches_a_forbidden_edge():
 # --- the storage facade -------------------------------------------------------------------------------
 
 # What the server (dispatch, handlers, composition root) and the admin API may import of storage: the
-# facade and the key namespace. Tables, arenas, controllers and tiers stay behind StorageManager.
-STORAGE_FACADE = ("kvdepot.storage.manager", "kvdepot.storage.keys")
+# facade, nothing else. Tables, arenas, controllers and tiers stay behind StorageManager (object identity
+# is kvdepot.keys, at the bottom).
+STORAGE_FACADE = ("kvdepot.storage.manager",)
 FACADE_USERS = ("kvdepot.server", "kvdepot.admin")
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Literal, Protocol
+from typing import Protocol
 
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request
@@ -28,10 +28,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from kvdepot import __version__
 from kvdepot.admin.guard import AdminGuard
 from kvdepot.config import HttpConfig
+from kvdepot.types import ClearScope
 
 DEFAULT_SALT_NAME = "__default__"
 MAX_QUOTA_BYTES = 1 << 62
-CLEAR_SCOPES = ("l1", "tiers", "all")
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class AdminBackend(Protocol):
     def rpc_alive(self) -> bool: ...
     def status(self) -> dict: ...
     def degraded_reasons(self) -> list[str]: ...
-    def clear(self, scope: str) -> dict: ...
+    def clear(self, scope: ClearScope) -> dict: ...
     def quotas(self) -> Quotas | None: ...
     def largest_chunk_bytes(self) -> int: ...
     def metrics_text(self) -> bytes: ...
@@ -63,7 +63,7 @@ class QuotaBody(BaseModel):
 
 class ClearBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    scope: Literal["l1", "tiers", "all"] = Field("l1", description="L1, every L2 tier, or both")
+    scope: ClearScope = Field(ClearScope.L1, description="L1, every L2 tier, or both")
 
 
 def build_app(server: AdminBackend, guard: AdminGuard) -> FastAPI:

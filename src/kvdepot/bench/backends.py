@@ -18,12 +18,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
-
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvdepot.bench.serverproc import free_port
-
 
 INSTALL_HINT = (
     "install the test servers: `sudo bash scripts/install-test-servers.sh` (Debian's redis-server) "

@@ -19,6 +19,7 @@ import urllib.request
 import numpy as np
 
 from kvdepot.bench.serverproc import ServerProcess, free_port
+from kvdepot.client.options import Transport
 from kvdepot.layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=8, num_kv_heads=4, head_dim=64, dtype="float16")  # 8 KiB per token
@@ -48,10 +49,10 @@ def workload(seed: int = 0) -> list[np.ndarray]:
 
 
 def run_transport(url: str, transport: str) -> dict:
-    from kvdepot.client.client import KVClient
+    from kvdepot.client.client import ClientOptions, KVClient
 
     stats = {"requests": 0, "prompt_tokens": 0, "hit_tokens": 0, "bytes_in": 0, "bytes_out": 0, "transfer_s": 0.0, "verified": True}
-    with KVClient(url, "demo-model", LAYOUT, transport=transport) as c:
+    with KVClient(url, "demo-model", LAYOUT, options=ClientOptions(transport=transport)) as c:
         c.wait_prefault(30)
         salt = f"demo-{transport}"
         out = LAYOUT.empty(DOC_TOKENS + QUESTION_TOKENS)  # reused, as an engine reuses its KV memory
@@ -118,7 +119,7 @@ def _run_workload(server: ServerProcess, http_port: int) -> int:
     print(f"workload: 24 requests = one of 4 documents ({DOC_TOKENS} tokens) + a fresh {QUESTION_TOKENS}-token question")
     print(f"KV layout {LAYOUT.fingerprint()} ({LAYOUT.bytes_per_token // 1024} KiB/token), chunks of 256 tokens\n")
     print(f"{'transport':<10} {'hit rate':>9} {'hit tokens':>11} {'stored MiB':>11} {'fetched MiB':>12} {'GB/s':>6}  bit-exact")
-    for transport in ("shm", "inline"):
+    for transport in (Transport.SHM, Transport.INLINE):
         s = run_transport(server.url, transport)
         moved = s["bytes_in"] + s["bytes_out"]
         print(

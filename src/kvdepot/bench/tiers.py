@@ -128,7 +128,6 @@ def _adapter_files(adapter, keys) -> list[Path]:
 
 def main(args: argparse.Namespace) -> int:
     from kvdepot.bench.backends import start_s3, start_valkey
-
     from kvdepot.malloc import keep_large_buffers_in_heap
 
     _pin_threads()
@@ -218,7 +217,7 @@ def main(args: argparse.Namespace) -> int:
 def _lookup_from_l2(work: Path, reps: int, raw: dict) -> list[Row]:
     """LOOKUP of prompts whose every chunk is in L2 only (fs tier, L1 cleared before each run)."""
     from kvdepot.bench.serverproc import ServerProcess, free_port
-    from kvdepot.client.client import KVClient
+    from kvdepot.client.client import ClientOptions, KVClient
 
     rows = []
     layout = KVLayout(num_layers=8, num_kv_heads=4, head_dim=64)  # 8 KiB per token: 2 MiB chunks of 256
@@ -238,7 +237,7 @@ def _lookup_from_l2(work: Path, reps: int, raw: dict) -> list[Row]:
             store = json.load(r)["l2_controllers"]["store"]
         return store["queued"] == 0 and store["in_flight"] == 0
 
-    with server, KVClient(server.url, "bench-l2", layout, timeout_s=60) as c:
+    with server, KVClient(server.url, "bench-l2", layout, options=ClientOptions(timeout_s=60)) as c:
         for n_tokens in (8192, 32768):
             tokens = np.arange(n_tokens, dtype=np.uint32) + n_tokens
             c.store(tokens, np.ones(layout.chunk_shape(n_tokens), np.float16))

@@ -21,8 +21,8 @@ import numpy as np
 
 from kvdepot.bench.serverproc import ServerProcess, free_port
 from kvdepot.bench.stats import gbps, loadavg, memcpy_gbps, percentile, sample, timed
-from kvdepot.layout import KVLayout
 from kvdepot.connectors.paged import gather_chunk, scatter_chunk
+from kvdepot.layout import KVLayout
 
 MiB = 1 << 20
 # A Llama-3-8B-like KV: 32 layers, 8 KV heads of 128, fp16 = 128 KiB per token.
@@ -115,7 +115,7 @@ def _layout_for(size_mib: int) -> tuple[KVLayout, int]:
 
 
 def _bench_size(server: ServerProcess, size_mib: int, n: int, transports: list[str], reps: int, warmup: int, raw: dict) -> list[Row]:
-    from kvdepot.client.client import KVClient
+    from kvdepot.client.client import ClientOptions, KVClient
 
     layout, cs = _layout_for(size_mib)
     nbytes = size_mib * MiB * n
@@ -151,7 +151,7 @@ def _bench_size(server: ServerProcess, size_mib: int, n: int, transports: list[s
     chunks_dst = [np.zeros_like(c) for c in chunks_src]
     for tr in transports:
         url = server.ipc_url if tr == "inline" else server.url
-        with KVClient(url, "bench", layout, chunk_size=cs, transport=tr, timeout_s=60) as c:
+        with KVClient(url, "bench", layout, options=ClientOptions(chunk_size=cs, transport=tr, timeout_s=60)) as c:
             c.wait_prefault(120)
             hashes = c.hashes(tokens)
             label = f"{tr}{' (ipc)' if tr == 'inline' else ''} {n} x {size_mib} MiB"
@@ -215,14 +215,14 @@ def _bench_size(server: ServerProcess, size_mib: int, n: int, transports: list[s
 
 
 def _bench_latency(server: ServerProcess, reps: int, raw: dict) -> list[Row]:
-    from kvdepot.client.client import KVClient
+    from kvdepot.client.client import ClientOptions, KVClient
 
     rows = []
     tiny = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16)
     n_ping = 2000
     for name, url in (("tcp", server.url), ("ipc", server.ipc_url)):
         floor = _raw_zmq_rtt(url, n_ping)
-        with KVClient(url, "bench-latency", tiny, transport="inline", heartbeat=False) as c:
+        with KVClient(url, "bench-latency", tiny, options=ClientOptions(transport="inline", heartbeat=False)) as c:
             pings = timed(c.ping, n_ping, warmup=100)
             p50, p99 = percentile(pings, 50), percentile(pings, 99)
             f50 = percentile(floor, 50)

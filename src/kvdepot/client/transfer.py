@@ -7,24 +7,29 @@
   zero-copy block gets a staging buffer of its own from the pool, held until the block exits.
 - A later ``cuda_ipc`` path plugs in here.
 
-A path asks its host (the KVClient) for the context's numbers and for requests on the context
-(``PathHost``); it never registers, reconnects or owns the socket itself.
+A path asks its host (``context.ContextLink``) for the registration's numbers and for requests on
+the context (``PathHost``); it never registers, reconnects or owns the socket itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from kvdepot.client.options import Transport
 from kvdepot.client.staging import StagingPool
+from kvdepot.errors import BadRequest
 from kvdepot.layout import KVLayout
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 from kvdepot.shm import Prefaulter, SharedArena
-from kvdepot.types import ChunkHash, SlotStatus
+from kvdepot.types import ChunkHash, SlotStatus, leading_run
+
+if TYPE_CHECKING:
+    from kvdepot.client.registration import Registration
 
 INLINE_BATCH_BYTES = 32 << 20  # inline transfers go as pipelined messages of about this size
 
@@ -37,30 +42,22 @@ class StoreSlots(list):
 
 
 class PathHost(Protocol):
-    """What a path needs of its client."""
+    """What a path needs of its client: the layout, the registration (context id and chunk geometry, as
+    registered now), requests on the context, and lease renewal while a block is open."""
 
-    layout: KVLayout
-
     @property
-    def chunk_size(self) -> int: ...
+    def layout(self) -> KVLayout: ...
     @property
-    def chunk_bytes(self) -> int: ...
-    @property
-    def context_id(self) -> int: ...
-    @property
-    def max_frame_bytes(self) -> int: ...
-    def call(self, body, payload: Sequence = ()): ...
-    def call_ctx(self, body, payload: Sequence = (), want_payload: bool = False, path: object = None): ...
-    @property
-    def path(self) -> TransferPath | None: ...
-    def pipeline_ctx(self, requests: list[tuple[object, Sequence]], on_reply=None) -> list: ...
-    def lookup_chunks(self, hashes: list[ChunkHash], cache_salt: str | None = None, session_id: str = "") -> int | None: ...
+    def registration(self) -> Registration: ...
+    def request(self, body, payload: Sequence = (), *, path: TransferPath | None = None, want_payload: bool = False): ...
+    def finish(self, body): ...
+    def pipeline(self, requests: list[tuple[object, Sequence]], on_reply=None) -> list: ...
     def stored_chunks(self, hashes: list[ChunkHash], salt: str) -> int: ...
     def holding(self, lease_id: int) -> AbstractContextManager[None]: ...
 
 
 class TransferPath(Protocol):
-    name: str  # "shm" | "inline"
+    name: Transport
 
     def prepare_store(self, hashes: list[ChunkHash], salt: str) -> AbstractContextManager[StoreSlots]: ...
     def prepare_retrieve(self, hashes: list[ChunkHash], salt: str, session_id: str, start: int) -> AbstractContextManager[list[np.ndarray]]: ...
@@ -71,16 +68,18 @@ class TransferPath(Protocol):
 
 class PathChanged(Exception):
     """The server forgot our context and registering again brought a different path (a restarted
-    server: a new arena). The request was not redone; the caller redoes it on the host's new path."""
+    server: a new arena). The request was not redone; the client redoes it on its new path."""
 
 
 def leading_stored(statuses: list[SlotStatus]) -> int:
-    n = 0
-    for s in statuses:
-        if s not in (SlotStatus.ALLOCATED, SlotStatus.EXISTS):
-            break
-        n += 1
-    return n
+    return leading_run(s.holds for s in statuses)
+
+
+def _lookup(host: PathHost, hashes: list[ChunkHash], salt: str) -> int:
+    """Leading chunks in L1 now (no lock, no prefetch)."""
+    if not hashes:
+        return 0
+    return host.request(m.LookupRequest(context_id=0, keys=list(hashes), cache_salt=salt)).hits or 0
 
 
 def _copy_chunks(slots: StoreSlots, kv: np.ndarray, cs: int) -> None:
@@ -93,7 +92,7 @@ def _copy_chunks(slots: StoreSlots, kv: np.ndarray, cs: int) -> None:
 
 
 class ShmPath:
-    name = "shm"
+    name = Transport.SHM
 
     def __init__(self, host: PathHost, arena: SharedArena, prefaulter: Prefaulter | None) -> None:
         self._host = host
@@ -108,23 +107,18 @@ class ShmPath:
             self.prefaulter.stop()
         self.arena.close()  # also drops our liveness lock
 
-    def _slot(self, offset: int, writable: bool) -> np.ndarray:
-        h = self._host
-        view = self.arena.buffer[offset : offset + h.chunk_bytes]
-        return h.layout.view_chunk(view, h.chunk_size, writable=writable)
+    def _slot(self, reg: Registration, offset: int, writable: bool) -> np.ndarray:
+        view = self.arena.buffer[offset : offset + reg.chunk_bytes]
+        return self._host.layout.view_chunk(view, reg.chunk_size, writable=writable)
 
     @contextmanager
     def prepare_store(self, hashes: list[ChunkHash], salt: str) -> Iterator[StoreSlots]:
         h = self._host
-        try:
-            reply = h.call_ctx(m.PrepareStoreRequest(context_id=0, keys=list(hashes), cache_salt=salt), path=self)
-        except PathChanged:  # the server restarted: its offsets are into another arena
-            with h.path.prepare_store(hashes, salt) as slots:
-                yield slots
-            return
-        context_id = h.context_id
+        reply = h.request(m.PrepareStoreRequest(context_id=0, keys=list(hashes), cache_salt=salt), path=self)
+        reg = h.registration
+        context_id = reg.context_id
         slots = StoreSlots(
-            self._slot(off, True) if st == SlotStatus.ALLOCATED else None for off, st in zip(reply.offsets, reply.statuses)
+            self._slot(reg, off, True) if st == SlotStatus.ALLOCATED else None for off, st in zip(reply.offsets, reply.statuses)
         )
         slots.statuses = [SlotStatus(s) for s in reply.statuses]
         with h.holding(reply.lease_id):
@@ -139,7 +133,7 @@ class ShmPath:
         if lease_id == 0:
             return
         try:
-            self._host.call(m.CommitStoreRequest(context_id=context_id, lease_id=lease_id, abort=abort))
+            self._host.finish(m.CommitStoreRequest(context_id=context_id, lease_id=lease_id, abort=abort))
         except Exception:
             if not abort:
                 raise
@@ -149,30 +143,26 @@ class ShmPath:
     def prepare_retrieve(self, hashes: list[ChunkHash], salt: str, session_id: str, start: int) -> Iterator[list[np.ndarray]]:
         h = self._host
         req = m.PrepareRetrieveRequest(context_id=0, keys=list(hashes), cache_salt=salt, session_id=session_id, start=start)
-        try:
-            reply = h.call_ctx(req, path=self)
-        except PathChanged:  # the server restarted: its offsets are into another arena
-            with h.path.prepare_retrieve(hashes, salt, session_id, start) as views:
-                yield views
-            return
-        context_id = h.context_id
-        views = [self._slot(off, False) for off in reply.offsets]
+        reply = h.request(req, path=self)
+        reg = h.registration
+        context_id = reg.context_id
+        views = [self._slot(reg, off, False) for off in reply.offsets]
         with h.holding(reply.lease_id):
             try:
                 yield views
             finally:
                 if reply.lease_id:
                     # LeaseExpired here means the bytes may have been reused while read: it propagates.
-                    h.call(m.CommitRetrieveRequest(context_id=context_id, lease_id=reply.lease_id))
+                    h.finish(m.CommitRetrieveRequest(context_id=context_id, lease_id=reply.lease_id))
 
     def store(self, hashes: list[ChunkHash], kv: np.ndarray, salt: str) -> int:
         with self.prepare_store(hashes, salt) as slots:
-            _copy_chunks(slots, kv, self._host.chunk_size)
+            _copy_chunks(slots, kv, self._host.registration.chunk_size)
         return leading_stored(slots.statuses)
 
     def retrieve_into(self, hashes: list[ChunkHash], salt: str, out: np.ndarray | None) -> np.ndarray:
         h = self._host
-        cs = h.chunk_size
+        cs = h.registration.chunk_size
         with self.prepare_retrieve(hashes, salt, "", 0) as views:
             n = len(views) * cs
             out = h.layout.empty(n) if out is None else _check_room(out, n)
@@ -185,7 +175,7 @@ class ShmPath:
 
 
 class InlinePath:
-    name = "inline"
+    name = Transport.INLINE
 
     def __init__(self, host: PathHost) -> None:
         self._host = host
@@ -207,26 +197,28 @@ class InlinePath:
         about INLINE_BATCH_BYTES each: bounded memory on both ends, and the server copies one batch
         into L1 while the next is still on the wire."""
         h = self._host
-        per_batch = max(1, INLINE_BATCH_BYTES // h.chunk_bytes)
+        reg = h.registration
+        per_batch = max(1, INLINE_BATCH_BYTES // reg.chunk_bytes)
         requests = []
         for i in range(first, len(hashes), per_batch):
             j = min(i + per_batch, len(hashes))
             body = m.StoreInlineRequest(
-                context_id=h.context_id, keys=list(hashes[:j]), cache_salt=salt, rows_per_frame=rpf, first=i, count=j - i
+                context_id=reg.context_id, keys=list(hashes[:j]), cache_salt=salt, rows_per_frame=rpf, first=i, count=j - i
             )
             requests.append((body, [f for frames in chunk_frames[i - first : j - first] for f in frames]))
-        replies = h.pipeline_ctx(requests)
+        replies = h.pipeline(requests)
         return [SlotStatus(s) for r in replies for s in r.statuses]
 
     @contextmanager
     def prepare_store(self, hashes: list[ChunkHash], salt: str) -> Iterator[StoreSlots]:
         h = self._host
-        first = h.lookup_chunks(hashes, salt) or 0  # skip sending what is already there
+        reg = h.registration
+        first = _lookup(h, hashes, salt)  # skip sending what is already there
         n_new = len(hashes) - first
-        buffer = self._staging.acquire(n_new * h.chunk_bytes)  # this block's alone
-        staging = buffer[: n_new * h.chunk_bytes].reshape(n_new, h.chunk_bytes)
+        buffer = self._staging.acquire(n_new * reg.chunk_bytes)  # this block's alone
+        staging = buffer[: n_new * reg.chunk_bytes].reshape(n_new, reg.chunk_bytes)
         slots = StoreSlots([None] * first)
-        slots.extend(h.layout.view_chunk(staging[i], h.chunk_size) for i in range(n_new))
+        slots.extend(h.layout.view_chunk(staging[i], reg.chunk_size) for i in range(n_new))
         slots.statuses = [SlotStatus.EXISTS] * first + [SlotStatus.ALLOCATED] * n_new
         try:
             yield slots  # an exception inside the block just drops the staging contents
@@ -236,8 +228,8 @@ class InlinePath:
         if not n_new:
             self._staging.release(buffer)
             return
-        max_frame = h.max_frame_bytes
-        rpf = codec.rows_per_frame_for(h.chunk_bytes, self._rows, max_frame)
+        max_frame = reg.max_frame_bytes
+        rpf = codec.rows_per_frame_for(reg.chunk_bytes, self._rows, max_frame)
         frames = [codec.split_object(row, self._rows, rpf, max_frame) for row in staging]
         # On failure the buffer is dropped, not pooled: ZeroMQ may still be sending from it.
         slots.statuses[first:] = self._send_store(hashes, salt, first, frames, rpf)
@@ -247,14 +239,15 @@ class InlinePath:
         """A C-contiguous ``kv`` goes without staging: each (k, layer) row of a chunk is contiguous in
         it, so it is sent as its own frame, straight from the caller's memory."""
         h = self._host
-        cs = h.chunk_size
-        row_bytes = h.chunk_bytes // self._rows
-        if not kv.flags.c_contiguous or row_bytes > h.max_frame_bytes or row_bytes < (64 << 10):
+        reg = h.registration
+        cs = reg.chunk_size
+        row_bytes = reg.chunk_bytes // self._rows
+        if not kv.flags.c_contiguous or row_bytes > reg.max_frame_bytes or row_bytes < (64 << 10):
             # Strided, rows too big for a frame, or so small that ZeroMQ would copy them anyway: stage.
             with self.prepare_store(hashes, salt) as slots:
                 _copy_chunks(slots, kv, cs)
             return leading_stored(slots.statuses)
-        first = h.lookup_chunks(hashes, salt) or 0
+        first = _lookup(h, hashes, salt)
         if first == len(hashes):
             return len(hashes)
         frames = []
@@ -271,6 +264,7 @@ class InlinePath:
         arrives. Returns how many chunks (from ``start``) form the prefix that was delivered.
         """
         h = self._host
+        reg = h.registration
         if session_id:
             # The session's locks decide what is found (a plain lookup cannot see chunks that are
             # locked but cleared meanwhile): one request, whose reply says how many.
@@ -278,13 +272,13 @@ class InlinePath:
         else:
             if n_found is None:
                 # Objects are keyed per chunk, so this counts the stored run from ``start`` on.
-                n_found = h.lookup_chunks(hashes[start:], salt) or 0
-            per_batch = max(1, INLINE_BATCH_BYTES // h.chunk_bytes)
+                n_found = _lookup(h, hashes[start:], salt)
+            per_batch = max(1, INLINE_BATCH_BYTES // reg.chunk_bytes)
         starts = list(range(start, start + n_found, per_batch))
         requests = [
             (
                 m.RetrieveInlineRequest(
-                    context_id=h.context_id,
+                    context_id=reg.context_id,
                     keys=list(hashes),
                     cache_salt=salt,
                     session_id=session_id,
@@ -296,16 +290,16 @@ class InlinePath:
             for s0 in starts
         ]
         got = [0] * len(starts)
-        max_frame = h.max_frame_bytes
+        max_frame = reg.max_frame_bytes
 
         def on_reply(index: int, reply: m.RetrieveInlineReply, frames: list) -> None:
-            per = codec.check_payload(frames, reply.found, h.chunk_bytes, self._rows, reply.rows_per_frame, max_frame, 0)
+            per = codec.check_payload(frames, reply.found, reg.chunk_bytes, self._rows, reply.rows_per_frame, max_frame, 0)
             got[index] = reply.found
             for k in range(reply.found):
                 consume(starts[index] + k - start, frames[k * per : (k + 1) * per], reply.rows_per_frame)
 
         if requests:
-            h.pipeline_ctx(requests, on_reply)
+            h.pipeline(requests, on_reply)
         # A prefix: stop at the first batch that came back short (evicted since the lookup).
         n = 0
         for index, s0 in enumerate(starts):
@@ -320,23 +314,24 @@ class InlinePath:
         multi-frame chunks are joined into this block's own staging buffer as each reply arrives (so
         received frames are freed as we go), given back when the block exits."""
         h = self._host
+        reg = h.registration
         n_found = len(hashes) - start if session_id else h.stored_chunks(hashes[start:], salt)
         buffer = None
-        if h.chunk_bytes > codec.TARGET_FRAME_BYTES and n_found:
-            buffer = self._staging.acquire(n_found * h.chunk_bytes)
+        if reg.chunk_bytes > codec.TARGET_FRAME_BYTES and n_found:
+            buffer = self._staging.acquire(n_found * reg.chunk_bytes)
         views: dict[int, np.ndarray] = {}
 
         def consume(i: int, parts: list, rows_per_frame: int) -> None:
             if len(parts) == 1:
-                views[i] = h.layout.view_chunk(parts[0].buffer, h.chunk_size, writable=False)
+                views[i] = h.layout.view_chunk(parts[0].buffer, reg.chunk_size, writable=False)
                 return
             assert buffer is not None
-            base = pos = i * h.chunk_bytes
+            base = pos = i * reg.chunk_bytes
             for f in parts:
                 src = np.frombuffer(f.buffer, np.uint8)
                 buffer[pos : pos + src.size] = src
                 pos += src.size
-            views[i] = h.layout.view_chunk(buffer[base:pos], h.chunk_size, writable=False)
+            views[i] = h.layout.view_chunk(buffer[base:pos], reg.chunk_size, writable=False)
 
         try:
             n = self._fetch(hashes, salt, session_id, start, consume, None if session_id else n_found)
@@ -349,12 +344,13 @@ class InlinePath:
         """Copy each received frame straight into its rows of ``out`` (already checked: the layout's
         storage dtype) as its reply arrives (one copy)."""
         h = self._host
+        reg = h.registration
         if out is not None and not out.flags.c_contiguous:
             result = self.retrieve_into(hashes, salt, None)
             target = _check_room(out, result.shape[2])
             np.copyto(target[:, :, : result.shape[2]], result, casting="no")
             return target[:, :, : result.shape[2]]
-        cs = h.chunk_size
+        cs = reg.chunk_size
         n_found = h.stored_chunks(hashes, salt)
         out = h.layout.empty(n_found * cs) if out is None else _check_room(out, n_found * cs)
         dtype = h.layout.storage_dtype
@@ -376,8 +372,6 @@ class InlinePath:
 
 
 def _check_room(out: np.ndarray, n_tokens: int) -> np.ndarray:
-    from kvdepot.errors import BadRequest
-
     if out.shape[2] < n_tokens:
         raise BadRequest(f"out holds {out.shape[2]} tokens, need at least {n_tokens}")
     return out

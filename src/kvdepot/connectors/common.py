@@ -5,26 +5,35 @@ client (connected on first need, checked, switched off for a while after a trans
 Failure classes:
 
 - **transport** (no connection, a timeout, the server shutting down): the server cannot be reached in
-  time, so asking again at once would stall every step. The *failing direction* (lookups, loads or
-  saves) is switched off for ``retry_after_s``; the other directions go on.
+  time, so asking again at once would stall every step. The *failing direction* (``Direction``: lookups,
+  loads, saves, or connecting) is switched off: its ``CircuitBreaker`` (``kvdepot.breaker``, the one
+  design tiers use too) goes DOWN, calls in that direction are misses at once, and after
+  ``retry_after_s`` one call probes the server; the first reply to a request of that direction closes it
+  again. The other directions go on.
 - **per request** (an expired or revoked lease, a chunk evicted since its lookup, a checksum miss, a
   quota refusal, a bad request): that request recomputes what it lacks, and nothing else changes.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
 from collections import Counter
-from typing import Annotated, Any, ClassVar, Literal, TypeVar
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, TypeVar
 
 import msgspec
 
+from kvdepot.breaker import CircuitBreaker
 from kvdepot.client.client import KVClient, check_url
-from kvdepot.config import MAX_CHUNK_TOKENS, ConfigError, ConfigStruct, option
+from kvdepot.client.options import ClientOptions, Transport
+from kvdepot.config import ConfigError, ConfigStruct, option
 from kvdepot.errors import ErrorCode, KVDepotError
 from kvdepot.layout import KVLayout
+from kvdepot.limits import MAX_CHUNK_TOKENS
+from kvdepot.protocol.messages import RequestType
 
 S = TypeVar("S", bound="ClientSettings")
 
@@ -42,7 +51,7 @@ class ClientSettings(ConfigStruct, frozen=True, kw_only=True):
     chunk_size: Annotated[
         int, option("tokens per chunk, a multiple of the engine's block size; 0: 256 rounded up to one", ge=0, le=MAX_CHUNK_TOKENS)
     ] = 0
-    transport: Annotated[Literal["auto", "shm", "inline"], option("shm (same host, one copy), inline, or auto")] = "auto"
+    transport: Annotated[Transport, option("shm (same host, one copy), inline, or auto")] = Transport.AUTO
     timeout_s: Annotated[float, option("deadline of one request to the server", gt=0)] = 5.0
     retry_after_s: Annotated[
         float, option("after a transport failure, how long the failing direction leaves the server alone", ge=0)
@@ -87,31 +96,57 @@ def failure_class(exc: BaseException) -> str:
     return exc.code.name.lower() if isinstance(exc, KVDepotError) else type(exc).__name__
 
 
-class CircuitBreaker:
-    """One switch per direction ('lookup', 'load', 'save'): open for ``retry_after_s`` after a transport
-    failure in that direction, closed otherwise. Thread-safe (loader threads use it)."""
+class Direction(str, enum.Enum):
+    """What a connector asks of the server; each has its own breaker, so saves timing out on a busy
+    server do not stop lookups."""
 
-    def __init__(self, retry_after_s: float, clock=time.monotonic) -> None:
-        self._retry = retry_after_s
-        self._clock = clock
-        self._open_until: dict[str, float] = {}
-        self._lock = threading.Lock()
+    CONNECT = "connect"
+    LOOKUP = "lookup"
+    LOAD = "load"
+    SAVE = "save"
+
+
+# Which direction's breaker a reply to each request closes (requests not named here close none).
+DIRECTION_OF: dict[RequestType, Direction] = {
+    RequestType.REGISTER_CONTEXT: Direction.CONNECT,
+    RequestType.LOOKUP: Direction.LOOKUP,
+    RequestType.QUERY_PREFETCH_STATUS: Direction.LOOKUP,
+    RequestType.FREE_LOOKUP_LOCKS: Direction.LOOKUP,
+    RequestType.END_SESSION: Direction.LOOKUP,
+    RequestType.PREPARE_RETRIEVE: Direction.LOAD,
+    RequestType.COMMIT_RETRIEVE: Direction.LOAD,
+    RequestType.RETRIEVE_INLINE: Direction.LOAD,
+    RequestType.PREPARE_STORE: Direction.SAVE,
+    RequestType.COMMIT_STORE: Direction.SAVE,
+    RequestType.STORE_INLINE: Direction.SAVE,
+}
+
+
+class Breakers:
+    """One ``CircuitBreaker`` per ``Direction``. Thread-safe (loader threads use it); several clients
+    (one per rank) may share one set."""
+
+    def __init__(self, retry_after_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._by = {d: CircuitBreaker(retry_after_s, clock) for d in Direction}
 
     def __repr__(self) -> str:
-        now = self._clock()
-        return f"CircuitBreaker(open={sorted(d for d, t in self._open_until.items() if t > now)})"
+        return f"Breakers(down={sorted(d.value for d, b in self._by.items() if not b.up)})"
 
-    def allows(self, direction: str) -> bool:
-        with self._lock:
-            return self._clock() >= self._open_until.get(direction, 0.0)
+    def __getitem__(self, direction: Direction) -> CircuitBreaker:
+        return self._by[direction]
 
-    def trip(self, direction: str) -> None:
-        with self._lock:
-            self._open_until[direction] = self._clock() + self._retry
+    def admit(self, direction: Direction) -> bool:
+        """May a call in ``direction`` go to the server now? (while it is down: one probe per interval)"""
+        return self._by[direction].admit()
 
-    def trip_all(self, *directions: str) -> None:
-        for d in directions:
-            self.trip(d)
+    def failed(self, direction: Direction, error: str) -> None:
+        self._by[direction].failed(error)
+
+    def answered(self, rtype: RequestType) -> None:
+        """The server answered a request (``RpcChannel.answered``): its direction works."""
+        direction = DIRECTION_OF.get(rtype)
+        if direction is not None:
+            self._by[direction].succeeded()
 
 
 class FailureTally:
@@ -126,11 +161,12 @@ class FailureTally:
         self.counts: Counter[tuple[str, str]] = Counter()
         self._last_summary = 0.0
 
-    def add(self, direction: str, exc: BaseException, what: str, retry_after_s: float | None = None) -> str:
+    def add(self, direction: Direction, exc: BaseException, what: str, retry_after_s: float | None = None) -> str:
         cls = failure_class(exc)
+        key = (direction.value, cls)
         with self._lock:
-            first = (direction, cls) not in self.counts
-            self.counts[(direction, cls)] += 1
+            first = key not in self.counts
+            self.counts[key] += 1
             now = time.monotonic()
             summary = now - self._last_summary >= self._every and not first
             if summary:
@@ -138,7 +174,7 @@ class FailureTally:
                 totals = ", ".join(f"{d} {c}: {n}" for (d, c), n in sorted(self.counts.items()))
         if cls == "transport":
             self._log.warning(
-                "%s: %s failed (%s); no %ss for %.1fs, everything else goes on", self._name, what, exc, direction, retry_after_s or 0.0
+                "%s: %s failed (%s); no %ss for %.1fs, everything else goes on", self._name, what, exc, direction.value, retry_after_s or 0.0
             )
         elif first:
             self._log.warning("%s: %s failed (%s: %s); that request recomputes what it lacks", self._name, what, cls, exc)
@@ -154,8 +190,9 @@ class FailureTally:
 class ResilientClient:
     """A KVClient for one engine process (or one TP rank of it), connected on first need rather than in
     the engine's constructor (which may run before it forks), with the chunk size checked, and switched
-    off per direction for ``retry_after_s`` after a transport failure. Several (one per rank) may share
-    one breaker and one tally."""
+    off per direction after a transport failure (``Breakers``) until a probe gets through. Several (one
+    per rank) may share one set of breakers and one tally. Its client's options come from the
+    settings; ``options`` overrides some of them (``dataclasses.replace`` fields)."""
 
     def __init__(
         self,
@@ -166,11 +203,10 @@ class ResilientClient:
         *,
         rank: int = 0,
         world_size: int = 1,
-        transport: str | None = None,
         connect_timeout_s: float = 1.0,
-        breaker: CircuitBreaker | None = None,
+        breakers: Breakers | None = None,
         tally: FailureTally | None = None,
-        **client_options: Any,
+        **options: Any,
     ) -> None:
         self.settings = settings
         self.model = model
@@ -178,53 +214,57 @@ class ResilientClient:
         self.chunk_size = chunk_size
         self.rank = rank
         self.world_size = world_size
-        self.transport = transport or settings.transport
-        self.connect_timeout_s = min(settings.timeout_s, connect_timeout_s)  # a missing server stalls no step for long
-        self.breaker = breaker or CircuitBreaker(settings.retry_after_s)
+        self.options = ClientOptions(
+            **{
+                "transport": settings.transport,
+                "timeout_s": settings.timeout_s,
+                # a missing server stalls no step for long
+                "connect_timeout_s": min(settings.timeout_s, connect_timeout_s),
+                "chunk_size": chunk_size,
+                **options,
+            }
+        )
+        self.breakers = breakers or Breakers(settings.retry_after_s)
         self.tally = tally or FailureTally(logging.getLogger(__name__), "kvdepot")
-        self._options = client_options
         self._connect_lock = threading.Lock()  # SGLang calls from its prefetch and backup threads at once
         self.client: KVClient | None = None
 
     def __repr__(self) -> str:
-        return f"ResilientClient({self.settings.url}, rank={self.rank}/{self.world_size}, {self.client!r}, {self.breaker!r})"
+        return f"ResilientClient({self.settings.url}, rank={self.rank}/{self.world_size}, {self.client!r}, {self.breakers!r})"
 
-    def get(self, direction: str) -> KVClient | None:
-        """The client, or None while ``direction`` (or connecting) is switched off."""
-        if not self.breaker.allows(direction) or not self.breaker.allows("connect"):
-            return None
+    def get(self, direction: Direction) -> KVClient | None:
+        """The client for a call in ``direction``, or None while that direction (or connecting) is
+        switched off."""
+        return self.connected() if self.breakers.admit(direction) else None
+
+    def connected(self) -> KVClient | None:
+        """The client, connecting it first if need be (None while connecting is switched off). For a
+        caller that admitted its direction itself (several ranks sharing one set of breakers)."""
         if self.client is None:
             with self._connect_lock:
-                if self.client is None:
+                if self.client is None and self.breakers.admit(Direction.CONNECT):
                     self.client = self._connect()
         return self.client
 
     def _connect(self) -> KVClient | None:
         try:
             client = KVClient(
-                self.settings.url,
-                self.model,
-                self.layout,
-                rank=self.rank,
-                world_size=self.world_size,
-                transport=self.transport,
-                timeout_s=self.settings.timeout_s,
-                connect_timeout_s=self.connect_timeout_s,
-                chunk_size=self.chunk_size,
-                **self._options,
+                self.settings.url, self.model, self.layout, rank=self.rank, world_size=self.world_size, options=self.options, connect=False
             )
+            client.link.channel.answered = self.breakers.answered
+            client.connect()
         except KVDepotError as exc:
-            self.failed("connect", exc, f"connecting to {self.settings.url}")
+            self.failed(Direction.CONNECT, exc, f"connecting to {self.settings.url}")
             return None
         if client.chunk_size != self.chunk_size:
             client.close()
             raise ValueError(f"kvdepot registered chunk_size {client.chunk_size}, asked for {self.chunk_size}")
         return client
 
-    def failed(self, direction: str, exc: BaseException, what: str) -> str:
+    def failed(self, direction: Direction, exc: BaseException, what: str) -> str:
         """Count the failure; a transport failure also switches ``direction`` off for a while."""
         if is_transport_failure(exc):
-            self.breaker.trip(direction)
+            self.breakers.failed(direction, str(exc))
         return self.tally.add(direction, exc, what, self.settings.retry_after_s)
 
     def close(self) -> None:

@@ -10,6 +10,7 @@ same numbers. The observability work extends this module, never a second registr
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -60,9 +61,11 @@ def counts(counter: Counter) -> dict[str, int]:
 
 
 class _StorageCollector:
-    """Reads a StorageSnapshot when the registry is collected (duck-typed: no storage import here)."""
+    """Reads the storage snapshot (``kvdepot.storage.manager.StorageSnapshot``, read by attribute: this
+    module imports nothing of storage's) when the registry is collected. Every name it exports is
+    written out here."""
 
-    def __init__(self, snapshot: Callable[[], object]) -> None:
+    def __init__(self, snapshot: Callable[[], Any]) -> None:
         self._snapshot = snapshot
 
     def describe(self) -> Iterable:
@@ -71,17 +74,16 @@ class _StorageCollector:
     def collect(self) -> Iterable:
         s = self._snapshot()
         l1 = s.l1
-        gauges = {
-            "kvdepot_l1_capacity_bytes": ("L1 arena capacity.", l1.capacity_bytes),
-            "kvdepot_l1_used_bytes": ("L1 bytes allocated (objects and quarantined extents).", l1.used_bytes),
-            "kvdepot_l1_objects": ("Objects in L1.", l1.objects),
-            "kvdepot_l1_read_locked_objects": ("L1 objects with at least one reader.", l1.read_locked),
-            "kvdepot_l1_leases": ("Active leases.", l1.leases),
-            "kvdepot_l1_quarantined_leases": ("Leases ended while their toucher may still run.", l1.quarantined_leases),
-            "kvdepot_l1_quarantined_bytes": ("Arena bytes held back from reuse by quarantine.", l1.quarantined_bytes),
-            "kvdepot_l1_fragmentation": ("1 - largest free extent / free bytes.", l1.fragmentation),
-        }
-        for name, (doc, value) in gauges.items():
+        for name, doc, value in (
+            ("kvdepot_l1_capacity_bytes", "L1 arena capacity.", l1.capacity_bytes),
+            ("kvdepot_l1_used_bytes", "L1 bytes allocated (objects and quarantined extents).", l1.used_bytes),
+            ("kvdepot_l1_objects", "Objects in L1.", l1.objects),
+            ("kvdepot_l1_read_locked_objects", "L1 objects with at least one reader.", l1.read_locked),
+            ("kvdepot_l1_leases", "Active leases.", l1.leases),
+            ("kvdepot_l1_quarantined_leases", "Leases ended while their toucher may still run.", l1.quarantined_leases),
+            ("kvdepot_l1_quarantined_bytes", "Arena bytes held back from reuse by quarantine.", l1.quarantined_bytes),
+            ("kvdepot_l1_fragmentation", "1 - largest free extent / free bytes.", l1.fragmentation),
+        ):
             yield GaugeMetricFamily(name, doc, value=value)
         for name, doc, value in (
             ("kvdepot_l1_evicted_objects", "Objects evicted from L1.", l1.evicted_objects),
@@ -89,17 +91,48 @@ class _StorageCollector:
             ("kvdepot_l1_quota_refused", "Chunks refused because their salt's quota is below one chunk.", l1.quota_refused),
         ):
             yield CounterMetricFamily(name, doc, value=value)
-        healthy = GaugeMetricFamily("kvdepot_l2_healthy", "1 while an L2 tier serves.", labels=["tier", "kind"])
-        tier_counts = {
-            n: CounterMetricFamily(f"kvdepot_l2_{n}", f"Objects an L2 tier {n} (its own count).", labels=["tier"])
-            for n in ("stored", "loaded", "corrupt", "failures")
-        }
-        for t in s.tiers:
-            healthy.add_metric([t["name"], t["kind"]], 1.0 if t["healthy"] else 0.0)
-            for n, family in tier_counts.items():
-                family.add_metric([t["name"]], t[n])
-        yield healthy
-        yield from tier_counts.values()
-        for controller, stats in s.controllers.items():
-            for field, value in stats.items():
-                yield GaugeMetricFamily(f"kvdepot_l2_{controller}_{field}", f"L2 {controller} controller: {field}.", value=value)
+        yield from _tier_metrics(s.tiers)
+        if s.store is not None:
+            st = s.store
+            for name, doc, value in (
+                ("kvdepot_l2_store_queued", "Objects waiting for the L2 push.", st.queued),
+                ("kvdepot_l2_store_in_flight", "Store batches being written to the tiers.", st.in_flight),
+            ):
+                yield GaugeMetricFamily(name, doc, value=value)
+            for name, doc, value in (
+                ("kvdepot_l2_store_submitted", "Objects handed to the tiers.", st.submitted),
+                ("kvdepot_l2_store_stored", "Object writes the tiers acknowledged (one per tier).", st.stored),
+                ("kvdepot_l2_store_failed", "Object writes the tiers failed (one per tier).", st.failed),
+                ("kvdepot_l2_store_dropped", "Objects not pushed because the queue was full.", st.dropped),
+                ("kvdepot_l2_store_skipped_gone", "Objects that left L1 before their push.", st.skipped_gone),
+            ):
+                yield CounterMetricFamily(name, doc, value=value)
+        if s.prefetch is not None:
+            pf = s.prefetch
+            yield GaugeMetricFamily("kvdepot_l2_prefetch_running", "Prefetch jobs running.", value=pf.running)
+            for name, doc, value in (
+                ("kvdepot_l2_prefetch_jobs", "Prefetch jobs started (LOOKUP misses asked of L2).", pf.jobs),
+                ("kvdepot_l2_prefetch_lookups_hit", "Tier lookups that found chunks to load.", pf.lookups_hit),
+                ("kvdepot_l2_prefetch_chunks_loaded", "Chunks loaded from L2 into L1.", pf.chunks_loaded),
+                ("kvdepot_l2_prefetch_chunks_failed", "Chunks whose load from L2 failed (a miss).", pf.chunks_failed),
+            ):
+                yield CounterMetricFamily(name, doc, value=value)
+
+
+def _tier_metrics(tiers: Iterable[Any]) -> Iterable:
+    healthy = GaugeMetricFamily("kvdepot_l2_healthy", "1 while an L2 tier serves.", labels=["tier", "kind"])
+    used = GaugeMetricFamily("kvdepot_l2_used_bytes", "Bytes an L2 tier holds.", labels=["tier"])
+    objects = GaugeMetricFamily("kvdepot_l2_objects", "Objects an L2 tier holds.", labels=["tier"])
+    stored = CounterMetricFamily("kvdepot_l2_stored", "Objects an L2 tier stored (its own count).", labels=["tier"])
+    loaded = CounterMetricFamily("kvdepot_l2_loaded", "Objects an L2 tier loaded and verified.", labels=["tier"])
+    corrupt = CounterMetricFamily("kvdepot_l2_corrupt", "Objects an L2 tier found corrupt (deleted; a miss).", labels=["tier"])
+    failures = CounterMetricFamily("kvdepot_l2_failures", "Backend failures of an L2 tier.", labels=["tier"])
+    for t in tiers:
+        healthy.add_metric([t.name, t.kind], 1.0 if t.healthy else 0.0)
+        used.add_metric([t.name], t.used_bytes)
+        objects.add_metric([t.name], t.objects)
+        stored.add_metric([t.name], t.stored)
+        loaded.add_metric([t.name], t.loaded)
+        corrupt.add_metric([t.name], t.corrupt)
+        failures.add_metric([t.name], t.failures)
+    return (healthy, used, objects, stored, loaded, corrupt, failures)

@@ -21,7 +21,6 @@ from kvdepot.protocol.messages import (
     RequestType,
 )
 
-MAX_FRAME_BYTES = 16 << 20  # payload frames are at most this large (glibc reuses heap below 32 MiB)
 TARGET_FRAME_BYTES = 2 << 20  # what senders aim for: measured fastest through ZeroMQ here
 MAX_BODY_BYTES = 8 << 20  # the msgpack body of one message
 

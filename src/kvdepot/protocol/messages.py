@@ -13,7 +13,8 @@ from enum import IntEnum
 
 import msgspec
 
-from kvdepot.types import SlotStatus  # a wire enum too: re-exported here  # noqa: F401
+from kvdepot.hashing import HashAlgorithm
+from kvdepot.types import ClearScope, SlotStatus  # wire enums too: SlotStatus is re-exported here  # noqa: F401
 
 PROTOCOL_VERSION = 2  # 2: ShmInfo.liveness_lock, RENEW_LEASES, SlotStatus.OVER_QUOTA
 
@@ -123,7 +124,7 @@ class RegisterContextReply(_Body):
     context_id: int
     chunk_size: int
     chunk_bytes: int
-    hash_algorithm: str
+    hash_algorithm: HashAlgorithm
     server_version: str
     max_frame_bytes: int
     heartbeat_interval_s: float
@@ -267,7 +268,7 @@ class EndSessionRequest(_Body):
 
 
 class ClearRequest(_Body):
-    scope: str = "l1"  # "l1" | "tiers" | "all"
+    scope: ClearScope = ClearScope.L1
 
 
 class ClearReply(_Body):

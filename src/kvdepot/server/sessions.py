@@ -2,23 +2,26 @@
 
 ::
 
-    (none) ──LOOKUP, lock──────────────────────► LOCKED ──a retrieve takes its lease──► HANDED
-      │      (a lock-free LOOKUP keeps no session)   ▲
-      └──LOOKUP, L2 holds more──► PREFETCHING ──prefetched, lock──┘
-                                       └──prefetched, no lock──► KNOWN ──answered──► (ended)
+    (none) ──open, locking LOOKUP──────────────────────► LOCKED ──hand_over: a retrieve takes its lease──► ENDED
+      │      (a lock-free LOOKUP without a prefetch          ▲
+      │       keeps no session)                              │
+      └──open, L2 holds more──► PREFETCHING ──lock_prefetched┘
+                                    └──know (no lock)──► KNOWN ──answered──► ENDED
 
-    any state ──END_SESSION, a new LOOKUP under the same id, or its context gone──► (ended)
+    PREFETCHING, LOCKED or KNOWN ──end: END_SESSION, a new LOOKUP under the same id, its context gone──► ENDED
 
 - PREFETCHING: the final hit count is not known yet (QUERY_PREFETCH_STATUS answers None); the L1 part
   may already be locked under a first lease.
 - LOCKED: the hit count is known and a lease holds the locks on the leading ``hits`` chunks (some may
   have been freed since with FREE_LOOKUP_LOCKS).
 - KNOWN: the count is known, nothing is locked; the session ends once the count was answered.
-- HANDED: a retrieve took the lease over (it releases it when done); the session stays only for END.
+- ENDED: the session is out of the table; its lease went to whoever ended it (the caller releases it,
+  or a retrieve owns it from then on). Nothing moves an ended session.
 
-Every read and every transition happens under the table's lock, through its methods; a transition
-from the wrong state raises IllegalTransition and changes nothing. The object table is a separate
-lock: the session lock may be held while a lease is taken (never the other way round).
+``Session`` owns the transitions: each checks the state it leaves and raises IllegalTransition, changing
+nothing, from any other. ``SessionTable`` keeps the sessions by (context, session id); every read and
+every transition happens under its lock. The object table is a separate lock: the session lock may be
+held while a lease is taken (never the other way round).
 """
 
 from __future__ import annotations
@@ -29,16 +32,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvdepot.errors import IllegalTransition
-from kvdepot.types import ContextId, LeaseId, ObjectKey
-
-NO_LEASE = LeaseId(0)
+from kvdepot.types import NO_LEASE, ContextId, LeaseId, ObjectKey
 
 
 class SessionState(enum.Enum):
     PREFETCHING = "prefetching"
     LOCKED = "locked"
     KNOWN = "known"
-    HANDED = "handed"
+    ENDED = "ended"
 
 
 @dataclass(slots=True)
@@ -52,6 +53,43 @@ class Session:
 
     def __repr__(self) -> str:
         return f"Session({self.state.value}, hits={self.hits}, lease={self.lease_id}, locked={len(self.keys)})"
+
+    # --- transitions ---------------------------------------------------------------------------------
+
+    def lock_prefetched(self, lease: LeaseId, keys: list[ObjectKey]) -> LeaseId:
+        """PREFETCHING -> LOCKED: the prefetch ended and ``lease`` locks ``keys`` (the leading chunks
+        now in L1). Returns the lease of the lookup's first lock, for the caller to release."""
+        self._require(SessionState.PREFETCHING, "lock_prefetched")
+        old = self.lease_id
+        self.state, self.lease_id, self.keys, self.hits, self.all_keys = SessionState.LOCKED, lease, keys, len(keys), None
+        return old
+
+    def know(self, hits: int) -> None:
+        """PREFETCHING -> KNOWN: the prefetch ended with ``hits`` leading chunks; nothing is locked."""
+        self._require(SessionState.PREFETCHING, "know")
+        self.state, self.hits, self.all_keys = SessionState.KNOWN, hits, None
+
+    def hand_over(self) -> LeaseId:
+        """LOCKED -> ENDED: a retrieve takes the lease over (it releases it when done)."""
+        self._require(SessionState.LOCKED, "hand_over")
+        lease, self.lease_id, self.state = self.lease_id, NO_LEASE, SessionState.ENDED
+        return lease
+
+    def answered(self) -> None:
+        """KNOWN -> ENDED: its count was told."""
+        self._require(SessionState.KNOWN, "answered")
+        self.state = SessionState.ENDED
+
+    def end(self) -> LeaseId:
+        """Any live state -> ENDED; returns the lease still held (NO_LEASE if none), for the caller."""
+        if self.state is SessionState.ENDED:
+            raise IllegalTransition("session has ended already")
+        lease, self.lease_id, self.state = self.lease_id, NO_LEASE, SessionState.ENDED
+        return lease
+
+    def _require(self, state: SessionState, what: str) -> None:
+        if self.state is not state:
+            raise IllegalTransition(f"session is {self.state.value}, not {state.value}: cannot {what}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,13 +114,11 @@ class SessionTable:
     def __repr__(self) -> str:
         return f"SessionTable({len(self)} sessions)"
 
-    # --- transitions ---------------------------------------------------------------------------------
-
     def open(
         self, key: Key, lease: LeaseId, keys: list[ObjectKey], hits: int, lock: bool, prefetch_keys: list[ObjectKey] | None
     ) -> tuple[Session, LeaseId]:
         """A LOOKUP: the new session (PREFETCHING when ``prefetch_keys`` is given, else LOCKED), and the
-        lease of the session it replaced (the caller releases it; NO_LEASE if none)."""
+        lease of the session it replaced (ended: the caller releases it; NO_LEASE if none)."""
         if prefetch_keys is not None:
             session = Session(SessionState.PREFETCHING, lease, keys, None, lock, prefetch_keys)
         else:
@@ -90,25 +126,24 @@ class SessionTable:
         with self._lock:
             old = self._sessions.get(key)
             self._sessions[key] = session
-        return session, _lease_of(old)
+            return session, old.end() if old is not None else NO_LEASE
 
     def prefetched(self, key: Key, session: Session, total: int, lock_prefix: LockPrefix) -> LeaseId | None:
         """The prefetch ended with ``total`` leading chunks in L1. A locking session locks that whole
         prefix afresh (``lock_prefix``) and becomes LOCKED; the lease of its first lock is returned for
-        the caller to release. None when the session ended or was replaced meanwhile (nothing to do)."""
+        the caller to release. A lock-free one becomes KNOWN (NO_LEASE). None when the session ended or
+        was replaced meanwhile (nothing to do)."""
         with self._lock:
             if self._sessions.get(key) is not session:
                 return None
-            _require(session, SessionState.PREFETCHING)
-            keys = session.all_keys or session.keys
-            session.all_keys = None
             if not session.lock:
-                session.state, session.hits = SessionState.KNOWN, total
+                session.know(total)
                 return NO_LEASE
-            lease, locked = lock_prefix(keys[:total])
-            old, session.lease_id = session.lease_id, lease
-            session.keys, session.hits, session.state = keys[:locked], locked, SessionState.LOCKED
-            return old
+            if session.state is not SessionState.PREFETCHING:
+                raise IllegalTransition(f"session is {session.state.value}, not prefetching")
+            keys = (session.all_keys or session.keys)[:total]
+            lease, locked = lock_prefix(keys)
+            return session.lock_prefetched(lease, keys[:locked])
 
     def answer(self, key: Key) -> PrefetchAnswer | None:
         """QUERY_PREFETCH_STATUS: the hit count (None while PREFETCHING); a KNOWN session ends once it
@@ -117,13 +152,16 @@ class SessionTable:
             session = self._sessions.get(key)
             if session is None:
                 return None
+            answer = PrefetchAnswer(session.hits, session.lease_id != NO_LEASE)
             if session.state is SessionState.KNOWN:
+                session.answered()
                 del self._sessions[key]
-            return PrefetchAnswer(session.hits, session.lease_id != NO_LEASE)
+            return answer
 
     def hand_over(self, key: Key, keys: list[ObjectKey], start: int) -> LeaseId:
-        """A retrieve of ``keys[start:]`` takes over the session's lease when it locks those very
-        chunks (LOCKED -> HANDED); NO_LEASE otherwise (the retrieve locks afresh)."""
+        """A retrieve of ``keys[start:]`` takes over a LOCKED session's lease when it locks those very
+        chunks (the session ends: its lease is the retrieve's now); NO_LEASE otherwise (the retrieve
+        locks afresh, and the session stays as it was)."""
         with self._lock:
             session = self._sessions.get(key)
             if session is None or session.state is not SessionState.LOCKED or not session.lease_id:
@@ -131,8 +169,8 @@ class SessionTable:
             n = min(len(session.keys), len(keys))
             if n <= start or session.keys[start:n] != keys[start:n]:
                 return NO_LEASE
-            lease, session.lease_id, session.state = session.lease_id, NO_LEASE, SessionState.HANDED
-            return lease
+            del self._sessions[key]
+            return session.hand_over()
 
     def lease(self, key: Key) -> LeaseId:
         """The lease holding a LOCKED session's locks (for FREE_LOOKUP_LOCKS); NO_LEASE otherwise."""
@@ -143,24 +181,16 @@ class SessionTable:
     def end(self, key: Key) -> LeaseId:
         """END_SESSION: the session is gone; returns its lease for the caller to release."""
         with self._lock:
-            return _lease_of(self._sessions.pop(key, None))
+            session = self._sessions.pop(key, None)
+            return session.end() if session is not None else NO_LEASE
 
     def end_context(self, context_id: ContextId) -> list[LeaseId]:
         """The context is gone: end its sessions; returns their leases."""
         with self._lock:
             keys = [k for k in self._sessions if k[0] == context_id]
-            return [lease for k in keys if (lease := _lease_of(self._sessions.pop(k)))]
+            return [lease for k in keys if (lease := self._sessions.pop(k).end())]
 
     def state(self, key: Key) -> SessionState | None:
         with self._lock:
             session = self._sessions.get(key)
             return None if session is None else session.state
-
-
-def _lease_of(session: Session | None) -> LeaseId:
-    return NO_LEASE if session is None else session.lease_id
-
-
-def _require(session: Session, state: SessionState) -> None:
-    if session.state is not state:
-        raise IllegalTransition(f"session is {session.state.value}, not {state.value}")

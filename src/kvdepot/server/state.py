@@ -11,8 +11,8 @@ import threading
 from dataclasses import dataclass
 
 from kvdepot.errors import UnknownContext
+from kvdepot.keys import NamespaceSpec
 from kvdepot.layout import KVLayout
-from kvdepot.storage.keys import NamespaceSpec
 from kvdepot.types import ClientId, ContextId, ObjectKey
 
 

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvdepot.errors import IllegalTransition
+
 if TYPE_CHECKING:
     from kvdepot.shm.segment import SharedArena
 
@@ -101,7 +103,7 @@ class Prefaulter:
 
     def start(self) -> None:
         if self._state is not PrefaultState.IDLE:
-            raise RuntimeError(f"prefaulter already {self._state.value}")
+            raise IllegalTransition(f"prefaulter is {self._state.value}, not idle: it runs once")
         self._state = PrefaultState.RUNNING
         self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
         self._thread.start()

@@ -11,11 +11,12 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Iterator
 from typing import Protocol
 
+from kvdepot.config import EvictionPolicyName
 from kvdepot.types import ObjectKey
 
 
 class EvictionPolicy(Protocol):
-    name: str
+    name: EvictionPolicyName
 
     def on_ready(self, key: ObjectKey, salt: str, size: int) -> None:
         """``key`` (of ``cache_salt`` ``salt``, ``size`` bytes) became READY: it is now a candidate."""
@@ -39,7 +40,7 @@ class EvictionPolicy(Protocol):
 
 
 class LRUPolicy:
-    name = "lru"
+    name = EvictionPolicyName.LRU
 
     def __init__(self) -> None:
         self._order: OrderedDict[ObjectKey, None] = OrderedDict()
@@ -71,7 +72,7 @@ class LRUPolicy:
 class NoopPolicy:
     """Never evicts: a full L1 refuses new stores instead."""
 
-    name = "noop"
+    name = EvictionPolicyName.NOOP
 
     def on_ready(self, key: ObjectKey, salt: str = "", size: int = 0) -> None:
         pass
@@ -98,7 +99,7 @@ class IsolatedLRUPolicy(LRUPolicy):
     Quotas are set at run time (HTTP ``/quota/{cache_salt}``); the hooks run under the table's lock,
     quota changes under the policy's own."""
 
-    name = "isolated_lru"
+    name = EvictionPolicyName.ISOLATED_LRU
 
     def __init__(self) -> None:
         super().__init__()
@@ -167,11 +168,10 @@ class IsolatedLRUPolicy(LRUPolicy):
                 yield key
 
 
-POLICIES = {"lru": LRUPolicy, "isolated_lru": IsolatedLRUPolicy, "noop": NoopPolicy}
+POLICIES: dict[EvictionPolicyName, type[EvictionPolicy]] = {p.name: p for p in (LRUPolicy, IsolatedLRUPolicy, NoopPolicy)}
+if set(POLICIES) != set(EvictionPolicyName):  # a new name in the config needs its class here
+    raise RuntimeError(f"eviction policies without a class: {set(EvictionPolicyName) - set(POLICIES)}")
 
 
-def make_policy(name: str) -> EvictionPolicy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; choose from {sorted(POLICIES)}") from None
+def make_policy(name: EvictionPolicyName | str) -> EvictionPolicy:
+    return POLICIES[EvictionPolicyName(name)]()

@@ -53,14 +53,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from kvdepot.errors import IllegalTransition, LeaseExpired, LeaseRevoked, UnknownLease
-from kvdepot.types import SlotStatus
+from kvdepot.events import EventKind, EventListener, ObjectEvent, RemovedBecause
 from kvdepot.storage.allocator import ExtentAllocator
 from kvdepot.storage.eviction import EvictionPolicy
-from kvdepot.types import ClientId, LeaseId, ObjectKey
+from kvdepot.types import NO_LEASE, ClientId, LeaseId, ObjectKey, SlotStatus
 
 log = logging.getLogger(__name__)
 
-NO_LEASE = LeaseId(0)
 
 
 class ObjectState(Enum):
@@ -97,29 +96,6 @@ class L1Object:
     writer: LeaseId = NO_LEASE
     doomed: bool = False  # cleared while locked: removed as soon as the last lock goes
     generation: int = 0  # unique per object ever created in this table
-
-
-class EventKind(Enum):
-    STORED = "stored"  # became READY: visible to readers
-    REMOVED = "removed"  # a READY object left L1
-
-
-class RemovedBecause(Enum):
-    EVICTED = "evicted"
-    CLEARED = "cleared"
-    DISCARDED = "discarded"  # pushed to every tier and dropped from L1 (skip_l1 placement)
-    OVER_QUOTA = "over_quota"
-
-
-@dataclass(frozen=True, slots=True)
-class ObjectEvent:
-    kind: EventKind
-    key: ObjectKey
-    generation: int
-    size: int
-    salt: str
-    writer: ClientId | None = None  # STORED: who published it
-    because: RemovedBecause | None = None  # REMOVED: why
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +177,6 @@ class _Counters:
     quota_refused: int = 0
 
 
-EventListener = Callable[[list[ObjectEvent]], None]
 HolderAlive = Callable[[ClientId], bool]  # may this client's process still touch arena memory?
 
 

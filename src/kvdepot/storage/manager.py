@@ -8,7 +8,8 @@ change); nobody outside reaches into the table, the arena or a controller.
 
 Composition: ``__init__`` builds (tiers first: a tier that cannot be built fails before real memory is
 taken), ``start`` starts threads, ``close`` stops them in reverse order. Tier factories receive the
-shared services (the arena's event stream, the node's identity) from here, not only their config.
+shared services (``TierServices``: the node's identity, the arena, L1's events) from here, not only their
+config. ``snapshot`` is typed all the way down, so ``/status`` and ``/metrics`` name every field they show.
 """
 
 from __future__ import annotations
@@ -19,23 +20,23 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from enum import Enum
 
-from kvdepot.config import StorageConfig
+from kvdepot.config import EvictionPolicyName, StorageConfig
 from kvdepot.errors import ConfigError
+from kvdepot.events import EventListener
 from kvdepot.shm import HEADER_BYTES, Prefaulter, SharedArena, liveness_offset
 from kvdepot.storage.allocator import ExtentAllocator
 from kvdepot.storage.controllers import (
     EvictionController,
-    Placement,
     PrefetchController,
     PrefetchJob,
+    PrefetchStats,
     StoreController,
+    StoreStats,
     TierDriver,
 )
 from kvdepot.storage.eviction import IsolatedLRUPolicy, make_policy
 from kvdepot.storage.l1 import (
-    EventListener,
     HolderAlive,
     L1Stats,
     ObjectTable,
@@ -45,23 +46,30 @@ from kvdepot.storage.l1 import (
     Toucher,
 )
 from kvdepot.storage.l2 import registry
-from kvdepot.storage.l2.base import TaskKind, TaskResult, TierServices
-from kvdepot.types import ClientId, LeaseId, ObjectKey
+from kvdepot.storage.l2.contract import L2Usage, TaskKind, TaskResult, TierServices
+from kvdepot.types import ClearScope, ClientId, LeaseId, NodeId, ObjectKey
 
-# The value types handlers hold (a read lock's offsets, who touches a lease) come from here too, so that
-# the server imports storage through this module alone.
-__all__ = ["ClearResult", "ClearScope", "QuotaControl", "ReadLock", "StorageManager", "StorageSnapshot", "Toucher"]
+# The value types handlers and /status hold (a read lock's offsets, who touches a lease, the snapshot's
+# parts) come from here too, so that the server imports storage through this module alone.
+__all__ = [
+    "ClearResult",
+    "L1Stats",
+    "L2Usage",
+    "PrefaultStatus",
+    "PrefetchStats",
+    "QuarantineEntry",
+    "QuotaControl",
+    "ReadLock",
+    "StorageManager",
+    "StorageSnapshot",
+    "StoreStats",
+    "Toucher",
+]
 
 log = logging.getLogger(__name__)
 
 ALIGNMENT = 4096
 TIER_CLEAR_WAIT_S = 30.0
-
-
-class ClearScope(str, Enum):
-    L1 = "l1"  # every unlocked L1 object (locked ones go when their last lock does)
-    TIERS = "tiers"  # every object of every L2 tier (of this server's prefix or directory)
-    ALL = "all"
 
 
 @dataclass(frozen=True)
@@ -94,10 +102,11 @@ class StorageSnapshot:
     l1: L1Stats
     prefault: PrefaultStatus
     quarantine: list[QuarantineEntry]
-    tiers: list[dict]
-    controllers: dict
+    tiers: list[L2Usage]
+    store: StoreStats | None  # None: no L2 tiers, so no L2 controllers
+    prefetch: PrefetchStats | None
     shm_path: str
-    eviction_policy: str
+    eviction_policy: EvictionPolicyName
 
 
 class QuotaControl:
@@ -122,7 +131,7 @@ class QuotaControl:
 
 
 class StorageManager:
-    def __init__(self, config: StorageConfig, holder_alive: HolderAlive | None = None, node: str = "") -> None:
+    def __init__(self, config: StorageConfig, holder_alive: HolderAlive | None = None, node: NodeId = NodeId("")) -> None:
         """``holder_alive(client)``: may that client's process still touch arena memory it was given?
         (the server's liveness tracker answers; without one, every client is assumed to run).
         ``node``: this server's identity, for tiers that talk to peers."""
@@ -135,7 +144,7 @@ class StorageManager:
         allocator = ExtentAllocator(config.l1_size_bytes, alignment=ALIGNMENT, base=HEADER_BYTES)
         extra = {} if holder_alive is None else {"holder_alive": holder_alive}
         self._table = ObjectTable(allocator, make_policy(config.eviction_policy), lease_ttl_s=config.lease_ttl_s, **extra)
-        services = TierServices(node=node, arena=self._arena, subscribe=self._table.subscribe)
+        services = TierServices(node=node, arena=self._arena, events=self._table)
         try:
             self._tiers = [registry.build(spec, services) for spec in specs]
         except BaseException:
@@ -151,7 +160,7 @@ class StorageManager:
         if self._tiers:
             self._driver = TierDriver(self._tiers)
             self._store = StoreController(
-                self._table, self._arena, self._tiers, self._driver.wake, Placement(config.l2_placement), config.l2_queue_limit
+                self._table, self._arena, self._tiers, self._driver.wake, config.l2_placement, config.l2_queue_limit
             )
             self._prefetcher = PrefetchController(self._table, self._arena, self._tiers, self._driver.wake)
             self._driver.add(self._store.step)
@@ -332,27 +341,17 @@ class StorageManager:
     # --- status --------------------------------------------------------------------------------------
 
     def snapshot(self) -> StorageSnapshot:
-        """Everything /status says of storage. Asks each tier's backend (at most 0.5 s each)."""
-        tiers = []
-        for tier in self._tiers:
-            u = tier.usage()
-            tiers.append({f: getattr(u, f) for f in u.__dataclass_fields__})
-        controllers = {}
-        if self._store is not None and self._prefetcher is not None:
-            controllers = {"store": vars(self._store.snapshot()), "prefetch": vars(self._prefetcher.snapshot())}
+        """Everything /status and /metrics say of storage. Asks each tier's backend (at most 0.5 s each)."""
         return StorageSnapshot(
             self._table.stats(),
             self._prefault_status(),
             self._table.quarantine(),
-            tiers,
-            controllers,
+            [tier.usage() for tier in self._tiers],
+            self._store.snapshot() if self._store is not None else None,
+            self._prefetcher.snapshot() if self._prefetcher is not None else None,
             self._arena.path,
             self.config.eviction_policy,
         )
-
-    def store_idle(self) -> bool:
-        """Nothing waits to be pushed to L2 and nothing is in flight (tests and benchmarks wait on it)."""
-        return self._store is None or self._store.idle()
 
     def _prefault_status(self) -> PrefaultStatus:
         p = self._prefaulter

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from kvdepot.bench.engines.sglang_engines import SGLANG_SHAPE, require_sglang
+from kvdepot.bench.engines.vllm_engines import make_tiny_model
+
 from support.servers import start_server, stop_server
-from support.sglang_engines import SGLANG_SHAPE, require_sglang
-from support.vllm_engines import make_tiny_model
 
 KVDEPOT_FOR_SGLANG = ("--l1-size-gb", "0.25", "--no-prefault", "--log-level", "info")
 

@@ -30,8 +30,7 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E40
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # tests/: the shared harness
-from support.sglang_engines import PAGE, backend_config  # noqa: E402
+from kvdepot.bench.engines.sglang_engines import PAGE, backend_config  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 64
 MLA_RANK, MLA_ROPE = 64, 16
@@ -142,7 +141,7 @@ def scenario_hashes(url: str, args: dict) -> dict:
     plain KVClient (as the vLLM connector stores it) read back through SGLang's page path."""
     import numpy as np
 
-    from kvdepot import KVClient, KVLayout
+    from kvdepot import ClientOptions, KVClient, KVLayout
     from kvdepot.hashing import chunk_hashes
 
     toks = tokens(4 * PAGE, 7)
@@ -152,7 +151,7 @@ def scenario_hashes(url: str, args: dict) -> dict:
     b = backend(url, host, model="shared-model")
     layout = KVLayout(LAYERS, HEADS, HEAD_DIM, dtype="bfloat16")
     kv = np.random.default_rng(3).integers(0, 2**16, size=layout.chunk_shape(4 * PAGE), dtype=np.uint16)
-    with KVClient(url, "shared-model", layout, chunk_size=PAGE) as c:
+    with KVClient(url, "shared-model", layout, options=ClientOptions(chunk_size=PAGE)) as c:
         c.store(toks, kv, raw=True)
     dst = torch.arange(4 * PAGE, 8 * PAGE, dtype=torch.int64)
     got = page_get(b, host, sglang_keys, dst, 1)

@@ -10,9 +10,10 @@ import time
 
 import pytest
 
+from kvdepot.bench.engines.sglang_engines import PAGE, SGLangServer, backend_config, storage_tokens
+from kvdepot.bench.engines.vllm_engines import FIRST_WORD, VOCAB
+
 from support.servers import wait_until
-from support.sglang_engines import PAGE, SGLangServer, backend_config, storage_tokens
-from support.vllm_engines import FIRST_WORD, VOCAB
 
 PROMPT_TOKENS = 768  # 12 pages; SGLang always computes the last token, so 11 pages can come from L3
 FROM_L3 = (PROMPT_TOKENS - 1) // PAGE * PAGE

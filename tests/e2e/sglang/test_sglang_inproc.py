@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvdepot.bench.engines.sglang_engines import run_inproc
+
 from support.servers import free_port
-from support.sglang_engines import run_inproc
 
 CASES = [
     ["mha", "layer_first", "bfloat16", 1],

@@ -14,9 +14,10 @@ import threading
 
 import pytest
 
+from kvdepot.bench.engines.sglang_engines import PAGE, SGLangServer, backend_config, storage_tokens
+from kvdepot.bench.engines.vllm_engines import BLOCK, FIRST_WORD, MODEL_NAME, VOCAB, Engine, connector_config, expected_hit, make_prompts
+
 from support.servers import wait_until
-from support.sglang_engines import PAGE, SGLangServer, backend_config, storage_tokens
-from support.vllm_engines import BLOCK, FIRST_WORD, MODEL_NAME, VOCAB, Engine, connector_config, expected_hit, make_prompts
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
-from kvdepot.connectors.common import FailureTally, ResilientClient
+from kvdepot.connectors.common import Direction, FailureTally, ResilientClient
 from kvdepot.connectors.sglang.pages import PageCodec, page_hash
 from kvdepot.connectors.sglang.settings import SGLangSettings
 from kvdepot.errors import ErrorCode, KVDepotError
@@ -102,18 +102,18 @@ class KVDepotHiCacheStorage(HiCacheStorage):
             name += f"|dcp{cfg.dcp_rank}/{cfg.dcp_size}"
         return name
 
-    def _client(self, direction: str):
+    def _client(self, direction: Direction):
         if self._resilient is None:
             return None
         client = self._resilient.get(direction)
         if client is not None and client.hash_algorithm is not HashAlgorithm.SHA256:
             # SGLang's keys are sha256: a server hashing otherwise keys objects SGLang can never name.
             exc = KVDepotError(f"the kvdepot server hashes with {client.hash_algorithm.value}; SGLang needs sha256", ErrorCode.BAD_REQUEST)
-            self._resilient.failed("connect", exc, "checking the server")
+            self._resilient.failed(Direction.CONNECT, exc, "checking the server")
             return None
         return client
 
-    def _failed(self, direction: str, exc: BaseException, what: str) -> None:
+    def _failed(self, direction: Direction, exc: BaseException, what: str) -> None:
         if self._resilient is not None:
             self._resilient.failed(direction, exc, what)
         else:
@@ -126,12 +126,12 @@ class KVDepotHiCacheStorage(HiCacheStorage):
         if not keys:
             return 0
         try:
-            client = self._client("lookup")
+            client = self._client(Direction.LOOKUP)
             if client is None:
                 return 0
             return int(client.stored_chunks([page_hash(k) for k in keys], ""))
         except Exception as exc:  # noqa: BLE001 - a miss, never an exception in SGLang's prefetch thread
-            self._failed("lookup", exc, f"a lookup of {len(keys)} pages")
+            self._failed(Direction.LOOKUP, exc, f"a lookup of {len(keys)} pages")
             return 0
 
     def exists(self, key: str) -> bool:
@@ -153,7 +153,7 @@ class KVDepotHiCacheStorage(HiCacheStorage):
             targets = (codec.host_page(s) for s in starts)
             return self._read([page_hash(k) for k in keys], targets, f"a load of {len(keys)} pages")
         except Exception as exc:  # noqa: BLE001
-            self._failed("load", exc, f"a load of {len(keys)} pages")
+            self._failed(Direction.LOAD, exc, f"a load of {len(keys)} pages")
             return done
 
     def batch_set_v1(
@@ -167,7 +167,7 @@ class KVDepotHiCacheStorage(HiCacheStorage):
             starts = codec.page_starts(host_indices, len(keys))
             return self._write([page_hash(k) for k in keys], lambda i: codec.host_page(starts[i]), f"a save of {len(keys)} pages")
         except Exception as exc:  # noqa: BLE001
-            self._failed("save", exc, f"a save of {len(keys)} pages")
+            self._failed(Direction.SAVE, exc, f"a save of {len(keys)} pages")
             return [False] * len(keys)
 
     # --- the flat-page interface (SGLang's default for dynamic backends) --------------------------------
@@ -184,7 +184,7 @@ class KVDepotHiCacheStorage(HiCacheStorage):
             targets = (codec.chunk_view(t) for t in target_locations)
             done = self._read([page_hash(k) for k in keys], targets, f"a load of {len(keys)} pages")
         except Exception as exc:  # noqa: BLE001
-            self._failed("load", exc, f"a load of {len(keys)} pages")
+            self._failed(Direction.LOAD, exc, f"a load of {len(keys)} pages")
             return [None] * len(keys)
         return [t if ok else None for t, ok in zip(target_locations, done)]
 
@@ -200,7 +200,7 @@ class KVDepotHiCacheStorage(HiCacheStorage):
         try:
             return all(self._write([page_hash(k) for k in keys], lambda i: codec.chunk_view(values[i]), f"a save of {len(keys)} pages"))
         except Exception as exc:  # noqa: BLE001
-            self._failed("save", exc, f"a save of {len(keys)} pages")
+            self._failed(Direction.SAVE, exc, f"a save of {len(keys)} pages")
             return False
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
@@ -210,7 +210,7 @@ class KVDepotHiCacheStorage(HiCacheStorage):
 
     def _read(self, hashes: list[ChunkHash], targets, what: str) -> list[bool]:
         done = [False] * len(hashes)
-        client = self._client("load")
+        client = self._client(Direction.LOAD)
         if client is None:
             return done
         copied = 0
@@ -221,7 +221,7 @@ class KVDepotHiCacheStorage(HiCacheStorage):
                     copied += 1
         except KVDepotError as exc:
             # Also a lease that ended before the copy did: those bytes may have changed under us.
-            self._failed("load", exc, what)
+            self._failed(Direction.LOAD, exc, what)
             return done
         done[:copied] = [True] * copied
         return done
@@ -229,7 +229,7 @@ class KVDepotHiCacheStorage(HiCacheStorage):
     def _write(self, hashes: list[ChunkHash], source, what: str) -> list[bool]:
         if not self.writer:
             return [True] * len(hashes)  # MLA: another rank writes the one shared copy
-        client = self._client("save")
+        client = self._client(Direction.SAVE)
         if client is None:
             return [False] * len(hashes)
         try:
@@ -238,13 +238,13 @@ class KVDepotHiCacheStorage(HiCacheStorage):
                     if slot is not None:
                         np.copyto(slot, source(i))
         except KVDepotError as exc:
-            self._failed("save", exc, what)
+            self._failed(Direction.SAVE, exc, what)
             return [False] * len(hashes)
         stored = [status in _STORED for status in slots.statuses]
         refused = [s for s in slots.statuses if s not in _STORED]
         if refused:  # L1 full of locked objects, or a quota: a future miss, nothing more
             code = ErrorCode.NO_SPACE if refused[0] is SlotStatus.NO_SPACE else ErrorCode.BAD_REQUEST
-            self.tally.add("save", KVDepotError(f"{len(refused)} of {len(slots)} pages {refused[0].name}", code), what)
+            self.tally.add(Direction.SAVE, KVDepotError(f"{len(refused)} of {len(slots)} pages {refused[0].name}", code), what)
         return stored
 
     # --- the rest of SGLang's interface ----------------------------------------------------------------

@@ -50,9 +50,9 @@ from kvdepot.connectors.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     import torch
-    from vllm.v1.attention.backend import AttentionMetadata
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvdepot.layout import KVLayout, as_numpy
 from kvdepot.connectors.paged import gather_chunk, scatter_chunk
+from kvdepot.layout import KVLayout, as_numpy
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,6 @@ def _cpu_views(layer: np.ndarray, head_size: int, kind: str) -> list[np.ndarray]
 def probe_cpu_layout(dtype_str: str, block_size: int, head_size: int, kv_cache_dtype: str = "auto") -> CacheFormat:
     """Write known K/V through vLLM's CPU cache kernel and see which reading gives them back."""
     import torch
-
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     dtype = getattr(torch, dtype_str.removeprefix("torch."))

@@ -1,29 +1,12 @@
 """The scheduler half: which prompt prefixes kvdepot holds, and what each step loads and saves.
 
-One ``RequestState`` per live request, driven by vLLM's scheduler hooks:
-
-    NEW ──lookup──► LOOKING (the server prefetches from L2; vLLM is told "not known yet")
-     │                 │ poll
-     ▼                 ▼
-    LOOKED (hit_chunks known, locked for the request's session)
-     │ update_state_after_alloc: plan the load of the chunks vLLM lacks, unlock the ones it has
-     ▼
-    ADMITTED ──(preempted)──► NEW
-
-A load is planned once, handed to the workers by the next ``build_connector_meta`` and its locks are
-released when the workers report it done. Saves are planned every step for the chunks that the
-step completes. ``request_finished`` ends the session, which drops whatever locks are left.
-
-The locks of a request (its session's lease on the server)::
-
-    looked up ──lock──► locked ──planned──► loading ──workers done──► released
-                          │  ▲                 │
-                          │  └── renewed by the client's heartbeat while the request is held here
-                          │                      (waiting in vLLM's queue, or computing a slow step)
-                          ├── request finished / preempted ──► released (END_SESSION)
-                          └── lease ended anyway (TTL: only if this process stopped renewing, or a
-                              revocation) ──► expired: the load finds fewer chunks; vLLM recomputes
-                                              them (kv_load_failure_policy=recompute), nothing else
+One ``RequestState`` per live request (``request_state.py`` draws and enforces its two state machines:
+the request's ``Phase`` and the ``Locks`` the server holds for it), driven by vLLM's scheduler hooks. A
+load is planned once, handed to the workers by the next ``build_connector_meta``, and its locks are
+released when the workers report it done. Saves are planned every step for the chunks that the step
+completes. ``request_finished`` ends the session, which drops whatever locks are left. A lease that
+ended anyway (TTL: only if this process stopped renewing, or a revocation) makes the load find fewer
+chunks; vLLM recomputes them (kv_load_failure_policy=recompute), nothing else.
 
 Failures are classified (``connectors.common``): a transport failure (no connection, a timeout) stops
 lookups for ``retry_after_s``; anything else (an expired lease, a chunk evicted since the lookup) is
@@ -35,17 +18,17 @@ per rank and a hit is the shortest prefix that all ranks hold.
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvdepot.client.client import KVClient
-from kvdepot.connectors.common import CircuitBreaker, FailureTally, ResilientClient, is_transport_failure
+from kvdepot.client.options import Transport
+from kvdepot.connectors.common import Breakers, Direction, FailureTally, ResilientClient, is_transport_failure
 from kvdepot.connectors.vllm.config import ConnectorConfig
 from kvdepot.connectors.vllm.metadata import KVDepotConnectorMetadata, KVDepotWorkerMetadata, LoadOp, SaveOp
+from kvdepot.connectors.vllm.request_state import Locks, Phase, RequestState
 from kvdepot.errors import KVDepotError
 from kvdepot.hashing import chunk_hashes
 from kvdepot.layout import KVLayout
@@ -62,44 +45,13 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 1.0
 
 
-class Phase(enum.Enum):
-    NEW = "new"
-    LOOKING = "looking"
-    LOOKED = "looked"
-    ADMITTED = "admitted"
-
-
-@dataclass(slots=True)
-class RequestState:
-    req_id: str
-    request: Any  # vllm Request: its all_token_ids grows as tokens are generated
-    salt: str
-    eligible: bool
-    phase: Phase = Phase.NEW
-    hashes: list[ChunkHash] = field(default_factory=list)  # chained hashes of leading complete chunks
-    rank_hits: list[int | None] = field(default_factory=list)
-    looked_at: float = 0.0
-    hit_chunks: int = 0
-    session_open: bool = False  # the server keeps a session (and maybe locks) for this request
-    pending_load: LoadOp | None = None
-    loading: bool = False
-    stored_chunks: int = 0  # chunks [0, stored) are in kvdepot or saved by an earlier step
-    block_ids: list[int] = field(default_factory=list)
-
-    def __repr__(self) -> str:
-        return (
-            f"RequestState({self.req_id!r}, {self.phase.value}, hit={self.hit_chunks}, stored={self.stored_chunks}, "
-            f"blocks={len(self.block_ids)}, loading={self.loading}, pending_load={self.pending_load is not None})"
-        )
-
-
 class ClientPool:
     """One client per KV rank (``ResilientClient``s sharing one breaker and one tally): created on
     first use, and switched off for ``retry_after_s`` after a transport failure (the server may still
     hold locks for us meanwhile; their TTL ends them)."""
 
     def __init__(self, config: ConnectorConfig, model: str, layout: KVLayout, world_size: int, chunk_size: int, sessions) -> None:
-        self.breaker = CircuitBreaker(config.retry_after_s)
+        self.breakers = Breakers(config.retry_after_s)
         self.tally = FailureTally(log, "kvdepot scheduler")
         self.ranks = [
             ResilientClient(
@@ -109,9 +61,9 @@ class ClientPool:
                 chunk_size,
                 rank=rank,
                 world_size=world_size,
-                transport="inline",  # the scheduler moves no KV: no need to map the arena
+                transport=Transport.INLINE,  # the scheduler moves no KV: no need to map the arena
                 connect_timeout_s=CONNECT_TIMEOUT_S,
-                breaker=self.breaker,
+                breakers=self.breakers,
                 tally=self.tally,
                 prefault=False,
                 tune_malloc=False,
@@ -122,9 +74,12 @@ class ClientPool:
         self._logged = False
 
     def get(self) -> list[KVClient] | None:
+        """Every rank's client, or None while lookups (or connecting) are switched off."""
+        if not self.breakers.admit(Direction.LOOKUP):
+            return None
         clients = []
         for r in self.ranks:
-            client = r.get("lookup")
+            client = r.connected()
             if client is None:
                 return None
             client.renew_sessions = self._sessions  # its heartbeat renews the locks of held requests
@@ -136,7 +91,7 @@ class ClientPool:
 
     def failed(self, exc: Exception, what: str) -> None:
         """Count the failure; a transport failure also stops lookups for ``retry_after_s``."""
-        self.ranks[0].failed("lookup", exc, what)
+        self.ranks[0].failed(Direction.LOOKUP, exc, what)
 
     def close(self) -> None:
         for r in self.ranks:
@@ -187,7 +142,7 @@ class SchedulerSide:
         st.block_ids = list(groups[0]) if groups else []
         if st.phase is Phase.ADMITTED:
             return  # the second call of an async load, once the rest of the prompt gets blocks
-        st.phase = Phase.ADMITTED
+        st.admit()
         hit = st.hit_chunks
         st.stored_chunks = hit
         if num_external_tokens <= 0:
@@ -199,13 +154,15 @@ class SchedulerSide:
         bpc = self.blocks_per_chunk
         if start < 0 or start % self.block_size or len(st.block_ids) < hit * bpc:
             raise RuntimeError(f"kvdepot: cannot place a load of {num_external_tokens} tokens: {st!r}")
-        st.pending_load = LoadOp(
-            req_id=st.req_id,
-            hashes=list(st.hashes[first:hit]),
-            cache_salt=st.salt,
-            block_ids=st.block_ids[first * bpc : hit * bpc],
-            skip_blocks=skip,
-            is_async=self.config.load_async,
+        st.plan_load(
+            LoadOp(
+                req_id=st.req_id,
+                hashes=list(st.hashes[first:hit]),
+                cache_salt=st.salt,
+                block_ids=st.block_ids[first * bpc : hit * bpc],
+                skip_blocks=skip,
+                is_async=self.config.load_async,
+            )
         )
         if first > 0:
             self._free_locks(st, 0, first)  # chunks vLLM found in its own prefix cache
@@ -217,10 +174,8 @@ class SchedulerSide:
             if st is not None:
                 self._preempted(st)
         for st in self.states.values():
-            if st.pending_load is not None:
-                meta.loads.append(st.pending_load)
-                st.pending_load = None
-                st.loading = True
+            if st.locks is Locks.PLANNED:
+                meta.loads.append(st.hand_to_workers())
         block_state = so.kv_connector_block_state
         for new in so.scheduled_new_reqs:
             st = self.states.get(new.req_id)
@@ -247,8 +202,8 @@ class SchedulerSide:
             done |= output.kv_connector_worker_meta.loaded
         for req_id in done:
             st = self.states.get(req_id)
-            if st is not None and st.loading:
-                st.loading = False
+            if st is not None and st.locks is Locks.LOADING:
+                st.loaded()
                 self._free_locks(st)  # the workers hold their own locks while they read
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
@@ -293,7 +248,7 @@ class SchedulerSide:
         clients = self.pool.get()
         hashes = self._hashes(st, max_chunks) if clients else []
         if not clients or len(hashes) < max_chunks:
-            st.phase, st.hit_chunks = Phase.LOOKED, 0
+            st.looked(0)
             return
         st.looked_at = time.monotonic()
         self._open_session(st)
@@ -303,7 +258,7 @@ class SchedulerSide:
             self._lookup_failed(st, exc)
             return
         if any(h is None for h in st.rank_hits):
-            st.phase = Phase.LOOKING
+            st.begin_lookup()
         else:
             self._lookup_done(st, clients)
 
@@ -323,13 +278,12 @@ class SchedulerSide:
             if time.monotonic() - st.looked_at > self.config.prefetch_timeout_s:
                 log.warning("kvdepot: the L2 prefetch for %s took over %.1fs; serving it uncached", st.req_id, self.config.prefetch_timeout_s)
                 self._end_session(st)
-                st.phase, st.hit_chunks = Phase.LOOKED, 0
+                st.looked(0)
             return
         self._lookup_done(st, clients)
 
     def _lookup_done(self, st: RequestState, clients: list[KVClient]) -> None:
-        st.hit_chunks = min(st.rank_hits)  # type: ignore[type-var]
-        st.phase = Phase.LOOKED
+        st.looked(min(st.rank_hits))  # type: ignore[type-var]
         if st.hit_chunks < max(st.rank_hits):  # type: ignore[type-var]
             # Ranks that hold more than all of them do: unlock the surplus.
             for rank, hits in enumerate(st.rank_hits):
@@ -341,7 +295,7 @@ class SchedulerSide:
         with END_SESSION when the request finishes."""
         if exc is not None:
             self.pool.failed(exc, f"the lookup of {st.req_id}")
-        st.phase, st.hit_chunks = Phase.LOOKED, 0
+        st.looked(0)
         if exc is not None and not is_transport_failure(exc):
             self._end_session(st)  # the server is there: end whatever it keeps for the request now
         else:
@@ -377,30 +331,33 @@ class SchedulerSide:
     def _preempted(self, st: RequestState) -> None:
         """vLLM freed the request's blocks; on re-admission it is looked up afresh."""
         self._end_session(st)
-        st.phase, st.pending_load, st.loading, st.block_ids = Phase.NEW, None, False, []
+        if st.phase is not Phase.NEW:
+            st.preempt()
 
     def _free_locks(self, st: RequestState, start: int = 0, end: int = -1) -> None:
-        if not st.session_open:
+        if st.locks is Locks.NONE:
             return
         clients = self.pool.get()
         for c in clients or ():
             self._call(c.free_lookup_locks, st.req_id, start, end)
 
     def _end_session(self, st: RequestState) -> None:
-        if not st.session_open:
+        if st.locks is Locks.NONE:
             return
         self._close_session(st)
         for c in self.pool.get() or ():
             self._call(c.end_session, st.req_id)
 
     def _open_session(self, st: RequestState) -> None:
-        st.session_open = True
+        st.open_session()
         with self._open_lock:
             self._open_sessions.add(st.req_id)
 
     def _close_session(self, st: RequestState) -> None:
         """Stop renewing the request's locks (they end now, or with their TTL)."""
-        st.session_open = False
+        if st.locks is Locks.NONE:
+            return
+        st.close_session()
         with self._open_lock:
             self._open_sessions.discard(st.req_id)
 

@@ -37,7 +37,7 @@ from contextlib import ExitStack, contextmanager
 import numpy as np
 
 from kvdepot.client.client import KVClient
-from kvdepot.connectors.common import CircuitBreaker, FailureTally, ResilientClient
+from kvdepot.connectors.common import Breakers, Direction, FailureTally, ResilientClient
 from kvdepot.connectors.vllm.config import ConnectorConfig
 from kvdepot.connectors.vllm.metadata import KVDepotConnectorMetadata, KVDepotWorkerMetadata, LoadOp, SaveOp
 from kvdepot.connectors.vllm.paged_layout import PagedKV, make_layout, probe_cpu_layout
@@ -69,7 +69,7 @@ class WorkerSide:
         self._layerwise: LayerwiseLoad | None = None
         self._async_queue: queue.Queue[LoadOp | None] | None = None
         self._async_thread: threading.Thread | None = None
-        self.breaker = CircuitBreaker(config.retry_after_s)
+        self.breakers = Breakers(config.retry_after_s)
         self.tally = FailureTally(log, f"kvdepot worker {kv_rank}")
         self._to_dump: list[LoadOp] = []  # debug_dump_dir: this step's loads, dumped after the forward
 
@@ -101,7 +101,7 @@ class WorkerSide:
             self.chunk_size,
             rank=self.kv_rank,
             world_size=self.kv_world,
-            breaker=self.breaker,
+            breakers=self.breakers,
             tally=self.tally,
         )
         self._connect()
@@ -110,7 +110,7 @@ class WorkerSide:
     def _connect(self) -> KVClient | None:
         """The client, connected on first need; None while connecting is switched off after a failed
         attempt (the engine runs uncached meanwhile rather than not at all)."""
-        return self._resilient.get("connect") if self._resilient is not None else None
+        return self._resilient.connected() if self._resilient is not None else None
 
     def shutdown(self) -> None:
         if self._async_queue is not None:
@@ -169,12 +169,12 @@ class WorkerSide:
         found = 0
         try:
             views: list[np.ndarray] = []
-            client = self._connect() if self.breaker.allows("load") else None
+            client = self._resilient.get(Direction.LOAD) if self._resilient is not None else None
             if client is not None:
                 try:
                     views = stack.enter_context(client.prepare_retrieve(op.hashes, op.cache_salt))
                 except KVDepotError as exc:
-                    self._failed("load", exc, f"the load for {op.req_id}")
+                    self._failed(Direction.LOAD, exc, f"the load for {op.req_id}")
             found = len(views)
             if self.config.debug_load_delay_s:
                 time.sleep(self.config.debug_load_delay_s)  # (its lease is renewed meanwhile)
@@ -183,7 +183,7 @@ class WorkerSide:
             try:
                 stack.close()
             except KVDepotError as exc:  # e.g. LeaseExpired: the bytes may have changed under us
-                self._failed("load", exc, f"the load for {op.req_id}")
+                self._failed(Direction.LOAD, exc, f"the load for {op.req_id}")
                 found = 0
             if found < len(op.hashes):
                 self._report_missing(op, found)
@@ -193,7 +193,7 @@ class WorkerSide:
         bpc = self.blocks_per_chunk
         self.paged.scatter(view, op.block_ids[i * bpc : (i + 1) * bpc], op.skip_blocks if i == 0 else 0, layer)
 
-    def _failed(self, direction: str, exc: Exception, what: str) -> None:
+    def _failed(self, direction: Direction, exc: Exception, what: str) -> None:
         """Count it; a transport failure also stops this direction for ``retry_after_s``."""
         assert self._resilient is not None
         self._resilient.failed(direction, exc, what)
@@ -241,11 +241,9 @@ class WorkerSide:
 
     def save(self, op: SaveOp) -> None:
         assert self.paged is not None
-        if not self.breaker.allows("save"):
-            return  # the server failed us a moment ago: do not stall every step on it
-        client = self._connect()
+        client = self._resilient.get(Direction.SAVE) if self._resilient is not None else None
         if client is None:
-            return
+            return  # the server failed us a moment ago: do not stall every step on it
         bpc = self.blocks_per_chunk
         try:
             with client.prepare_store(op.hashes, op.cache_salt) as slots:
@@ -255,12 +253,12 @@ class WorkerSide:
                         if self.config.debug_dump_dir:
                             self._dump("saved", op.hashes[i], slot)
         except KVDepotError as exc:
-            self._failed("save", exc, f"the save for {op.req_id} (a future miss)")
+            self._failed(Direction.SAVE, exc, f"the save for {op.req_id} (a future miss)")
             return
         refused = [s for s in slots.statuses if s in (SlotStatus.NO_SPACE, SlotStatus.OVER_QUOTA)]
         if refused:  # L1 full of locked objects, or the tenant's quota: a future miss, nothing more
             code = ErrorCode.NO_SPACE if refused[0] is SlotStatus.NO_SPACE else ErrorCode.BAD_REQUEST
-            self.tally.add("save", KVDepotError(f"{len(refused)} of {len(slots)} chunks {refused[0].name}", code), f"the save for {op.req_id}")
+            self.tally.add(Direction.SAVE, KVDepotError(f"{len(refused)} of {len(slots)} chunks {refused[0].name}", code), f"the save for {op.req_id}")
 
     def _dump_loaded(self) -> None:
         """debug_dump_dir: what this step's loads left in vLLM's paged cache, read back after the forward,

@@ -1,18 +1,28 @@
-"""Capability modules. Each owns one family of requests and returns its HandlerSpecs."""
+"""Capability modules. Each owns one family of requests and returns its HandlerSpecs.
+
+A module is built from the ``ServerContext`` (``ModuleFactory``); the composition root takes the list of
+factories it serves (``DEFAULT_MODULES`` in ``server/main.py``), so a capability (the peer tier's
+requests, GPU transfers) plugs in as one more factory.
+"""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvdepot.config import ServerConfig
-from kvdepot.errors import LeaseRevoked, UnknownContext
+from kvdepot.errors import KVDepotError, LeaseRevoked, UnknownContext
 from kvdepot.observability.metrics import Metrics
-from kvdepot.hashing import HashAlgorithm
+from kvdepot.rpc.dispatch import HandlerSpec
 from kvdepot.server.liveness import LivenessTracker
 from kvdepot.server.sessions import SessionTable
 from kvdepot.server.state import Context, ContextRegistry
 from kvdepot.storage.manager import StorageManager
-from kvdepot.types import ClientId
+from kvdepot.types import ClientId, LeaseId
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,4 +50,41 @@ class ServerContext:
 
     @property
     def digest_size(self) -> int:
-        return HashAlgorithm(self.config.storage.hash_algorithm).digest_size
+        return self.config.storage.hash_algorithm.digest_size
+
+    def release_quietly(self, lease: LeaseId, owner: ClientId) -> None:
+        """Release a lease that may have ended already (TTL, revocation): freeing is idempotent."""
+        if not lease:
+            return
+        try:
+            self.storage.release(lease, owner)
+        except KVDepotError:
+            pass  # already expired or released
+
+    def client_gone(self, client: ClientId, why: str, exited: bool) -> None:
+        """The client's process exited or it went silent (``liveness.ClientWatch``, on the loop thread):
+        drop its contexts and sessions and end its leases. What it may still touch (it went silent, but
+        its process runs) is quarantined by the object table until the process is gone."""
+        contexts = self.contexts.remove_owner(client)
+        for c in contexts:
+            self.sessions.end_context(c.id)  # their locks are the client's: released just below
+        released = self.storage.release_owner(client, why, revoked=not exited)
+        if exited:
+            self.storage.recheck_quarantine()  # what it held in quarantine is safe to reuse now
+        held = [q for q in self.storage.quarantine() if q.owner == client]
+        rec = self.liveness.record(client)
+        pid = rec.info.pid if rec is not None else 0
+        if held:
+            log.warning(
+                "client %s (pid %d) %s: revoked; %d leases ended, %d quarantined (%d bytes) until its process exits",
+                client.hex()[:12], pid, why, released, held[0].leases, held[0].bytes,
+            )
+        else:
+            log.info("client %s (pid %d) gone (%s): %d leases released, %d contexts dropped", client.hex()[:12], pid, why, released, len(contexts))
+
+
+class ServerModule(Protocol):
+    def handlers(self) -> list[HandlerSpec]: ...
+
+
+ModuleFactory = Callable[[ServerContext], ServerModule]

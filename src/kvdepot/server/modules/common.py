@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from kvdepot.errors import BadRequest
+from kvdepot.limits import MAX_KEYS
+from kvdepot.rpc.dispatch import Call
 from kvdepot.server.modules import ServerContext
-from kvdepot.server.rpc import Call
 from kvdepot.server.state import Context
 from kvdepot.types import ObjectKey
-
-MAX_KEYS = 1 << 16
 
 
 def context_and_keys(ctx: ServerContext, call: Call) -> tuple[Context, list[ObjectKey]]:

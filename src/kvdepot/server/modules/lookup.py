@@ -8,15 +8,14 @@ Sessions follow the state machine in ``server/sessions.py``.
 from __future__ import annotations
 
 from kvdepot.errors import BadRequest, ErrorCode, KVDepotError, LeaseExpired, UnknownLease
+from kvdepot.limits import MAX_KEYS
 from kvdepot.protocol import messages as m
+from kvdepot.rpc.dispatch import Call, HandlerMode, HandlerSpec, Reply
 from kvdepot.server.modules import ServerContext
 from kvdepot.server.modules.common import context_and_keys
-from kvdepot.server.rpc import Call, HandlerMode, HandlerSpec, Reply
-from kvdepot.server.sessions import NO_LEASE, Key, Session
+from kvdepot.server.sessions import Key, Session
 from kvdepot.storage.manager import Toucher
-from kvdepot.types import ClientId, LeaseId, ObjectKey
-
-MAX_RENEWALS = 1 << 16
+from kvdepot.types import NO_LEASE, ClientId, LeaseId, ObjectKey
 
 
 class LookupModule:
@@ -51,7 +50,7 @@ class LookupModule:
             return Reply(m.LookupReply(hits=hits))  # nothing to track: no session is kept
         key: Key = (context.id, body.session_id)
         session, old = self.ctx.sessions.open(key, lease, keys[:hits], hits, body.lock, keys if prefetch else None)
-        self._release(old, call.client)
+        self.ctx.release_quietly(old, call.client)
         if not prefetch:
             return Reply(m.LookupReply(hits=hits, locked=lease != NO_LEASE))
         client = call.client
@@ -71,7 +70,7 @@ class LookupModule:
 
         old = self.ctx.sessions.prefetched(key, session, total, lock_prefix)
         if old:
-            self._release(old, client)
+            self.ctx.release_quietly(old, client)
 
     def query_prefetch_status(self, call: Call) -> Reply:
         body: m.QueryPrefetchStatusRequest = call.body
@@ -101,15 +100,7 @@ class LookupModule:
     def renew_leases(self, call: Call) -> Reply:
         body: m.RenewLeasesRequest = call.body
         self.ctx.context_of(body.context_id, call.client)
-        if len(body.lease_ids) + len(body.sessions) > MAX_RENEWALS:
-            raise BadRequest(f"{len(body.lease_ids) + len(body.sessions)} renewals in one request; at most {MAX_RENEWALS}")
+        if len(body.lease_ids) + len(body.sessions) > MAX_KEYS:
+            raise BadRequest(f"{len(body.lease_ids) + len(body.sessions)} renewals in one request; at most {MAX_KEYS}")
         renewed = self.storage.renew(call.client, [LeaseId(i) for i in body.lease_ids], body.sessions)
         return Reply(m.RenewLeasesReply(renewed=renewed))
-
-    def _release(self, lease: LeaseId, client: ClientId) -> None:
-        if not lease:
-            return
-        try:
-            self.storage.release(lease, client)
-        except KVDepotError:
-            pass  # already expired or released

@@ -5,16 +5,14 @@ from __future__ import annotations
 import logging
 
 from kvdepot import __version__
-from kvdepot.config import MAX_CHUNK_TOKENS
 from kvdepot.errors import BadRequest, ErrorCode, KVDepotError
+from kvdepot.keys import NamespaceSpec
 from kvdepot.layout import KVLayout
+from kvdepot.limits import MAX_CHUNK_TOKENS
 from kvdepot.protocol import messages as m
+from kvdepot.rpc.dispatch import Call, HandlerMode, HandlerSpec, Reply
 from kvdepot.server.liveness import check_client_info
 from kvdepot.server.modules import ServerContext
-from kvdepot.server.rpc import Call, HandlerMode, HandlerSpec, Reply
-from kvdepot.storage.keys import NamespaceSpec
-from kvdepot.storage.manager import ClearScope
-from kvdepot.types import ClientId, ContextId
 
 MAX_BLOCK_REPORT = 1 << 40  # blocks per REPORT_BLOCK_ALLOCATION: far beyond any real engine
 
@@ -92,7 +90,8 @@ class ManagementModule:
 
     def unregister(self, call: Call) -> Reply:
         context = self.ctx.contexts.remove(call.body.context_id, call.client)
-        self._drop_sessions(context.id, call.client)
+        for lease in self.ctx.sessions.end_context(context.id):
+            self.ctx.release_quietly(lease, call.client)
         if not self.ctx.contexts.owned_by(call.client) and not self.ctx.storage.leases_of(call.client):
             self.ctx.liveness.forget(call.client)  # a clean goodbye: stop watching it (SYNC: loop thread)
         return Reply(m.Ack())
@@ -102,15 +101,11 @@ class ManagementModule:
 
     def end_session(self, call: Call) -> Reply:
         context = self.ctx.context_of(call.body.context_id, call.client)
-        self._release_quietly(self.ctx.sessions.end((context.id, call.body.session_id)), call.client)
+        self.ctx.release_quietly(self.ctx.sessions.end((context.id, call.body.session_id)), call.client)
         return Reply(m.Ack())
 
     def clear(self, call: Call) -> Reply:
-        try:
-            scope = ClearScope(call.body.scope)
-        except ValueError:
-            raise BadRequest(f"scope {call.body.scope!r} is not one of {[s.value for s in ClearScope]}") from None
-        result = self.ctx.storage.clear(scope)
+        result = self.ctx.storage.clear(call.body.scope)  # a ClearScope: the decoder refused any other value
         return Reply(m.ClearReply(removed=result.l1_removed, tiers_removed=result.tiers_removed))
 
     def report_block_allocation(self, call: Call) -> Reply:
@@ -122,37 +117,3 @@ class ManagementModule:
         self.ctx.metrics.engine_blocks.labels("allocated").inc(body.allocated_blocks)
         self.ctx.metrics.engine_blocks.labels("freed").inc(body.freed_blocks)
         return Reply(m.Ack())
-
-    def client_gone(self, client: ClientId, why: str, exited: bool) -> None:
-        """Called by the RPC loop when a client's process exited or it went silent: drop its contexts and
-        sessions and end its leases. What it may still touch (it went silent, but its process runs) is
-        quarantined by the object table until the process is gone."""
-        contexts = self.ctx.contexts.remove_owner(client)
-        for c in contexts:
-            self.ctx.sessions.end_context(c.id)  # their locks are the client's: released just below
-        storage = self.ctx.storage
-        released = storage.release_owner(client, why, revoked=not exited)
-        if exited:
-            storage.recheck_quarantine()  # what it held in quarantine is safe to reuse now
-        held = [q for q in storage.quarantine() if q.owner == client]
-        rec = self.ctx.liveness.record(client)
-        pid = rec.info.pid if rec is not None else 0
-        if held:
-            log.warning(
-                "client %s (pid %d) %s: revoked; %d leases ended, %d quarantined (%d bytes) until its process exits",
-                client.hex()[:12], pid, why, released, held[0].leases, held[0].bytes,
-            )
-        else:
-            log.info("client %s (pid %d) gone (%s): %d leases released, %d contexts dropped", client.hex()[:12], pid, why, released, len(contexts))
-
-    def _drop_sessions(self, context_id: ContextId, owner: ClientId) -> None:
-        for lease in self.ctx.sessions.end_context(context_id):
-            self._release_quietly(lease, owner)
-
-    def _release_quietly(self, lease_id, owner: ClientId) -> None:
-        if not lease_id:
-            return
-        try:
-            self.ctx.storage.release(lease_id, owner)
-        except KVDepotError:
-            pass  # already expired or released

@@ -12,9 +12,9 @@ import logging
 from kvdepot.errors import BadRequest, KVDepotError, LeaseRevoked
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
+from kvdepot.rpc.dispatch import Call, HandlerMode, HandlerSpec, Reply
 from kvdepot.server.modules import ServerContext
 from kvdepot.server.modules.common import context_and_keys
-from kvdepot.server.rpc import Call, HandlerMode, HandlerSpec, Reply
 from kvdepot.server.state import Context
 from kvdepot.storage.manager import ReadLock, Toucher
 from kvdepot.types import LeaseId

@@ -11,14 +11,13 @@ from kvdepot.storage.controllers.driver import TierDriver
 from kvdepot.storage.controllers.eviction import EvictionController
 from kvdepot.storage.controllers.owners import BACKGROUND_LEASE_TTL_S, PREFETCH_OWNER, STORE_OWNER
 from kvdepot.storage.controllers.prefetch import PrefetchController, PrefetchJob, PrefetchStats
-from kvdepot.storage.controllers.store import Placement, StoreController, StoreStats
+from kvdepot.storage.controllers.store import StoreController, StoreStats
 
 __all__ = [
     "BACKGROUND_LEASE_TTL_S",
     "PREFETCH_OWNER",
     "STORE_OWNER",
     "EvictionController",
-    "Placement",
     "PrefetchController",
     "PrefetchJob",
     "PrefetchStats",

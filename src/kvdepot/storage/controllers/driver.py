@@ -14,7 +14,7 @@ import select
 import threading
 from collections.abc import Callable, Sequence
 
-from kvdepot.storage.l2.base import L2Adapter, TaskResult
+from kvdepot.storage.l2.contract import L2Adapter, TaskResult
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from enum import Enum
 from kvdepot.errors import IllegalTransition
 from kvdepot.shm import SharedArena
 from kvdepot.storage.controllers.owners import BACKGROUND_LEASE_TTL_S, PREFETCH_OWNER
-from kvdepot.storage.l1 import NO_LEASE, ObjectTable, Toucher
-from kvdepot.storage.l2.base import L2Adapter, TaskKind, TaskResult
-from kvdepot.types import LeaseId, ObjectKey, SlotStatus
+from kvdepot.storage.l1 import ObjectTable, Toucher
+from kvdepot.storage.l2.contract import L2Adapter, TaskKind, TaskResult
+from kvdepot.types import NO_LEASE, LeaseId, ObjectKey, SlotStatus, leading_run
 
 log = logging.getLogger(__name__)
 
@@ -154,11 +154,7 @@ class PrefetchController:
         res = self._table.reserve_write(
             wanted, job.size, PREFETCH_OWNER, job.salt, ttl_s=BACKGROUND_LEASE_TTL_S, toucher=Toucher.SERVER
         )
-        usable = 0
-        for status in res.statuses:
-            if status not in (SlotStatus.ALLOCATED, SlotStatus.EXISTS):
-                break
-            usable += 1
+        usable = leading_run(s.holds for s in res.statuses)
         load_keys = [k for k, st in zip(wanted[:usable], res.statuses) if st == SlotStatus.ALLOCATED]
         dests = [memoryview(self._arena.buffer[off : off + job.size]) for off, st in zip(res.offsets[:usable], res.statuses) if st == SlotStatus.ALLOCATED]
         if not load_keys:  # all already in L1 (or none could get a slot)
@@ -180,11 +176,8 @@ class PrefetchController:
             self.stats.chunks_loaded += published
             self.stats.chunks_failed += len(job.load_keys) - len(loaded)
         # The usable prefix ends at the first chunk that is neither loaded nor already present.
-        prefix = 0
-        for key in job.keys[job.start : job.start + job.found]:
-            if key in job.load_keys and key not in loaded:
-                break
-            prefix += 1
+        failed = set(job.load_keys) - loaded
+        prefix = leading_run(key not in failed for key in job.keys[job.start : job.start + job.found])
         self._advance(job, prefix, complete=prefix == job.found)
 
     def _advance(self, job: PrefetchJob, supplied: int, complete: bool) -> None:

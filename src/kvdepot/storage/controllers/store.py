@@ -12,19 +12,16 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import Enum
 
+from kvdepot.config import Placement
+from kvdepot.events import EventKind, ObjectEvent
 from kvdepot.shm import SharedArena
 from kvdepot.storage.controllers.owners import BACKGROUND_LEASE_TTL_S, PREFETCH_OWNER, STORE_OWNER
-from kvdepot.storage.l1 import EventKind, ObjectEvent, ObjectTable
-from kvdepot.storage.l2.base import L2Adapter, TaskKind, TaskResult
+from kvdepot.storage.l1 import ObjectTable
+from kvdepot.storage.l2.contract import L2Adapter, TaskKind, TaskResult
 from kvdepot.types import LeaseId, ObjectKey
 
 log = logging.getLogger(__name__)
-
-class Placement(str, Enum):
-    WRITE_THROUGH = "write_through"  # in L1 and every tier
-    SKIP_L1 = "skip_l1"  # in every tier; dropped from L1 once they all have it
 
 
 @dataclass
@@ -86,11 +83,6 @@ class StoreController:
             self._queue.extend(keys)
         if keys:
             self.wake()
-
-    def idle(self) -> bool:
-        """Nothing queued and nothing in flight (tests and the restart benchmark wait on this)."""
-        with self._lock:
-            return not self._queue and self._open == 0
 
     def snapshot(self) -> StoreStats:
         with self._lock:

@@ -32,14 +32,13 @@ import os
 import secrets
 import threading
 from collections import OrderedDict
-from typing import Annotated
+from typing import Annotated, ClassVar
 
-import msgspec
-
+from kvdepot.config import ConfigError, ConfigStruct, option
 from kvdepot.storage.l2 import envelope
-from kvdepot.storage.l2.base import BackendAdapter, TierServices, checked
+from kvdepot.storage.l2.backend import BackendAdapter
+from kvdepot.storage.l2.contract import AdapterType, TierServices
 from kvdepot.storage.l2.envelope import HEADER_BYTES, CorruptObject, DestinationMismatch, RejectedObject
-from kvdepot.storage.l2.registry import AdapterType
 from kvdepot.types import NAMESPACE_BYTES, ObjectKey
 
 log = logging.getLogger(__name__)
@@ -52,23 +51,24 @@ _NAME_LOCKS = 64
 _FANOUT = [f"{i:02x}" for i in range(256)]
 
 
-class FsConfig(msgspec.Struct, forbid_unknown_fields=True):
-    path: Annotated[str, msgspec.Meta(min_length=1)]
-    size_gb: Annotated[float, msgspec.Meta(gt=0)] = 10.0
-    workers: Annotated[int, msgspec.Meta(ge=1, le=256)] = 2
-    o_direct: bool = False
-    fsync: bool = True
+class FsConfig(ConfigStruct, frozen=True, kw_only=True):
+    _flag_prefix: ClassVar[str | None] = None  # --l2 keys, not flags
 
-    def __post_init__(self) -> None:
+    path: Annotated[str, option("directory of the tier (one tier per directory; kept across restarts)", min_length=1)]
+    size_gb: Annotated[float, option("capacity in GiB (LRU beyond it)", gt=0)] = 10.0
+    workers: Annotated[int, option("threads running the tier's tasks", ge=1, le=256)] = 2
+    o_direct: Annotated[bool, option("read and write with O_DIRECT (bypass the page cache)")] = False
+    fsync: Annotated[bool, option("fsync each object and its directory before it counts as stored")] = True
+
+    def _check_together(self) -> None:
         if self.o_direct and not hasattr(os, "O_DIRECT"):
-            raise ValueError("o_direct=true, but this platform has no O_DIRECT")
+            raise ConfigError("o_direct=true, but this platform has no O_DIRECT")
 
 
 class FsAdapter(BackendAdapter):
     kind = "fs"
 
     def __init__(self, name: str, config: FsConfig, services: TierServices | None = None) -> None:
-        config = checked(config)
         super().__init__(name, workers=config.workers, services=services)
         self._root = os.path.abspath(config.path)
         self._capacity = int(config.size_gb * (1 << 30))

@@ -8,27 +8,27 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Annotated
+from typing import Annotated, ClassVar
 
-import msgspec
-
+from kvdepot.config import ConfigStruct, option
 from kvdepot.storage.l2 import envelope
+from kvdepot.storage.l2.backend import BackendAdapter
+from kvdepot.storage.l2.contract import AdapterType, TierServices
 from kvdepot.storage.l2.envelope import RejectedObject
-from kvdepot.storage.l2.base import BackendAdapter, TierServices, checked
-from kvdepot.storage.l2.registry import AdapterType
 from kvdepot.types import ObjectKey
 
 
-class MemoryConfig(msgspec.Struct, forbid_unknown_fields=True):
-    size_gb: Annotated[float, msgspec.Meta(gt=0)] = 1.0
-    workers: Annotated[int, msgspec.Meta(ge=1, le=256)] = 2
+class MemoryConfig(ConfigStruct, frozen=True, kw_only=True):
+    _flag_prefix: ClassVar[str | None] = None  # --l2 keys, not flags
+
+    size_gb: Annotated[float, option("capacity in GiB (LRU beyond it)", gt=0)] = 1.0
+    workers: Annotated[int, option("threads running the tier's tasks", ge=1, le=256)] = 2
 
 
 class MemoryAdapter(BackendAdapter):
     kind = "memory"
 
     def __init__(self, name: str, config: MemoryConfig, services: TierServices | None = None) -> None:
-        config = checked(config)
         super().__init__(name, workers=config.workers, services=services)
         self._capacity = int(config.size_gb * (1 << 30))
         # key -> (header+key, payload): kept apart so a store copies the payload once.

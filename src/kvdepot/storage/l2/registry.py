@@ -1,8 +1,9 @@
 """Finding and configuring L2 adapters.
 
 Adapters live in modules named ``*_adapter.py`` in this package (or are registered through the
-``kvdepot.l2_adapters`` entry-point group). Each such module defines ``ADAPTER = AdapterType(...)``:
-a name, a config struct (msgspec, unknown fields forbidden) and a factory.
+``kvdepot.l2_adapters`` entry-point group). Each such module defines ``ADAPTER = AdapterType(...)``
+(``contract.py``): a name, a config (a ``ConfigStruct``: unknown keys forbidden, help text per key) and a
+factory.
 
 A tier is configured on the command line as ``--l2 'fs:path=/data/kv,size_gb=100'`` (repeatable) or as
 JSON: ``--l2 '{"type": "fs", "path": "/data/kv", "size_gb": 100}'``. Values are converted to the
@@ -14,25 +15,17 @@ from __future__ import annotations
 import importlib
 import json
 import pkgutil
-from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
 
 import msgspec
 
+from kvdepot.config import ConfigStruct
 from kvdepot.errors import ConfigError
-from kvdepot.storage.l2 import base
+from kvdepot.storage.l2.contract import AdapterType, L2Adapter, TierServices
 
 ENTRY_POINT_GROUP = "kvdepot.l2_adapters"
-
-
-@dataclass(frozen=True)
-class AdapterType:
-    name: str
-    config: type[msgspec.Struct]
-    factory: Callable[[str, Any, base.TierServices], base.L2Adapter]  # (tier name, config, services) -> adapter
-    help: str = ""
 
 
 @dataclass(frozen=True)
@@ -98,27 +91,42 @@ def _name_the_key(message: str) -> str:
     return f"{where.rstrip('`')}: {head}" if sep else message
 
 
-def build(spec: TierSpec, services: base.TierServices | None = None) -> base.L2Adapter:
+def build(spec: TierSpec, services: TierServices | None = None) -> L2Adapter:
     """The adapter for a parsed spec, given the composition root's shared services; a failure here (a
     path that cannot be made, a client library that refuses the options) is a configuration error
     naming the tier."""
     try:
-        return adapter_types()[spec.type].factory(spec.name, spec.config, services or base.TierServices())
+        return adapter_types()[spec.type].factory(spec.name, spec.config, services or TierServices())
     except (OSError, ValueError, TypeError, ImportError) as exc:
         raise ConfigError(f"--l2 tier {spec.name} ({spec.type}): {exc}") from None
 
 
-def config_defaults(config: type[msgspec.Struct]) -> dict[str, Any]:
+def config_defaults(config: type[ConfigStruct]) -> dict[str, Any]:
     """Field -> default (fields without one are required)."""
-    fields, defaults = config.__struct_fields__, config.__struct_defaults__
-    return dict(zip(fields[len(fields) - len(defaults) :], defaults))
+    return {f.name: f.default for f in msgspec.inspect.type_info(config).fields if f.default is not msgspec.NODEFAULT}
 
 
 def describe() -> str:
-    """Help text listing every adapter type and its options."""
+    """Help text listing every adapter type and its options (key=default)."""
     lines = []
     for name, t in sorted(adapter_types().items()):
         defaults = config_defaults(t.config)
-        opts = ", ".join(f"{f}={defaults.get(f, '(required)')}" for f in t.config.__struct_fields__)
+        opts = ", ".join(f"{f}={_shown(defaults[f]) if f in defaults else '(required)'}" for f in t.config.__struct_fields__)
         lines.append(f"{name}: {t.help} [{opts}]")
     return "; ".join(lines)
+
+
+def describe_options(kind: str) -> list[tuple[str, str, str]]:
+    """(key, default, help) for every option of one adapter type (for documentation)."""
+    t = adapter_types()[kind]
+    defaults = config_defaults(t.config)
+    out = []
+    for f in msgspec.inspect.type_info(t.config).fields:
+        meta = f.type if isinstance(f.type, msgspec.inspect.Metadata) else None
+        doc = (meta.extra_json_schema or {}).get("description", "") if meta is not None else ""
+        out.append((f.name, _shown(defaults[f.name]) if f.name in defaults else "(required)", doc))
+    return out
+
+
+def _shown(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)

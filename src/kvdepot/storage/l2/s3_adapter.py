@@ -16,14 +16,13 @@ import io
 import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
-import msgspec
-
+from kvdepot.config import ConfigError, ConfigStruct, option
 from kvdepot.storage.l2 import envelope
-from kvdepot.storage.l2.base import BackendAdapter, TierServices, checked
+from kvdepot.storage.l2.backend import BackendAdapter
+from kvdepot.storage.l2.contract import AdapterType, TierServices
 from kvdepot.storage.l2.envelope import CorruptObject, DestinationMismatch
-from kvdepot.storage.l2.registry import AdapterType
 from kvdepot.types import ObjectKey
 
 log = logging.getLogger(__name__)
@@ -35,33 +34,34 @@ _BUCKET_EXISTS = {"BucketAlreadyOwnedByYou", "BucketAlreadyExists"}
 _READ_PIECE = 4 << 20
 
 
-class S3Config(msgspec.Struct, forbid_unknown_fields=True):
-    bucket: Annotated[str, msgspec.Meta(min_length=1)]
-    prefix: str = "kvdepot/"
-    endpoint_url: str = ""  # empty: AWS
-    region: str = "us-east-1"
-    access_key_id: str = ""  # empty: boto3's usual places (env, files, instance metadata)
-    secret_access_key: str = ""
-    multipart_threshold_mib: Annotated[int, msgspec.Meta(ge=1)] = 64
-    part_size_mib: Annotated[int, msgspec.Meta(ge=MIN_PART_MIB, le=5120)] = 16  # S3's smallest and largest part
-    workers: Annotated[int, msgspec.Meta(ge=1, le=256)] = 4
-    create_bucket: bool = False
-    connect_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
-    read_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
-    max_attempts: Annotated[int, msgspec.Meta(ge=1, le=20)] = 2  # total tries per request ("standard" retries)
+class S3Config(ConfigStruct, frozen=True, kw_only=True):
+    _flag_prefix: ClassVar[str | None] = None  # --l2 keys, not flags
 
-    def __post_init__(self) -> None:
+    bucket: Annotated[str, option("the bucket", min_length=1)]
+    prefix: Annotated[str, option("key prefix of this tier's objects (clear removes only these)")] = "kvdepot/"
+    endpoint_url: Annotated[str, option("an S3-compatible endpoint (http:// or https://); empty: AWS")] = ""
+    region: Annotated[str, option("the region")] = "us-east-1"
+    access_key_id: Annotated[str, option("empty: boto3's usual places (environment, files, instance metadata)")] = ""
+    secret_access_key: Annotated[str, option("given with access_key_id, or neither")] = ""
+    multipart_threshold_mib: Annotated[int, option("objects above this go up as multipart uploads", ge=1)] = 64
+    part_size_mib: Annotated[int, option("multipart part size (S3's smallest and largest part bound it)", ge=MIN_PART_MIB, le=5120)] = 16
+    workers: Annotated[int, option("threads running the tier's tasks", ge=1, le=256)] = 4
+    create_bucket: Annotated[bool, option("create the bucket if it does not exist")] = False
+    connect_timeout_s: Annotated[float, option("connection timeout", gt=0)] = 5.0
+    read_timeout_s: Annotated[float, option("read timeout", gt=0)] = 30.0
+    max_attempts: Annotated[int, option("total tries per request (boto3's standard retries)", ge=1, le=20)] = 2
+
+    def _check_together(self) -> None:
         if bool(self.access_key_id) != bool(self.secret_access_key):
-            raise ValueError("give both access_key_id and secret_access_key, or neither")
+            raise ConfigError("give both access_key_id and secret_access_key, or neither")
         if self.endpoint_url and not self.endpoint_url.startswith(("http://", "https://")):
-            raise ValueError(f"endpoint_url {self.endpoint_url!r} must start with http:// or https://")
+            raise ConfigError(f"endpoint_url {self.endpoint_url!r} must start with http:// or https://")
 
 
 class S3Adapter(BackendAdapter):
     kind = "s3"
 
     def __init__(self, name: str, config: S3Config, services: TierServices | None = None) -> None:
-        config = checked(config)
         super().__init__(name, workers=config.workers, services=services)
         self._config = config
         self._client: Any = None

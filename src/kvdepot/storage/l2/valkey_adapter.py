@@ -27,14 +27,13 @@ from __future__ import annotations
 import math
 import os
 import struct
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
-import msgspec
-
+from kvdepot.config import ConfigError, ConfigStruct, option
 from kvdepot.storage.l2 import envelope
-from kvdepot.storage.l2.base import BackendAdapter, TierServices, checked
+from kvdepot.storage.l2.backend import BackendAdapter
+from kvdepot.storage.l2.contract import AdapterType, TierServices
 from kvdepot.storage.l2.envelope import CorruptObject, DestinationMismatch
-from kvdepot.storage.l2.registry import AdapterType
 from kvdepot.types import ObjectKey
 
 _META = struct.Struct("<4sII8s")  # magic, part count (0: payload inline), part size, generation
@@ -78,25 +77,26 @@ INLINE_VALUE_BYTES = 64 << 10  # objects up to this size are stored inside their
 URL_SCHEMES = ("redis://", "rediss://", "valkey://", "valkeys://", "unix://")
 
 
-class ValkeyConfig(msgspec.Struct, forbid_unknown_fields=True):
-    url: str = "redis://127.0.0.1:6379/0"
-    prefix: Annotated[str, msgspec.Meta(min_length=1)] = "kvdepot:"
-    max_value_mib: Annotated[int, msgspec.Meta(ge=1, le=512)] = 4  # no single command carries more than this
-    pool_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 8
-    workers: Annotated[int, msgspec.Meta(ge=1, le=256)] = 2
-    socket_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0  # a hung server fails an operation after this
-    ttl_s: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: objects live until deleted (or evicted by maxmemory)
+class ValkeyConfig(ConfigStruct, frozen=True, kw_only=True):
+    _flag_prefix: ClassVar[str | None] = None  # --l2 keys, not flags
 
-    def __post_init__(self) -> None:
+    url: Annotated[str, option(f"the server ({', '.join(URL_SCHEMES)})")] = "redis://127.0.0.1:6379/0"
+    prefix: Annotated[str, option("key prefix of this tier's objects (clear removes only these)", min_length=1)] = "kvdepot:"
+    max_value_mib: Annotated[int, option("largest value one command carries; bigger objects go as parts", ge=1, le=512)] = 4
+    pool_size: Annotated[int, option("pooled connections", ge=1, le=4096)] = 8
+    workers: Annotated[int, option("threads running the tier's tasks", ge=1, le=256)] = 2
+    socket_timeout_s: Annotated[float, option("a hung server fails an operation after this long", gt=0)] = 5.0
+    ttl_s: Annotated[int, option("objects expire after this long; 0: they live until deleted or evicted by maxmemory", ge=0)] = 0
+
+    def _check_together(self) -> None:
         if not self.url.startswith(URL_SCHEMES):
-            raise ValueError(f"url {self.url!r} must start with one of {', '.join(URL_SCHEMES)}")
+            raise ConfigError(f"url {self.url!r} must start with one of {', '.join(URL_SCHEMES)}")
 
 
 class ValkeyAdapter(BackendAdapter):
     kind = "valkey"
 
     def __init__(self, name: str, config: ValkeyConfig, services: TierServices | None = None) -> None:
-        config = checked(config)
         super().__init__(name, workers=config.workers, services=services)
         self._config = config
         self._prefix = config.prefix.encode()

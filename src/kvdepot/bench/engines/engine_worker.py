@@ -1,7 +1,8 @@
-"""One vLLM engine in its own process, driven by JSON commands (``support.vllm_engines.Engine``).
+"""One vLLM engine in its own process, driven by JSON commands (``kvdepot.bench.engines.vllm_engines.Engine``),
+started as ``python -m kvdepot.bench.engines.engine_worker``.
 
-(Its harness module is not called ``vllm.py``: this script's directory is first on its ``sys.path``,
-and that name would shadow vLLM.)
+(Its harness module is not called ``vllm.py``: were this file run by path, its directory would come
+first on its ``sys.path``, and that name would shadow vLLM.)
 
 Commands arrive one per line on stdin; each gets exactly one JSON reply line on the file descriptor
 given by --result-fd (stdout and stderr stay free for vLLM's logs, which go to a file):

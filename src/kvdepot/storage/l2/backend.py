@@ -1,19 +1,10 @@
-"""The L2 adapter contract, and ``BackendAdapter``, which implements it over four blocking primitives.
+"""``BackendAdapter``: the L2 adapter contract (``contract.py``) kept over five blocking primitives.
 
-Contract (every adapter, whatever its backend):
-- ``submit_*`` never blocks on the backend: it queues the work and returns a ``TaskId`` at once.
-- When a task finishes, the adapter's ``eventfd`` becomes readable; ``completed()`` returns every
-  finished task's ``TaskResult`` exactly once (the caller owns it from then on).
-- A store is all-or-nothing per object: a failed or torn write is never visible to a lookup or load.
-- A load checks the object's checksum; a corrupt object is a miss (deleted, and counted), never bytes.
-- ``lookup_and_lock`` counts the leading keys present and pins them against the adapter's own eviction
-  until ``unlock``; a pin is a hint that ends with the process (L2 data outlives us, pins do not).
-- A backend that fails (down, full, slow) makes the adapter *unhealthy*: tasks then fail fast without
-  touching it, and it is probed again after ``retry_interval_s``, so the request path never waits on a
-  dead tier and the tier comes back on its own.
-
-Buffers: ``submit_store`` reads the given payload views until the task completes; the caller keeps
-them alive (L1 objects under a read lease). ``submit_load`` writes into the given views likewise.
+A backend implements ``_put``, ``_get_into``, ``_contains``, ``_delete`` and ``_clear`` (and optionally
+``_usage``, ``_flush``, ``_close_backend``); this class runs them on a small thread pool, signals each
+result through the eventfd, pins looked-up keys against the backend's own eviction, checks every load's
+envelope (a corrupt object is deleted, counted and a miss), counts what it did, and guards the backend
+with a ``CircuitBreaker``: after a failure, tasks fail fast until a probe gets through.
 """
 
 from __future__ import annotations
@@ -27,27 +18,16 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
-from enum import Enum
-from typing import Any, Protocol
+from typing import Any
 
-import msgspec
-
+from kvdepot.breaker import CircuitBreaker
+from kvdepot.storage.l2.contract import L2Usage, TaskId, TaskKind, TaskResult, TierServices
 from kvdepot.storage.l2.envelope import CorruptObject, DestinationMismatch, RejectedObject
-from kvdepot.storage.l2.health import TierHealth
-from kvdepot.types import ObjectKey
+from kvdepot.types import ObjectKey, leading_run
 
 log = logging.getLogger(__name__)
 
-TaskId = int
 USAGE_WAIT_S = 0.5  # the longest usage() waits for a backend's answer
-
-
-def checked(config):
-    """A config struct built in code, validated like one parsed from ``--l2`` (msgspec checks its
-    constraints and ``__post_init__`` rules only when converting). Raises msgspec.ValidationError, a
-    ValueError naming the key."""
-    return msgspec.convert(msgspec.structs.asdict(config), type(config))
 
 
 class _PartlyDone(Exception):
@@ -59,80 +39,8 @@ class _PartlyDone(Exception):
         self.cause = cause
 
 
-class TaskKind(Enum):
-    STORE = "store"
-    LOOKUP = "lookup"
-    LOAD = "load"
-    UNLOCK = "unlock"
-    CLEAR = "clear"
-
-
-@dataclass(frozen=True, slots=True)
-class TaskResult:
-    """``value`` per kind: STORE list[bool] (stored per key); LOOKUP int (leading keys present and
-    pinned); LOAD list[bool] (loaded and verified per key); UNLOCK None; CLEAR int (objects removed)."""
-
-    task_id: TaskId
-    kind: TaskKind
-    value: Any
-    ok: bool = True  # False: the backend failed (value is then the all-miss answer)
-    error: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class L2Usage:
-    name: str
-    kind: str
-    healthy: bool
-    used_bytes: int
-    capacity_bytes: int  # 0: unbounded or unknown
-    objects: int
-    stored: int
-    loaded: int
-    corrupt: int
-    failures: int
-    last_error: str
-
-
-@dataclass(frozen=True)
-class TierServices:
-    """What the composition root gives every tier besides its own config: the node it runs in (for
-    tiers that talk to peers), the L1 arena (for tiers that read or write it directly) and L1's
-    stored/removed events (for tiers that publish what L1 holds). Tiers use what they need."""
-
-    node: str = ""
-    arena: Any = None
-    subscribe: Callable[[Callable[[list], None]], None] | None = None
-
-
-class L2Adapter(Protocol):
-    name: str
-    kind: str
-
-    @property
-    def eventfd(self) -> int: ...
-
-    def start(self) -> None: ...
-
-    def submit_store(self, items: Sequence[tuple[ObjectKey, memoryview]]) -> TaskId: ...
-
-    def submit_lookup_and_lock(self, keys: Sequence[ObjectKey]) -> TaskId: ...
-
-    def submit_load(self, keys: Sequence[ObjectKey], dests: Sequence[memoryview]) -> TaskId: ...
-
-    def submit_unlock(self, keys: Sequence[ObjectKey]) -> TaskId: ...
-
-    def submit_clear(self) -> TaskId: ...
-
-    def completed(self) -> list[TaskResult]: ...
-
-    def usage(self) -> L2Usage: ...
-
-    def close(self) -> None: ...
-
-
 class BackendAdapter(ABC):
-    """Runs the four blocking backend primitives on a small thread pool and keeps the contract above."""
+    """Runs the blocking backend primitives on a small thread pool and keeps the contract (``contract.py``)."""
 
     kind = "abstract"
 
@@ -140,20 +48,19 @@ class BackendAdapter(ABC):
         self.name = name
         self.services = services or TierServices()
         self._workers = workers
-        self._retry = retry_interval_s
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._done: deque[TaskResult] = deque()
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._pool: ThreadPoolExecutor | None = None
-        self._health = TierHealth(retry_interval_s)
+        self._breaker = CircuitBreaker(retry_interval_s)
         self._stats = {"stored": 0, "loaded": 0, "corrupt": 0, "failures": 0}
         self._pins: dict[ObjectKey, int] = {}
         self._usage_cache: tuple[int, int, int] = (0, 0, 0)
         self._usage_future: Future | None = None
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r}, {self._health!r})"
+        return f"{type(self).__name__}({self.name!r}, {self._breaker!r})"
 
     # --- the contract --------------------------------------------------------------------------------
 
@@ -206,7 +113,7 @@ class BackendAdapter(ABC):
         return L2Usage(
             self.name,
             self.kind,
-            self._health.healthy,
+            self._breaker.up,
             used,
             capacity,
             objects,
@@ -214,7 +121,7 @@ class BackendAdapter(ABC):
             stats["loaded"],
             stats["corrupt"],
             stats["failures"],
-            self._health.last_error,
+            self._breaker.last_error,
         )
 
     def _current_usage(self) -> tuple[int, int, int]:
@@ -295,8 +202,8 @@ class BackendAdapter(ABC):
         task_id = next(self._ids)
         if self._pool is None:
             raise RuntimeError(f"L2 adapter {self.name} is not started")
-        if not always and not self._health.admit():
-            self._finish(TaskResult(task_id, kind, miss, ok=False, error=f"{self.name} is down: {self._health.last_error}"))
+        if not always and not self._breaker.admit():
+            self._finish(TaskResult(task_id, kind, miss, ok=False, error=f"{self.name} is down: {self._breaker.last_error}"))
             return task_id
         self._pool.submit(self._run, task_id, kind, work, miss)
         return task_id
@@ -331,17 +238,17 @@ class BackendAdapter(ABC):
     def _mark_down(self, exc: Exception) -> None:
         self._count("failures")
         error = f"{type(exc).__name__}: {exc}"
-        if self._health.failed(error):
+        if self._breaker.failed(error):
             log.warning("L2 %s (%s) failed, serving from L1 only until it recovers: %s", self.name, self.kind, error)
 
     def _mark_up(self) -> None:
-        if self._health.succeeded():
+        if self._breaker.succeeded():
             log.info("L2 %s (%s) recovered", self.name, self.kind)
 
     @property
     def _healthy(self) -> bool:
         """For the adapters' own status calls: never ask a backend that is down."""
-        return self._health.healthy
+        return self._breaker.up
 
     def _store_all(self, items: list[tuple[ObjectKey, memoryview]]) -> list[bool]:
         """Per-key outcome, counted once it is durable. A rejected object fails alone; when the backend
@@ -386,11 +293,7 @@ class BackendAdapter(ABC):
         except BaseException:
             self._unpin(keys)
             raise
-        n = 0
-        for p in present:
-            if not p:
-                break
-            n += 1
+        n = leading_run(present)
         self._unpin(keys[n:])
         return n
 

@@ -4,71 +4,58 @@ SYNC handlers run on the loop thread and must be quick (no big copies). BLOCKING
 thread pool; a ZeroMQ socket belongs to one thread, so their replies come back to the loop through the
 ROUTER itself: each worker has an inproc DEALER connected to it, under a routing id with a random
 per-server prefix no client can guess. The loop thus blocks in one ``recv`` (with a timeout for
-housekeeping) and never pays for a poll over several sockets on the round trip. Any exception a handler raises becomes an error reply: a request is never
-left unanswered. A reply may carry raw payload frames sent without a copy (``copy=False``); its
-``on_sent`` callback runs once ZeroMQ has let go of those buffers, so the read locks that keep them
-valid are released only then.
+housekeeping) and never pays for a poll over several sockets on the round trip. Any exception a
+handler raises becomes an error reply: a request is never left unanswered. A reply may carry raw payload
+frames sent without a copy (``copy=False``); its ``on_sent`` callback runs once ZeroMQ has let go of
+those buffers, so the read locks that keep them valid are released only then.
+
+The loop knows requests, not clients: who is alive, what a client holds and what happens when it goes
+are its owner's business. It tells a ``RequestObserver`` when each request starts and finishes, and
+runs the owner's ``housekeeping`` on the loop thread every ``housekeeping_interval_s`` (the kvdepot
+server watches its clients there: ``kvdepot.server.liveness``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import select
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
-import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvdepot.errors import ErrorCode, KVDepotError
+from kvdepot.limits import MAX_FRAME_BYTES
 from kvdepot.observability.metrics import Metrics
 from kvdepot.protocol import codec
 from kvdepot.protocol.messages import RequestType
-from kvdepot.server.endpoints import IpcClaim
-from kvdepot.server.liveness import LivenessTracker
+from kvdepot.rpc.dispatch import Call, HandlerMode, HandlerSpec, Reply
+from kvdepot.rpc.endpoints import IpcClaim
 from kvdepot.types import ClientId
 
 log = logging.getLogger(__name__)
 
 
-class HandlerMode(Enum):
-    SYNC = "sync"
-    BLOCKING = "blocking"
+class RequestObserver(Protocol):
+    """Told, on the loop thread, when a client's request starts and when its reply has been handed to
+    ZeroMQ (a client with a request in flight is not silent)."""
+
+    def request_started(self, client: ClientId) -> None: ...
+
+    def request_finished(self, client: ClientId) -> None: ...
 
 
-@dataclass(slots=True)
-class Call:
-    client: ClientId
-    request_id: int
-    rtype: RequestType
-    body: Any
-    payload: list[zmq.Frame]
-    deadline: float  # monotonic; inf when the client set none
+class _NoObserver:
+    def request_started(self, client: ClientId) -> None:
+        pass
 
-
-@dataclass(slots=True)
-class Reply:
-    body: msgspec.Struct
-    payload: Sequence[Any] = ()
-    on_sent: Callable[[], None] | None = None
-
-
-Handler = Callable[[Call], Reply]
-
-
-@dataclass(frozen=True, slots=True)
-class HandlerSpec:
-    rtype: RequestType
-    fn: Handler
-    mode: HandlerMode
+    def request_finished(self, client: ClientId) -> None:
+        pass
 
 
 class RpcServer:
@@ -76,22 +63,25 @@ class RpcServer:
         self,
         endpoints: list[str],
         handlers: list[HandlerSpec],
-        liveness: LivenessTracker,
-        on_client_gone: Callable[[ClientId, str, bool], None],
+        *,
+        observer: RequestObserver | None = None,
         workers: int = 4,
-        max_frame_bytes: int = codec.MAX_FRAME_BYTES,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
         housekeeping: Callable[[], None] | None = None,
         housekeeping_interval_s: float = 0.1,
+        goodbyes: Collection[RequestType] = (),
         metrics: Metrics | None = None,
     ) -> None:
+        """``goodbyes``: request types after which a client closes its connection on purpose (its
+        disconnect is then counted as a goodbye, not as a client that died)."""
         self._endpoints = endpoints
         self._handlers: dict[RequestType, HandlerSpec] = {}
         for spec in handlers:
             if spec.rtype in self._handlers:
                 raise ValueError(f"two handlers for {spec.rtype.name}")
             self._handlers[spec.rtype] = spec
-        self._liveness = liveness
-        self._on_client_gone = on_client_gone
+        self._observer = observer or _NoObserver()
+        self._goodbye_types = frozenset(goodbyes)
         self._workers = workers
         self._max_frame = max_frame_bytes
         self._housekeeping = housekeeping
@@ -142,7 +132,7 @@ class RpcServer:
 
     # --- the loop ------------------------------------------------------------------------------------
 
-    def _bind(self) -> tuple[zmq.Socket, zmq.Socket, zmq.Socket]:
+    def _bind(self) -> tuple[zmq.Socket, zmq.Socket]:
         assert self._ctx is not None
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
@@ -175,8 +165,6 @@ class RpcServer:
             self._ready.set()
             return
         self._ready.set()
-        pid_poll = select.poll()
-        watched_fds: set[int] = set()
         next_hk = time.monotonic()
         timeout_ms = -1
         try:
@@ -195,7 +183,6 @@ class RpcServer:
                 now = time.monotonic()
                 if now >= next_hk:
                     next_hk = now + self._hk_interval
-                    watched_fds = self._check_clients(pid_poll, watched_fds)
                     self._drain_monitor(monitor)
                     if self._housekeeping is not None:
                         try:
@@ -207,40 +194,6 @@ class RpcServer:
             router.disable_monitor()
             for s in (router, monitor):
                 s.close(linger=0)
-            self._liveness.close()
-
-    def _check_clients(self, pid_poll: select.poll, watched: set[int]) -> set[int]:
-        """End the clients whose process exited (pidfd readable, or a revoked client's liveness lock
-        released) and revoke those who missed their heartbeats."""
-        current = set(self._liveness.pidfds())
-        for fd in watched - current:  # forgotten clients: their pidfd is already closed
-            pid_poll.unregister(fd)
-        for fd in current - watched:
-            pid_poll.register(fd, select.POLLIN)
-        for fd, _ in pid_poll.poll(0):
-            client = self._liveness.client_of_pidfd(fd)
-            pid_poll.unregister(fd)
-            current.discard(fd)
-            if client is not None:
-                self._client_gone(client, "process exited", exited=True)
-        for client in self._liveness.vanished():
-            self._client_gone(client, "process exited", exited=True)
-        for client in self._liveness.timed_out():
-            self._client_gone(client, f"no request or heartbeat for {self._liveness.timeout_s:g} s", exited=False)
-        return {fd for fd in current if self._liveness.client_of_pidfd(fd) is not None}
-
-    def _client_gone(self, client: ClientId, why: str, exited: bool) -> None:
-        """Clean up after the client while its record still says what it may touch, then forget it
-        (it exited) or revoke it (it went silent: it may be paused, not dead)."""
-        try:
-            self._on_client_gone(client, why, exited)
-        except Exception:
-            log.exception("cleaning up after client %s failed", client.hex())
-        finally:
-            if exited:
-                self._liveness.forget(client)
-            else:
-                self._liveness.revoke(client, why)
 
     def _drain_monitor(self, monitor: zmq.Socket) -> None:
         while True:
@@ -277,7 +230,7 @@ class RpcServer:
                 frames.append(router.recv(copy=len(frames) < small))
             if from_worker:  # [worker, client, header, body, *payload]: a BLOCKING handler's reply
                 router.send_multipart(frames[1:], copy=False)
-                self._liveness.request_finished(ClientId(frames[1]))
+                self._observer.request_finished(ClientId(frames[1]))
             else:
                 try:
                     self._dispatch(router, frames)
@@ -321,21 +274,21 @@ class RpcServer:
             self._send_error(router, ident, header.request_id, ErrorCode.UNKNOWN_REQUEST_TYPE, f"{rtype.name} is not served here")
             return
         self._requests[rtype].inc()
-        if rtype is RequestType.UNREGISTER_CONTEXT:
+        if rtype in self._goodbye_types:
             self._goodbyes += 1
         deadline = received + header.timeout_ms / 1000 if header.timeout_ms > 0 else float("inf")
         call = Call(client, header.request_id, rtype, body, payload, deadline)
-        self._liveness.request_started(client)
+        self._observer.request_started(client)
         if spec.mode is HandlerMode.SYNC:
             self._send(router, ident, call, self._invoke(spec, call))
-            self._liveness.request_finished(client)
+            self._observer.request_finished(client)
         else:
             assert self._pool is not None
             try:
                 self._pool.submit(self._run_blocking, spec, call)
             except RuntimeError:  # shutting down
                 self._send_error(router, ident, call.request_id, ErrorCode.SHUTTING_DOWN, "server is shutting down")
-                self._liveness.request_finished(client)
+                self._observer.request_finished(client)
 
     def _invoke(self, spec: HandlerSpec, call: Call) -> list[Any] | tuple[list[Any], Reply]:
         """Run a handler; returns the frames to send (and the Reply when it has payload/on_sent)."""

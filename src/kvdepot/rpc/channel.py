@@ -7,6 +7,10 @@ others wait their turn (a late reply to a request given up on is recognised by i
 
 Life cycle: ``RpcChannel(url)`` builds nothing; ``open`` connects the socket; ``close`` closes it. A
 ``Heartbeat`` runs a callback on its own thread, started and stopped explicitly.
+
+``answered`` (optional) is told the request type of every request the server answered, an error reply
+included: proof that the server is reachable for that kind of request (the connectors' circuit breakers
+close on it). It runs on the calling thread and must be quick.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ import zmq
 from kvdepot.errors import ErrorCode, KVDepotError, KVDepotTimeout
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
+from kvdepot.protocol.messages import RequestType
 
 OnReply = Callable[[int, object, list], None]  # (request index, typed reply, payload frames)
+Answered = Callable[[RequestType], None]
 
 
 class RpcChannel:
@@ -36,6 +42,7 @@ class RpcChannel:
         self._lock = threading.RLock()
         self.last_request = 0.0  # monotonic time of the last request sent
         self.closed = False
+        self.answered: Answered | None = None
 
     def __repr__(self) -> str:
         return f"RpcChannel({self.url!r}, open={self._sock is not None and not self.closed})"
@@ -72,7 +79,10 @@ class RpcChannel:
                 header, reply_body, frames = self._recv(body, deadline)
                 if header.request_id != rid:
                     continue  # a late reply to a request given up on
-                result = codec.decode_reply_body(codec.request_type_of(body), header, reply_body)
+                rtype = codec.request_type_of(body)
+                if self.answered is not None:
+                    self.answered(rtype)
+                result = codec.decode_reply_body(rtype, header, reply_body)
                 return (result, frames) if want_payload else result
 
     def pipeline(self, requests: list[tuple[object, Sequence]], on_reply: OnReply | None = None, timeout_s: float = 10.0, window: int = 4) -> list:
@@ -96,7 +106,10 @@ class RpcChannel:
                 index = pending.pop(header.request_id, None)
                 if index is None:
                     continue
-                result = codec.decode_reply_body(codec.request_type_of(requests[index][0]), header, reply_body)
+                rtype = codec.request_type_of(requests[index][0])
+                if self.answered is not None:
+                    self.answered(rtype)
+                result = codec.decode_reply_body(rtype, header, reply_body)
                 results[index] = result
                 if on_reply is not None:
                     on_reply(index, result, frames)

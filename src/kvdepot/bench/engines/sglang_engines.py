@@ -18,10 +18,12 @@ from pathlib import Path
 
 import httpx
 
+from kvdepot.bench.engines.vllm_engines import ModelShape, interrupt_group
 from kvdepot.bench.serverproc import free_port
-from support.vllm_engines import ModelShape, interrupt_group
 
-REPO = Path(__file__).resolve().parents[2]
+# The checkout (src/kvdepot/bench/engines/ -> its root; kvdepot is installed editable): .venv-sglang and
+# tests/e2e/sglang/inproc_worker.py live there. KVDEPOT_SGLANG_VENV names another SGLang venv.
+REPO = Path(__file__).resolve().parents[4]
 SGLANG_VENV = Path(os.environ.get("KVDEPOT_SGLANG_VENV", REPO / ".venv-sglang"))
 SGLANG_PYTHON = SGLANG_VENV / "bin" / "python"
 INPROC_WORKER = REPO / "tests" / "e2e" / "sglang" / "inproc_worker.py"

@@ -1,5 +1,6 @@
 """vLLM engines for the e2e tests and the TTFT benchmark: a random-weight Llama made on the spot, an
-engine in its own process (``engine_worker.py``) driven by JSON lines, and vLLM's OpenAI server.
+engine in its own process (``python -m kvdepot.bench.engines.engine_worker``) driven by JSON lines, and
+vLLM's OpenAI server.
 
 The benchmark (``benchmarks/vllm_ttft.py``) imports this module too, so the tests and the benchmark run
 the same engine the same way. Nothing here imports vLLM: the engine runs in its own process.
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from kvdepot.bench.serverproc import free_port
 
-WORKER = Path(__file__).with_name("engine_worker.py")
+WORKER_MODULE = "kvdepot.bench.engines.engine_worker"  # run with ``python -m``
 BLOCK = 128  # vLLM's CPU block size, and the chunk size the tests register
 MODEL_NAME = "kvdepot-e2e-tiny-llama"  # the model part of the keys (ClientSettings.model_name)
 VOCAB = 1024
@@ -170,7 +171,7 @@ def interrupt_group(proc: subprocess.Popen | None, grace_s: float, sig: int = si
 
 @dataclass
 class Engine:
-    """An ``engine_worker.py`` process: one vLLM ``LLM``, with ``kv_config`` (None: no connector)."""
+    """An ``engine_worker`` process: one vLLM ``LLM``, with ``kv_config`` (None: no connector)."""
 
     model: TinyModel
     kv_config: dict | None
@@ -193,8 +194,7 @@ class Engine:
     def start(self, timeout_s: float = 300.0) -> Engine:
         read_fd, write_fd = os.pipe()
         cmd = [
-            sys.executable,
-            str(WORKER),
+            sys.executable, "-m", WORKER_MODULE,
             "--model", self.model.path,
             "--kv-transfer-config", json.dumps(self.kv_config),
             "--result-fd", str(write_fd),

@@ -1,16 +1,17 @@
 """Object identity: a namespace digest for (model, rank, layout, chunk size, salt) + the chunk hash.
 
 Different salts, models, ranks or layouts land in different namespaces, so they can never read each
-other's bytes even when their token chains are equal.
+other's bytes even when their token chains are equal. A bottom-layer module: the server builds keys
+from a registered context, storage and the tiers only carry them, and the peer tier names objects by
+them across nodes.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvdepot.types import NAMESPACE_BYTES, ChunkHash, ObjectKey
+from kvdepot.types import NAMESPACE_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,3 @@ class NamespaceSpec:
             h.update(encoded)
         return h.digest()[:NAMESPACE_BYTES]
 
-
-def object_keys(namespace: bytes, hashes: Sequence[bytes | ChunkHash]) -> list[ObjectKey]:
-    return [ObjectKey(namespace + h) for h in hashes]

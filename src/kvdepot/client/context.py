@@ -1,0 +1,190 @@
+"""``ContextLink``: one registered context on one server, and the requests made on it.
+
+It owns the channel, the current registration and the transfer path that registration allows, and the
+lease renewer. It is the host a transfer path talks to (``transfer.PathHost``): requests on the context
+(registering again, once, when the server forgot it after a restart or a revocation), requests as they
+are (a commit, whose lease a new context would not know), pipelines, how many leading chunks are stored,
+and renewal of the leases of open blocks. ``KVClient`` is the facade over it.
+
+Life cycle: ``ContextLink(...)`` does no I/O; ``open`` connects, registers and starts the heartbeat;
+``close`` says goodbye (UNREGISTER) and closes the path and the channel.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Sequence
+
+from kvdepot.client.options import ClientOptions
+from kvdepot.client.registration import ContextIdentity, Registration, choose_path
+from kvdepot.client.renewal import LeaseRenewer
+from kvdepot.client.transfer import PathChanged, TransferPath
+from kvdepot.errors import KVDepotError, KVDepotTimeout, ServerUnreachable, UnknownContext
+from kvdepot.layout import KVLayout
+from kvdepot.protocol import messages as m
+from kvdepot.rpc.channel import RpcChannel
+from kvdepot.types import ChunkHash
+
+log = logging.getLogger(__name__)
+
+STATUS_POLL_MAX_S = 0.005  # the longest pause between two asks for an L2 prefetch's result
+
+
+class ContextLink:
+    def __init__(self, url: str, identity: ContextIdentity, options: ClientOptions) -> None:
+        self.url = url
+        self.identity = identity
+        self.options = options
+        self.channel = RpcChannel(url)
+        self.renewer = LeaseRenewer(self)
+        self.path: TransferPath | None = None
+        self.transport_reason = ""  # why the path is what it is (what ``auto`` found)
+        self._reg: Registration | None = None
+        self._reg_lock = threading.RLock()  # (re-)registration
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"ContextLink({self.url!r}, {self._reg!r}, {self.path!r})"
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.identity.layout
+
+    @property
+    def registration(self) -> Registration:
+        if self._reg is None:
+            raise KVDepotError("client is not connected")
+        return self._reg
+
+    # --- life cycle ----------------------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Connect, register (choosing the path) and start the heartbeat."""
+        self.channel.open()
+        try:
+            self._reg = self._register(timeout_s=self.options.connect_timeout_s)
+        except KVDepotTimeout:
+            self._close_transport()
+            raise ServerUnreachable(
+                f"no kvdepot server answered at {self.url} within connect_timeout_s={self.options.connect_timeout_s:g} s "
+                f"(is it running, and is this its address?)"
+            ) from None
+        except BaseException:
+            self._close_transport()
+            raise
+        if self.options.heartbeat:
+            self.renewer.start()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.renewer.stop()
+        if self._reg is not None:
+            try:
+                self.channel.call(
+                    m.UnregisterContextRequest(context_id=self._reg.context_id), timeout_s=min(1.0, self.options.timeout_s), closing=True
+                )
+            except KVDepotError:
+                pass
+        self._close_transport()
+
+    def _close_transport(self) -> None:
+        self.channel.close()
+        if self.path is not None:
+            self.path.close()
+
+    # --- requests (what the transfer paths use: transfer.PathHost) -----------------------------------
+
+    def request(self, body, payload: Sequence = (), *, path: TransferPath | None = None, want_payload: bool = False):
+        """A request on our context; registers again once if the server forgot it (restart, revocation).
+        ``path``: the transfer path asking; if registering again replaced it (a restarted server, a new
+        arena), PathChanged is raised instead of redoing the request (its answer would be the new
+        path's to read)."""
+        reg = self.registration
+        body.context_id = reg.context_id
+        timeout = self.options.timeout_s
+        try:
+            return self.channel.call(body, payload, timeout_s=timeout, want_payload=want_payload)
+        except UnknownContext:
+            body.context_id = self._reregister(reg).context_id
+            if path is not None and self.path is not path:
+                raise PathChanged() from None
+            return self.channel.call(body, payload, timeout_s=timeout, want_payload=want_payload)
+
+    def finish(self, body):
+        """A request as is, never re-registering: a commit, whose lease a new context would not know."""
+        return self.channel.call(body, timeout_s=self.options.timeout_s)
+
+    def pipeline(self, requests: list[tuple[object, Sequence]], on_reply=None) -> list:
+        """Pipelined requests on our context, registering again once if the server forgot it."""
+        reg = self.registration
+        timeout = self.options.timeout_s
+        try:
+            return self.channel.pipeline(requests, on_reply, timeout_s=timeout)
+        except UnknownContext:
+            new = self._reregister(reg)
+            for body, _ in requests:
+                body.context_id = new.context_id
+            return self.channel.pipeline(requests, on_reply, timeout_s=timeout)
+
+    def lookup(self, hashes: list[ChunkHash], salt: str, session_id: str = "", lock: bool = True, prefetch: bool = True) -> int | None:
+        """LOOKUP: leading chunks in L1 (locked for ``session_id`` when given); None while the server
+        prefetches from L2 for that session."""
+        if not hashes:
+            return 0
+        req = m.LookupRequest(context_id=0, keys=list(hashes), cache_salt=salt, session_id=session_id, lock=lock, prefetch=prefetch)
+        return self.request(req).hits
+
+    def stored_chunks(self, hashes: list[ChunkHash], salt: str) -> int:
+        """Leading chunks stored, waiting for the server to bring missing ones in from L2 first."""
+        if not hashes:
+            return 0
+        if not self.registration.l2_tiers:
+            return self.lookup(hashes, salt) or 0
+        session = f"_kvdepot-{os.urandom(8).hex()}"
+        hits = self.lookup(hashes, salt, session, lock=False)
+        deadline = time.monotonic() + self.options.timeout_s
+        delay = 0.0002
+        while hits is None:
+            if time.monotonic() > deadline:
+                self.request(m.EndSessionRequest(context_id=0, session_id=session))
+                raise KVDepotTimeout(f"the prefetch from L2 did not finish within {self.options.timeout_s:.1f}s")
+            time.sleep(delay)
+            delay = min(delay * 2, STATUS_POLL_MAX_S)
+            hits = self.request(m.QueryPrefetchStatusRequest(context_id=0, session_id=session)).hits
+        return hits
+
+    def renew(self, sessions: Iterable[str] = (), lease_ids: Iterable[int] = ()) -> int:
+        """Push the TTL of these sessions' locks and of these leases (this client's own) to now + TTL;
+        returns how many leases were renewed (ended ones are skipped, not an error)."""
+        req = m.RenewLeasesRequest(context_id=0, lease_ids=list(lease_ids), sessions=list(sessions))
+        if not req.lease_ids and not req.sessions:
+            return 0
+        return self.request(req).renewed
+
+    def holding(self, lease_id: int):
+        """While the block runs, the heartbeat renews ``lease_id``."""
+        return self.renewer.holding(lease_id)
+
+    # --- registration --------------------------------------------------------------------------------
+
+    def _reregister(self, failed: Registration) -> Registration:
+        """Register again, unless another thread already did since ``failed`` stopped working."""
+        with self._reg_lock:
+            if self._reg is failed:
+                log.warning("kvdepot: the server forgot context %d; registering again", failed.context_id)
+                self._reg = self._register()
+            return self._reg
+
+    def _register(self, timeout_s: float | None = None) -> Registration:
+        reply: m.RegisterContextReply = self.channel.call(
+            self.identity.request(self.options.chunk_size), timeout_s=timeout_s or self.options.timeout_s
+        )
+        reg = Registration.of(reply)
+        self.path, self.transport_reason = choose_path(self.path, reg, self.options, self)
+        log.info("kvdepot: context %d on %s, transport %s", reg.context_id, self.url, self.path.name.value)
+        return reg

@@ -1,0 +1,100 @@
+"""The ``/status`` document (and ``kvdepot status``): storage's snapshot, the clients and the counters.
+
+Built on the HTTP thread from things safe to read there: the storage snapshot (its own locks), the
+liveness tracker's published snapshot, and the metric registry. The keys are the public contract in
+ARCHITECTURE §10 plus what README's HTTP API section lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from kvdepot import __version__
+from kvdepot.config import ServerConfig
+from kvdepot.observability.metrics import Metrics, counts
+from kvdepot.server.liveness import LivenessSnapshot
+from kvdepot.storage.manager import StorageSnapshot
+
+
+def status_document(
+    config: ServerConfig, snap: StorageSnapshot, clients: LivenessSnapshot, metrics: Metrics, contexts: int, sessions: int
+) -> dict:
+    l1, pf = snap.l1, snap.prefault
+    errors = {k: v for k, v in counts(metrics.errors).items() if v}
+    failures = counts(metrics.request_failures)
+    blocks = counts(metrics.engine_blocks)
+    return {
+        "version": __version__,
+        "chunk_size": config.storage.chunk_size,
+        "hash_algorithm": config.storage.hash_algorithm.value,
+        "endpoints": config.rpc.endpoints,
+        "l1": {
+            "capacity_bytes": l1.capacity_bytes,
+            "used_bytes": l1.used_bytes,
+            "objects": l1.objects,
+            "ready": l1.ready,
+            "writing": l1.writing,
+            "read_locked": l1.read_locked,
+            "fragmentation": round(l1.fragmentation, 4),
+            "largest_free_bytes": l1.largest_free_bytes,
+            "evicted_objects": l1.evicted_objects,
+            "quota_refused": l1.quota_refused,
+            "eviction_policy": snap.eviction_policy.value,
+            "shm_path": snap.shm_path,
+            "prefault": {
+                "state": pf.state,
+                "progress": round(pf.progress, 4),
+                "finished": pf.finished,
+                "supported": pf.supported,
+                "error": pf.error,
+            },
+        },
+        "quarantine": quarantine_document(snap, clients),
+        "leases": l1.leases,
+        "expired_leases": l1.expired_leases,
+        "contexts": contexts,
+        "sessions": sessions,
+        "clients": clients.active,
+        "requests": {k: v for k, v in counts(metrics.requests).items() if v},
+        "errors": errors,
+        "request_failures": {
+            # Per-request problems by class: each made one request recompute what it lacked, and
+            # none stops anyone from caching (transport failures never reach the server).
+            "lease_expired": errors.get("LEASE_EXPIRED", 0) + failures.get("lease_expired_frees", 0),
+            "lease_revoked": errors.get("LEASE_REVOKED", 0),
+            "short_retrieves": failures.get("short_retrieves", 0),
+            "over_quota": l1.quota_refused,
+            "corrupt_in_l2": sum(t.corrupt for t in snap.tiers),
+        },
+        "block_events": {"allocated": blocks.get("allocated", 0), "freed": blocks.get("freed", 0)},
+        "tiers": [asdict(t) for t in snap.tiers],
+        "l2_controllers": {"store": asdict(snap.store), "prefetch": asdict(snap.prefetch)} if snap.store and snap.prefetch else {},
+    }
+
+
+def quarantine_document(snap: StorageSnapshot, clients: LivenessSnapshot) -> dict:
+    """Arena space held back because a client that was given it may still be running."""
+    out = []
+    for q in snap.quarantine:
+        view = clients.clients.get(q.owner)
+        out.append(
+            {
+                "client": q.owner.hex()[:12],
+                "pid": view.pid if view is not None else 0,
+                "hostname": view.hostname if view is not None else "",
+                "state": view.state.value if view is not None else "server",
+                "leases": q.leases,
+                "bytes": q.bytes,
+                "since": q.since,
+                "why": q.why,
+            }
+        )
+    return {"leases": snap.l1.quarantined_leases, "bytes": snap.l1.quarantined_bytes, "clients": out}
+
+
+def degraded_reasons(snap: StorageSnapshot) -> list[str]:
+    """Why the server serves less than it was configured to (empty: it serves everything)."""
+    reasons = [f"L2 tier {t.name} ({t.kind}) is down: {t.last_error or 'unknown error'}" for t in snap.tiers if not t.healthy]
+    if snap.prefault.state == "failed":
+        reasons.append(f"the L1 prefault failed: {snap.prefault.error}")
+    return reasons
