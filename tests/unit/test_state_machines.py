@@ -157,7 +157,7 @@ def test_ending_a_context_ends_its_sessions_only():
 def job_in(state: PrefetchState) -> PrefetchJob:
     j = PrefetchJob(list(KEYS), 1, 64, "", lambda n: None)
     if state is PrefetchState.LOAD:
-        j.start_load(LeaseId(5), KEYS[1:3], 2)
+        j.start_load(LeaseId(5), KEYS[1:3], 2, 2)
     elif state is PrefetchState.DONE:
         j.finish()
     return j
@@ -170,7 +170,7 @@ def test_every_prefetch_job_transition_from_every_state():
         list(P),
         {
             "next_tier": (lambda j: j.next_tier(), {P.LOOKUP}, P.LOOKUP),
-            "start_load": (lambda j: j.start_load(LeaseId(2), KEYS[1:2], 1), {P.LOOKUP}, P.LOAD),
+            "start_load": (lambda j: j.start_load(LeaseId(2), KEYS[1:2], 1, 1), {P.LOOKUP}, P.LOAD),
             "supplied": (lambda j: j.supplied(1, complete=True), {P.LOOKUP, P.LOAD}, P.LOOKUP),
             "finish": (lambda j: j.finish(), {P.LOOKUP, P.LOAD}, P.DONE),
         },
@@ -182,7 +182,7 @@ def test_a_prefetch_job_walks_the_tiers():
     j = job_in(PrefetchState.LOOKUP)
     j.next_tier()  # tier 0 had none
     assert (j.state, j.tier) == (PrefetchState.LOOKUP, 1)
-    j.start_load(LeaseId(5), KEYS[1:3], 2)
+    j.start_load(LeaseId(5), KEYS[1:3], 2, 2)
     assert j.supplied(2, complete=True) is True  # all it had: ask the next tier for the rest
     assert (j.state, j.tier, j.start, j.loaded) == (PrefetchState.LOOKUP, 2, 3, 2)
     assert j.supplied(1, complete=False) is False  # a chunk failed: the prefix ends here

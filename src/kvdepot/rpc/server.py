@@ -294,14 +294,17 @@ class RpcServer:
         """Run a handler; returns the frames to send (and the Reply when it has payload/on_sent)."""
         if time.monotonic() > call.deadline:
             return self._error_frames(call, ErrorCode.DEADLINE_EXCEEDED, "the request waited past its deadline")
+        reply: Reply | None = None
         try:
             reply = spec.fn(call)
+            return codec.encode_reply(call.request_id, reply.body), reply  # encoding can fail too
         except KVDepotError as exc:
             return self._error_frames(call, exc.code, exc.message)
         except Exception as exc:
             log.exception("%s handler failed", call.rtype.name)
+            if reply is not None and reply.on_sent is not None:
+                reply.on_sent()  # its payload will never be sent: let go of what kept it valid
             return self._error_frames(call, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-        return codec.encode_reply(call.request_id, reply.body), reply
 
     def _error_frames(self, call: Call, code: ErrorCode, message: str) -> list[Any]:
         self._errors[code].inc()

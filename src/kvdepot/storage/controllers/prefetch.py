@@ -52,7 +52,8 @@ class PrefetchJob:
     on_done: Callable[[int], None]
     state: PrefetchState = PrefetchState.LOOKUP
     tier: int = 0
-    found: int = 0
+    found: int = 0  # chunks the current tier holds (and pinned) from ``start`` on
+    usable: int = 0  # of those, the leading ones L1 can take (the rest are busy or find no room)
     loaded: int = 0  # chunks supplied so far, from the first start on
     lease: LeaseId = NO_LEASE
     load_keys: list[ObjectKey] = field(default_factory=list)
@@ -66,10 +67,12 @@ class PrefetchJob:
         self._require(PrefetchState.LOOKUP)
         self.tier += 1
 
-    def start_load(self, lease: LeaseId, keys: list[ObjectKey], found: int) -> None:
-        """L1 slots are reserved under ``lease`` for ``keys``, of the ``found`` chunks the tier has."""
+    def start_load(self, lease: LeaseId, keys: list[ObjectKey], found: int, usable: int) -> None:
+        """L1 slots are reserved under ``lease`` for ``keys``: those of the ``usable`` leading chunks (of
+        the ``found`` the tier holds and pinned) that L1 does not hold yet."""
         self._require(PrefetchState.LOOKUP)
-        self.state, self.lease, self.load_keys, self.found = PrefetchState.LOAD, lease, keys, found
+        self.state, self.lease, self.load_keys = PrefetchState.LOAD, lease, keys
+        self.found, self.usable = found, usable
 
     def supplied(self, n: int, complete: bool) -> bool:
         """``n`` more chunks are READY in L1; returns whether to ask the next tier for the rest (the
@@ -162,7 +165,7 @@ class PrefetchController:
             self._unlock(job, wanted)
             self._advance(job, usable, complete=usable == len(wanted))
             return
-        job.start_load(res.lease_id, load_keys, usable)
+        job.start_load(res.lease_id, load_keys, len(wanted), usable)
         task = self._tiers[job.tier].submit_load(job.load_keys, dests)
         with self._lock:
             self._tasks[(job.tier, task)] = job
@@ -171,13 +174,13 @@ class PrefetchController:
     def _after_load(self, job: PrefetchJob, result: TaskResult) -> None:
         loaded = {k for k, ok in zip(job.load_keys, result.value) if ok}
         published = self._table.finish_write(job.lease, PREFETCH_OWNER, loaded)
-        self._unlock(job, job.keys[job.start : job.start + job.found])
+        self._unlock(job, job.keys[job.start : job.start + job.found])  # every pin the tier took, used or not
         with self._lock:
             self.stats.chunks_loaded += published
             self.stats.chunks_failed += len(job.load_keys) - len(loaded)
         # The usable prefix ends at the first chunk that is neither loaded nor already present.
         failed = set(job.load_keys) - loaded
-        prefix = leading_run(key not in failed for key in job.keys[job.start : job.start + job.found])
+        prefix = leading_run(key not in failed for key in job.keys[job.start : job.start + job.usable])
         self._advance(job, prefix, complete=prefix == job.found)
 
     def _advance(self, job: PrefetchJob, supplied: int, complete: bool) -> None:
