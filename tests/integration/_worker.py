@@ -16,7 +16,7 @@ def main() -> None:
     args = json.loads(sys.argv[1])
     import numpy as np
 
-    import kvdepot.client.client as client_mod
+    import kvdepot.client.registration as client_mod
     from kvdepot import ClientOptions, KVClient, KVLayout
     from kvdepot.protocol import messages
 

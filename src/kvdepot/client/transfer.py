@@ -13,6 +13,7 @@ the context (``PathHost``); it never registers, reconnects or owns the socket it
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Protocol
@@ -21,7 +22,7 @@ import numpy as np
 
 from kvdepot.client.options import Transport
 from kvdepot.client.staging import StagingPool
-from kvdepot.errors import BadRequest
+from kvdepot.errors import BadRequest, TransportUnavailable
 from kvdepot.layout import KVLayout
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
@@ -107,6 +108,16 @@ class ShmPath:
             self.prefaulter.stop()
         self.arena.close()  # also drops our liveness lock
 
+    def _usable(self) -> None:
+        """Before asking for arena offsets: a fork() child of the process that mapped the arena is not
+        watched by the server and may not use it (``SharedArena.forked``); it learns so before any lease
+        is taken for it."""
+        if self.arena.forked:
+            raise TransportUnavailable(
+                f"this process ({os.getpid()}) is a fork() of the one whose client mapped {self.arena.path}: "
+                f"the server does not watch it, so it may not use arena slots; create a KVClient in this process"
+            )
+
     def _slot(self, reg: Registration, offset: int, writable: bool) -> np.ndarray:
         view = self.arena.buffer[offset : offset + reg.chunk_bytes]
         return self._host.layout.view_chunk(view, reg.chunk_size, writable=writable)
@@ -114,6 +125,7 @@ class ShmPath:
     @contextmanager
     def prepare_store(self, hashes: list[ChunkHash], salt: str) -> Iterator[StoreSlots]:
         h = self._host
+        self._usable()
         reply = h.request(m.PrepareStoreRequest(context_id=0, keys=list(hashes), cache_salt=salt), path=self)
         reg = h.registration
         context_id = reg.context_id
@@ -143,6 +155,7 @@ class ShmPath:
     def prepare_retrieve(self, hashes: list[ChunkHash], salt: str, session_id: str, start: int) -> Iterator[list[np.ndarray]]:
         h = self._host
         req = m.PrepareRetrieveRequest(context_id=0, keys=list(hashes), cache_salt=salt, session_id=session_id, start=start)
+        self._usable()
         reply = h.request(req, path=self)
         reg = h.registration
         context_id = reg.context_id
