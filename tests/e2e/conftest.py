@@ -1,6 +1,6 @@
 """End-to-end fixtures: a real ``kvdepot server`` sized for vLLM's 128-token blocks, and a work
 directory for the engines' logs. The engines themselves, the tiny model and the prompts are the shared
-harness's (``support.vllm_engines``, the ``tiny_model`` fixture in ``support.plugin``).
+harness's (``kvdepot.bench.engines.vllm_engines``, the ``tiny_model`` fixture in ``support.plugin``).
 
 These tests need vLLM (``scripts/install-vllm.sh``): without it they fail, they do not skip.
 """

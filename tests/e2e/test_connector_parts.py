@@ -15,6 +15,7 @@ import pytest
 from kvdepot import ClientOptions, KVClient, KVLayout
 from kvdepot.bench.engines.vllm_engines import require_vllm
 from kvdepot.bench.serverproc import free_port
+from kvdepot.connectors.common import Direction
 from kvdepot.hashing import chunk_hashes
 
 from support.servers import Server
@@ -22,6 +23,7 @@ from support.servers import Server
 CS = 128  # chunk size = vLLM's CPU block size here, unless a test says otherwise
 BS = 128
 MODEL = "parts-model"
+TTL_S = 1.0  # --lease-ttl-s of the servers that test what outlives a TTL
 L, H, D = 3, 2, 64
 
 
@@ -442,26 +444,28 @@ def test_worker_without_a_server_runs_uncached():
 def test_a_held_request_keeps_its_locks_past_the_ttl_and_a_dropped_one_does_not(parts_server):
     """The scheduler's clients renew the locks of the requests it still holds (waiting in vLLM's queue,
     or in a slow step); a request it no longer names is left to the TTL, the backstop for leaks."""
-    srv = parts_server("--lease-ttl-s", "1")
+    srv = parts_server("--lease-ttl-s", str(TTL_S))
     toks = tokens(3 * CS + 1, seed=11)
     store(srv.url, toks, 3)
     s = scheduler(srv.url)
     held, leaked = request("held", toks), request("leaked", toks)
     assert s.get_num_new_matched_tokens(held, 0) == (3 * CS, False)
     assert s.get_num_new_matched_tokens(leaked, 0) == (3 * CS, False)
+    t0 = time.monotonic()
     s._open_sessions.discard("leaked")  # as if the scheduler had lost track of it: no longer renewed
-    time.sleep(3)  # three TTLs
+    srv.wait_status(lambda st: st["expired_leases"] >= 1)  # the leaked one's TTL ran out...
+    time.sleep(max(0.0, t0 + 3 * TTL_S - time.monotonic()))  # ...and the held one lived three TTLs
     st = srv.status()
     assert st["leases"] == 1 and st["l1"]["read_locked"] == 3, "the held request lost its locks"
     assert st["expired_leases"] == 1  # the leaked one: ended by its TTL
     s.request_finished(held)
     assert srv.wait_status(lambda st: st["leases"] == 0)["leases"] == 0
-    assert s.pool.breaker.allows("lookup")
+    assert s.pool.breakers[Direction.LOOKUP].up
     s.shutdown()
 
 
 def test_an_expired_lock_is_that_requests_miss_and_never_stops_lookups(parts_server):
-    srv = parts_server("--lease-ttl-s", "1")
+    srv = parts_server("--lease-ttl-s", str(TTL_S))
     toks = tokens(2 * CS + 1, seed=12)
     store(srv.url, toks, 2)
     s = scheduler(srv.url)
@@ -470,7 +474,7 @@ def test_an_expired_lock_is_that_requests_miss_and_never_stops_lookups(parts_ser
     s._open_sessions.discard("r")  # its renewal stops (as in a process paused past the TTL): it expires
     srv.wait_status(lambda st: st["expired_leases"] >= 1)
     s.update_state_after_alloc(req, blocks([1, 2, 3]), 0)  # frees the (expired) locks: quietly
-    assert s.pool.breaker.allows("lookup")
+    assert s.pool.breakers[Direction.LOOKUP].up
     assert s.get_num_new_matched_tokens(request("next", toks), 0) == (2 * CS, False)  # still caching
     assert srv.status()["request_failures"]["lease_expired"] >= 1  # counted on the server
     s.shutdown()
@@ -484,7 +488,7 @@ def test_a_dead_server_stops_lookups_only_for_a_while(parts_server):
     srv.proc.stop()
     t0 = time.monotonic()
     assert s.get_num_new_matched_tokens(request("b", toks), 0) == (0, False)
-    assert not s.pool.breaker.allows("lookup")
+    assert not s.pool.breakers[Direction.LOOKUP].up
     assert s.get_num_new_matched_tokens(request("c", toks), 0) == (0, False)  # not retried: no stall
     assert time.monotonic() - t0 < 3
     assert ("lookup", "transport") in s.pool.tally.counts
@@ -492,12 +496,12 @@ def test_a_dead_server_stops_lookups_only_for_a_while(parts_server):
 
 
 def test_a_load_slower_than_the_ttl_keeps_its_lease(parts_server):
-    srv = parts_server("--lease-ttl-s", "1")
+    srv = parts_server("--lease-ttl-s", str(TTL_S))
     src, dst = cpu_caches(seed=14), cpu_caches()
     toks = tokens(2 * CS + 1, seed=14)
     save, load = ops(toks, 2, [1, 2], [3, 4])
     worker(srv.url, src).wait_for_save(meta(saves=[save]))
-    w = worker(srv.url, dst, debug_load_delay_s=2.5)
+    w = worker(srv.url, dst, debug_load_delay_s=2.5 * TTL_S)  # a load that outlives its TTL 2.5 times
     w.start_load_kv(meta(loads=[load]))
     assert w.take_load_errors() == set()
     assert blocks_equal(src, [1, 2], dst, [3, 4])
@@ -514,7 +518,7 @@ def test_a_request_problem_on_the_worker_leaves_both_directions_on(server):
     missing = ops(tokens(2 * CS, seed=16), 2, [7, 8], [9, 10], req="missing")[1]
     w.start_load_kv(meta(loads=[missing]))  # never stored: that request recomputes
     assert w.take_load_errors() == {9, 10}
-    assert w.breaker.allows("load") and w.breaker.allows("save")
+    assert w.breakers[Direction.LOAD].up and w.breakers[Direction.SAVE].up
     worker(server.url, src).wait_for_save(meta(saves=[save]))
     w.start_load_kv(meta(loads=[load]))
     assert w.take_load_errors() == set() and blocks_equal(src, [1, 2, 3], dst, [4, 5, 6])

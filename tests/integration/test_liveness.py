@@ -23,9 +23,10 @@ from support.servers import CHUNK, LAYOUT, MODEL, assert_bytes_equal, make_kv, m
 WORKER = Path(__file__).with_name("_worker.py")
 
 # Only one mechanism may free the lease in each scenario: the others are set far out of reach.
+CLIENT_TIMEOUT_S = 1.0  # the heartbeat servers' --client-timeout-s
 SERVER_ARGS = {
     "pidfd": ["--client-timeout-s", "600", "--lease-ttl-s", "600"],
-    "heartbeat": ["--client-timeout-s", "1", "--heartbeat-interval-s", "0.2", "--lease-ttl-s", "600"],
+    "heartbeat": ["--client-timeout-s", str(CLIENT_TIMEOUT_S), "--heartbeat-interval-s", "0.2", "--lease-ttl-s", "600"],
 }
 
 
@@ -234,7 +235,7 @@ def test_a_heart_beating_idle_client_keeps_its_leases(make_server, seed):
         with c.prepare_store(tokens) as slots:
             for i, slot in enumerate(slots):
                 slot[...] = kv[:, :, i * CHUNK : (i + 1) * CHUNK]
-            time.sleep(2.5)  # idle for 2.5 client timeouts; only the heartbeat speaks for it
+            time.sleep(2.5 * CLIENT_TIMEOUT_S)  # idle for 2.5 client timeouts; only the heartbeat speaks for it
             assert srv.status()["leases"] == 1
         assert c.context_id == ctx, "the client was never declared gone, so it never re-registered"
         assert_bytes_equal(c.retrieve(tokens), kv)

@@ -119,11 +119,12 @@ def test_a_salt_with_a_slash_can_be_addressed(quota_server, seed):
 
 def test_a_goodbye_is_not_logged_like_a_dropped_connection(make_server, seed):
     srv = make_server()
-    time.sleep(0.5)
-    start = len(srv.log_text())  # (the start-up probe's bare PING closes without a goodbye: true)
+    # The start-up probe's bare PING closes without a goodbye (true): wait until that is seen.
+    wait_until(lambda: srv.metric("kvdepot_disconnects_total", kind="no_goodbye") >= 1, what="the probe's disconnect")
+    start = len(srv.log_text())
     with srv.client() as c:
         c.ping()
-    time.sleep(0.5)  # the disconnect is seen at the next housekeeping pass
+    wait_until(lambda: srv.metric("kvdepot_disconnects_total", kind="goodbye") == 1, what="the client's disconnect to be seen")
     assert "without a goodbye" not in srv.log_text()[start:]
     child = subprocess.Popen(
         [sys.executable, "-c", f"import time; from kvdepot import KVClient, KVLayout; c = KVClient({srv.url!r}, 'm', KVLayout(2, 2, 32)); print(1, flush=True); time.sleep(60)"],

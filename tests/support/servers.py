@@ -50,6 +50,19 @@ def wait_until(predicate: Callable[[], object], timeout_s: float = 20.0, interva
     pytest.fail(f"timed out after {timeout_s}s waiting for {what or predicate} (last value {last!r})")
 
 
+def never(predicate: Callable[[], object], within_s: float, interval_s: float = 0.05, what: str = "") -> None:
+    """A negative assertion: ``predicate`` (the thing that must not happen) stays false for ``within_s``,
+    checked all along (the test fails the moment it happens, not after a blind sleep)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        got = predicate()
+        if got:
+            pytest.fail(f"{what or predicate} happened (value {got!r})")
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(interval_s)
+
+
 def make_tokens(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 50_000, size=n, dtype=np.int64)
 
@@ -117,6 +130,18 @@ class Server:
             if pred(st) or time.monotonic() > deadline:
                 return st
             time.sleep(0.1)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample of the server's ``/metrics`` (0 when it is not there yet)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        r = httpx.get(f"{self.http}/metrics", timeout=10)
+        assert r.status_code == 200, r.text
+        for family in text_string_to_metric_families(r.text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    return sample.value
+        return 0.0
 
     def leases(self) -> int:
         return self.status()["leases"]

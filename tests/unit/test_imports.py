@@ -35,8 +35,8 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "kvdepot.limits": ALL,
     "kvdepot.errors": ALL,
     "kvdepot.breaker": ALL,
-    "kvdepot.events": tuple(m for m in ABOVE_CORE) + ("kvdepot.config", "kvdepot.keys", "kvdepot.shm", "kvdepot.hashing"),
-    "kvdepot.keys": tuple(m for m in ABOVE_CORE) + ("kvdepot.config", "kvdepot.events", "kvdepot.shm", "kvdepot.hashing"),
+    "kvdepot.events": ABOVE_CORE + ("kvdepot.config", "kvdepot.keys", "kvdepot.shm", "kvdepot.hashing"),
+    "kvdepot.keys": ABOVE_CORE + ("kvdepot.config", "kvdepot.events", "kvdepot.shm", "kvdepot.hashing"),
     "kvdepot.hashing": ABOVE_CORE + ("kvdepot.config",),
     "kvdepot.layout": ABOVE_CORE + ("kvdepot.config",),
     # configuration is read by everyone and reads only the leaves (storage reads it: never the other way)
@@ -125,6 +125,11 @@ def test_the_check_catches_a_forbidden_edge():
     assert len(found) == 2, found  # the server import, and the lazy relative storage import
     assert any("kvdepot.server.liveness" in f for f in found) and any("kvdepot.storage" in f for f in found)
     assert violations("kvdepot.client.client", imports_of("import numpy\nfrom kvdepot.protocol import codec\n", "kvdepot.client.client", False)) == []
+    # the peer tier must reach other nodes through kvdepot.rpc from outside storage, never from inside it
+    found = violations("kvdepot.storage.l2.peer_adapter", imports_of("from kvdepot.rpc.channel import RpcChannel\n", "kvdepot.storage.l2.peer_adapter", False))
+    assert found and "kvdepot.rpc" in found[0]
+    assert violations("kvdepot.storage.manager", imports_of("from kvdepot.client.client import KVClient\n", "kvdepot.storage.manager", False))
+    assert violations("kvdepot.server.main", imports_of("from kvdepot.rpc.channel import RpcChannel\n", "kvdepot.server.main", False))
 
 
 # --- the storage facade -------------------------------------------------------------------------------

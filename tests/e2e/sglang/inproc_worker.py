@@ -255,7 +255,7 @@ def scenario_stalled(url: str, args: dict) -> dict:
                 out[name] = {"raised": repr(exc), "seconds": time.monotonic() - t0}
     finally:
         os.kill(args["pid"], signal.SIGCONT)
-    time.sleep(3.5)
+    time.sleep(b.settings.retry_after_s + 0.5)  # the lookup direction's breaker lets a probe through again
     out["after"] = b.batch_exists(keys)
     out["failures"] = b.failures()
     b.close()

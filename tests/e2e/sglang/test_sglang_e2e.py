@@ -13,7 +13,7 @@ import pytest
 from kvdepot.bench.engines.sglang_engines import PAGE, SGLangServer, backend_config, storage_tokens
 from kvdepot.bench.engines.vllm_engines import FIRST_WORD, VOCAB
 
-from support.servers import wait_until
+from support.servers import never, wait_until
 
 PROMPT_TOKENS = 768  # 12 pages; SGLang always computes the last token, so 11 pages can come from L3
 FROM_L3 = (PROMPT_TOKENS - 1) // PAGE * PAGE
@@ -83,8 +83,8 @@ def test_detach_and_attach_at_run_time(sglang, server):
     before = stored_pages(server)
     tokens = prompt(3)
     cold = sglang.generate(tokens)
-    time.sleep(3)  # (a backup, were there one, would land within this)
-    sglang.flush_cache()
+    never(lambda: stored_pages(server) != before, within_s=3, what="a page reaching kvdepot while it was detached")
+    sglang.flush_cache()  # (waits out any backup still pending)
     assert stored_pages(server) == before, "pages reached kvdepot while it was detached"
     assert storage_tokens(sglang.generate(tokens)) == 0
     body = {"hicache_storage_backend": "dynamic", "hicache_storage_backend_extra_config_json": sglang.extra_json(),
