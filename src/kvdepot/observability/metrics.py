@@ -60,10 +60,45 @@ def counts(counter: Counter) -> dict[str, int]:
     return out
 
 
+# (metric name, help, field of the storage snapshot's part): every name exported from the snapshot.
+_L1_GAUGES = (
+    ("kvdepot_l1_capacity_bytes", "L1 arena capacity.", "capacity_bytes"),
+    ("kvdepot_l1_used_bytes", "L1 bytes allocated (objects and quarantined extents).", "used_bytes"),
+    ("kvdepot_l1_objects", "Objects in L1.", "objects"),
+    ("kvdepot_l1_read_locked_objects", "L1 objects with at least one reader.", "read_locked"),
+    ("kvdepot_l1_leases", "Active leases.", "leases"),
+    ("kvdepot_l1_quarantined_leases", "Leases ended while their toucher may still run.", "quarantined_leases"),
+    ("kvdepot_l1_quarantined_bytes", "Arena bytes held back from reuse by quarantine.", "quarantined_bytes"),
+    ("kvdepot_l1_fragmentation", "1 - largest free extent / free bytes.", "fragmentation"),
+)
+_L1_COUNTERS = (
+    ("kvdepot_l1_evicted_objects", "Objects evicted from L1.", "evicted_objects"),
+    ("kvdepot_l1_expired_leases", "Leases ended by their TTL.", "expired_leases"),
+    ("kvdepot_l1_quota_refused", "Chunks refused because their salt's quota is below one chunk.", "quota_refused"),
+)
+_STORE_GAUGES = (
+    ("kvdepot_l2_store_queued", "Objects waiting for the L2 push.", "queued"),
+    ("kvdepot_l2_store_in_flight", "Store batches being written to the tiers.", "in_flight"),
+)
+_STORE_COUNTERS = (
+    ("kvdepot_l2_store_submitted", "Objects handed to the tiers.", "submitted"),
+    ("kvdepot_l2_store_stored", "Object writes the tiers acknowledged (one per tier).", "stored"),
+    ("kvdepot_l2_store_failed", "Object writes the tiers failed (one per tier).", "failed"),
+    ("kvdepot_l2_store_dropped", "Objects not pushed because the queue was full.", "dropped"),
+    ("kvdepot_l2_store_skipped_gone", "Objects that left L1 before their push.", "skipped_gone"),
+)
+_PREFETCH_GAUGES = (("kvdepot_l2_prefetch_running", "Prefetch jobs running.", "running"),)
+_PREFETCH_COUNTERS = (
+    ("kvdepot_l2_prefetch_jobs", "Prefetch jobs started (LOOKUP misses asked of L2).", "jobs"),
+    ("kvdepot_l2_prefetch_lookups_hit", "Tier lookups that found chunks to load.", "lookups_hit"),
+    ("kvdepot_l2_prefetch_chunks_loaded", "Chunks loaded from L2 into L1.", "chunks_loaded"),
+    ("kvdepot_l2_prefetch_chunks_failed", "Chunks whose load from L2 failed (a miss).", "chunks_failed"),
+)
+
+
 class _StorageCollector:
     """Reads the storage snapshot (``kvdepot.storage.manager.StorageSnapshot``, read by attribute: this
-    module imports nothing of storage's) when the registry is collected. Every name it exports is
-    written out here."""
+    module imports nothing of storage's) when the registry is collected."""
 
     def __init__(self, snapshot: Callable[[], Any]) -> None:
         self._snapshot = snapshot
@@ -73,50 +108,15 @@ class _StorageCollector:
 
     def collect(self) -> Iterable:
         s = self._snapshot()
-        l1 = s.l1
-        for name, doc, value in (
-            ("kvdepot_l1_capacity_bytes", "L1 arena capacity.", l1.capacity_bytes),
-            ("kvdepot_l1_used_bytes", "L1 bytes allocated (objects and quarantined extents).", l1.used_bytes),
-            ("kvdepot_l1_objects", "Objects in L1.", l1.objects),
-            ("kvdepot_l1_read_locked_objects", "L1 objects with at least one reader.", l1.read_locked),
-            ("kvdepot_l1_leases", "Active leases.", l1.leases),
-            ("kvdepot_l1_quarantined_leases", "Leases ended while their toucher may still run.", l1.quarantined_leases),
-            ("kvdepot_l1_quarantined_bytes", "Arena bytes held back from reuse by quarantine.", l1.quarantined_bytes),
-            ("kvdepot_l1_fragmentation", "1 - largest free extent / free bytes.", l1.fragmentation),
-        ):
-            yield GaugeMetricFamily(name, doc, value=value)
-        for name, doc, value in (
-            ("kvdepot_l1_evicted_objects", "Objects evicted from L1.", l1.evicted_objects),
-            ("kvdepot_l1_expired_leases", "Leases ended by their TTL.", l1.expired_leases),
-            ("kvdepot_l1_quota_refused", "Chunks refused because their salt's quota is below one chunk.", l1.quota_refused),
-        ):
-            yield CounterMetricFamily(name, doc, value=value)
+        parts = [(s.l1, _L1_GAUGES, _L1_COUNTERS), (s.store, _STORE_GAUGES, _STORE_COUNTERS), (s.prefetch, _PREFETCH_GAUGES, _PREFETCH_COUNTERS)]
+        for part, gauges, counters in parts:
+            if part is None:  # no L2 tiers: no L2 controllers
+                continue
+            for name, doc, field in gauges:
+                yield GaugeMetricFamily(name, doc, value=getattr(part, field))
+            for name, doc, field in counters:
+                yield CounterMetricFamily(name, doc, value=getattr(part, field))
         yield from _tier_metrics(s.tiers)
-        if s.store is not None:
-            st = s.store
-            for name, doc, value in (
-                ("kvdepot_l2_store_queued", "Objects waiting for the L2 push.", st.queued),
-                ("kvdepot_l2_store_in_flight", "Store batches being written to the tiers.", st.in_flight),
-            ):
-                yield GaugeMetricFamily(name, doc, value=value)
-            for name, doc, value in (
-                ("kvdepot_l2_store_submitted", "Objects handed to the tiers.", st.submitted),
-                ("kvdepot_l2_store_stored", "Object writes the tiers acknowledged (one per tier).", st.stored),
-                ("kvdepot_l2_store_failed", "Object writes the tiers failed (one per tier).", st.failed),
-                ("kvdepot_l2_store_dropped", "Objects not pushed because the queue was full.", st.dropped),
-                ("kvdepot_l2_store_skipped_gone", "Objects that left L1 before their push.", st.skipped_gone),
-            ):
-                yield CounterMetricFamily(name, doc, value=value)
-        if s.prefetch is not None:
-            pf = s.prefetch
-            yield GaugeMetricFamily("kvdepot_l2_prefetch_running", "Prefetch jobs running.", value=pf.running)
-            for name, doc, value in (
-                ("kvdepot_l2_prefetch_jobs", "Prefetch jobs started (LOOKUP misses asked of L2).", pf.jobs),
-                ("kvdepot_l2_prefetch_lookups_hit", "Tier lookups that found chunks to load.", pf.lookups_hit),
-                ("kvdepot_l2_prefetch_chunks_loaded", "Chunks loaded from L2 into L1.", pf.chunks_loaded),
-                ("kvdepot_l2_prefetch_chunks_failed", "Chunks whose load from L2 failed (a miss).", pf.chunks_failed),
-            ):
-                yield CounterMetricFamily(name, doc, value=value)
 
 
 def _tier_metrics(tiers: Iterable[Any]) -> Iterable:

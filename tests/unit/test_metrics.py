@@ -1,0 +1,83 @@
+"""``/metrics`` exports what the storage snapshot says, under the names written out in
+``observability/metrics.py``: each name is checked against the snapshot field it claims to show, on a real
+StorageManager (a 1 MiB arena, an in-memory tier) after real stores, a clear and a prefetch."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvdepot.config import StorageConfig
+from kvdepot.observability import metrics as mod
+from kvdepot.observability.metrics import Metrics
+from kvdepot.storage.l1 import Toucher
+from kvdepot.storage.manager import StorageManager
+from kvdepot.types import ClearScope, ClientId, ObjectKey
+
+SIZE = 64 << 10
+
+
+def samples(text: bytes) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def exported(name: str, counter: bool) -> str:
+    return name + "_total" if counter else name
+
+
+def test_every_storage_metric_shows_its_snapshot_field(tmp_path):
+    sm = StorageManager(StorageConfig(l1_size_gb=1 / 1024, shm_dir=str(tmp_path), prefault=False, l2=("memory:size_gb=0.01",)))
+    sm.start()
+    try:
+        keys = [ObjectKey(bytes([i]) * 48) for i in range(3)]
+        res = sm.reserve(keys, SIZE, ClientId(b"a"), toucher=Toucher.SERVER)
+        sm.commit(res.lease_id, ClientId(b"a"))
+        # wait until the tier has all three (the store controller pushes in the background)
+        for _ in range(2000):
+            if sm.snapshot().tiers[0].stored == 3:
+                break
+            threading.Event().wait(0.005)
+        sm.clear(ClearScope.L1)
+        done = threading.Event()
+        sm.prefetch(keys, 0, SIZE, "", lambda n: done.set())
+        assert done.wait(30)
+        metrics = Metrics()
+        metrics.watch_storage(sm.snapshot)
+        got = samples(metrics.text())
+        snap = sm.snapshot()
+        assert snap.prefetch is not None and snap.prefetch.chunks_loaded == 3 and snap.store is not None
+        for part, gauges, counters in (
+            (snap.l1, mod._L1_GAUGES, mod._L1_COUNTERS),
+            (snap.store, mod._STORE_GAUGES, mod._STORE_COUNTERS),
+            (snap.prefetch, mod._PREFETCH_GAUGES, mod._PREFETCH_COUNTERS),
+        ):
+            fields = asdict(part)
+            for table, counter in ((gauges, False), (counters, True)):
+                for name, _, field in table:
+                    assert got[(exported(name, counter), ())] == fields[field], name
+        tier = snap.tiers[0]
+        assert got[("kvdepot_l2_healthy", (("kind", "memory"), ("tier", tier.name)))] == 1.0
+        assert got[("kvdepot_l2_objects", (("tier", tier.name),))] == tier.objects == 3
+        assert got[("kvdepot_l2_stored_total", (("tier", tier.name),))] == tier.stored == 3
+        assert got[("kvdepot_l2_loaded_total", (("tier", tier.name),))] == tier.loaded == 3
+    finally:
+        sm.close()
+
+
+def test_without_tiers_no_l2_controller_metrics(tmp_path):
+    sm = StorageManager(StorageConfig(l1_size_gb=1 / 1024, shm_dir=str(tmp_path), prefault=False))
+    sm.start()
+    try:
+        metrics = Metrics()
+        metrics.watch_storage(sm.snapshot)
+        names = {name for name, _ in samples(metrics.text())}
+        assert "kvdepot_l1_capacity_bytes" in names
+        assert not any(n.startswith(("kvdepot_l2_store", "kvdepot_l2_prefetch")) for n in names)
+    finally:
+        sm.close()
