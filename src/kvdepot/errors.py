@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import errno
 from enum import IntEnum
 
 
@@ -43,6 +44,18 @@ class KVDepotError(Exception):
 
     def __str__(self) -> str:
         return f"[{self.code.name}] {self.message}"
+
+
+class EndpointInUse(OSError):
+    """Another process holds an endpoint a server was to listen on (``endpoint``: tcp://HOST:PORT,
+    ipc://PATH, or HOST:PORT for HTTP)."""
+
+    def __init__(self, endpoint: str, message: str) -> None:
+        super().__init__(errno.EADDRINUSE, message)
+        self.endpoint = endpoint
+
+    def __str__(self) -> str:
+        return self.strerror
 
 
 class ConfigError(ValueError):

@@ -1,4 +1,4 @@
-"""The HTTP API and the ``kvdepot`` command (ARCHITECTURE.md §7)."""
+"""The HTTP API and the ``kvdepot`` command."""
 
 from __future__ import annotations
 
@@ -268,21 +268,39 @@ def _occupied_port() -> tuple[socket.socket, int]:
     return s, s.getsockname()[1]
 
 
-@pytest.mark.parametrize("which", ["rpc", "http"])
-def test_a_port_in_use_makes_the_server_exit_cleanly(tmp_path, which):
-    """Exit non-zero with a one-line reason, and leave no shared-memory arena behind."""
-    blocker, port = _occupied_port()
-    with blocker:
-        args = ["--port", str(port), "--http-port", "0"] if which == "rpc" else ["--port", str(free_port()), "--http-port", str(port)]
-        cmd = [PY, "-m", "kvdepot.cli", "server", *args, "--l1-size-gb", "0.01", "--no-prefault", "--shm-dir", str(tmp_path)]
+@pytest.mark.parametrize("which", ["rpc", "http", "both"])
+def test_a_port_in_use_is_a_configuration_error_named_before_any_memory_is_reserved(tmp_path, which):
+    """Exit 2 with one line naming the flag and the port (both, when both are taken), and leave no
+    arena behind. The L1 asked for is larger than the machine could ever give: were the arena reserved
+    before the ports were bound, the error would be about --l1-size-gb instead."""
+    rpc_blocker, rpc_port = _occupied_port()
+    http_blocker, http_port = _occupied_port()
+    with rpc_blocker, http_blocker:
+        ports = {
+            "rpc": [rpc_port, free_port()],
+            "http": [free_port(), http_port],
+            "both": [rpc_port, http_port],
+        }[which]
+        args = ["--port", str(ports[0]), "--http-port", str(ports[1]), "--l1-size-gb", "1000000", "--l1-over-memory"]
+        cmd = [PY, "-m", "kvdepot.cli", "server", *args, "--shm-dir", str(tmp_path)]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=15)
         except subprocess.TimeoutExpired:
             pytest.fail("the server neither started nor exited (hung)")
-    assert r.returncode != 0
-    assert str(port) in r.stderr
-    assert "Traceback" not in r.stderr
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    if which in ("rpc", "both"):
+        assert f"--port {rpc_port}:" in lines[0] and "is in use" in lines[0]
+    if which in ("http", "both"):
+        assert f"--http-port {http_port}:" in lines[0]
+    assert "--l1-size-gb" not in lines[0], "the arena was reserved before the ports were bound"
     assert os.listdir(tmp_path) == [], "the arena segment was left behind"
+
+
+def test_an_address_that_cannot_be_listened_on_is_named(tmp_path):
+    r = _cli("server", "--host", "192.0.2.1", "--http-port", "0", "--shm-dir", str(tmp_path), timeout=30)  # TEST-NET-1
+    assert r.returncode == 2 and "--host 192.0.2.1:" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_status_command_prints_the_servers_json(make_server, seed):

@@ -15,7 +15,9 @@ or call the same storage methods the RPC handlers use.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import socket
 import threading
 from typing import Protocol
 
@@ -28,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from kvdepot import __version__
 from kvdepot.admin.guard import AdminGuard
 from kvdepot.config import HttpConfig
+from kvdepot.errors import EndpointInUse
 from kvdepot.types import ClearScope
 
 DEFAULT_SALT_NAME = "__default__"
@@ -156,9 +159,37 @@ class HttpServer:
         self._uvicorn = uvicorn.Server(
             uvicorn.Config(build_app(server, guard), host=config.host, port=config.port, log_level="warning", lifespan="off")
         )
+        self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
 
+    @property
+    def address(self) -> str:
+        return f"{self._config.host}:{self._config.port}"
+
+    def bind(self) -> None:
+        """Listen on the port now (``start`` serves it), so a taken port is known before anything
+        expensive is built: EndpointInUse names it; OSError for an address that cannot be listened on."""
+        if self._sock is not None:
+            return
+        try:
+            infos = socket.getaddrinfo(self._config.host, self._config.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except socket.gaierror as exc:
+            raise OSError(errno.EADDRNOTAVAIL, f"cannot resolve {self._config.host!r}: {exc}") from None
+        family, _, _, _, sockaddr = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no conflict
+            sock.bind(sockaddr)
+            sock.listen(128)
+        except OSError as exc:
+            sock.close()
+            if exc.errno == errno.EADDRINUSE:
+                raise EndpointInUse(self.address, f"{self.address} is in use (another process listens there)") from None
+            raise OSError(exc.errno, f"cannot listen on {self.address}: {exc.strerror}") from None
+        self._sock = sock
+
     def start(self) -> None:
+        self.bind()
         self._thread = threading.Thread(target=self._run, name="kvdepot-http", daemon=True)
         self._thread.start()
         for _ in range(200):
@@ -166,13 +197,16 @@ class HttpServer:
                 break
             threading.Event().wait(0.025)
         if not self._uvicorn.started:
-            raise RuntimeError(f"the HTTP API could not start on {self._config.host}:{self._config.port}")
+            raise RuntimeError(f"the HTTP API could not start on {self.address}")
 
     def _run(self) -> None:
         self._uvicorn.config.install_signal_handlers = False  # the main thread owns signals
-        asyncio.run(self._uvicorn.serve())
+        asyncio.run(self._uvicorn.serve(sockets=[self._sock]))
 
     def close(self) -> None:
         self._uvicorn.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None

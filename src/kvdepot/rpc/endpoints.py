@@ -14,9 +14,9 @@ from __future__ import annotations
 import fcntl
 import os
 
+from kvdepot.errors import EndpointInUse
 
-class EndpointInUse(OSError):
-    pass
+__all__ = ["EndpointInUse", "IpcClaim"]
 
 
 class IpcClaim:
@@ -35,8 +35,9 @@ class IpcClaim:
         except BlockingIOError:
             os.close(fd)
             raise EndpointInUse(
+                f"ipc://{self.path}",
                 f"another kvdepot server is serving ipc://{self.path} (it holds {self.path}.lock); "
-                f"stop it or choose another --ipc-path"
+                f"stop it or choose another --ipc-path",
             ) from None
         self._fd = fd
         try:

@@ -17,6 +17,7 @@ server watches its clients there: ``kvdepot.server.liveness``).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -29,7 +30,7 @@ from typing import Any, Protocol
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvdepot.errors import ErrorCode, KVDepotError
+from kvdepot.errors import EndpointInUse, ErrorCode, KVDepotError
 from kvdepot.limits import MAX_FRAME_BYTES
 from kvdepot.observability.metrics import Metrics
 from kvdepot.protocol import codec
@@ -62,7 +63,7 @@ class RpcServer:
     def __init__(
         self,
         endpoints: list[str],
-        handlers: list[HandlerSpec],
+        handlers: list[HandlerSpec] = (),
         *,
         observer: RequestObserver | None = None,
         workers: int = 4,
@@ -76,11 +77,7 @@ class RpcServer:
         disconnect is then counted as a goodbye, not as a client that died)."""
         self._endpoints = endpoints
         self._handlers: dict[RequestType, HandlerSpec] = {}
-        for spec in handlers:
-            if spec.rtype in self._handlers:
-                raise ValueError(f"two handlers for {spec.rtype.name}")
-            self._handlers[spec.rtype] = spec
-        self._observer = observer or _NoObserver()
+        self.observer: RequestObserver = observer or _NoObserver()
         self._goodbye_types = frozenset(goodbyes)
         self._workers = workers
         self._max_frame = max_frame_bytes
@@ -91,11 +88,11 @@ class RpcServer:
         self._requests = {t: self.metrics.requests.labels(t.name) for t in RequestType}
         self._errors = {c: self.metrics.errors.labels(c.name) for c in ErrorCode}
         self._ctx: zmq.Context | None = None
+        self._router: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._stop = threading.Event()
-        self._ready = threading.Event()
-        self._start_error: BaseException | None = None
         self._local = threading.local()
         self._reply_addr = f"inproc://kvdepot-replies-{id(self)}"
         self._worker_prefix = b"\x00" + os.urandom(15)  # routing ids of worker reply sockets
@@ -103,6 +100,7 @@ class RpcServer:
         self._tracker_lock = threading.Lock()
         self._claims = [IpcClaim(ep.removeprefix("ipc://")) for ep in endpoints if ep.startswith("ipc://")]
         self._goodbyes = 0  # clean UNREGISTERs whose disconnect has not been seen yet (loop thread)
+        self.add_handlers(handlers)
 
     # --- life cycle ----------------------------------------------------------------------------------
 
@@ -110,14 +108,36 @@ class RpcServer:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
 
-    def start(self) -> None:
+    def add_handlers(self, handlers: list[HandlerSpec]) -> None:
+        """Serve these request types too (before ``start``); two handlers for one type is an error."""
+        if self._thread is not None:
+            raise RuntimeError("handlers are added before the server starts")
+        for spec in handlers:
+            if spec.rtype in self._handlers:
+                raise ValueError(f"two handlers for {spec.rtype.name}")
+            self._handlers[spec.rtype] = spec
+
+    def bind(self) -> None:
+        """Claim and bind every endpoint now, so an owner can learn that one is taken before it builds
+        anything expensive. Raises EndpointInUse (an OSError naming the endpoint) for one another
+        process holds, OSError for one that cannot be listened on. ``start`` binds if this was not done.
+        (The socket is made on this thread and used only by the loop's from ``start`` on: a thread start
+        is the memory barrier ZeroMQ asks for when a socket changes threads.)"""
+        if self._router is not None:
+            return
         self._ctx = zmq.Context()
+        try:
+            self._router, self._monitor = self._bind()
+        except BaseException:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+            raise
+
+    def start(self) -> None:
+        self.bind()
         self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="kvdepot-worker")
         self._thread = threading.Thread(target=self._run, name="kvdepot-rpc", daemon=True)
         self._thread.start()
-        self._ready.wait(10)
-        if self._start_error is not None:
-            raise self._start_error
 
     def close(self, drain_s: float = 5.0) -> None:
         self._stop.set()
@@ -125,6 +145,10 @@ class RpcServer:
             self._pool.shutdown(wait=True, cancel_futures=True)
         if self._thread is not None:
             self._thread.join(timeout=drain_s + 5)
+        if self._thread is None:  # bound but never started: the loop did not close its sockets
+            for sock in (self._router, self._monitor):
+                if sock is not None:
+                    sock.close(linger=0)
         if self._ctx is not None:
             self._ctx.destroy(linger=0)  # closes any socket left (worker PUSH sockets) instead of waiting
         for claim in self._claims:
@@ -141,6 +165,7 @@ class RpcServer:
         router.setsockopt(zmq.MAXMSGSIZE, 4 * max(self._max_frame, codec.MAX_BODY_BYTES) + (1 << 20))
         router.setsockopt(zmq.RCVHWM, 0)
         router.setsockopt(zmq.SNDHWM, 0)
+        ep = ""
         try:
             for claim in self._claims:
                 claim.acquire()  # before binding: a live server's socket is never taken over
@@ -152,19 +177,16 @@ class RpcServer:
                 claim.release()
             if isinstance(exc, OSError):
                 raise
-            raise OSError(f"cannot listen on {ep}: {exc}") from None
+            if exc.errno == errno.EADDRINUSE:
+                raise EndpointInUse(ep, f"{ep} is in use (another process listens there)") from None
+            raise OSError(exc.errno, f"cannot listen on {ep}: {exc.strerror}") from None
         router.bind(self._reply_addr)  # the workers' replies come in here too
         monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         return router, monitor
 
     def _run(self) -> None:
-        try:
-            router, monitor = self._bind()
-        except BaseException as exc:
-            self._start_error = exc
-            self._ready.set()
-            return
-        self._ready.set()
+        router, monitor = self._router, self._monitor
+        assert router is not None and monitor is not None
         next_hk = time.monotonic()
         timeout_ms = -1
         try:
@@ -230,7 +252,7 @@ class RpcServer:
                 frames.append(router.recv(copy=len(frames) < small))
             if from_worker:  # [worker, client, header, body, *payload]: a BLOCKING handler's reply
                 router.send_multipart(frames[1:], copy=False)
-                self._observer.request_finished(ClientId(frames[1]))
+                self.observer.request_finished(ClientId(frames[1]))
             else:
                 try:
                     self._dispatch(router, frames)
@@ -278,17 +300,17 @@ class RpcServer:
             self._goodbyes += 1
         deadline = received + header.timeout_ms / 1000 if header.timeout_ms > 0 else float("inf")
         call = Call(client, header.request_id, rtype, body, payload, deadline)
-        self._observer.request_started(client)
+        self.observer.request_started(client)
         if spec.mode is HandlerMode.SYNC:
             self._send(router, ident, call, self._invoke(spec, call))
-            self._observer.request_finished(client)
+            self.observer.request_finished(client)
         else:
             assert self._pool is not None
             try:
                 self._pool.submit(self._run_blocking, spec, call)
             except RuntimeError:  # shutting down
                 self._send_error(router, ident, call.request_id, ErrorCode.SHUTTING_DOWN, "server is shutting down")
-                self._observer.request_finished(client)
+                self.observer.request_finished(client)
 
     def _invoke(self, spec: HandlerSpec, call: Call) -> list[Any] | tuple[list[Any], Reply]:
         """Run a handler; returns the frames to send (and the Reply when it has payload/on_sent)."""

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from kvdepot import __version__
 from kvdepot.admin.http import HttpServer
 from kvdepot.config import ServerConfig
+from kvdepot.errors import ConfigError, EndpointInUse
+from kvdepot.observability.metrics import Metrics
 from kvdepot.protocol.messages import RequestType
 from kvdepot.rpc.server import RpcServer
 from kvdepot.server.liveness import ClientWatch, LivenessTracker
@@ -38,26 +40,63 @@ def node_id(config: ServerConfig) -> NodeId:
 
 
 class KVDepotServer:
+    """Built in the order that fails cheapest first: every endpoint is bound (ZeroMQ and HTTP) before the
+    arena's memory is reserved, so a taken port is a configuration error naming its flag within a
+    moment, not after seconds of reserving and prefaulting gigabytes."""
+
     def __init__(self, config: ServerConfig, modules: Sequence[ModuleFactory] = DEFAULT_MODULES) -> None:
         self.config = config
-        self.storage = StorageManager(config.storage, holder_alive=self._holder_alive, node=node_id(config))
-        self.liveness = LivenessTracker(config.rpc.client_timeout_s, lock_held=self.storage.lock_held)
-        self.ctx = ServerContext(config, self.storage, self.liveness)
-        self.ctx.metrics.watch_storage(self.storage.snapshot)
-        self._watch = ClientWatch(self.liveness, self.ctx.client_gone)
-        built = [make(self.ctx) for make in modules]
+        metrics = Metrics()
         self.rpc = RpcServer(
             config.rpc.endpoints,
-            [spec for module in built for spec in module.handlers()],
-            observer=self.liveness,
             workers=config.rpc.workers,
             max_frame_bytes=config.rpc.max_frame_bytes,
             housekeeping=self._housekeeping,
             goodbyes=(RequestType.UNREGISTER_CONTEXT,),
-            metrics=self.ctx.metrics,
+            metrics=metrics,
         )
         self.http = HttpServer(self, config.http) if config.http.port else None
         self._stopped = threading.Event()
+        self._bind()
+        try:
+            self.storage = StorageManager(config.storage, holder_alive=self._holder_alive, node=node_id(config))
+        except BaseException:
+            self._unbind()
+            raise
+        self.liveness = LivenessTracker(config.rpc.client_timeout_s, lock_held=self.storage.lock_held)
+        self.ctx = ServerContext(config, self.storage, self.liveness, metrics=metrics)
+        metrics.watch_storage(self.storage.snapshot)
+        self._watch = ClientWatch(self.liveness, self.ctx.client_gone)
+        self.rpc.observer = self.liveness
+        for make in modules:
+            self.rpc.add_handlers(make(self.ctx).handlers())
+
+    def _bind(self) -> None:
+        """Bind the ZeroMQ endpoints and the HTTP port; every one that cannot be had is named, with its
+        flag, in one ConfigError (both ports when both are taken)."""
+        rpc, http = self.config.rpc, self.config.http
+        problems = []
+        for part, flag_in_use, flag_other in (
+            (self.rpc, f"--port {rpc.port}", f"--host {rpc.host}"),
+            (self.http, f"--http-port {http.port}", f"--http-host {http.host}"),
+        ):
+            if part is None:
+                continue
+            try:
+                part.bind()
+            except EndpointInUse as exc:
+                flag = "--ipc-path" if exc.endpoint.startswith("ipc://") else flag_in_use
+                problems.append(f"{flag}: {exc}")
+            except OSError as exc:
+                problems.append(f"{flag_other}: {exc.strerror or exc}")
+        if problems:
+            self._unbind()
+            raise ConfigError("; ".join(problems))
+
+    def _unbind(self) -> None:
+        if self.http is not None:
+            self.http.close()
+        self.rpc.close()
 
     def _holder_alive(self, client) -> bool:
         """For the object table: may this client still touch arena memory? (loop thread only)"""
