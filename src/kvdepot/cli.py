@@ -48,14 +48,28 @@ def cmd_server(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from urllib.parse import urlsplit
+
+    from kvdepot.admin.summary import probe, summary
+
     base = args.url.rstrip("/") if args.url else f"http://{args.http_host}:{args.http_port}"
+    parts = urlsplit(base)
+    if parts.scheme == "http" and parts.hostname:
+        why = probe(parts.hostname, parts.port or 80, min(args.timeout_s, 1.0))
+        if why:
+            print(f"kvdepot status: {why}", file=sys.stderr)
+            return 1
     url = f"{base}/status"
     try:
         with urllib.request.urlopen(url, timeout=args.timeout_s) as resp:
-            print(json.dumps(json.load(resp), indent=2))
+            doc = json.load(resp)
     except (urllib.error.URLError, OSError, ValueError) as exc:
         print(f"kvdepot status: cannot read {url}: {exc} (is the server's HTTP API on --http-port?)", file=sys.stderr)
         return 1
+    if not isinstance(doc, dict) or "l1" not in doc:
+        print(f"kvdepot status: {url} is not a kvdepot server's /status", file=sys.stderr)
+        return 1
+    print(json.dumps(doc, indent=2) if args.json else summary(doc, base))
     return 0
 
 
@@ -89,12 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(s, tier_help=describe())
     s.set_defaults(func=cmd_server)
 
-    st = sub.add_parser("status", help="print a running server's /status (its HTTP API, not the ZeroMQ port)")
+    st = sub.add_parser(
+        "status", help="a running server's hit rate, L1, tiers and clients (from its HTTP API, not the ZeroMQ port)"
+    )
     http = HttpConfig()  # the server's own defaults: one source
     st.add_argument("--http-host", default=http.host, help="the server's --http-host (default: %(default)s)")
     st.add_argument("--http-port", type=int, default=http.port, help="the server's --http-port (default: %(default)s)")
     st.add_argument("--url", default="", help="the HTTP API's base URL instead, e.g. http://10.0.0.5:8080 (default: from the two above)")
-    st.add_argument("--timeout-s", type=float, default=5.0, help="how long to wait for an answer (default: %(default)s)")
+    st.add_argument("--timeout-s", type=float, default=5.0, help="how long to wait for /status (default: %(default)s)")
+    st.add_argument("--json", action="store_true", help="print the whole /status document as JSON instead of a summary")
     st.set_defaults(func=cmd_status)
 
     d = sub.add_parser("demo", help="start a server on embedded defaults and run a short workload against it")

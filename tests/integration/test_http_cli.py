@@ -308,7 +308,7 @@ def test_status_command_prints_the_servers_json(make_server, seed):
     with srv.client() as c:
         t = make_tokens(3 * CHUNK, seed)
         assert c.store(t, make_kv(LAYOUT, len(t), seed)) == 3 * CHUNK
-    r = _cli("status", "--http-port", str(srv.http_port))
+    r = _cli("status", "--http-port", str(srv.http_port), "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["version"] == kvdepot.__version__
@@ -319,13 +319,45 @@ def test_status_command_prints_the_servers_json(make_server, seed):
     # The installed console script says the same.
     script = Path(PY).parent / "kvdepot"
     if script.exists():
-        r2 = subprocess.run([str(script), "status", "--http-port", str(srv.http_port)], capture_output=True, text=True, timeout=60)
+        r2 = subprocess.run([str(script), "status", "--http-port", str(srv.http_port), "--json"], capture_output=True, text=True, timeout=60)
         assert r2.returncode == 0
         assert json.loads(r2.stdout)["l1"]["objects"] == 3
+
+
+def test_status_command_summarises_hits_for_people(make_server, seed):
+    srv = make_server()
+    t = make_tokens(4 * CHUNK, seed)
+    with srv.client(model="llama-test") as c:
+        assert c.store(t, make_kv(LAYOUT, len(t), seed)) == 4 * CHUNK
+        assert c.lookup(t) == 4 * CHUNK
+        assert c.lookup(make_tokens(4 * CHUNK, seed + 1)) == 0
+    r = _cli("status", "--url", srv.http)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert f"HTTP {srv.http}" in out
+    assert f"hit rate 50.0% ({4 * CHUNK:,} found: l1 {4 * CHUNK:,}; {4 * CHUNK:,} missed)" in out, out
+    assert "llama-test: 2 lookups, hit rate 50.0%" in out
+    assert "stored 4 chunks" in out and "4 objects" in out
 
 
 def test_status_command_without_a_server():
     r = _cli("status", "--http-port", str(free_port()))
     assert r.returncode == 1
-    assert "cannot read" in r.stderr and "--http-port" in r.stderr
-    assert "Traceback" not in r.stderr
+    assert "cannot connect" in r.stderr and "Connection refused" in r.stderr, r.stderr
+
+
+def test_status_command_pointed_at_the_zeromq_port_says_so_at_once(make_server):
+    """kvdepot's ZeroMQ port answers a connection with ZeroMQ's greeting and then waits: the command
+    recognises it, well within its one-second probe, instead of waiting out the /status timeout."""
+    srv = make_server()
+    r = _cli("status", "--http-port", str(srv.port), "--timeout-s", "60", timeout=30)
+    assert r.returncode == 1
+    assert "is a ZeroMQ endpoint (kvdepot's --port), not its HTTP API" in r.stderr, r.stderr
+
+
+def test_status_help_documents_every_flag():
+    r = _cli("status", "--help")
+    assert r.returncode == 0
+    for flag in ("--http-host", "--http-port", "--url", "--timeout-s", "--json"):
+        assert flag in r.stdout
+    assert "(default: 127.0.0.1)" in r.stdout and "(default: 8080)" in r.stdout

@@ -20,6 +20,7 @@ from kvdepot.events import EventKind, ObjectEvent, RemovedBecause
 from kvdepot.shm import HEADER_BYTES, SharedArena
 from kvdepot.storage.allocator import ExtentAllocator
 from kvdepot.storage.controllers import (
+    Prefetched,
     PREFETCH_OWNER,
     PrefetchController,
     PrefetchJob,
@@ -175,8 +176,12 @@ def prefetch_controller(rig: Rig) -> PrefetchController:
 
 
 def prefetch(rig: Rig, pf: PrefetchController, ks: list[ObjectKey], start: int = 0, steps=None) -> int:
-    """Run one prefetch job to its end; returns what on_done said (it must say it exactly once)."""
-    told: list[int] = []
+    """Run one prefetch job to its end; returns how many chunks on_done said (it must say it exactly once)."""
+    return prefetch_outcome(rig, pf, ks, start, steps).chunks
+
+
+def prefetch_outcome(rig: Rig, pf: PrefetchController, ks: list[ObjectKey], start: int = 0, steps=None) -> Prefetched:
+    told: list[Prefetched] = []
     pf.submit(PrefetchJob(ks, start, SIZE, "", told.append))
     rig.run(steps or [pf.step], lambda: bool(told))
     assert len(told) == 1
@@ -329,7 +334,8 @@ def test_a_prefetch_takes_a_prefix_from_one_tier_and_the_rest_from_the_next(make
     pf = prefetch_controller(rig)
     rig.put(0, [(k, content(i)) for i, k in enumerate(keys(2))])
     rig.put(1, [(k, content(i)) for i, k in enumerate(keys(4))])
-    assert prefetch(rig, pf, keys(4)) == 4
+    outcome = prefetch_outcome(rig, pf, keys(4))
+    assert outcome == Prefetched(4, {rig.tiers[0].name: 2, rig.tiers[1].name: 2})  # who supplied what
     assert rig.l1_bytes(keys(4)) == [content(i).tobytes() for i in range(4)]
     assert (rig.tiers[0].usage().loaded, rig.tiers[1].usage().loaded) == (2, 2)  # the second only for the rest
     assert pf.snapshot() == PrefetchStats(jobs=1, running=0, lookups_hit=2, chunks_loaded=4, chunks_failed=0)

@@ -45,7 +45,7 @@ def test_every_storage_metric_shows_its_snapshot_field(tmp_path):
             threading.Event().wait(0.005)
         sm.clear(ClearScope.L1)
         done = threading.Event()
-        sm.prefetch(keys, 0, SIZE, "", lambda n: done.set())
+        sm.prefetch(keys, 0, SIZE, "", lambda p: done.set())
         assert done.wait(30)
         metrics = Metrics()
         metrics.watch_storage(sm.snapshot)

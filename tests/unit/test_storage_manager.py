@@ -27,6 +27,7 @@ from kvdepot.storage.manager import (
     L1Stats,
     L2Usage,
     PrefaultStatus,
+    Prefetched,
     PrefetchStats,
     StorageManager,
     StorageSnapshot,
@@ -445,10 +446,10 @@ def test_write_through_then_prefetch_brings_the_same_bytes_back_into_l1(make_man
     assert m.lookup(ks) == 0
 
     done = threading.Event()
-    got: list[int] = []
+    got: list[Prefetched] = []
 
-    def on_done(n: int) -> None:
-        got.append(n)
+    def on_done(p: Prefetched) -> None:
+        got.append(p)
         done.set()
 
     # The first chunk is back in L1 already: the prefetch is asked for the rest only.
@@ -456,7 +457,7 @@ def test_write_through_then_prefetch_brings_the_same_bytes_back_into_l1(make_man
     wait_for("write-through", tier_settled(m, 5))
     assert m.prefetch(ks, 1, SIZE, "", on_done) is True
     assert done.wait(WAIT_S)
-    assert got == [3]
+    assert got == [Prefetched(3, {TIER_NAME: 3})]
     assert m.lookup(ks) == 4
     lock = m.lock_prefix(ks, B, toucher=Toucher.SERVER)
     assert [bytes(m.payload(off, SIZE)) for off in lock.offsets] == [bytes([10 + i]) * SIZE for i in range(4)]
@@ -473,9 +474,9 @@ def test_write_through_then_prefetch_brings_the_same_bytes_back_into_l1(make_man
 def test_a_prefetch_of_what_no_tier_holds_finds_nothing(make_manager):
     m = make_manager(TIER)
     done = threading.Event()
-    got: list[int] = []
-    m.prefetch(keys("nowhere", 3), 0, SIZE, "", lambda n: (got.append(n), done.set()))
+    got: list[Prefetched] = []
+    m.prefetch(keys("nowhere", 3), 0, SIZE, "", lambda p: (got.append(p), done.set()))
     assert done.wait(WAIT_S)
-    assert got == [0]
+    assert got == [Prefetched(0, {})]
     assert m.snapshot().prefetch == PrefetchStats(jobs=1, running=0, lookups_hit=0, chunks_loaded=0, chunks_failed=0)
     assert l1(m).objects == 0

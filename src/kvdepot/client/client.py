@@ -187,7 +187,7 @@ class KVClient:
             out = self._check_kv(out, 0, raw)
         salt = cache_salt or ""
         if self.registration.l2_tiers and self.transport == Transport.SHM:
-            self.stored_chunks(hashes, salt)  # let the server bring L2 hits into L1 first
+            self.link.stored_chunks(hashes, salt, probe=True)  # let the server bring L2 hits into L1 first
         return self._on_path(lambda path: path.retrieve_into(hashes, salt, out))
 
     def clear(self, scope: ClearScope | str = ClearScope.L1) -> int:
@@ -197,7 +197,8 @@ class KVClient:
         return reply.removed + sum(n for n in reply.tiers_removed.values() if n > 0)
 
     def stored_chunks(self, hashes: list[ChunkHash], salt: str) -> int:
-        """Leading chunks stored, waiting for the server to bring missing ones in from L2 first."""
+        """Leading chunks stored, waiting for the server to bring missing ones in from L2 first (an
+        engine's lookup: the server counts it, and its hits and misses)."""
         return self.link.stored_chunks(hashes, salt)
 
     # --- zero-copy API -------------------------------------------------------------------------------
@@ -221,7 +222,7 @@ class KVClient:
         hashes = self._as_hashes(tokens)
         salt = cache_salt or ""
         if self.registration.l2_tiers and not session_id:
-            self.stored_chunks(hashes, salt)  # let the server bring L2 hits into L1 first
+            self.link.stored_chunks(hashes, salt, probe=True)  # let the server bring L2 hits into L1 first
         with ExitStack() as stack:
             yield self._on_path(lambda path: stack.enter_context(path.prepare_retrieve(hashes, salt, session_id, start)))
 

@@ -131,22 +131,28 @@ class ContextLink:
                 body.context_id = new.context_id
             return self.channel.pipeline(requests, on_reply, timeout_s=timeout)
 
-    def lookup(self, hashes: list[ChunkHash], salt: str, session_id: str = "", lock: bool = True, prefetch: bool = True) -> int | None:
+    def lookup(
+        self, hashes: list[ChunkHash], salt: str, session_id: str = "", lock: bool = True, prefetch: bool = True, probe: bool = False
+    ) -> int | None:
         """LOOKUP: leading chunks in L1 (locked for ``session_id`` when given); None while the server
-        prefetches from L2 for that session."""
+        prefetches from L2 for that session. ``probe``: a check on the way to a store or a retrieve,
+        which the server does not count as an engine's lookup."""
         if not hashes:
             return 0
-        req = m.LookupRequest(context_id=0, keys=list(hashes), cache_salt=salt, session_id=session_id, lock=lock, prefetch=prefetch)
+        req = m.LookupRequest(
+            context_id=0, keys=list(hashes), cache_salt=salt, session_id=session_id, lock=lock, prefetch=prefetch, probe=probe
+        )
         return self.request(req).hits
 
-    def stored_chunks(self, hashes: list[ChunkHash], salt: str) -> int:
-        """Leading chunks stored, waiting for the server to bring missing ones in from L2 first."""
+    def stored_chunks(self, hashes: list[ChunkHash], salt: str, probe: bool = False) -> int:
+        """Leading chunks stored, waiting for the server to bring missing ones in from L2 first.
+        ``probe``: on the way to a retrieve (not counted as a lookup; see ``lookup``)."""
         if not hashes:
             return 0
         if not self.registration.l2_tiers:
-            return self.lookup(hashes, salt) or 0
+            return self.lookup(hashes, salt, probe=probe) or 0
         session = f"_kvdepot-{os.urandom(8).hex()}"
-        hits = self.lookup(hashes, salt, session, lock=False)
+        hits = self.lookup(hashes, salt, session, lock=False, probe=probe)
         deadline = time.monotonic() + self.options.timeout_s
         delay = 0.0002
         while hits is None:

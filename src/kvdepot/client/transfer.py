@@ -53,7 +53,7 @@ class PathHost(Protocol):
     def request(self, body, payload: Sequence = (), *, path: TransferPath | None = None, want_payload: bool = False): ...
     def finish(self, body): ...
     def pipeline(self, requests: list[tuple[object, Sequence]], on_reply=None) -> list: ...
-    def stored_chunks(self, hashes: list[ChunkHash], salt: str) -> int: ...
+    def stored_chunks(self, hashes: list[ChunkHash], salt: str, probe: bool = False) -> int: ...
     def holding(self, lease_id: int) -> AbstractContextManager[None]: ...
 
 
@@ -80,7 +80,7 @@ def _lookup(host: PathHost, hashes: list[ChunkHash], salt: str) -> int:
     """Leading chunks in L1 now (no lock, no prefetch)."""
     if not hashes:
         return 0
-    return host.request(m.LookupRequest(context_id=0, keys=list(hashes), cache_salt=salt)).hits or 0
+    return host.request(m.LookupRequest(context_id=0, keys=list(hashes), cache_salt=salt, probe=True)).hits or 0
 
 
 def _copy_chunks(slots: StoreSlots, kv: np.ndarray, cs: int) -> None:
@@ -328,7 +328,7 @@ class InlinePath:
         received frames are freed as we go), given back when the block exits."""
         h = self._host
         reg = h.registration
-        n_found = len(hashes) - start if session_id else h.stored_chunks(hashes[start:], salt)
+        n_found = len(hashes) - start if session_id else h.stored_chunks(hashes[start:], salt, probe=True)
         buffer = None
         if reg.chunk_bytes > codec.TARGET_FRAME_BYTES and n_found:
             buffer = self._staging.acquire(n_found * reg.chunk_bytes)
@@ -364,7 +364,7 @@ class InlinePath:
             np.copyto(target[:, :, : result.shape[2]], result, casting="no")
             return target[:, :, : result.shape[2]]
         cs = reg.chunk_size
-        n_found = h.stored_chunks(hashes, salt)
+        n_found = h.stored_chunks(hashes, salt, probe=True)
         out = h.layout.empty(n_found * cs) if out is None else _check_room(out, n_found * cs)
         dtype = h.layout.storage_dtype
         rows_n = self._rows

@@ -9,13 +9,17 @@ same numbers. The observability work extends this module, never a second registr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 REQUEST_FAILURE_CLASSES = ("lease_expired_frees", "short_retrieves")
+MAX_MODELS = 64  # distinct model labels kept; clients name models, so a flood of names shares one label
+OTHER_MODELS = "(other)"
+L1 = "l1"  # where a hit was found: L1, or the name of the L2 tier that supplied it
 
 
 class Metrics:
@@ -37,8 +41,57 @@ class Metrics:
         self.engine_blocks = Counter(
             "kvdepot_engine_blocks", "KV blocks engines reported allocating and freeing.", ["event"], registry=r
         )
+        # What engines got out of kvdepot, by model (a lookup asks for the tokens of its complete chunks).
+        self.lookups = Counter("kvdepot_lookups", "Prompt lookups (a store's check of what is stored is none), by model.", ["model"], registry=r)
+        self.requested_tokens = Counter("kvdepot_requested_tokens", "Tokens lookups asked for (complete chunks), by model.", ["model"], registry=r)
+        self.hit_tokens = Counter(
+            "kvdepot_hit_tokens", "Tokens lookups found, by model and where: l1, or the L2 tier that supplied them.", ["model", "tier"], registry=r
+        )
+        self.missed_tokens = Counter("kvdepot_missed_tokens", "Tokens lookups asked for and did not find, by model.", ["model"], registry=r)
+        self.stored_chunks = Counter("kvdepot_stored_chunks", "Chunks engines stored (committed), by model.", ["model"], registry=r)
+        self.stored_bytes = Counter("kvdepot_stored_bytes", "Bytes engines stored (committed), by model.", ["model"], registry=r)
+        self.retrieved_chunks = Counter("kvdepot_retrieved_chunks", "Chunks engines read back, by model.", ["model"], registry=r)
+        self.retrieved_bytes = Counter("kvdepot_retrieved_bytes", "Bytes engines read back, by model.", ["model"], registry=r)
         for cls in REQUEST_FAILURE_CLASSES:
             self.request_failures.labels(cls)  # present (as 0) before the first one
+        self._models: set[str] = set()
+        self._models_lock = threading.Lock()
+
+    # --- what engines got (called by the handlers, any thread) ----------------------------------------
+
+    def lookup_asked(self, model: str, tokens: int) -> None:
+        m = self._model(model)
+        self.lookups.labels(m).inc()
+        self.requested_tokens.labels(m).inc(tokens)
+
+    def lookup_answered(self, model: str, found: Mapping[str, int], missed: int) -> None:
+        """The final count of a lookup: tokens found per place (``L1`` or a tier's name), and missed."""
+        m = self._model(model)
+        for where, tokens in found.items():
+            if tokens:
+                self.hit_tokens.labels(m, where).inc(tokens)
+        self.missed_tokens.labels(m).inc(missed)
+
+    def stored(self, model: str, chunks: int, nbytes: int) -> None:
+        if chunks:
+            m = self._model(model)
+            self.stored_chunks.labels(m).inc(chunks)
+            self.stored_bytes.labels(m).inc(nbytes)
+
+    def retrieved(self, model: str, chunks: int, nbytes: int) -> None:
+        if chunks:
+            m = self._model(model)
+            self.retrieved_chunks.labels(m).inc(chunks)
+            self.retrieved_bytes.labels(m).inc(nbytes)
+
+    def _model(self, model: str) -> str:
+        with self._models_lock:
+            if model in self._models:
+                return model
+            if len(self._models) < MAX_MODELS:
+                self._models.add(model)
+                return model
+        return OTHER_MODELS
 
     def watch_storage(self, snapshot: Callable[[], object]) -> None:
         """Export the storage snapshot's states and counters at each scrape."""
@@ -47,6 +100,16 @@ class Metrics:
     def text(self) -> bytes:
         """The Prometheus exposition of everything."""
         return generate_latest(self.registry)
+
+
+def labelled(counter: Counter) -> list[tuple[dict[str, str], int]]:
+    """Every (labels, value) of a counter."""
+    return [
+        (dict(sample.labels), int(sample.value))
+        for family in counter.collect()
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    ]
 
 
 def counts(counter: Counter) -> dict[str, int]:

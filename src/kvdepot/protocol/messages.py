@@ -16,7 +16,7 @@ import msgspec
 from kvdepot.hashing import HashAlgorithm
 from kvdepot.types import ClearScope, SlotStatus  # wire enums too: SlotStatus is re-exported here  # noqa: F401
 
-PROTOCOL_VERSION = 2  # 2: ShmInfo.liveness_lock, RENEW_LEASES, SlotStatus.OVER_QUOTA
+PROTOCOL_VERSION = 3  # 2: ShmInfo.liveness_lock, RENEW_LEASES, SlotStatus.OVER_QUOTA; 3: LookupRequest.probe, LookupReply.in_l1
 
 
 class RequestType(IntEnum):
@@ -157,11 +157,13 @@ class LookupRequest(_Body):
     session_id: str = ""
     lock: bool = True
     prefetch: bool = True
+    probe: bool = False  # a store's check of what is stored already: not counted as a lookup
 
 
 class LookupReply(_Body):
     hits: int | None  # leading chunks found; None while a prefetch is still running
     locked: bool = False
+    in_l1: int = 0  # of the leading chunks, how many were in L1 at the lookup (the rest came from L2)
 
 
 class QueryPrefetchStatusRequest(_Body):

@@ -50,6 +50,7 @@ class Session:
     hits: int | None  # None while PREFETCHING
     lock: bool  # the lookup asked for locks
     all_keys: list[ObjectKey] | None = None  # the whole prompt's keys, while PREFETCHING
+    in_l1: int = 0  # leading chunks that were in L1 at the lookup (the rest of ``hits`` came from L2)
 
     def __repr__(self) -> str:
         return f"Session({self.state.value}, hits={self.hits}, lease={self.lease_id}, locked={len(self.keys)})"
@@ -96,6 +97,7 @@ class Session:
 class PrefetchAnswer:
     hits: int | None
     locked: bool
+    in_l1: int
 
 
 Key = tuple[ContextId, str]
@@ -120,9 +122,9 @@ class SessionTable:
         """A LOOKUP: the new session (PREFETCHING when ``prefetch_keys`` is given, else LOCKED), and the
         lease of the session it replaced (ended: the caller releases it; NO_LEASE if none)."""
         if prefetch_keys is not None:
-            session = Session(SessionState.PREFETCHING, lease, keys, None, lock, prefetch_keys)
+            session = Session(SessionState.PREFETCHING, lease, keys, None, lock, prefetch_keys, in_l1=hits)
         else:
-            session = Session(SessionState.LOCKED, lease, keys, hits, lock)
+            session = Session(SessionState.LOCKED, lease, keys, hits, lock, in_l1=hits)
         with self._lock:
             old = self._sessions.get(key)
             self._sessions[key] = session
@@ -152,7 +154,7 @@ class SessionTable:
             session = self._sessions.get(key)
             if session is None:
                 return None
-            answer = PrefetchAnswer(session.hits, session.lease_id != NO_LEASE)
+            answer = PrefetchAnswer(session.hits, session.lease_id != NO_LEASE, session.in_l1)
             if session.state is SessionState.KNOWN:
                 session.answered()
                 del self._sessions[key]

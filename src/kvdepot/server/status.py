@@ -11,7 +11,7 @@ from dataclasses import asdict
 
 from kvdepot import __version__
 from kvdepot.config import ServerConfig
-from kvdepot.observability.metrics import Metrics, counts
+from kvdepot.observability.metrics import Metrics, counts, labelled
 from kvdepot.server.liveness import LivenessSnapshot
 from kvdepot.storage.manager import StorageSnapshot
 
@@ -66,9 +66,60 @@ def status_document(
             "over_quota": l1.quota_refused,
             "corrupt_in_l2": sum(t.corrupt for t in snap.tiers),
         },
+        "lookups": lookups_document(metrics),
+        "stores": transfers_document(metrics.stored_chunks, metrics.stored_bytes),
+        "retrieves": transfers_document(metrics.retrieved_chunks, metrics.retrieved_bytes),
         "block_events": {"allocated": blocks.get("allocated", 0), "freed": blocks.get("freed", 0)},
         "tiers": [asdict(t) for t in snap.tiers],
         "l2_controllers": {"store": asdict(snap.store), "prefetch": asdict(snap.prefetch)} if snap.store and snap.prefetch else {},
+    }
+
+
+def lookups_document(metrics: Metrics) -> dict:
+    """What engines asked for and found, in tokens, in all and per model (hits also per place: ``l1``
+    or the L2 tier that supplied them). A lookup still prefetching from L2 counts as asked, not yet as
+    found or missed."""
+    models: dict[str, dict] = {}
+
+    def model(name: str) -> dict:
+        return models.setdefault(
+            name, {"requests": 0, "requested_tokens": 0, "hit_tokens": 0, "missed_tokens": 0, "hit_tokens_by_tier": {}}
+        )
+
+    for labels, v in labelled(metrics.lookups):
+        model(labels["model"])["requests"] += v
+    for labels, v in labelled(metrics.requested_tokens):
+        model(labels["model"])["requested_tokens"] += v
+    for labels, v in labelled(metrics.missed_tokens):
+        model(labels["model"])["missed_tokens"] += v
+    for labels, v in labelled(metrics.hit_tokens):
+        m = model(labels["model"])
+        m["hit_tokens"] += v
+        m["hit_tokens_by_tier"][labels["tier"]] = m["hit_tokens_by_tier"].get(labels["tier"], 0) + v
+    total = {k: sum(m[k] for m in models.values()) for k in ("requests", "requested_tokens", "hit_tokens", "missed_tokens")}
+    by_tier: dict[str, int] = {}
+    for m in models.values():
+        for tier, v in m["hit_tokens_by_tier"].items():
+            by_tier[tier] = by_tier.get(tier, 0) + v
+    answered = total["hit_tokens"] + total["missed_tokens"]
+    return {
+        **total,
+        "hit_rate": round(total["hit_tokens"] / answered, 4) if answered else 0.0,
+        "hit_tokens_by_tier": by_tier,
+        "by_model": models,
+    }
+
+
+def transfers_document(chunks, nbytes) -> dict:
+    by_model: dict[str, dict] = {}
+    for labels, v in labelled(chunks):
+        by_model.setdefault(labels["model"], {"chunks": 0, "bytes": 0})["chunks"] += v
+    for labels, v in labelled(nbytes):
+        by_model.setdefault(labels["model"], {"chunks": 0, "bytes": 0})["bytes"] += v
+    return {
+        "chunks": sum(m["chunks"] for m in by_model.values()),
+        "bytes": sum(m["bytes"] for m in by_model.values()),
+        "by_model": by_model,
     }
 
 

@@ -29,6 +29,7 @@ from kvdepot.storage.allocator import ExtentAllocator
 from kvdepot.storage.controllers import (
     EvictionController,
     PrefetchController,
+    Prefetched,
     PrefetchJob,
     PrefetchStats,
     StoreController,
@@ -56,6 +57,7 @@ __all__ = [
     "L1Stats",
     "L2Usage",
     "PrefaultStatus",
+    "Prefetched",
     "PrefetchStats",
     "QuarantineEntry",
     "QuotaControl",
@@ -267,9 +269,10 @@ class StorageManager:
         """The bytes of the object at ``offset``, without a copy (under a read lock: for a send)."""
         return self._arena.buffer[offset : offset + size]
 
-    def prefetch(self, keys: list[ObjectKey], start: int, size: int, salt: str, on_done: Callable[[int], None]) -> bool:
-        """Fetch ``keys[start:]`` from the tiers into L1 in the background; ``on_done(n)`` (on the tier
-        driver's thread) says how many more leading chunks are now in L1. False: there are no tiers."""
+    def prefetch(self, keys: list[ObjectKey], start: int, size: int, salt: str, on_done: Callable[[Prefetched], None]) -> bool:
+        """Fetch ``keys[start:]`` from the tiers into L1 in the background; ``on_done`` (on the tier
+        driver's thread) gets how many more leading chunks are now in L1, and from which tiers
+        (``Prefetched``). False: there are no tiers."""
         if self._prefetcher is None:
             return False
         self._prefetcher.submit(PrefetchJob(keys, start, size, salt, on_done))

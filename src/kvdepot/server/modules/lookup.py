@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from kvdepot.errors import BadRequest, ErrorCode, KVDepotError, LeaseExpired, UnknownLease
 from kvdepot.limits import MAX_KEYS
+from kvdepot.observability.metrics import L1
 from kvdepot.protocol import messages as m
 from kvdepot.rpc.dispatch import Call, HandlerMode, HandlerSpec, Reply
 from kvdepot.server.modules import ServerContext
 from kvdepot.server.modules.common import context_and_keys
 from kvdepot.server.sessions import Key, Session
-from kvdepot.storage.manager import Toucher
+from kvdepot.server.state import Context
+from kvdepot.storage.manager import Prefetched, Toucher
 from kvdepot.types import NO_LEASE, ClientId, LeaseId, ObjectKey
 
 
@@ -37,8 +39,14 @@ class LookupModule:
     def lookup(self, call: Call) -> Reply:
         body: m.LookupRequest = call.body
         context, keys = context_and_keys(self.ctx, call)
+        counted = not body.probe and bool(keys)  # an engine's lookup: its hits and misses are counted
+        if counted:
+            self.ctx.metrics.lookup_asked(context.spec.model, len(keys) * context.chunk_size)
         if not body.session_id:
-            return Reply(m.LookupReply(hits=self.storage.lookup(keys)))
+            hits = self.storage.lookup(keys)
+            if counted:
+                self._answered(context, len(keys), {L1: hits})
+            return Reply(m.LookupReply(hits=hits, in_l1=hits))
         if body.lock:
             # NOBODY: a lookup lock tells the client no offsets; a retrieve hands them out later.
             lock = self.storage.lock_prefix(keys, call.client, session=body.session_id, toucher=Toucher.NOBODY)
@@ -46,18 +54,29 @@ class LookupModule:
         else:
             hits, lease = self.storage.lookup(keys), NO_LEASE
         prefetch = body.prefetch and self.storage.tier_count > 0 and hits < len(keys)
+        if counted and not prefetch:
+            self._answered(context, len(keys), {L1: hits})
         if not prefetch and not body.lock:
-            return Reply(m.LookupReply(hits=hits))  # nothing to track: no session is kept
+            return Reply(m.LookupReply(hits=hits, in_l1=hits))  # nothing to track: no session is kept
         key: Key = (context.id, body.session_id)
         session, old = self.ctx.sessions.open(key, lease, keys[:hits], hits, body.lock, keys if prefetch else None)
         self.ctx.release_quietly(old, call.client)
         if not prefetch:
-            return Reply(m.LookupReply(hits=hits, locked=lease != NO_LEASE))
+            return Reply(m.LookupReply(hits=hits, locked=lease != NO_LEASE, in_l1=hits))
         client = call.client
-        self.storage.prefetch(
-            keys, hits, context.chunk_bytes, body.cache_salt, lambda n: self._prefetched(key, session, client, hits + n)
-        )
-        return Reply(m.LookupReply(hits=None, locked=lease != NO_LEASE))
+
+        def done(p: Prefetched) -> None:
+            if counted:
+                self._answered(context, len(keys), {L1: hits, **p.by_tier})
+            self._prefetched(key, session, client, hits + p.chunks)
+
+        self.storage.prefetch(keys, hits, context.chunk_bytes, body.cache_salt, done)
+        return Reply(m.LookupReply(hits=None, locked=lease != NO_LEASE, in_l1=hits))
+
+    def _answered(self, context: Context, asked: int, found: dict[str, int]) -> None:
+        """Count a lookup's final answer: chunks found per place (L1, or the tier that supplied them)."""
+        cs = context.chunk_size
+        self.ctx.metrics.lookup_answered(context.spec.model, {w: n * cs for w, n in found.items()}, (asked - sum(found.values())) * cs)
 
     def _prefetched(self, key: Key, session: Session, client: ClientId, total: int) -> None:
         """On the L2 driver thread: the prefetch ended with ``total`` leading chunks in L1. A locking
@@ -78,7 +97,7 @@ class LookupModule:
         answer = self.ctx.sessions.answer((context.id, body.session_id))
         if answer is None:
             raise KVDepotError(f"no lookup for session {body.session_id!r}", ErrorCode.UNKNOWN_SESSION)
-        return Reply(m.LookupReply(hits=answer.hits, locked=answer.locked))
+        return Reply(m.LookupReply(hits=answer.hits, locked=answer.locked, in_l1=answer.in_l1))
 
     def free_lookup_locks(self, call: Call) -> Reply:
         body: m.FreeLookupLocksRequest = call.body

@@ -55,11 +55,11 @@ class TransferModule:
         res = self.storage.reserve(keys, context.chunk_bytes, call.client, call.body.cache_salt, toucher=Toucher.CLIENT)
         return Reply(m.PrepareStoreReply(lease_id=res.lease_id, offsets=res.offsets, statuses=[int(s) for s in res.statuses]))
 
-    def _context_for_finish(self, call: Call, finish) -> None:
+    def _context_for_finish(self, call: Call, finish) -> Context:
         """The caller's context for a COMMIT; a revoked client finishing an old lease is told so, and
         the lease's quarantined space goes back (its block is over: it no longer touches it)."""
         try:
-            self.ctx.context_of(call.body.context_id, call.client)
+            return self.ctx.context_of(call.body.context_id, call.client)
         except LeaseRevoked:
             try:
                 finish()
@@ -70,11 +70,13 @@ class TransferModule:
     def commit_store(self, call: Call) -> Reply:
         body: m.CommitStoreRequest = call.body
         lease = LeaseId(body.lease_id)
-        self._context_for_finish(call, lambda: self.storage.abort(lease, call.client))
+        context = self._context_for_finish(call, lambda: self.storage.abort(lease, call.client))
         if body.abort:
             self.storage.abort(lease, call.client)
             return Reply(m.CommitStoreReply(committed=0))
-        return Reply(m.CommitStoreReply(committed=self.storage.commit(lease, call.client)))
+        committed = self.storage.commit(lease, call.client)
+        self.ctx.metrics.stored(context.spec.model, committed, committed * context.chunk_bytes)
+        return Reply(m.CommitStoreReply(committed=committed))
 
     def store_inline(self, call: Call) -> Reply:
         body: m.StoreInlineRequest = call.body
@@ -94,7 +96,8 @@ class TransferModule:
         except BaseException:
             self.storage.abort(res.lease_id, call.client)
             raise
-        self.storage.commit(res.lease_id, call.client)
+        committed = self.storage.commit(res.lease_id, call.client)
+        self.ctx.metrics.stored(context.spec.model, committed, committed * size)
         return Reply(m.StoreInlineReply(statuses=[int(s) for s in res.statuses]))
 
     # --- retrieve ------------------------------------------------------------------------------------
@@ -139,7 +142,8 @@ class TransferModule:
             self.ctx.metrics.request_failures.labels("short_retrieves").inc()
 
     def prepare_retrieve(self, call: Call) -> Reply:
-        _, lock = self._lock_for_retrieve(call, Toucher.CLIENT)
+        context, lock = self._lock_for_retrieve(call, Toucher.CLIENT)
+        self.ctx.metrics.retrieved(context.spec.model, len(lock.offsets), len(lock.offsets) * context.chunk_bytes)
         return Reply(m.PrepareRetrieveReply(lease_id=lock.lease_id, offsets=lock.offsets))
 
     def commit_retrieve(self, call: Call) -> Reply:
@@ -165,6 +169,7 @@ class TransferModule:
         for offset in lock.offsets:
             payload.extend(codec.split_object(self.storage.payload(offset, size), context.rows, rpf, max_frame))
         owner, lease = call.client, lock.lease_id
+        self.ctx.metrics.retrieved(context.spec.model, len(lock.offsets), len(lock.offsets) * size)
 
         def release() -> None:  # once ZeroMQ no longer reads the arena
             try:

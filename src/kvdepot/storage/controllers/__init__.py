@@ -10,7 +10,7 @@
 from kvdepot.storage.controllers.driver import TierDriver
 from kvdepot.storage.controllers.eviction import EvictionController
 from kvdepot.storage.controllers.owners import BACKGROUND_LEASE_TTL_S, PREFETCH_OWNER, STORE_OWNER
-from kvdepot.storage.controllers.prefetch import PrefetchController, PrefetchJob, PrefetchStats
+from kvdepot.storage.controllers.prefetch import PrefetchController, Prefetched, PrefetchJob, PrefetchStats
 from kvdepot.storage.controllers.store import StoreController, StoreStats
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "EvictionController",
     "PrefetchController",
     "PrefetchJob",
+    "Prefetched",
     "PrefetchStats",
     "StoreController",
     "StoreStats",

@@ -29,10 +29,20 @@ class PrefetchState(Enum):
     DONE = "done"
 
 
+@dataclass(frozen=True, slots=True)
+class Prefetched:
+    """What a prefetch brought into L1: ``chunks`` leading chunks from the first ``start`` on are READY
+    now, ``by_tier`` of them loaded from each tier (by tier name; chunks that were in L1 meanwhile, put
+    there by another client, are in no tier's count)."""
+
+    chunks: int
+    by_tier: dict[str, int]
+
+
 @dataclass
 class PrefetchJob:
-    """One LOOKUP's fetch of missing chunks ``keys[start:]`` from L2. ``on_done(loaded)`` gets how many
-    chunks from the first ``start`` on are now READY in L1 (a prefix). Tiers are asked in order; a tier
+    """One LOOKUP's fetch of missing chunks ``keys[start:]`` from L2. ``on_done(Prefetched)`` says how
+    many chunks from the first ``start`` on are now READY in L1 (a prefix). Tiers are asked in order; a tier
     that holds part of what is missing supplies that part, and the next tier is asked for the rest::
 
         LOOKUP(tier t) ──has none (or failed): next_tier──► LOOKUP(t+1)
@@ -49,7 +59,7 @@ class PrefetchJob:
     start: int  # advances as tiers supply chunks
     size: int
     salt: str
-    on_done: Callable[[int], None]
+    on_done: Callable[[Prefetched], None]
     state: PrefetchState = PrefetchState.LOOKUP
     tier: int = 0
     found: int = 0  # chunks the current tier holds (and pinned) from ``start`` on
@@ -57,6 +67,7 @@ class PrefetchJob:
     loaded: int = 0  # chunks supplied so far, from the first start on
     lease: LeaseId = NO_LEASE
     load_keys: list[ObjectKey] = field(default_factory=list)
+    by_tier: dict[int, int] = field(default_factory=dict)  # tier index -> chunks it supplied
 
     def _require(self, *states: PrefetchState) -> None:
         if self.state not in states:
@@ -74,11 +85,14 @@ class PrefetchJob:
         self.state, self.lease, self.load_keys = PrefetchState.LOAD, lease, keys
         self.found, self.usable = found, usable
 
-    def supplied(self, n: int, complete: bool) -> bool:
-        """``n`` more chunks are READY in L1; returns whether to ask the next tier for the rest (the
-        tier gave all it had and more is missing)."""
+    def supplied(self, n: int, complete: bool, from_tier: bool = True) -> bool:
+        """``n`` more chunks are READY in L1 (loaded from the current tier, unless ``from_tier`` is
+        False: they were in L1 meanwhile); returns whether to ask the next tier for the rest (the tier
+        gave all it had and more is missing)."""
         self._require(PrefetchState.LOOKUP, PrefetchState.LOAD)
         self.state = PrefetchState.LOOKUP
+        if from_tier and n:
+            self.by_tier[self.tier] = self.by_tier.get(self.tier, 0) + n
         self.loaded += n
         self.start += n
         if complete and self.start < len(self.keys):
@@ -163,7 +177,7 @@ class PrefetchController:
         if not load_keys:  # all already in L1 (or none could get a slot)
             self._table.finish_write(res.lease_id, PREFETCH_OWNER, set())
             self._unlock(job, wanted)
-            self._advance(job, usable, complete=usable == len(wanted))
+            self._advance(job, usable, complete=usable == len(wanted), from_tier=False)
             return
         job.start_load(res.lease_id, load_keys, len(wanted), usable)
         task = self._tiers[job.tier].submit_load(job.load_keys, dests)
@@ -183,10 +197,10 @@ class PrefetchController:
         prefix = leading_run(key not in failed for key in job.keys[job.start : job.start + job.usable])
         self._advance(job, prefix, complete=prefix == job.found)
 
-    def _advance(self, job: PrefetchJob, supplied: int, complete: bool) -> None:
+    def _advance(self, job: PrefetchJob, supplied: int, complete: bool, from_tier: bool = True) -> None:
         """``supplied`` more chunks are in L1. If the tier gave all it had, ask the next tier for the
         rest; a chunk that failed to load ends the prefix here."""
-        if job.supplied(supplied, complete):
+        if job.supplied(supplied, complete, from_tier):
             self._ask(job)
         else:
             self._finish(job)
@@ -200,6 +214,6 @@ class PrefetchController:
         with self._lock:
             self.stats.running -= 1
         try:
-            job.on_done(loaded)
+            job.on_done(Prefetched(loaded, {self._tiers[t].name: n for t, n in job.by_tier.items()}))
         except Exception:
             log.exception("prefetch completion callback failed")
