@@ -7,6 +7,8 @@ L2 prefetch answer "not known yet", preemption, chunks that vanish between looku
 
 from __future__ import annotations
 
+import logging
+
 import time
 
 import numpy as np
@@ -151,7 +153,8 @@ def test_a_hit_is_the_prefix_every_tp_rank_holds(server):
     s.shutdown()
 
 
-def test_load_plan_skips_what_vllm_holds_and_locks_follow_the_load(parts_server):
+def test_load_plan_skips_what_vllm_holds_and_locks_follow_the_load(parts_server, caplog):
+    caplog.set_level(logging.INFO, logger="kvdepot.connectors.vllm.scheduler")
     cs = 2 * BS  # two blocks per chunk, so vLLM's own hit can end inside a chunk
     srv = parts_server(chunk=cs)
     toks = tokens(4 * cs + 10)
@@ -164,6 +167,9 @@ def test_load_plan_skips_what_vllm_holds_and_locks_follow_the_load(parts_server)
     assert srv.status()["l1"]["read_locked"] == 4
     ids = list(range(20, 29))
     s.update_state_after_alloc(req, blocks(ids), 4 * cs - local)
+    # one line at INFO tells what the request asked, found where, loaded, and had itself
+    want = f"kvdepot: request r1: {4 * cs} of its {4 * cs} cacheable tokens found ({4 * cs} in L1, 0 from L2), {4 * cs - local} loaded, {local} from vLLM's own cache"
+    assert want in caplog.text, caplog.text
     # Chunk 0 lies wholly in vLLM's hit: unlocked now. Chunk 1 is half vLLM's: loaded, first block skipped.
     assert srv.status()["l1"]["read_locked"] == 3
     meta = s.build_connector_meta(step(new=[(req, ids, 4 * cs)], scheduled={"r1": 10}))
@@ -226,7 +232,8 @@ def test_preemption_ends_the_session_and_the_request_is_looked_up_again(server):
     s.shutdown()
 
 
-def test_lookup_answers_not_known_yet_while_the_server_prefetches_from_l2(parts_server, tmp_path):
+def test_lookup_answers_not_known_yet_while_the_server_prefetches_from_l2(parts_server, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="kvdepot.connectors.vllm.scheduler")
     srv = parts_server("--l2", f"fs:path={tmp_path / 'l2'}", "--l2-placement", "skip_l1")
     toks = tokens(3 * CS + 1)
     store(srv.url, toks, 3)
@@ -243,6 +250,8 @@ def test_lookup_answers_not_known_yet_while_the_server_prefetches_from_l2(parts_
     assert answers[-1] == (3 * CS, False)
     assert len(answers) >= 2
     assert srv.status()["l1"]["read_locked"] == 3  # the prefetched chunks are locked for the request
+    s.update_state_after_alloc(req, blocks(list(range(1, 5))), 3 * CS)
+    assert f"request l2: {3 * CS} of its {3 * CS} cacheable tokens found (0 in L1, {3 * CS} from L2), {3 * CS} loaded" in caplog.text
     s.request_finished(req)
     assert srv.status()["l1"]["read_locked"] == 0
     s.shutdown()

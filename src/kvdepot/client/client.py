@@ -237,6 +237,11 @@ class KVClient:
         retrieves, frees them, or ends. None means a prefetch is still running: ask again."""
         return self.link.lookup(hashes, cache_salt or "", session_id)
 
+    def lookup_reply(self, hashes: list[ChunkHash], cache_salt: str | None = None, session_id: str = "") -> m.LookupReply:
+        """``lookup_chunks`` with the server's whole reply: ``hits`` (None while prefetching), whether
+        they are locked, and ``in_l1``, how many were in L1 at the lookup (the rest come from L2)."""
+        return self.link.lookup_reply(hashes, cache_salt or "", session_id)
+
     def query_prefetch_status(self, session_id: str) -> int | None:
         return self.session(session_id).status()
 
@@ -308,7 +313,11 @@ class ClientSession:
         return self.client.link.lookup(hashes, cache_salt or "", self.id, lock=lock, prefetch=prefetch)
 
     def status(self) -> int | None:
-        return self.client.link.request(m.QueryPrefetchStatusRequest(context_id=0, session_id=self.id)).hits
+        return self.answer().hits
+
+    def answer(self) -> m.LookupReply:
+        """QUERY_PREFETCH_STATUS's whole reply: ``hits`` (None while prefetching), ``locked``, ``in_l1``."""
+        return self.client.link.request(m.QueryPrefetchStatusRequest(context_id=0, session_id=self.id))
 
     def free(self, start: int = 0, end: int = -1) -> int:
         """Release the locks on chunks ``[start, end)`` (the engine has them itself)."""

@@ -137,12 +137,18 @@ class ContextLink:
         """LOOKUP: leading chunks in L1 (locked for ``session_id`` when given); None while the server
         prefetches from L2 for that session. ``probe``: a check on the way to a store or a retrieve,
         which the server does not count as an engine's lookup."""
+        return self.lookup_reply(hashes, salt, session_id, lock, prefetch, probe).hits
+
+    def lookup_reply(
+        self, hashes: list[ChunkHash], salt: str, session_id: str = "", lock: bool = True, prefetch: bool = True, probe: bool = False
+    ) -> m.LookupReply:
+        """``lookup`` with the whole reply (``in_l1``: how many of the hits were in L1 at the lookup)."""
         if not hashes:
-            return 0
+            return m.LookupReply(hits=0)
         req = m.LookupRequest(
             context_id=0, keys=list(hashes), cache_salt=salt, session_id=session_id, lock=lock, prefetch=prefetch, probe=probe
         )
-        return self.request(req).hits
+        return self.request(req)
 
     def stored_chunks(self, hashes: list[ChunkHash], salt: str, probe: bool = False) -> int:
         """Leading chunks stored, waiting for the server to bring missing ones in from L2 first.

@@ -57,8 +57,11 @@ def test_a_flushed_prompt_comes_back_from_kvdepot_with_the_same_output(sglang, s
     status = server.status()
     assert status["errors"] == {} or not any(status["errors"].values()), status["errors"]
     assert status["leases"] == 0, "a lease outlived SGLang's reads and writes"
+    assert status["lookups"]["hit_tokens"] >= FROM_L3  # the server counted the hit too
     log = sglang.log_text()
     assert "HiCache storage query failed" not in log and "HiCache backup failed" not in log
+    # the backend says at INFO what SGLang asked for and what it loaded
+    assert f"{FROM_L3 // PAGE} stored" in log and f"loaded {FROM_L3 // PAGE} of {FROM_L3 // PAGE} pages ({FROM_L3} tokens)" in log, log[-3000:]
 
 
 def test_a_restarted_sglang_and_a_restarted_kvdepot_still_hit(sglang, server):

@@ -129,7 +129,10 @@ class KVDepotHiCacheStorage(HiCacheStorage):
             client = self._client(Direction.LOOKUP)
             if client is None:
                 return 0
-            return int(client.stored_chunks([page_hash(k) for k in keys], ""))
+            found = int(client.stored_chunks([page_hash(k) for k in keys], ""))
+            page = self.codec.page_size if self.codec is not None else 0
+            log.info("kvdepot: SGLang looked up %d pages (%d tokens): %d stored", len(keys), len(keys) * page, found)
+            return found
         except Exception as exc:  # noqa: BLE001 - a miss, never an exception in SGLang's prefetch thread
             self._failed(Direction.LOOKUP, exc, f"a lookup of {len(keys)} pages")
             return 0
@@ -224,6 +227,8 @@ class KVDepotHiCacheStorage(HiCacheStorage):
             self._failed(Direction.LOAD, exc, what)
             return done
         done[:copied] = [True] * copied
+        page = self.codec.page_size if self.codec is not None else 0
+        log.info("kvdepot: loaded %d of %d pages (%d tokens) into SGLang's host pool", copied, len(hashes), copied * page)
         return done
 
     def _write(self, hashes: list[ChunkHash], source, what: str) -> list[bool]:

@@ -61,6 +61,7 @@ class RequestState:
     locks: Locks = Locks.NONE
     hashes: list[ChunkHash] = field(default_factory=list)  # chained hashes of leading complete chunks
     rank_hits: list[int | None] = field(default_factory=list)
+    rank_in_l1: list[int] = field(default_factory=list)  # per rank: chunks of its hit that were in L1
     looked_at: float = 0.0
     hit_chunks: int = 0
     pending_load: LoadOp | None = None  # while PLANNED

@@ -145,6 +145,8 @@ class SchedulerSide:
         st.admit()
         hit = st.hit_chunks
         st.stored_chunks = hit
+        if st.looked_at:
+            self._log_hit(st, num_external_tokens)
         if num_external_tokens <= 0:
             self._free_locks(st)  # vLLM holds (or computes) all of it
             return
@@ -253,7 +255,8 @@ class SchedulerSide:
         st.looked_at = time.monotonic()
         self._open_session(st)
         try:
-            st.rank_hits = [c.lookup_chunks(hashes, st.salt, session_id=st.req_id) for c in clients]
+            replies = [c.lookup_reply(hashes, st.salt, session_id=st.req_id) for c in clients]
+            st.rank_hits, st.rank_in_l1 = [r.hits for r in replies], [r.in_l1 for r in replies]
         except KVDepotError as exc:
             self._lookup_failed(st, exc)
             return
@@ -270,7 +273,8 @@ class SchedulerSide:
         try:
             for rank, hits in enumerate(st.rank_hits):
                 if hits is None:
-                    st.rank_hits[rank] = clients[rank].query_prefetch_status(st.req_id)
+                    reply = clients[rank].session(st.req_id).answer()
+                    st.rank_hits[rank], st.rank_in_l1[rank] = reply.hits, reply.in_l1
         except KVDepotError as exc:
             self._lookup_failed(st, exc)
             return
@@ -289,6 +293,18 @@ class SchedulerSide:
             for rank, hits in enumerate(st.rank_hits):
                 if hits and hits > st.hit_chunks:
                     self._call(clients[rank].free_lookup_locks, st.req_id, st.hit_chunks, -1)
+
+    def _log_hit(self, st: RequestState, loading: int) -> None:
+        """One line per looked-up request: what it asked, what kvdepot had (in L1, or brought in from
+        L2), and how much of it this engine loads (vLLM's own prefix cache may have had the rest)."""
+        cs = self.chunk_size
+        asked = (max(0, st.request.num_tokens - 1) // cs) * cs
+        found = st.hit_chunks * cs
+        in_l1 = min(min(st.rank_in_l1, default=0), st.hit_chunks) * cs
+        log.info(
+            "kvdepot: request %s: %d of its %d cacheable tokens found (%d in L1, %d from L2), %d loaded, %d from vLLM's own cache",
+            st.req_id, found, asked, in_l1, found - in_l1, loading, max(0, found - loading) if loading else found,
+        )
 
     def _lookup_failed(self, st: RequestState, exc: Exception | None) -> None:
         """This request is served uncached. Its session (if the server kept one) ends with its TTL, or
