@@ -8,6 +8,7 @@ import logging
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 from kvdepot import __version__
 from kvdepot.config import HttpConfig, add_server_args, server_from_args
@@ -75,9 +76,25 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     _setup_logging("warning")
-    from kvdepot.bench.demo import run_demo
+    if args.synthetic:
+        from kvdepot.bench import synthetic_demo
 
-    return run_demo(args)
+        return synthetic_demo.run(args)
+    from kvdepot.bench import engine_demo
+
+    return engine_demo.run(args)
+
+
+def cmd_make_model(args: argparse.Namespace) -> int:
+    try:
+        from kvdepot.bench.engines.vllm_engines import TINY, make_tiny_model
+
+        model = make_tiny_model(Path(args.dir), TINY)
+    except ImportError as exc:
+        print(f"kvdepot make-model: needs torch and transformers ({exc}); scripts/install-vllm.sh installs them with vLLM", file=sys.stderr)
+        return 1
+    print(f"a random-weight Llama ({model.num_layers} layers, {model.num_kv_heads} KV heads of {model.head_dim}, float32) in {model.path}")
+    return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -114,10 +131,20 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print the whole /status document as JSON instead of a summary")
     st.set_defaults(func=cmd_status)
 
-    d = sub.add_parser("demo", help="start a server on embedded defaults and run a short workload against it")
+    d = sub.add_parser(
+        "demo", help="a real vLLM engine (CPU) serving long prompts cold, then a fresh one loading their KV from kvdepot"
+    )
+    d.add_argument("--synthetic", action="store_true", help="instead, an engine-like workload without an engine (no vLLM needed)")
     d.add_argument("--l1-size-gb", type=float, default=1.0, help="L1 size of the demo server (default: %(default)s)")
     d.add_argument("--port", type=int, default=0, help="TCP port of the demo server; 0 picks a free one")
+    from kvdepot.bench.engine_demo import add_args as add_engine_demo_args
+
+    add_engine_demo_args(d)
     d.set_defaults(func=cmd_demo)
+
+    mm = sub.add_parser("make-model", help="write a small random-weight Llama (the one the demo and tests use) to DIR")
+    mm.add_argument("dir", help="directory to write it to (a Hugging Face model directory vLLM and SGLang load)")
+    mm.set_defaults(func=cmd_make_model)
 
     b = sub.add_parser("bench", help="run a benchmark workload")
     bsub = b.add_subparsers(dest="workload", required=True)

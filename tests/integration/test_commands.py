@@ -27,8 +27,8 @@ def measured(value: str) -> float:
     return float(m.group(1))
 
 
-def test_demo_runs_both_transports_bit_exact(tmp_path):
-    out = run("demo", "--l1-size-gb", "0.25", cwd=tmp_path)
+def test_synthetic_demo_runs_both_transports_bit_exact(tmp_path):
+    out = run("demo", "--synthetic", "--l1-size-gb", "0.25", cwd=tmp_path)
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("shm ", "inline "))}
     assert set(rows) == {"shm", "inline"}, out
     assert all(r[-1] == "yes" for r in rows.values()), out  # the bit-exact column

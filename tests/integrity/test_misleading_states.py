@@ -231,7 +231,9 @@ def test_every_bad_tier_spec_exits_2_naming_the_tier_and_the_key(spec, tier, key
 
 def test_demo_with_a_bad_setting_prints_the_servers_reason_and_leaves_nothing(tmp_path):
     env = dict(os.environ, TMPDIR=str(tmp_path))
-    r = subprocess.run([sys.executable, "-m", "kvdepot.cli", "demo", "--l1-size-gb", "100000"], capture_output=True, text=True, timeout=120, env=env)
+    r = subprocess.run(
+        [sys.executable, "-m", "kvdepot.cli", "demo", "--synthetic", "--l1-size-gb", "100000"], capture_output=True, text=True, timeout=120, env=env
+    )
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr
     assert "the server did not start" in r.stderr and "--l1-size-gb" in r.stderr

@@ -40,6 +40,10 @@ class ServerProcess:
         return f"tcp://127.0.0.1:{self.port}"
 
     @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
     def ipc_url(self) -> str:
         assert self.ipc_path
         return f"ipc://{self.ipc_path}"
@@ -75,6 +79,25 @@ class ServerProcess:
             time.sleep(0.05)
         self.stop()
         raise RuntimeError("kvdepot server did not answer within the timeout")
+
+    def start_or_explain(self, timeout_s: float = 30.0) -> tuple[int, str] | None:
+        """``start``; when the server does not come up, None is not returned but its exit code (1 when
+        it had none) and its one-line reason (the last line it logged), and it is stopped."""
+        try:
+            self.start(timeout_s)
+            return None
+        except RuntimeError:
+            self.stop()
+        code = self.proc.returncode if self.proc is not None else None
+        return (code if code and code > 0 else 1), self._last_logged() or "it did not start"
+
+    def _last_logged(self) -> str:
+        try:
+            with open(self.log_path or "", errors="replace") as f:
+                lines = [line.strip() for line in f if line.strip()]
+        except OSError:
+            return ""
+        return lines[-1].removeprefix("kvdepot server: ") if lines else ""
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> int | None:
         if self.proc is None:

@@ -12,9 +12,11 @@ import json
 import os
 import queue
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -126,18 +128,32 @@ def connector_config(url: str, chunk_size: int = BLOCK, model_name: str = MODEL_
 # --- engines -------------------------------------------------------------------------------------------
 
 
-def engine_env(tmp: Path, kvcache_gb: int = 1, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment for vLLM's CPU backend on a small machine, every cache inside ``tmp``: the model
-    runner's OpenMP threads bound to (at most 4 of) this process's CPUs, nothing reserved."""
+MAX_TMPDIR_CHARS = 60  # vLLM binds ipc:// sockets named by a 36-character uuid in TMPDIR; sun_path holds 107
+
+
+def engine_tmpdir(workdir: Path) -> Path:
+    """Where an engine's temporary files go: ``workdir/tmp``, unless that path is too long for the unix
+    sockets vLLM makes there (then a new short directory; its owner removes it, see ``Engine.close``)."""
+    tmp = workdir / "tmp"
+    if len(str(tmp)) > MAX_TMPDIR_CHARS:
+        return Path(tempfile.mkdtemp(prefix="kvd-vllm-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    return tmp
+
+
+def engine_env(workdir: Path, kvcache_gb: int = 1, extra: dict[str, str] | None = None, tmpdir: Path | None = None) -> dict[str, str]:
+    """The environment for vLLM's CPU backend on a small machine, its caches inside ``workdir`` and its
+    temporary files in ``tmpdir`` (``engine_tmpdir``): the model runner's OpenMP threads bound to (at
+    most 4 of) this process's CPUs, nothing reserved."""
     cpus = sorted(os.sched_getaffinity(0))[:4]
-    (tmp / "tmp").mkdir(parents=True, exist_ok=True)
+    tmpdir = tmpdir or engine_tmpdir(workdir)
     return {
         **os.environ,
         "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "VLLM_CPU_KVCACHE_SPACE": str(kvcache_gb),
-        "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
-        "TMPDIR": str(tmp / "tmp"),
+        "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"),
+        "TMPDIR": str(tmpdir),
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
@@ -186,6 +202,7 @@ class Engine:
     env_extra: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
     _replies: queue.Queue = field(default_factory=queue.Queue)
+    _tmpdir: Path | None = None
 
     @property
     def log_path(self) -> Path:
@@ -213,7 +230,7 @@ class Engine:
             stdout=log,
             stderr=subprocess.STDOUT,
             pass_fds=(write_fd,),
-            env=engine_env(self.workdir, self.kvcache_gb, self.env_extra),
+            env=engine_env(self.workdir, self.kvcache_gb, self.env_extra, self._make_tmpdir()),
             start_new_session=True,  # its own process group: kill() takes the engine core and workers too
         )
         os.close(write_fd)
@@ -265,13 +282,25 @@ class Engine:
         except OSError:
             return "(no log)"
 
+    def _make_tmpdir(self) -> Path:
+        self._tmpdir = engine_tmpdir(self.workdir)
+        return self._tmpdir
+
+    def _remove_tmpdir(self) -> None:
+        """A short directory made outside the work directory goes with the engine."""
+        if self._tmpdir is not None and not self._tmpdir.is_relative_to(self.workdir):
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+        self._tmpdir = None
+
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        self._remove_tmpdir()
 
     def close(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
+            self._remove_tmpdir()
             return
         try:
             self.call({"op": "exit"}, timeout_s=60)
@@ -284,6 +313,7 @@ class Engine:
             except ProcessLookupError:
                 pass
             self.proc.wait()
+            self._remove_tmpdir()
 
     def __enter__(self) -> Engine:
         return self.start()
@@ -303,6 +333,7 @@ class ApiServer:
     name: str = "api-server"
     port: int = 0
     proc: subprocess.Popen | None = None
+    _tmpdir: Path | None = None
 
     def start(self, timeout_s: float = 300.0) -> ApiServer:
         self.port = free_port()
@@ -320,7 +351,9 @@ class ApiServer:
             "--kv-transfer-config", json.dumps(self.kv_config),
         ]  # fmt: skip
         log = open(self.workdir / f"{self.name}.log", "ab")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=engine_env(self.workdir), start_new_session=True)
+        self._tmpdir = engine_tmpdir(self.workdir)
+        env = engine_env(self.workdir, tmpdir=self._tmpdir)
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -366,6 +399,8 @@ class ApiServer:
 
     def close(self) -> None:
         interrupt_group(self.proc, grace_s=60)
+        if self._tmpdir is not None and not self._tmpdir.is_relative_to(self.workdir):
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
 
     def __enter__(self) -> ApiServer:
         return self.start()

@@ -1,4 +1,5 @@
-"""``kvdepot demo``: a server on embedded defaults and a small engine-like workload against it.
+"""``kvdepot demo --synthetic``: a server on embedded defaults and a small engine-like workload against it
+(no engine needed: the default ``kvdepot demo`` runs a real vLLM, see ``engine_demo``).
 
 The workload imitates an engine serving questions over a few long documents: each request looks up
 its prompt, fetches the stored prefix, "computes" the rest (a deterministic function of the tokens,
@@ -77,7 +78,7 @@ def run_transport(url: str, transport: str) -> dict:
     return stats
 
 
-def run_demo(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Returns the exit code: 0 when every fetched byte was exact, 1 when not, and the server's own
     code (2 for a bad configuration) with its one-line reason when it could not start. The temporary
     directory (the server's log) is removed either way."""
@@ -89,28 +90,15 @@ def run_demo(args: argparse.Namespace) -> int:
             http_port=http_port,
             log_path=os.path.join(tmp, "server.log"),
         )
-        print(f"kvdepot demo: starting a server (L1 {args.l1_size_gb} GiB)")
-        try:
-            server.start()
-        except RuntimeError:
-            server.stop()
-            reason = _last_line(server.log_path) or "it did not start"
-            print(f"kvdepot demo: the server did not start: {reason}", file=sys.stderr)
-            code = server.proc.returncode if server.proc is not None else None
-            return code if code and code > 0 else 1
+        print(f"kvdepot demo --synthetic: starting a server (L1 {args.l1_size_gb} GiB)")
+        failed = server.start_or_explain()
+        if failed is not None:
+            print(f"kvdepot demo: the server did not start: {failed[1]}", file=sys.stderr)
+            return failed[0]
         try:
             return _run_workload(server, http_port)
         finally:
             server.stop()
-
-
-def _last_line(path: str | None) -> str:
-    try:
-        with open(path or "", errors="replace") as f:
-            lines = [line.strip() for line in f if line.strip()]
-    except OSError:
-        return ""
-    return lines[-1].removeprefix("kvdepot server: ") if lines else ""
 
 
 def _run_workload(server: ServerProcess, http_port: int) -> int:
