@@ -13,9 +13,20 @@ import pytest
 
 from kvdepot.bench.engines.vllm_engines import BLOCK
 
+from support import shm_janitor
 from support.servers import start_server, stop_server
 
 VLLM_SERVER = ("--chunk-size", str(BLOCK), "--l1-size-gb", "1", "--no-prefault")  # the default lease TTL
+
+
+@pytest.fixture(scope="module", autouse=True)
+def dev_shm_as_found():
+    """Set up before, and so torn down after, every engine and server of the module: what the module's
+    engines left in /dev/shm is removed, and anything else it left there fails it."""
+    before = shm_janitor.entries()
+    yield
+    leaked = shm_janitor.sweep(before)
+    assert not leaked, f"this module left files in /dev/shm: {leaked}"
 
 
 @pytest.fixture(scope="module")

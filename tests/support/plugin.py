@@ -36,8 +36,25 @@ from support.backends import (
     start_valkey,
     valkey_config,
 )
+from support import shm_janitor
 from support.servers import Server, start_server, stop_server
 from support.tiers import s3_spec, valkey_spec
+
+# --- the machine as found ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session", autouse=True)
+def dev_shm_as_found_by_the_suite():
+    """The suite leaves /dev/shm as it found it: the arenas of servers that tests killed (which the next
+    server start would sweep anyway) and what killed engines left are removed; anything else fails."""
+    from kvdepot.shm import remove_stale_segments
+
+    before = shm_janitor.entries()
+    yield
+    remove_stale_segments()  # only arenas no server holds any more
+    leaked = shm_janitor.sweep(before)
+    assert not leaked, f"the test suite left files in /dev/shm: {leaked}"
+
 
 # --- kvdepot servers ---------------------------------------------------------------------------------
 

@@ -1,0 +1,65 @@
+"""Tests leave /dev/shm as they found it.
+
+The engines a test starts (vLLM's multiprocessing, SGLang's schedulers) create shared-memory files
+(``psm_*``, ``sem.mp-*``, ``sglang_*``) that they remove on a clean exit, and leave behind when they are
+killed, as tests kill them. After a module's engines are stopped, every file that appeared in
+/dev/shm during the module and that no live process has open or mapped is removed; what is left is
+a leak a test must fail on (a kvdepot arena outliving its server would be one).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+SHM = Path("/dev/shm")
+ENGINE_LEFTOVERS = ("psm_", "sem.mp-", "sglang_", "mp-")  # what killed engine processes leave behind
+
+
+def entries() -> set[str]:
+    try:
+        return set(os.listdir(SHM))
+    except FileNotFoundError:
+        return set()
+
+
+def in_use() -> set[str]:
+    """Names under /dev/shm that some process has open or mapped (that we may look at)."""
+    used: set[str] = set()
+    prefix = str(SHM) + "/"
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if target.startswith(prefix):
+                    used.add(target[len(prefix) :].removesuffix(" (deleted)"))
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    path = line.rstrip("\n").split(None, 5)[-1] if line.count(" ") >= 5 else ""
+                    if path.startswith(prefix):
+                        used.add(path[len(prefix) :].removesuffix(" (deleted)"))
+        except (OSError, ValueError):
+            continue  # the process is gone, or not ours to read
+    return used
+
+
+def sweep(before: set[str]) -> list[str]:
+    """Remove the engines' leftovers that appeared since ``before`` and nobody uses any more; returns
+    what else appeared and is not in use (a leak)."""
+    new = entries() - before
+    if not new:
+        return []
+    busy = in_use()
+    leaked = []
+    for name in sorted(new - busy):
+        if name.startswith(ENGINE_LEFTOVERS):
+            try:
+                (SHM / name).unlink()
+            except FileNotFoundError:
+                pass
+        else:
+            leaked.append(name)
+    return leaked
