@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -36,6 +37,23 @@ from kvdepot.limits import MAX_CHUNK_TOKENS
 from kvdepot.protocol.messages import RequestType
 
 S = TypeVar("S", bound="ClientSettings")
+LOG_LEVEL_ENV = "KVDEPOT_LOG_LEVEL"
+
+
+def ensure_logging() -> None:
+    """Make the connectors' INFO lines (each request's hit) visible inside an engine that configures
+    only its own logger (vLLM does: its messages go through the ``vllm`` logger, and nothing handles
+    others'). When neither the ``kvdepot`` logger nor the root logger has a handler, ``kvdepot`` gets one
+    on stderr at ``KVDEPOT_LOG_LEVEL`` (INFO by default); an engine or application that configured
+    logging itself (SGLang does) is left as it is. Idempotent."""
+    logger = logging.getLogger("kvdepot")
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [kvdepot] %(message)s", "%m-%d %H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(os.environ.get(LOG_LEVEL_ENV, "INFO").upper())
+    logger.propagate = False
 
 
 class ClientSettings(ConfigStruct, frozen=True, kw_only=True):

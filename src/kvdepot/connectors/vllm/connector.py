@@ -42,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvdepot.connectors.common import ensure_logging
 from kvdepot.connectors.vllm.config import ConnectorConfig
 from kvdepot.connectors.vllm.metadata import KVDepotConnectorMetadata
 from kvdepot.connectors.vllm.paged_layout import make_layout, probe_cpu_layout
@@ -67,6 +68,7 @@ class KVDepotConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ensure_logging()  # vLLM handles only its own logger: each request's hit line would be lost
         self.config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         parallel = vllm_config.parallel_config
         model_config = vllm_config.model_config

@@ -1,0 +1,145 @@
+"""Every command and snippet of README's vLLM and SGLang sections, run as printed, in order.
+
+The README marks each runnable block with ``<!-- readme-test: NAME -->`` (``(background)`` for a server a
+reader starts in its own terminal; a name ending in ``.py`` is a file the reader saves). This test takes
+the blocks from README.md itself, so an example cannot drift from what is tested. They run from a
+directory laid out like the checkout (``.venv`` and ``.venv-sglang`` linked in), on the ports README
+uses, and the test checks the lines README says they print: the hit.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kvdepot.bench.engines.vllm_engines import require_vllm
+
+REPO = Path(__file__).resolve().parents[2]
+BLOCK = re.compile(r"<!-- readme-test: (?P<name>\S+)(?P<bg> \(background\))? -->\n```(?P<lang>\w+)\n(?P<code>.*?)```", re.S)
+PORTS = {"kvdepot": 5555, "kvdepot HTTP": 8080, "vLLM": 8000, "SGLang": 30000}
+
+
+def readme_blocks() -> dict[str, tuple[str, bool]]:
+    return {m["name"]: (m["code"], bool(m["bg"])) for m in BLOCK.finditer((REPO / "README.md").read_text())}
+
+
+class Shell:
+    """Runs README blocks with bash in ``cwd``; background ones in their own process group, all stopped
+    (with their children) at the end."""
+
+    def __init__(self, cwd: Path) -> None:
+        self.cwd = cwd
+        self.background: list[tuple[str, subprocess.Popen]] = []
+
+    def run(self, name: str, code: str, timeout_s: float = 600) -> str:
+        r = subprocess.run(["bash", "-c", code], cwd=self.cwd, capture_output=True, text=True, timeout=timeout_s)
+        assert r.returncode == 0, f"README block {name!r} failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+        return r.stdout
+
+    def start(self, name: str, code: str) -> None:
+        log = open(self.cwd / f"{name}.log", "wb")
+        proc = subprocess.Popen(["bash", "-c", code], cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        self.background.append((name, proc))
+
+    def wait_healthy(self, name: str, url: str, timeout_s: float = 300) -> None:
+        proc = dict(self.background)[name]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"{name} exited ({proc.returncode}):\n{self.log(name)[-4000:]}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        pytest.fail(f"{name} did not answer {url} within {timeout_s} s:\n{self.log(name)[-4000:]}")
+
+    def log(self, name: str) -> str:
+        return (self.cwd / f"{name}.log").read_text(errors="replace")
+
+    def stop(self) -> None:
+        for _, proc in reversed(self.background):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the reader's terminal does
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    pass
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of it
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+@pytest.fixture
+def shell(tmp_path):
+    for what, port in PORTS.items():
+        if not port_free(port):
+            pytest.fail(f"port {port} ({what}), which README's examples use, is taken on this machine", pytrace=False)
+    work = tmp_path / "checkout"
+    work.mkdir()
+    for venv in (".venv", ".venv-sglang"):
+        (work / venv).symlink_to(REPO / venv)
+    sh = Shell(work)
+    yield sh
+    sh.stop()
+
+
+def test_readme_marks_every_engine_example():
+    names = set(readme_blocks())
+    assert names == {
+        "model", "kvdepot-server", "vllm_offline.py", "vllm-offline-run", "vllm-server", "vllm-requests", "status",
+        "sglang-server", "sglang-requests",
+    }, names  # fmt: skip
+
+
+def test_the_vllm_and_sglang_examples_run_as_printed_and_hit(shell):
+    require_vllm()
+    blocks = readme_blocks()
+    for name, (code, background) in blocks.items():
+        if name.endswith(".py"):
+            (shell.cwd / name).write_text(code)
+
+    shell.run("model", blocks["model"][0])
+    shell.start("kvdepot-server", blocks["kvdepot-server"][0])
+    shell.wait_healthy("kvdepot-server", f"http://127.0.0.1:{PORTS['kvdepot HTTP']}/healthcheck", timeout_s=60)
+
+    # vLLM offline: the second request of the run comes from kvdepot, with the same output
+    out = shell.run("vllm-offline-run", blocks["vllm-offline-run"][0])
+    cold, again = [line for line in out.splitlines() if line.startswith(("cold:", "again:"))]
+    assert cold.startswith("cold: 0 of 2000 prompt tokens from cache"), out
+    assert again.startswith("again: 1792 of 2000 prompt tokens from cache"), out
+    assert cold.split("output ", 1)[1] == again.split("output ", 1)[1], out
+
+    # vLLM's OpenAI server: the same request twice, the second from kvdepot
+    shell.start("vllm-server", blocks["vllm-server"][0])
+    shell.wait_healthy("vllm-server", f"http://127.0.0.1:{PORTS['vLLM']}/health")
+    out = shell.run("vllm-requests", blocks["vllm-requests"][0])
+    assert out.splitlines() == ["0 of 2000 prompt tokens from cache", "1792 of 2000 prompt tokens from cache"], out
+    assert "1792 of its 1792 cacheable tokens found (1792 in L1, 0 from L2), 1792 loaded" in shell.log("vllm-server")
+
+    out = shell.run("status", blocks["status"][0])
+    assert "hit rate" in out and "kvdepot" in out, out
+
+    # SGLang: a prompt, SGLang's own caches emptied, the prompt again from kvdepot
+    shell.start("sglang-server", blocks["sglang-server"][0])
+    shell.wait_healthy("sglang-server", f"http://127.0.0.1:{PORTS['SGLang']}/health")
+    out = shell.run("sglang-requests", blocks["sglang-requests"][0])
+    assert out.splitlines() == ["960 of 1000 prompt tokens from kvdepot"], out
