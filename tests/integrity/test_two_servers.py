@@ -108,7 +108,7 @@ def test_a_second_server_on_a_live_ipc_path_refuses_to_start(servers, tmp_path, 
              "--ipc-path", ipc, "--l1-size-gb", "0.03125"],
             capture_output=True, text=True, timeout=60,
         )
-        assert r.returncode == 1, r.stderr
+        assert r.returncode == 2, r.stderr  # a configuration error naming the flag, before any memory is reserved
         assert f"another kvdepot server is serving ipc://{ipc}" in r.stderr
         # The first one still owns the endpoint: the same client, and a new one, reach it.
         assert_bytes_equal(c.retrieve(tokens), kv)
