@@ -14,13 +14,12 @@ import re
 import signal
 import socket
 import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from kvdepot.bench.engines.vllm_engines import require_vllm
+from kvdepot.bench.serverproc import wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCK = re.compile(r"<!-- readme-test: (?P<name>\S+)(?P<bg> \(background\))? -->\n```(?P<lang>\w+)\n(?P<code>.*?)```", re.S)
@@ -51,19 +50,9 @@ class Shell:
         self.background.append((name, proc))
 
     def wait_healthy(self, name: str, url: str, timeout_s: float = 300) -> None:
-        proc = dict(self.background)[name]
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"{name} exited ({proc.returncode}):\n{self.log(name)[-4000:]}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        pytest.fail(f"{name} did not answer {url} within {timeout_s} s:\n{self.log(name)[-4000:]}")
+        why = wait_healthy(dict(self.background)[name], url, timeout_s)
+        if why:
+            pytest.fail(f"{name} {why}:\n{self.log(name)[-4000:]}")
 
     def log(self, name: str) -> str:
         return (self.cwd / f"{name}.log").read_text(errors="replace")

@@ -11,6 +11,26 @@ import time
 from dataclasses import dataclass, field
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> str:
+    """Poll ``url`` until it answers 200; '' then, else why not (the process exited, or the time ran
+    out), for the caller to raise its own error with its own log."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"exited with {proc.returncode}"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return ""
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.5)
+    return f"not healthy at {url} within {timeout_s:g} s"
+
+
 def free_port(avoid: set[int] | frozenset[int] = frozenset()) -> int:
     """A loopback TCP port nothing listens on right now (and not one of ``avoid``)."""
     while True:

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 from kvdepot.bench.engines.vllm_engines import ModelShape, interrupt_group
-from kvdepot.bench.serverproc import free_port
+from kvdepot.bench.serverproc import free_port, wait_healthy
 
 # The checkout (src/kvdepot/bench/engines/ -> its root; kvdepot is installed editable): .venv-sglang and
 # tests/e2e/sglang/inproc_worker.py live there. KVDEPOT_SGLANG_VENV names another SGLang venv.
@@ -129,18 +129,11 @@ class SGLangServer:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SGLangDied(f"SGLang {self.name} exited with {self.proc.returncode} at start:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise SGLangDied(f"SGLang {self.name} not healthy within {timeout_s}s:\n{self.log_tail()}")
+        why = wait_healthy(self.proc, f"{self.url}/health", timeout_s)
+        if why:
+            self.stop()
+            raise SGLangDied(f"SGLang {self.name} {why} at start:\n{self.log_tail()}")
+        return self
 
     def generate(self, input_ids: list[int], max_new_tokens: int = 8, timeout_s: float = 300.0) -> dict:
         """Greedy generation; returns SGLang's JSON (``output_ids``, ``meta_info`` with

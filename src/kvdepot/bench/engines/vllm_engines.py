@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvdepot.bench.serverproc import free_port
+from kvdepot.bench.serverproc import free_port, wait_healthy
 
 WORKER_MODULE = "kvdepot.bench.engines.engine_worker"  # run with ``python -m``
 BLOCK = 128  # vLLM's CPU block size, and the chunk size the tests register
@@ -355,18 +355,10 @@ class ApiServer:
         env = engine_env(self.workdir, tmpdir=self._tmpdir)
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise EngineDied(f"{self.name} exited with {self.proc.returncode}; log: {self.tail()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.name} not healthy in {timeout_s}s; log: {self.tail()}")
+        why = wait_healthy(self.proc, f"http://127.0.0.1:{self.port}/health", timeout_s)
+        if why:
+            raise EngineDied(f"{self.name} {why}; log: {self.tail()}")
+        return self
 
     def complete(self, prompt: list[int], max_tokens: int = 16) -> dict:
         """One greedy completion: the token ids and the prompt tokens the engine served from cache."""
