@@ -154,6 +154,12 @@ class KVClient:
         prefaulter = getattr(self.link.path, "prefaulter", None)
         return prefaulter is None or prefaulter.wait(timeout_s)
 
+    def deadline(self, seconds: float):
+        """A context manager: every request this thread makes inside it ends within ``seconds`` (a
+        KVDepotTimeout otherwise), e.g. to stay inside an engine's own budget for a prefetch. Other
+        threads sharing the client are not affected."""
+        return self.link.deadline(seconds)
+
     def ping(self) -> bool:
         return self.link.channel.ping(self.timeout_s)
 

@@ -16,7 +16,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 
 from kvdepot.client.options import ClientOptions
 from kvdepot.client.registration import ContextIdentity, Registration, choose_path
@@ -45,6 +46,7 @@ class ContextLink:
         self._reg: Registration | None = None
         self._reg_lock = threading.RLock()  # (re-)registration
         self._closed = False
+        self._local = threading.local()  # this thread's deadline (``deadline``)
 
     def __repr__(self) -> str:
         return f"ContextLink({self.url!r}, {self._reg!r}, {self.path!r})"
@@ -97,6 +99,31 @@ class ContextLink:
         if self.path is not None:
             self.path.close()
 
+    # --- deadlines -----------------------------------------------------------------------------------
+
+    @contextmanager
+    def deadline(self, seconds: float) -> Iterator[None]:
+        """Every request this thread makes inside the block ends within ``seconds`` from now, in all
+        (a KVDepotTimeout otherwise), and none waits longer than ``timeout_s``. Nested blocks keep the
+        earlier deadline. Other threads are not affected."""
+        outer = getattr(self._local, "deadline", None)
+        mine = time.monotonic() + seconds
+        self._local.deadline = mine if outer is None else min(outer, mine)
+        try:
+            yield
+        finally:
+            self._local.deadline = outer
+
+    def _timeout(self) -> float:
+        """How long the next request of this thread may take."""
+        deadline = getattr(self._local, "deadline", None)
+        if deadline is None:
+            return self.options.timeout_s
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise KVDepotTimeout("the caller's deadline passed before the request was sent")
+        return min(self.options.timeout_s, left)
+
     # --- requests (what the transfer paths use: transfer.PathHost) -----------------------------------
 
     def request(self, body, payload: Sequence = (), *, path: TransferPath | None = None, want_payload: bool = False):
@@ -106,30 +133,30 @@ class ContextLink:
         path's to read)."""
         reg = self.registration
         body.context_id = reg.context_id
-        timeout = self.options.timeout_s
         try:
-            return self.channel.call(body, payload, timeout_s=timeout, want_payload=want_payload)
+            return self.channel.call(body, payload, timeout_s=self._timeout(), want_payload=want_payload)
         except UnknownContext:
             body.context_id = self._reregister(reg).context_id
             if path is not None and self.path is not path:
                 raise PathChanged() from None
-            return self.channel.call(body, payload, timeout_s=timeout, want_payload=want_payload)
+            return self.channel.call(body, payload, timeout_s=self._timeout(), want_payload=want_payload)
 
     def finish(self, body):
-        """A request as is, never re-registering: a commit, whose lease a new context would not know."""
+        """A request as is, never re-registering: a commit, whose lease a new context would not know. It
+        is not cut short by the caller's ``deadline``: a block's end must reach the server (its lease
+        would otherwise wait for the TTL)."""
         return self.channel.call(body, timeout_s=self.options.timeout_s)
 
     def pipeline(self, requests: list[tuple[object, Sequence]], on_reply=None) -> list:
         """Pipelined requests on our context, registering again once if the server forgot it."""
         reg = self.registration
-        timeout = self.options.timeout_s
         try:
-            return self.channel.pipeline(requests, on_reply, timeout_s=timeout)
+            return self.channel.pipeline(requests, on_reply, timeout_s=self._timeout())
         except UnknownContext:
             new = self._reregister(reg)
             for body, _ in requests:
                 body.context_id = new.context_id
-            return self.channel.pipeline(requests, on_reply, timeout_s=timeout)
+            return self.channel.pipeline(requests, on_reply, timeout_s=self._timeout())
 
     def lookup(
         self, hashes: list[ChunkHash], salt: str, session_id: str = "", lock: bool = True, prefetch: bool = True, probe: bool = False
@@ -159,12 +186,14 @@ class ContextLink:
             return self.lookup(hashes, salt, probe=probe) or 0
         session = f"_kvdepot-{os.urandom(8).hex()}"
         hits = self.lookup(hashes, salt, session, lock=False, probe=probe)
-        deadline = time.monotonic() + self.options.timeout_s
+        window = self._timeout()
+        deadline = time.monotonic() + window
         delay = 0.0002
         while hits is None:
             if time.monotonic() > deadline:
-                self.request(m.EndSessionRequest(context_id=0, session_id=session))
-                raise KVDepotTimeout(f"the prefetch from L2 did not finish within {self.options.timeout_s:.1f}s")
+                with suppress(KVDepotError):  # past the caller's deadline too: not cut short (see finish)
+                    self.finish(m.EndSessionRequest(context_id=self.registration.context_id, session_id=session))
+                raise KVDepotTimeout(f"the prefetch from L2 did not finish within {window:.3g} s")
             time.sleep(delay)
             delay = min(delay * 2, STATUS_POLL_MAX_S)
             hits = self.request(m.QueryPrefetchStatusRequest(context_id=0, session_id=session)).hits

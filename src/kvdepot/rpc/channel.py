@@ -3,7 +3,9 @@
 It owns request ids, deadlines and pipelining, and nothing above them (no context, no KV): a KVClient
 uses one, and so can a node calling another node. It is safe for several threads at once: each call or
 pipeline holds the channel for its whole exchange, so a reply always reaches the thread that asked;
-others wait their turn (a late reply to a request given up on is recognised by its id and dropped).
+others wait their turn, within their own deadline (a call whose deadline passes while another thread
+holds the channel times out: no call waits past its deadline), and a late reply to a request given up
+on is recognised by its id and dropped.
 
 Life cycle: ``RpcChannel(url)`` builds nothing; ``open`` connects the socket; ``close`` closes it. A
 ``Heartbeat`` runs a callback on its own thread, started and stopped explicitly.
@@ -19,7 +21,8 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import zmq
 
@@ -72,9 +75,9 @@ class RpcChannel:
 
     def call(self, body, payload: Sequence = (), timeout_s: float = 10.0, want_payload: bool = False, closing: bool = False):
         """One request, one reply (typed; the server's error reply raises the matching KVDepotError)."""
-        with self._lock:
-            rid = self._send(body, payload, timeout_s, closing)
-            deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + timeout_s
+        with self._exclusive(body, timeout_s):
+            rid = self._send(body, payload, deadline - time.monotonic(), closing)
             while True:
                 header, reply_body, frames = self._recv(body, deadline)
                 if header.request_id != rid:
@@ -92,10 +95,10 @@ class RpcChannel:
         reply's payload while ZeroMQ is still receiving the next. The first error is raised (the other
         replies are then discarded as stale when they arrive).
         """
-        with self._lock:
+        deadline = time.monotonic() + timeout_s
+        with self._exclusive(requests[0][0] if requests else None, timeout_s):
             results: list = [None] * len(requests)
             pending: dict[int, int] = {}
-            deadline = time.monotonic() + timeout_s
             sent = 0
             while sent < len(requests) or pending:
                 while sent < len(requests) and len(pending) < window:
@@ -115,6 +118,16 @@ class RpcChannel:
                     on_reply(index, result, frames)
             return results
 
+    @contextmanager
+    def _exclusive(self, body, timeout_s: float) -> Iterator[None]:
+        """The channel for one exchange, if it comes within ``timeout_s``."""
+        if not self._lock.acquire(timeout=max(timeout_s, 0.0)):
+            raise KVDepotTimeout(f"{type(body).__name__} waited {timeout_s:.3g} s for the channel another thread holds")
+        try:
+            yield
+        finally:
+            self._lock.release()
+
     def _send(self, body, payload: Sequence, timeout_s: float, closing: bool = False) -> int:
         """Send one request; returns its id. Called with the lock held."""
         if self.closed and not closing:
@@ -123,7 +136,7 @@ class RpcChannel:
         if sock is None:
             raise KVDepotError("channel is not open", ErrorCode.CONNECTION)
         rid = next(self._ids)
-        header, encoded = codec.encode_request(rid, body, int(timeout_s * 1000))
+        header, encoded = codec.encode_request(rid, body, max(1, int(timeout_s * 1000)))  # 0 would mean "none"
         # Small frames are copied (cheaper than zero-copy bookkeeping); KV payload is not.
         if payload:
             sock.send(header, zmq.SNDMORE)
