@@ -17,7 +17,7 @@ SGLANG_KEYS = {"backend_name": "kvdepot", "module_path": "kvdepot.connectors.sgl
 def test_the_json_a_user_writes_is_accepted_with_sglang_defaults():
     s = SGLangSettings.from_extra({**SGLANG_KEYS, "interface_v1": 1, "url": "tcp://10.0.0.5:5555"})
     assert s.interface_v1 == 1 and s.url == "tcp://10.0.0.5:5555"
-    assert s.timeout_s == 2.0  # under SGLang's 2 s + 0.1 s/1k-token prefetch timeout
+    assert s.timeout_s == 2.0 and s.budget_share == 0.4  # a call's deadline: see test_sglang_runtime.py
     assert SGLangSettings.from_extra({"interface_v1": "1"}).interface_v1 == 1  # strings as SGLang's CLI may pass them
 
 

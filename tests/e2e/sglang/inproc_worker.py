@@ -233,16 +233,19 @@ def wait_stopped(pid: int, timeout_s: float = 5.0) -> None:
 
 
 def scenario_stalled(url: str, args: dict) -> dict:
-    """A kvdepot that stops answering (SIGSTOP: alive, connected, silent): misses within ``timeout_s``,
-    then at once while the breaker is open; after SIGCONT and ``retry_after_s`` (3 s) the pages are there again."""
+    """A kvdepot that stops answering (SIGSTOP: alive, connected, silent): lookups and loads are misses
+    inside SGLang's prefetch budget for them (the backend's default ``timeout_s``, 2 s, is longer than
+    that budget here), saves within ``timeout_s``, then at once while the breaker is open; after SIGCONT
+    and ``retry_after_s`` (3 s) the pages are there again."""
     import signal
 
     host = host_pool("mha", "layer_first", "bfloat16")
-    b = backend(url, host, model="stalled-model", timeout_s=0.5, retry_after_s=3.0)
+    b = backend(url, host, model="stalled-model", retry_after_s=3.0)
     keys = get_storage_hash_str(tokens(2 * PAGE, 31), None, page_size=PAGE)
     idx = torch.arange(0, 2 * PAGE, dtype=torch.int64)
     fill_random(host, idx, 31)
-    out = {"stored": b.batch_set_v1(keys, idx)}
+    out = {"stored": b.batch_set_v1(keys, idx), "budget_s": b.runtime.prefetch_budget_s(2 * PAGE, PAGE), "deadline_s": b.deadline_s(2)}
+    out["timeout_s"] = b.settings.timeout_s
     os.kill(args["pid"], signal.SIGSTOP)
     wait_stopped(args["pid"])
     try:

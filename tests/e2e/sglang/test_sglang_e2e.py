@@ -1,11 +1,15 @@
-"""Real SGLang (CPU, bfloat16) with kvdepot as its HiCache L3, following SGLang's own storage-backend
-test: a 768-token prompt, ``POST /flush_cache``, the same prompt again served from L3 with the same
-greedy output. Then SGLang restarted, kvdepot restarted (its fs tier keeps the pages), runtime
-detach/attach, and kvdepot killed under a running SGLang. The tests run in order on one SGLang."""
+"""Real SGLang (CPU, bfloat16, SGLang's default prefetch policy ``timeout``) with kvdepot as its HiCache
+L3, following SGLang's own storage-backend test: a 768-token prompt, ``POST /flush_cache``, the same
+prompt again served from L3 with the same greedy output. Then SGLang restarted, kvdepot restarted (its
+fs tier keeps the pages), runtime detach/attach, kvdepot stalled (SIGSTOP) inside SGLang's prefetch
+budget, and kvdepot killed under a running SGLang. The tests run in order on one SGLang."""
 
 from __future__ import annotations
 
+import os
 import random
+import re
+import signal
 import time
 
 import pytest
@@ -62,6 +66,8 @@ def test_a_flushed_prompt_comes_back_from_kvdepot_with_the_same_output(sglang, s
     assert "HiCache storage query failed" not in log and "HiCache backup failed" not in log
     # the backend says at INFO what SGLang asked for and what it loaded
     assert f"{FROM_L3 // PAGE} stored" in log and f"loaded {FROM_L3 // PAGE} of {FROM_L3 // PAGE} pages ({FROM_L3} tokens)" in log, log[-3000:]
+    # ... and which of SGLang's settings it read from SGLang itself (they set each call's deadline)
+    assert "prefetch policy timeout (budget 1 s + 0.25 s per 1,024 tokens), io backend direct, from SGLang's configuration" in log
 
 
 def test_a_restarted_sglang_and_a_restarted_kvdepot_still_hit(sglang, server):
@@ -91,13 +97,52 @@ def test_detach_and_attach_at_run_time(sglang, server):
     assert stored_pages(server) == before, "pages reached kvdepot while it was detached"
     assert storage_tokens(sglang.generate(tokens)) == 0
     body = {"hicache_storage_backend": "dynamic", "hicache_storage_backend_extra_config_json": sglang.extra_json(),
-            "hicache_storage_prefetch_policy": "wait_complete"}  # fmt: skip
+            "hicache_storage_prefetch_policy": sglang.prefetch_policy}  # fmt: skip
     r = sglang.admin("PUT", "/hicache/storage-backend", body)  # ... and attach
     assert r.status_code == 200, r.text
     sglang.flush_cache()
     _, hit = cold_then_l3(sglang, server, prompt(4))
     assert storage_tokens(hit) == FROM_L3
     assert sglang.generate(tokens)["output_ids"] == cold["output_ids"]
+
+
+def sglang_budget_s(pages: int) -> float:
+    """SGLang 0.5.23's prefetch budget for ``pages`` (policy timeout, its default keys)."""
+    return 1.0 + pages * PAGE / 1024 * 0.25
+
+
+def back_from_l3(sglang, tokens: list[int]) -> dict:
+    """The next requests once kvdepot is usable again (after ``retry_after_s``): served from L3."""
+
+    def from_l3() -> dict | None:
+        sglang.flush_cache()
+        r = sglang.generate(tokens)
+        return r if storage_tokens(r) == FROM_L3 else None
+
+    return wait_until(from_l3, timeout_s=60, interval_s=1.0, what="SGLang hitting kvdepot again")
+
+
+def test_a_stalled_kvdepot_is_a_miss_inside_sglangs_prefetch_budget(sglang, server):
+    """kvdepot alive, connected and silent (SIGSTOP): the request is served by recompute, the backend's
+    lookup gave up inside the budget SGLang gives the prefetch (so SGLang never waited on kvdepot past
+    it, and its prefetch thread was free again), and once kvdepot resumes requests hit again."""
+    tokens = prompt(7)
+    cold, hit = cold_then_l3(sglang, server, tokens)
+    assert storage_tokens(hit) == FROM_L3
+    sglang.flush_cache()
+    seen = len(sglang.log_text())
+    os.kill(server.proc.proc.pid, signal.SIGSTOP)
+    try:
+        miss = sglang.generate(tokens)
+        assert storage_tokens(miss) == 0 and miss["output_ids"] == cold["output_ids"]
+        failed = re.findall(r"a lookup of (\d+) pages \(ended after (\d+) ms\) failed", sglang.log_text()[seen:])
+        assert failed, f"no failed lookup logged while kvdepot was stopped:\n{sglang.log_text()[seen:][-3000:]}"
+        pages, ms = map(int, failed[0])
+        assert ms / 1000 < sglang_budget_s(pages), f"a lookup of {pages} pages took {ms} ms, past SGLang's budget"
+    finally:
+        os.kill(server.proc.proc.pid, signal.SIGCONT)
+    assert back_from_l3(sglang, tokens)["output_ids"] == cold["output_ids"]
+    sglang.check_alive()
 
 
 def test_kvdepot_killed_under_a_running_sglang(sglang, server):
@@ -114,13 +159,6 @@ def test_kvdepot_killed_under_a_running_sglang(sglang, server):
     assert time.monotonic() - t0 < 60, "SGLang stalled on a dead kvdepot"
     # kvdepot back on the same port (its fs tier kept the pages): after retry_after_s SGLang uses it again.
     server.start_again()
-
-    def from_l3() -> dict | None:
-        sglang.flush_cache()
-        r = sglang.generate(tokens)
-        return r if storage_tokens(r) == FROM_L3 else None
-
-    back = wait_until(from_l3, timeout_s=60, interval_s=1.0, what="SGLang hitting kvdepot again")
-    assert back["output_ids"] == cold["output_ids"]
+    assert back_from_l3(sglang, tokens)["output_ids"] == cold["output_ids"]
     assert "HiCache storage query failed" not in sglang.log_text()  # misses, never exceptions in its threads
     sglang.check_alive()

@@ -84,6 +84,8 @@ class SGLangServer:
     dtype: str = "bfloat16"
     layout: str = "layer_first"
     page_size: int = PAGE
+    prefetch_policy: str = "timeout"  # SGLang's default, and what README recommends
+    io_backend: str = "direct"  # the one that works on a CPU
     admin_api_key: str = ""  # needed for runtime attach/detach
     port: int = 0
     proc: subprocess.Popen | None = None
@@ -104,13 +106,13 @@ class SGLangServer:
             "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--disable-cuda-graph",
             "--max-total-tokens", str(self.max_total_tokens),
             "--page-size", str(self.page_size), "--enable-cache-report", "--skip-server-warmup",
-            "--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-io-backend", "direct",
+            "--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-io-backend", self.io_backend,
             "--hicache-mem-layout", self.layout,
         ]  # fmt: skip
         if self.admin_api_key:
             cmd += ["--admin-api-key", self.admin_api_key]
         if self.storage is not None:
-            cmd += ["--hicache-storage-prefetch-policy", "wait_complete", "--hicache-storage-backend"]
+            cmd += ["--hicache-storage-prefetch-policy", self.prefetch_policy, "--hicache-storage-backend"]
             if self.storage == "kvdepot":
                 cmd += ["dynamic", "--hicache-storage-backend-extra-config", self.extra_json()]
             else:

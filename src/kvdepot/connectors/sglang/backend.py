@@ -12,9 +12,11 @@ Rules this class keeps, because SGLang's threads depend on them:
 - never raise out of a call SGLang makes from its threads, and never return None where a list or a
   number is expected (a None kills SGLang's daemon thread); a failure is a miss (reads) or a
   not-stored (writes), counted by class (``connectors.common``);
-- never block past ``timeout_s`` (2 s by default, under SGLang's prefetch timeout): a dead or slow
-  kvdepot is a fast miss, and after a transport failure the failing direction (lookup, load, save)
-  leaves the server alone for ``retry_after_s``;
+- end every lookup and load inside SGLang's own prefetch budget (``runtime.SGLangRuntime``: a share,
+  ``budget_share``, of the budget SGLang gives a prefetch of those pages, and never more than
+  ``timeout_s``), so a dead or slow kvdepot is a miss before SGLang stops waiting, and SGLang's
+  prefetch thread is free for the next request; after a transport failure the failing direction
+  (lookup, load, save) leaves the server alone for ``retry_after_s``;
 - a repeated write of a stored page is one round trip and no copy (the server answers EXISTS).
 
 Zero copy: with ``"interface_v1": 1`` SGLang passes host-pool indices, and each page is copied straight
@@ -23,14 +25,17 @@ between the host pool and the server's shared-memory arena (one copy); off-host 
 ``batch_get`` (one more copy, in SGLang).
 
 Lifecycle: constructed by SGLang's loader (settings checked: a bad key fails SGLang's start with the
-key named), ``register_mem_pool_host`` fixes the layout (an unsupported host layout fails the start or
-the attach), the first call connects; ``close`` (SGLang's detach) closes the client. Attach and detach
-at run time (``POST /attach_hicache_storage_backend``) build and close a fresh instance each time.
+key named; SGLang's own settings read, and a warning naming the flag where they keep L3 hits from
+working), ``register_mem_pool_host`` fixes the layout (an unsupported host layout fails the start or
+the attach) and connects (a missing server is tried again at later calls); ``close`` (SGLang's
+detach) closes the client. Attach and detach at run time (``POST /attach_hicache_storage_backend``)
+build and close a fresh instance each time.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -39,12 +44,17 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from kvdepot.connectors.common import Direction, FailureTally, ResilientClient
 from kvdepot.connectors.sglang.pages import PageCodec, page_hash
+from kvdepot.connectors.sglang.runtime import SGLangRuntime
 from kvdepot.connectors.sglang.settings import SGLangSettings
 from kvdepot.errors import ErrorCode, KVDepotError
 from kvdepot.hashing import HashAlgorithm
 from kvdepot.types import ChunkHash, SlotStatus
 
 log = logging.getLogger(__name__)
+
+def _ms(since: float) -> float:
+    return (time.perf_counter() - since) * 1e3
+
 
 _STORED = (SlotStatus.ALLOCATED, SlotStatus.EXISTS, SlotStatus.BUSY)  # written now, or already there / by another writer
 
@@ -53,6 +63,11 @@ class KVDepotHiCacheStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
         self.storage_config = storage_config
         self.settings = SGLangSettings.from_extra(storage_config.extra_config, "kvdepot SGLang backend option")
+        self.runtime = SGLangRuntime.read().with_budget(self.settings.prefetch_timeout_base, self.settings.prefetch_timeout_per_ki_token)
+        for note in self.runtime.notes:
+            log.debug("kvdepot (SGLang): %s", note)
+        for problem in self.runtime.problems():
+            log.warning("kvdepot (SGLang): %s", problem)
         self.codec: PageCodec | None = None
         self._resilient: ResilientClient | None = None
         self.tally = FailureTally(log, "kvdepot (SGLang)")
@@ -84,10 +99,14 @@ class KVDepotHiCacheStorage(HiCacheStorage):
             tally=self.tally,
         )
         log.info(
-            "kvdepot: SGLang storage backend for %s (rank %d/%d, %s, page %d, %s) on %s, %s interface",
+            "kvdepot: SGLang storage backend for %s (rank %d/%d, %s, page %d, %s) on %s, %s interface; %s",
             self._resilient.model, self.rank, self.world_size, mem_pool_host.layout, codec.page_size,
             codec.layout.fingerprint(), self.settings.url, "v1 (host indices)" if self.settings.interface_v1 else "flat-page",
+            self.runtime.describe(),
         )
+        # Connect now rather than in the first prefetch, whose budget is short (a missing server is
+        # logged and tried again later, as any transport failure).
+        self._client(Direction.CONNECT)
 
     def model_identity(self) -> str:
         """The model part of every object's identity: the extra-config's ``model_name``, else SGLang's
@@ -113,6 +132,11 @@ class KVDepotHiCacheStorage(HiCacheStorage):
             return None
         return client
 
+    def deadline_s(self, pages: int) -> float:
+        """How long a lookup or load of ``pages`` may take: inside SGLang's budget for them."""
+        page = self.codec.page_size if self.codec is not None else 0
+        return self.runtime.call_deadline_s(pages * page, page, self.settings.budget_share, self.settings.timeout_s)
+
     def _failed(self, direction: Direction, exc: BaseException, what: str) -> None:
         if self._resilient is not None:
             self._resilient.failed(direction, exc, what)
@@ -125,16 +149,18 @@ class KVDepotHiCacheStorage(HiCacheStorage):
         """How many leading pages of ``keys`` kvdepot holds (L2 hits are brought into L1 first)."""
         if not keys:
             return 0
+        t0 = time.perf_counter()
         try:
             client = self._client(Direction.LOOKUP)
             if client is None:
                 return 0
-            found = int(client.stored_chunks([page_hash(k) for k in keys], ""))
+            with client.deadline(self.deadline_s(len(keys))):
+                found = int(client.stored_chunks([page_hash(k) for k in keys], ""))
             page = self.codec.page_size if self.codec is not None else 0
-            log.info("kvdepot: SGLang looked up %d pages (%d tokens): %d stored", len(keys), len(keys) * page, found)
+            log.info("kvdepot: SGLang looked up %d pages (%d tokens): %d stored (%.1f ms)", len(keys), len(keys) * page, found, _ms(t0))
             return found
         except Exception as exc:  # noqa: BLE001 - a miss, never an exception in SGLang's prefetch thread
-            self._failed(Direction.LOOKUP, exc, f"a lookup of {len(keys)} pages")
+            self._failed(Direction.LOOKUP, exc, f"a lookup of {len(keys)} pages (ended after {_ms(t0):.0f} ms)")
             return 0
 
     def exists(self, key: str) -> bool:
@@ -217,18 +243,19 @@ class KVDepotHiCacheStorage(HiCacheStorage):
         if client is None:
             return done
         copied = 0
+        t0 = time.perf_counter()
         try:
-            with client.prepare_retrieve(hashes) as views:
+            with client.deadline(self.deadline_s(len(hashes))), client.prepare_retrieve(hashes) as views:
                 for view, target in zip(views, targets):
                     np.copyto(target, view)
                     copied += 1
         except KVDepotError as exc:
             # Also a lease that ended before the copy did: those bytes may have changed under us.
-            self._failed(Direction.LOAD, exc, what)
+            self._failed(Direction.LOAD, exc, f"{what} (ended after {_ms(t0):.0f} ms)")
             return done
         done[:copied] = [True] * copied
         page = self.codec.page_size if self.codec is not None else 0
-        log.info("kvdepot: loaded %d of %d pages (%d tokens) into SGLang's host pool", copied, len(hashes), copied * page)
+        log.info("kvdepot: loaded %d of %d pages (%d tokens) into SGLang's host pool (%.1f ms)", copied, len(hashes), copied * page, _ms(t0))  # fmt: skip
         return done
 
     def _write(self, hashes: list[ChunkHash], source, what: str) -> list[bool]:

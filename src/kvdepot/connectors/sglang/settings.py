@@ -19,5 +19,13 @@ class SGLangSettings(ClientSettings, frozen=True, kw_only=True):
         int, option("1: SGLang calls batch_get_v1/batch_set_v1 with host-pool indices (the one-copy path); 0: flat page tensors", ge=0, le=1)
     ] = 0
     prefetch_threshold: Annotated[int, option("SGLang's: the fewest uncached tokens worth an L3 lookup", ge=0)] = 256
-    # Below SGLang's own prefetch timeout (2 s + 0.1 s per 1,024 tokens): a slow kvdepot is a miss, in time.
-    timeout_s: Annotated[float, option("deadline of one request to the server", gt=0)] = 2.0
+    # (SGLang takes these two out of the JSON before the backend sees it; accepted for one that does not.)
+    prefetch_timeout_base: Annotated[float, option("SGLang's: its prefetch budget's fixed part, s (1)", ge=0)] | None = None
+    prefetch_timeout_per_ki_token: Annotated[float, option("SGLang's: its prefetch budget per 1,024 tokens, s (0.25)", ge=0)] | None = None
+    # The most any call may take. A lookup or load is also held inside SGLang's own prefetch budget
+    # (``runtime.SGLangRuntime``: 1 s + 0.25 s per 1,024 tokens by default): a slow kvdepot is a miss in time.
+    timeout_s: Annotated[float, option("the most one request to the server may take (lookups and loads: also budget_share)", gt=0)] = 2.0
+    budget_share: Annotated[
+        float,
+        option("the share of SGLang's prefetch budget (policy timeout) one lookup or load may use before it is a miss", gt=0, le=1),
+    ] = 0.4

@@ -1,0 +1,82 @@
+"""A caller's deadline holds: ``KVClient.deadline(s)`` bounds every request of the calling thread inside
+it, whether the server is silent (SIGSTOP) or another thread holds the client's channel, and leaves
+other threads alone. (An engine's prefetch has a budget of its own: a kvdepot call must end inside it.)
+The bounds asserted are the deadline given against the client's own ``timeout_s``, far apart, so a
+loaded machine cannot make them pass or fail by chance."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+
+from kvdepot.errors import KVDepotTimeout
+
+from support.servers import CHUNK, LAYOUT, make_kv, make_tokens
+
+TIMEOUT_S = 20.0  # the client's own per-request timeout
+DEADLINE_S = 0.5  # what the caller allows: a request must end well before TIMEOUT_S
+
+
+def test_a_silent_server_costs_the_caller_its_deadline_not_the_timeout(make_server, seed):
+    srv = make_server()
+    tokens = make_tokens(2 * CHUNK, seed)
+    with srv.client(timeout_s=TIMEOUT_S, heartbeat=False) as c:
+        assert c.store(tokens, make_kv(LAYOUT, len(tokens), seed)) == 2 * CHUNK
+        srv.proc.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(KVDepotTimeout), c.deadline(DEADLINE_S):
+                c.lookup(tokens)
+            assert time.monotonic() - t0 < TIMEOUT_S / 4
+        finally:
+            srv.proc.proc.send_signal(signal.SIGCONT)
+        assert c.lookup(tokens) == 2 * CHUNK  # served again, no deadline now
+
+
+def test_a_channel_held_by_another_thread_is_no_reason_to_wait_past_the_deadline(make_server, seed):
+    srv = make_server()
+    tokens = make_tokens(2 * CHUNK, seed)
+    with srv.client(timeout_s=TIMEOUT_S, heartbeat=False) as c:
+        assert c.store(tokens, make_kv(LAYOUT, len(tokens), seed)) == 2 * CHUNK
+        holding, release = threading.Event(), threading.Event()
+
+        def hold() -> None:  # another thread in the middle of a long exchange
+            with c.link.channel.held(TIMEOUT_S):
+                holding.set()
+                release.wait(TIMEOUT_S)
+
+        other = threading.Thread(target=hold)
+        other.start()
+        assert holding.wait(10)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(KVDepotTimeout, match="waited"), c.deadline(DEADLINE_S):
+                c.lookup(tokens)
+            assert time.monotonic() - t0 < TIMEOUT_S / 4
+        finally:
+            release.set()
+            other.join()
+        with c.deadline(DEADLINE_S * 20):
+            assert c.lookup(tokens) == 2 * CHUNK
+
+
+def test_deadlines_nest_and_stay_with_their_thread(make_server, seed):
+    srv = make_server()
+    tokens = make_tokens(CHUNK, seed)
+    with srv.client(timeout_s=TIMEOUT_S, heartbeat=False) as c:
+        with c.deadline(0.0001):
+            time.sleep(0.01)
+            with pytest.raises(KVDepotTimeout, match="deadline passed"):
+                c.lookup(tokens)
+            with c.deadline(TIMEOUT_S):  # an inner block cannot extend the outer deadline
+                with pytest.raises(KVDepotTimeout):
+                    c.lookup(tokens)
+            found: list[int] = []
+            t = threading.Thread(target=lambda: found.append(c.lookup(tokens)))  # another thread: no deadline
+            t.start()
+            t.join(30)
+            assert found == [0]
+        assert c.lookup(tokens) == 0  # the block is over: no deadline
