@@ -38,7 +38,6 @@ import logging
 import time
 from typing import Any
 
-import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
@@ -48,6 +47,7 @@ from kvdepot.connectors.sglang.runtime import SGLangRuntime
 from kvdepot.connectors.sglang.settings import SGLangSettings
 from kvdepot.errors import ErrorCode, KVDepotError
 from kvdepot.hashing import HashAlgorithm
+from kvdepot.runs import copy_all
 from kvdepot.types import ChunkHash, SlotStatus
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,7 @@ class KVDepotHiCacheStorage(HiCacheStorage):
         codec = self.codec
         try:
             starts = codec.page_starts(host_indices, len(keys))
-            targets = (codec.host_page(s) for s in starts)
+            targets = [codec.host_page(s) for s in starts]
             return self._read([page_hash(k) for k in keys], targets, f"a load of {len(keys)} pages")
         except Exception as exc:  # noqa: BLE001
             self._failed(Direction.LOAD, exc, f"a load of {len(keys)} pages")
@@ -210,7 +210,7 @@ class KVDepotHiCacheStorage(HiCacheStorage):
             return [None] * len(keys)
         codec = self.codec
         try:
-            targets = (codec.chunk_view(t) for t in target_locations)
+            targets = [codec.chunk_view(t) for t in target_locations]
             done = self._read([page_hash(k) for k in keys], targets, f"a load of {len(keys)} pages")
         except Exception as exc:  # noqa: BLE001
             self._failed(Direction.LOAD, exc, f"a load of {len(keys)} pages")
@@ -246,9 +246,8 @@ class KVDepotHiCacheStorage(HiCacheStorage):
         t0 = time.perf_counter()
         try:
             with client.deadline(self.deadline_s(len(hashes))), client.prepare_retrieve(hashes) as views:
-                for view, target in zip(views, targets):
-                    np.copyto(target, view)
-                    copied += 1
+                copied = min(len(views), len(targets))
+                copy_all(zip(targets[:copied], views[:copied]))
         except KVDepotError as exc:
             # Also a lease that ended before the copy did: those bytes may have changed under us.
             self._failed(Direction.LOAD, exc, f"{what} (ended after {_ms(t0):.0f} ms)")
@@ -266,9 +265,7 @@ class KVDepotHiCacheStorage(HiCacheStorage):
             return [False] * len(hashes)
         try:
             with client.prepare_store(hashes) as slots:
-                for i, slot in enumerate(slots):
-                    if slot is not None:
-                        np.copyto(slot, source(i))
+                copy_all((slot, source(i)) for i, slot in enumerate(slots) if slot is not None)
         except KVDepotError as exc:
             self._failed(Direction.SAVE, exc, what)
             return [False] * len(hashes)

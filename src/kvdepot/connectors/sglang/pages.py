@@ -17,11 +17,19 @@ page_head           k p H t l d  (none)
 
 Copies go straight between a page's view and a kvdepot buffer (an arena slot on the shm transport: the
 one copy); bfloat16 and fp8 travel as same-width unsigned integers, never converted.
+
+Pages of one pool lie at equal distances in one buffer (SGLang slices one axis of one tensor), so the
+codec finds that distance once, checks it against SGLang's own ``get_data_page`` for the first, second
+and last page, and afterwards makes a page's view with numpy alone (``PoolPages``): no call into SGLang
+and no torch call per page. That matters inside SGLang: each torch call lets go of the GIL, and a
+scheduler thread busy in Python takes up to its switch interval (5 ms) to hand it back (``kvdepot.runs``
+says more).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +49,8 @@ _MLA_AXES = {
     "page_first": "tlHd",
     "page_first_direct": "pltHd",
 }
+log = logging.getLogger(__name__)
+
 _CHUNK_AXES = "kltHd"  # [K, L, T, H, D]; H upper-case only so that no two axes share a letter
 
 
@@ -60,6 +70,7 @@ class PageCodec:
     page_shape: tuple[int, ...]
     permutation: tuple[int, ...]
     add_kv_axis: bool  # MLA: one latent, so K = 1
+    pages: PoolPages | None = None  # page views without SGLang or torch (None: through get_data_page)
 
     @classmethod
     def of(cls, pool) -> PageCodec:
@@ -85,7 +96,8 @@ class PageCodec:
         if mla:
             kept = "k" + kept
         permutation = tuple(kept.index(a) for a in _CHUNK_AXES)
-        return cls(pool, layout, int(pool.page_size), axes, tuple(page.shape), permutation, mla)
+        codec = cls(pool, layout, int(pool.page_size), axes, tuple(page.shape), permutation, mla)
+        return cls(pool, layout, int(pool.page_size), axes, tuple(page.shape), permutation, mla, PoolPages.of(codec))
 
     def chunk_view(self, page: torch.Tensor) -> np.ndarray:
         """A writable numpy view ``[K, L, T, H, D]`` (storage dtype) of one page tensor (no copy)."""
@@ -98,6 +110,12 @@ class PageCodec:
 
     def host_page(self, token_index: int) -> np.ndarray:
         """The chunk view of the host pool's page that starts at token ``token_index``."""
+        if self.pages is not None:
+            return self.pages.page(token_index)
+        return self.sglang_page(token_index)
+
+    def sglang_page(self, token_index: int) -> np.ndarray:
+        """The same view, made through SGLang's own ``get_data_page``."""
         return self.chunk_view(self.pool.get_data_page(token_index, flat=False))
 
     def page_starts(self, host_indices: torch.Tensor, pages: int) -> list[int]:
@@ -105,6 +123,52 @@ class PageCodec:
         if host_indices.numel() < pages * self.page_size:
             raise ValueError(f"{host_indices.numel()} host indices for {pages} pages of {self.page_size}")
         return host_indices[: pages * self.page_size : self.page_size].tolist()
+
+
+@dataclass(frozen=True)
+class PoolPages:
+    """Chunk views of a host pool's pages made by offset arithmetic over one numpy view of the pool's
+    buffer: page ``i`` (starting at token ``i x page_size``) is at ``first + i x step`` bytes, with the
+    shape and strides of every page."""
+
+    buffer: np.ndarray  # uint8, the pool tensor's whole storage
+    page_size: int
+    first: int  # byte offset of page 0 in ``buffer``
+    step: int  # bytes from one page to the next
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: np.dtype
+    count: int  # pages in the pool
+
+    @classmethod
+    def of(cls, codec: PageCodec) -> PoolPages | None:
+        """Found from SGLang's own page views; None (views through SGLang) where the pool is not one
+        evenly paged buffer, or where the arithmetic disagrees with SGLang for any page checked."""
+        pool, size = codec.pool, codec.page_size
+        count = int(getattr(pool, "size", 0)) // size
+        if count < 2:
+            return None
+        try:
+            tensor = pool.get_data_page(0, flat=False)
+            storage = tensor.untyped_storage()
+            buffer = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+            base = buffer.ctypes.data
+            p0, p1 = codec.sglang_page(0), codec.sglang_page(size)
+            pages = cls(buffer, size, p0.ctypes.data - base, p1.ctypes.data - p0.ctypes.data, p0.shape, p0.strides, p0.dtype, count)
+            for i in (0, 1, count - 1):  # the arithmetic against SGLang's own view of each
+                mine, theirs = pages.page(i * size), codec.sglang_page(i * size)
+                if (mine.ctypes.data, mine.strides, mine.shape) != (theirs.ctypes.data, theirs.strides, theirs.shape):
+                    raise ValueError(f"page {i}: offset arithmetic disagrees with get_data_page")
+        except Exception as exc:  # noqa: BLE001 - an unusual pool is served the slow way, never refused
+            log.info("kvdepot: SGLang's %s host pool is paged through get_data_page (%s)", pool.layout, exc)
+            return None
+        return pages
+
+    def page(self, token_index: int) -> np.ndarray:
+        index, rest = divmod(token_index, self.page_size)
+        if rest or not 0 <= index < self.count:
+            raise ValueError(f"host index {token_index} does not start one of the pool's {self.count} pages of {self.page_size}")
+        return np.ndarray(self.shape, self.dtype, buffer=self.buffer, offset=self.first + index * self.step, strides=self.strides)
 
 
 def page_hash(key: str) -> ChunkHash:
