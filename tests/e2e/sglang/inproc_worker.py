@@ -265,6 +265,35 @@ def scenario_stalled(url: str, args: dict) -> dict:
     return out
 
 
+def scenario_whatif_attention(url: str, args: dict) -> dict:
+    """The benchmark's what-if attention (``sglang_probe``, new queries only) against SGLang's own
+    ``torch_native`` extend on the same batch: two requests, one with a cached prefix, grouped heads."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    from kvdepot.bench.engines.sglang_probe import _new_queries_only
+
+    class WhatIf(TorchNativeAttnBackend):
+        pass
+
+    _new_queries_only(WhatIf)
+    gen = torch.Generator().manual_seed(5)
+    prefix, new = torch.tensor([128, 0]), torch.tensor([64, 40])
+    seq = prefix + new
+    heads, kv_heads, dim, slots = 8, 4, 32, 512
+    k_cache, v_cache = (torch.randn(slots, kv_heads, dim, generator=gen) for _ in range(2))
+    req_to_token = torch.zeros(2, 256, dtype=torch.int64)
+    req_to_token[0, : seq[0]] = torch.randperm(slots, generator=gen)[: seq[0]]
+    req_to_token[1, : seq[1]] = torch.randperm(slots, generator=gen)[: seq[1]]
+    query = torch.randn(int(new.sum()), heads, dim, generator=gen)
+    backend = object.__new__(TorchNativeAttnBackend)
+    outs = {}
+    for name, fn in (("sglang", TorchNativeAttnBackend._run_sdpa_forward_extend), ("whatif", WhatIf._run_sdpa_forward_extend)):
+        outs[name] = fn(backend, query, torch.zeros_like(query), k_cache, v_cache, req_to_token, torch.tensor([0, 1]), seq, prefix, new,
+                        scaling=dim**-0.5, enable_gqa=True, causal=True)  # fmt: skip
+    return {"max_abs_diff": float((outs["sglang"] - outs["whatif"]).abs().max()), "patched": WhatIf._run_sdpa_forward_extend
+            is not TorchNativeAttnBackend._run_sdpa_forward_extend}  # fmt: skip
+
+
 def scenario_all(url: str, args: dict) -> dict:
     """Every scenario in one process (SGLang's imports take seconds): the dead one against ``dead_url``."""
     out = {name: fn(url, args) for name, fn in SCENARIOS.items() if name not in ("all", "dead", "stalled")}
@@ -280,6 +309,7 @@ SCENARIOS = {
     "config_errors": scenario_config_errors,
     "mla_replicas": scenario_mla_replicas,
     "stalled": scenario_stalled,
+    "whatif_attention": scenario_whatif_attention,
     "all": scenario_all,
 }
 

@@ -53,7 +53,7 @@ def test_a_missing_kvdepot_is_a_fast_miss_and_never_an_exception(found):
     d = found["dead"]
     for name in ("exists", "get_v1", "set_v1", "get", "set", "exists_again"):
         assert "raised" not in d[name], d[name]
-        assert d[name]["seconds"] < 5.0, f"{name} took {d[name]['seconds']:.1f}s (SGLang gives up on a prefetch after 2 s + ...)"
+        assert d[name]["seconds"] < 5.0, f"{name} took {d[name]['seconds']:.1f}s (SGLang gives up on a prefetch after 1 s + ...)"
     assert d["exists"]["value"] == 0 and d["exists_again"]["value"] == 0
     assert d["get_v1"]["value"] == [False] * 4 and d["set_v1"]["value"] == [False] * 4
     assert d["get"]["value"] == [None] * 4 and d["set"]["value"] is False
@@ -87,3 +87,10 @@ def test_mla_is_written_once_and_read_by_every_rank(found):
     m = found["mla_replicas"]
     assert m["non_writer_set"] == [True, True] and m["before"] == 0  # a non-writer rank stores nothing
     assert m["writer_set"] == [True, True] and m["after"] == 2  # ... and reads the writer's copy
+
+
+def test_the_benchmarks_what_if_attention_gives_sglangs_outputs(found):
+    """``benchmarks/sglang_ttft.py --attention new-queries`` times hits with SGLang's CPU extend computed
+    for the new queries only: the same numbers as SGLang's own, or its figures would not mean anything."""
+    w = found["whatif_attention"]
+    assert w["patched"] and w["max_abs_diff"] < 1e-5, w

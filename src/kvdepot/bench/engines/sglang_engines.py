@@ -87,6 +87,7 @@ class SGLangServer:
     prefetch_policy: str = "timeout"  # SGLang's default, and what README recommends
     io_backend: str = "direct"  # the one that works on a CPU
     admin_api_key: str = ""  # needed for runtime attach/detach
+    probe: Path | None = None  # time SGLang's storage calls, H2D loads and forwards into this file (sglang_probe)
     port: int = 0
     proc: subprocess.Popen | None = None
 
@@ -128,6 +129,10 @@ class SGLangServer:
         env = sglang_env(self.workdir)
         if self.storage == "file":
             env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(self.workdir / f"{self.name}-file-l3")
+        if self.probe is not None:
+            from kvdepot.bench.engines.sglang_probe import probe_env
+
+            env = probe_env(self.probe, env)
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
