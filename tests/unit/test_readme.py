@@ -74,3 +74,24 @@ def test_nothing_is_referenced_that_is_not_in_the_repository():
     for target in re.findall(r"\]\(([^)#]+)\)", README):  # relative links
         if not target.startswith(("http://", "https://")):
             assert (REPO / target).exists(), f"README links to {target}, which is not in the repository"
+
+
+@pytest.mark.parametrize(
+    "title, settings, loader_keys",
+    [
+        ("### Use with vLLM", "kvdepot.connectors.vllm.config:ConnectorConfig", ()),
+        ("### Use with SGLang", "kvdepot.connectors.sglang.settings:SGLangSettings", ("backend_name", "module_path", "class_name")),
+    ],
+)
+def test_every_connector_key_is_in_its_engines_table(title, settings, loader_keys):
+    import importlib
+
+    import msgspec
+
+    module, name = settings.split(":")
+    keys = [f.name for f in msgspec.structs.fields(getattr(importlib.import_module(module), name))]
+    start = README.index(f"\n{title}\n")
+    text = README[start : min(i for i in (README.find("\n## ", start + 1), README.find("\n### ", start + 1), len(README)) if i > 0)]
+    rows = "\n".join(line for line in text.splitlines() if line.startswith("| `"))
+    missing = [k for k in keys if f"`{k}`" not in (text if k in loader_keys else rows)]
+    assert not missing, f"keys README's {title} section does not list: {missing}"
