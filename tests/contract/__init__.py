@@ -1,1 +1,1 @@
-"""Contract tests: one suite that every L2 adapter (memory, fs, valkey, s3) must pass unchanged."""
+"""Contract tests: one suite that every L2 adapter (memory, fs, valkey, a valkey cluster, s3) must pass unchanged."""

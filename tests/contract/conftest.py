@@ -1,7 +1,8 @@
 """Fixtures for the L2 contract suite: ``make_adapter``/``adapter``, parametrized over every adapter.
 
-memory and fs are built here (fs under ``tmp_path``). valkey and s3 need real servers: their factories
-are the harness's ``valkey_adapter_factory`` and ``s3_adapter_factory`` (``support.plugin``), each a
+memory and fs are built here (fs under ``tmp_path``). valkey (one server, and a 3-primary cluster) and s3
+need real servers: their factories are the harness's ``valkey_adapter_factory``,
+``valkey_cluster_adapter_factory`` and ``s3_adapter_factory`` (``support.plugin``), each a
 callable ``(name: str) -> adapter`` returning an *unstarted* adapter against a real server. A missing
 server binary fails those cases with the install step: a missing backend is an error, never a skip.
 """
@@ -18,8 +19,8 @@ import pytest
 from kvdepot.storage.l2.fs_adapter import FsAdapter, FsConfig
 from kvdepot.storage.l2.memory_adapter import MemoryAdapter, MemoryConfig
 
-KINDS = ["memory", "fs", "valkey", "s3"]
-SERVER_KINDS = ("valkey", "s3")
+KINDS = ["memory", "fs", "valkey", "valkey_cluster", "s3"]
+SERVER_KINDS = ("valkey", "valkey_cluster", "s3")
 DEFAULT_CAPACITY = 256 << 20
 
 

@@ -1,8 +1,8 @@
 """The L2 adapter contract (ARCHITECTURE §6, ``storage/l2/contract.py``), run unchanged over every adapter.
 
-Every test takes ``adapter`` (or ``make_adapter``), parametrized over memory, fs, valkey and s3. Keys
-are random per test, so server-backed adapters may share one server across tests; counts are
-asserted as differences of ``usage()`` for the same reason.
+Every test takes ``adapter`` (or ``make_adapter``), parametrized over memory, fs, valkey (one server and
+a cluster) and s3. Keys are random per test, so server-backed adapters may share one server across
+tests; counts are asserted as differences of ``usage()`` for the same reason.
 """
 
 from __future__ import annotations

@@ -168,6 +168,7 @@ def test_valkey_missing_part_is_a_miss_not_bad_data(valkey_adapter_factory, raw_
 def test_valkey_store_that_fails_before_its_commit_is_invisible(valkey_adapter_factory, raw_valkey) -> None:
     adapter = valkey_adapter_factory("torn", max_value_mib=1)
     adapter.start()
+    assert lookup(adapter, [new_key()]).value == 0  # connected: its scripts are registered
 
     def crash(*args, **kwargs):
         raise ConnectionError("died between the parts and the manifest")

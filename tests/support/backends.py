@@ -14,6 +14,7 @@ from pathlib import Path
 from kvdepot.bench.backends import (  # noqa: F401  (for the tests)
     INSTALL_HINT,
     MotoServer,
+    ValkeyCluster,
     ValkeyServer,
     WeedServer,
     _unique,
@@ -21,6 +22,7 @@ from kvdepot.bench.backends import (  # noqa: F401  (for the tests)
     find_weed_binary,
     start_s3,
     start_valkey,
+    start_valkey_cluster,
 )
 from kvdepot.storage.l2.s3_adapter import S3Config
 from kvdepot.storage.l2.valkey_adapter import ValkeyConfig

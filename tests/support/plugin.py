@@ -26,6 +26,7 @@ from kvdepot.storage.l2.valkey_adapter import ValkeyAdapter
 
 from support.backends import (
     MotoServer,
+    ValkeyCluster,
     ValkeyServer,
     WeedServer,
     find_valkey_binary,
@@ -34,6 +35,7 @@ from support.backends import (
     short_tmpdir,
     start_s3,
     start_valkey,
+    start_valkey_cluster,
     valkey_config,
 )
 from support import shm_janitor
@@ -102,6 +104,17 @@ def valkey_server() -> Iterator[ValkeyServer]:
 
 
 @pytest.fixture(scope="session")
+def valkey_cluster() -> Iterator[ValkeyCluster]:
+    """3 primaries with a replica each (6 valkey-server processes), shared through unique prefixes;
+    a test that kills a node starts its own (``start_valkey_cluster``)."""
+    workdir = short_tmpdir("vkcluster")
+    cluster = start_valkey_cluster(workdir)
+    yield cluster
+    cluster.stop()
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
 def s3_server() -> Iterator[WeedServer | MotoServer]:
     workdir = short_tmpdir("s3")
     server = start_s3(workdir)
@@ -123,6 +136,21 @@ def valkey_adapter_factory(valkey_server: ValkeyServer) -> Iterator[Callable[...
     yield make
     for adapter in made:
         adapter.close()  # closing twice is harmless
+
+
+@pytest.fixture
+def valkey_cluster_adapter_factory(valkey_cluster: ValkeyCluster) -> Iterator[Callable[..., ValkeyAdapter]]:
+    """As ``valkey_adapter_factory``, on the shared cluster (``cluster=auto``: the adapter finds out)."""
+    made: list[ValkeyAdapter] = []
+
+    def make(name: str, **overrides: object) -> ValkeyAdapter:
+        adapter = ValkeyAdapter(name, valkey_config(valkey_cluster.url, **overrides))
+        made.append(adapter)
+        return adapter
+
+    yield make
+    for adapter in made:
+        adapter.close()
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ and their fixtures (``valkey_server``, ``s3_server``, and for fault tests that k
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 from collections.abc import Callable
@@ -20,12 +19,12 @@ import numpy as np
 
 from kvdepot import KVClient
 
+from support.backends import _unique  # one counter with the contract suite's prefixes: they share servers
 from support.servers import CHUNK, LAYOUT, Server, as_bits, make_kv, make_tokens, wait_until
 
 BIG_CHUNK = 64  # tokens: 64 x 512 B = 32 KiB objects, for the tests that overflow a small L1
 TINY_L1_GB = "0.01"  # ~10 MiB: about 300 chunks of 32 KiB
 STORE_IDLE_TIMEOUT_S = 60.0
-_unique = itertools.count(1)
 
 
 def unique(label: str) -> str:

@@ -88,6 +88,7 @@ class ValkeyServer:
     binary: str
     workdir: Path
     port: int = field(default_factory=free_port)
+    extra_args: list[str] = field(default_factory=list)
     proc: subprocess.Popen | None = None
 
     @property
@@ -109,6 +110,7 @@ class ValkeyServer:
             "--daemonize", "no",
             "--protected-mode", "no",
             "--logfile", str(self.log_path),
+            *self.extra_args,
         ]  # fmt: skip
         self.proc = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
@@ -146,6 +148,145 @@ def start_valkey(workdir: Path) -> ValkeyServer:
     server = ValkeyServer(binary, workdir)
     server.start()
     return server
+
+
+CLUSTER_SLOTS = 16384
+
+
+@dataclass
+class ValkeyCluster:
+    """A Valkey Cluster of ``primaries`` primaries with ``replicas`` replicas each, every node its own
+    valkey-server process on loopback, formed with the cluster's own commands (slot ranges, MEET,
+    REPLICATE): no ``valkey-cli`` needed. ``node_timeout_ms`` is how long a silent primary takes to be
+    failed over to its replica."""
+
+    binary: str
+    workdir: Path
+    primaries: int = 3
+    replicas: int = 1
+    node_timeout_ms: int = 1000
+    nodes: list[ValkeyServer] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        """A seed node: the client learns the rest from it."""
+        return self.nodes[0].url
+
+    def start(self) -> None:
+        import valkey
+
+        taken: set[int] = set()
+        buses: list[int] = []
+        for i in range(self.primaries * (1 + self.replicas)):
+            port = free_port(taken)
+            taken.add(port)
+            bus = free_port(taken)  # not port + 10000, the default, which may be past 65535
+            taken.add(bus)
+            buses.append(bus)
+            workdir = self.workdir / f"node{i}"
+            workdir.mkdir(parents=True, exist_ok=True)
+            extra = ["--cluster-enabled", "yes", "--cluster-config-file", str(workdir / "nodes.conf"), "--cluster-port", str(bus),
+                     "--cluster-node-timeout", str(self.node_timeout_ms), "--cluster-replica-validity-factor", "0"]  # fmt: skip
+            node = ValkeyServer(self.binary, workdir, port=port, extra_args=extra)
+            self.nodes.append(node)
+            node.start()
+        clients = [valkey.Valkey(port=n.port, socket_timeout=5) for n in self.nodes]
+        try:
+            per = CLUSTER_SLOTS // self.primaries
+            for i in range(self.primaries):
+                last = CLUSTER_SLOTS - 1 if i == self.primaries - 1 else (i + 1) * per - 1
+                clients[i].execute_command("CLUSTER", "ADDSLOTSRANGE", i * per, last)
+            seed = self.nodes[0]
+            for c in clients[1:]:
+                c.execute_command("CLUSTER", "MEET", "127.0.0.1", seed.port, buses[0])
+            self._wait(lambda: all(len(_cluster_nodes(c)) == len(clients) for c in clients), "every node to meet every other")
+            ids = [c.execute_command("CLUSTER", "MYID").decode() for c in clients]
+            for r, c in enumerate(clients[self.primaries :]):
+                c.execute_command("CLUSTER", "REPLICATE", ids[r % self.primaries])
+            self._wait(lambda: all(_cluster_state(c) == "ok" for c in clients), "the cluster to be ok")
+            self._wait(lambda: all(c.info("replication").get("master_link_status") == "up" for c in clients[self.primaries :]),
+                       "every replica to sync")  # fmt: skip
+        finally:
+            for c in clients:
+                c.close()
+
+    def primary_of(self, node: int) -> ValkeyServer:
+        return self.nodes[node]
+
+    def wait_replicated(self, timeout_s: float = 10.0) -> None:
+        """Until every replica has every write its primary took (replication is asynchronous)."""
+        import valkey
+
+        def caught_up() -> bool:
+            for n in self.nodes:
+                if n.proc is None or n.proc.poll() is not None:
+                    continue
+                with valkey.Valkey(port=n.port, socket_timeout=2) as c:
+                    info = c.info("replication")
+                if info.get("role") != "master":
+                    continue
+                replicas = [v for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
+                if any(int(r["offset"]) < int(info["master_repl_offset"]) for r in replicas):
+                    return False
+            return True
+
+        self._wait(caught_up, "the replicas to catch up", timeout_s)
+
+    def wait_failed_over(self, dead: ValkeyServer, timeout_s: float = 30.0) -> None:
+        """Until a surviving node sees ``dead`` as failed and the cluster as ok again (a replica promoted)."""
+        import valkey
+
+        alive = [n for n in self.nodes if n is not dead and n.proc is not None and n.proc.poll() is None]
+
+        def promoted() -> bool:
+            with valkey.Valkey(port=alive[0].port, socket_timeout=2) as c:
+                nodes = _cluster_nodes(c)
+                ok = _cluster_state(c) == "ok"
+            gone = [line for line in nodes if f":{dead.port}@" in line]
+            return ok and bool(gone) and "fail" in gone[0].split()[2]
+
+        self._wait(promoted, f"a replica to take over from the primary on port {dead.port}", timeout_s)
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+
+    @staticmethod
+    def _wait(predicate, what: str, timeout_s: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if predicate():
+                    return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"valkey cluster: timed out waiting for {what}")
+
+
+def _cluster_state(client) -> str:
+    """``cluster_state`` from CLUSTER INFO (``ok`` once every slot is served)."""
+    for line in client.execute_command("CLUSTER", "INFO").decode().splitlines():
+        if line.startswith("cluster_state:"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+def _cluster_nodes(client) -> list[str]:
+    return [line for line in client.execute_command("CLUSTER", "NODES").decode().splitlines() if line.strip()]
+
+
+def start_valkey_cluster(workdir: Path, primaries: int = 3, replicas: int = 1) -> ValkeyCluster:
+    binary = find_valkey_binary()
+    if binary is None:
+        raise RuntimeError(f"no valkey-server or redis-server binary found: {INSTALL_HINT}")
+    cluster = ValkeyCluster(binary, workdir, primaries=primaries, replicas=replicas)
+    try:
+        cluster.start()
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
 
 
 # --- S3 (SeaweedFS `weed mini`, or moto's server as a fallback) -------------------------------------

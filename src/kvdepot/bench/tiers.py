@@ -4,6 +4,8 @@ For each adapter and object size it times a batch store and a batch load through
 (submit, then wait on its eventfd), next to the raw figure of the same backend on the same bytes:
 - fs: plain write+fsync of one file per object, then a cold read (page cache dropped with fadvise);
 - valkey: a plain client's SET / GET of the same values;
+- valkey_cluster: the valkey tier on a Valkey Cluster (3 primaries, a replica each), against the
+  library's cluster client's SET / GET of the same values on the same cluster;
 - s3: plain boto3 put_object / get_object;
 - memory: single-thread memcpy.
 Then the time of a LOOKUP whose hits all come from L2 (L1 cleared), through a real server process.
@@ -34,7 +36,7 @@ MiB = 1 << 20
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--adapters", default="fs,valkey,s3,memory", help="(default: %(default)s)")
+    p.add_argument("--adapters", default="fs,valkey,valkey_cluster,s3,memory", help="(default: %(default)s)")
     p.add_argument("--sizes-mib", default="2,32", help="object sizes in MiB (default: %(default)s)")
     p.add_argument("--objects", type=int, default=16, help="objects per batch (default: %(default)s)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (default: %(default)s)")
@@ -79,8 +81,8 @@ class _Raw:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-        elif self.kind == "valkey":
-            c = self.ctx["client"]
+        elif self.kind in ("valkey", "valkey_cluster"):
+            c = self.ctx["client" if self.kind == "valkey" else "cluster_client"]
             for i, p in enumerate(payloads):
                 c.set(f"raw:{i}", memoryview(p))
         elif self.kind == "s3":
@@ -97,8 +99,8 @@ class _Raw:
                 _drop_cache(d / f"raw-{i}")
                 with open(d / f"raw-{i}", "rb", buffering=0) as f:
                     f.readinto(memoryview(dst))
-        elif self.kind == "valkey":
-            c = self.ctx["client"]
+        elif self.kind in ("valkey", "valkey_cluster"):
+            c = self.ctx["client" if self.kind == "valkey" else "cluster_client"]
             for i, dst in enumerate(dests):
                 dst[:] = np.frombuffer(c.get(f"raw:{i}"), np.uint8)
         elif self.kind == "s3":
@@ -115,6 +117,8 @@ def _spec(kind: str, ctx: dict, size: int, n: int) -> str:
         return json.dumps({"type": "fs", "path": str(ctx["tier_dir"]), "size_gb": max(1.0, 4 * size * n / 2**30)})
     if kind == "valkey":
         return json.dumps({"type": "valkey", "url": ctx["url"], "prefix": f"bench{size}:"})
+    if kind == "valkey_cluster":
+        return json.dumps({"type": "valkey", "url": ctx["cluster_url"], "prefix": f"bench{size}:", "cluster": "on"})
     if kind == "s3":
         return json.dumps({"type": "s3", "bucket": ctx["bucket"], "endpoint_url": ctx["endpoint"], "prefix": f"bench{size}/",
                            "access_key_id": "bench", "secret_access_key": "bench", "create_bucket": True})
@@ -127,7 +131,7 @@ def _adapter_files(adapter, keys) -> list[Path]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvdepot.bench.backends import start_s3, start_valkey
+    from kvdepot.bench.backends import start_s3, start_valkey, start_valkey_cluster
     from kvdepot.malloc import keep_large_buffers_in_heap
 
     _pin_threads()
@@ -149,6 +153,13 @@ def main(args: argparse.Namespace) -> int:
             servers.append(vs)
             ctx["url"] = vs.url
             ctx["client"] = valkey.Valkey.from_url(vs.url)
+        if "valkey_cluster" in kinds:
+            from valkey.cluster import ValkeyCluster
+
+            cluster = start_valkey_cluster(Path(tempfile.mkdtemp(prefix="kvd-vkcluster-")))
+            servers.append(cluster)
+            ctx["cluster_url"] = cluster.url
+            ctx["cluster_client"] = ValkeyCluster.from_url(cluster.url)
         if "s3" in kinds:
             import boto3
 

@@ -18,15 +18,25 @@ checksum over ``dest``. A missing part (evicted by the server's maxmemory policy
 back) is a miss, and the orphaned manifest is dropped if it is still the same generation. On a miss or
 a corrupt object the contents of ``dest`` are unspecified (the caller discards them).
 
-``valkey`` (the Python client) is imported when the adapter starts, so kvdepot imports without it.
-Cluster mode is not supported (the commit script touches several keys).
+Valkey / Redis Cluster (``cluster=auto`` asks the server, ``on``/``off`` say so): an object's keys carry
+its hex key as a hash tag, ``<prefix>{<K>}`` and ``<prefix>{<K>}:<gen>:<i>``, so the manifest and every
+part live in one hash slot, the commit and drop scripts run on that slot's node, and objects spread over
+the cluster's primaries by key. The client library's cluster mode routes each command, follows MOVED/ASK
+and learns the new topology after a failover; while a failed primary's slots have no new primary yet,
+their operations fail and the tier's breaker handles it as any outage. The object counter has a slot of
+its own, so it is updated beside the commit rather than inside it (it is an estimate in either mode).
+
+``valkey`` (the Python client) is imported when the adapter first connects, so kvdepot imports without
+it; it connects at the first operation, so a tier whose server is down at start is down, not fatal.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 import os
 import struct
+import threading
 from typing import Annotated, Any, ClassVar
 
 from kvdepot.config import ConfigError, ConfigStruct, option
@@ -42,31 +52,34 @@ ORPHAN_TTL_S = 600  # parts of a store that never committed expire after this
 _MGET_BYTES = 64 << 20  # read at most this much per round trip on load
 _MAX_PARTS = 1 << 20  # more than this in a manifest means it is damaged
 
-# KEYS: manifest, counter, parts...; ARGV: manifest value, ttl (0: none), meta length.
+# KEYS: manifest, [counter,] parts...; ARGV: manifest value, ttl (0: none), meta length, "1" when KEYS[2]
+# is the counter (one server), "0" when it is not (a cluster: the counter lives in another slot).
 # Returns the previous manifest's meta ("" if there was none); errors if a part vanished.
 _COMMIT = """
 local ttl = tonumber(ARGV[2])
-for i = 3, #KEYS do
+local counted = ARGV[4] == '1'
+local first = counted and 3 or 2
+for i = first, #KEYS do
   if redis.call('EXISTS', KEYS[i]) == 0 then
     return redis.error_reply('KVDEPOT part ' .. KEYS[i] .. ' vanished before commit')
   end
 end
-for i = 3, #KEYS do
+for i = first, #KEYS do
   if ttl > 0 then redis.call('EXPIRE', KEYS[i], ttl + 60) else redis.call('PERSIST', KEYS[i]) end
 end
 local old = redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[3]) - 1)
 if ttl > 0 then redis.call('SET', KEYS[1], ARGV[1], 'EX', ttl) else redis.call('SET', KEYS[1], ARGV[1]) end
-if old == '' then redis.call('INCR', KEYS[2]) end
+if old == '' and counted then redis.call('INCR', KEYS[2]) end
 return old
 """
 
-# KEYS: manifest, counter; ARGV: meta length, expected meta ("" = any).
+# KEYS: manifest, [counter]; ARGV: meta length, expected meta ("" = any).
 # Deletes the manifest (if its meta matches) and returns its meta ("" if nothing was deleted).
 _DROP = """
 local old = redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)
 if old == '' or (ARGV[2] ~= '' and old ~= ARGV[2]) then return '' end
 redis.call('DEL', KEYS[1])
-redis.call('DECR', KEYS[2])
+if #KEYS > 1 then redis.call('DECR', KEYS[2]) end
 return old
 """
 
@@ -75,6 +88,14 @@ INLINE_VALUE_BYTES = 64 << 10  # objects up to this size are stored inside their
 
 
 URL_SCHEMES = ("redis://", "rediss://", "valkey://", "valkeys://", "unix://")
+
+
+class ClusterMode(str, enum.Enum):
+    """Whether the server is a Valkey/Redis Cluster: ``auto`` asks it (``INFO cluster``) at the first connection."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
 
 
 class ValkeyConfig(ConfigStruct, frozen=True, kw_only=True):
@@ -87,10 +108,15 @@ class ValkeyConfig(ConfigStruct, frozen=True, kw_only=True):
     workers: Annotated[int, option("threads running the tier's tasks", ge=1, le=256)] = 2
     socket_timeout_s: Annotated[float, option("a hung server fails an operation after this long", gt=0)] = 5.0
     ttl_s: Annotated[int, option("objects expire after this long; 0: they live until deleted or evicted by maxmemory", ge=0)] = 0
+    cluster: Annotated[ClusterMode, option("Valkey/Redis Cluster: auto asks the server at the first connection; on or off says so")] = (
+        ClusterMode.AUTO
+    )
 
     def _check_together(self) -> None:
         if not self.url.startswith(URL_SCHEMES):
             raise ConfigError(f"url {self.url!r} must start with one of {', '.join(URL_SCHEMES)}")
+        if "{" in self.prefix or "}" in self.prefix:
+            raise ConfigError(f"prefix {self.prefix!r} has a brace: in a cluster it would set every key's hash slot")
 
 
 class ValkeyAdapter(BackendAdapter):
@@ -105,35 +131,68 @@ class ValkeyAdapter(BackendAdapter):
         self._client: Any = None
         self._commit: Any = None
         self._drop: Any = None
+        self._in_cluster = False  # known once connected
+        self._connect_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"ValkeyAdapter({self.name!r}, url={self._config.url!r}, prefix={self._config.prefix!r}, healthy={self._healthy})"
 
-    def start(self) -> None:
+    @property
+    def in_cluster(self) -> bool:
+        """Whether the server is a cluster (False until the first connection)."""
+        return self._in_cluster
+
+    @property
+    def _valkey(self) -> Any:
+        """The client, connected at the first use: a server that is down at start fails that operation
+        (the breaker takes it from there), and ``cluster=auto`` needs the server to answer."""
+        client = self._client
+        if client is None:
+            with self._connect_lock:
+                if self._client is None:
+                    self._connect()
+                client = self._client
+        return client
+
+    def _connect(self) -> None:
         import valkey  # lazily: kvdepot imports without the client installed
 
         cfg = self._config
-        pool = valkey.BlockingConnectionPool.from_url(
-            cfg.url,
-            max_connections=cfg.pool_size,
-            timeout=cfg.socket_timeout_s,  # waiting for a free pooled connection
-            socket_timeout=cfg.socket_timeout_s,
-            socket_connect_timeout=cfg.socket_timeout_s,
-            socket_keepalive=True,
-        )  # no retries: a dead server must fail the operation now, so the tier is marked down
-        self._client = valkey.Valkey(connection_pool=pool)
-        self._commit = self._client.register_script(_COMMIT)
-        self._drop = self._client.register_script(_DROP)
-        super().start()
+        timeouts = {"socket_timeout": cfg.socket_timeout_s, "socket_connect_timeout": cfg.socket_timeout_s, "socket_keepalive": True}
+        in_cluster = cfg.cluster is ClusterMode.ON
+        if cfg.cluster is ClusterMode.AUTO:
+            probe = valkey.Valkey.from_url(cfg.url, **timeouts)
+            try:
+                in_cluster = int(probe.info("cluster").get("cluster_enabled", 0)) == 1
+            finally:
+                probe.close()
+        if in_cluster:
+            from valkey.cluster import ValkeyCluster
+
+            # The library follows MOVED/ASK and, on a connection error, reloads the topology and tries
+            # again a few times: that is what carries an operation across a failover.
+            client = ValkeyCluster.from_url(cfg.url, max_connections=cfg.pool_size, **timeouts)
+        else:
+            pool = valkey.BlockingConnectionPool.from_url(
+                cfg.url, max_connections=cfg.pool_size, timeout=cfg.socket_timeout_s, **timeouts
+            )  # no retries: a dead server must fail the operation now, so the tier is marked down
+            client = valkey.Valkey(connection_pool=pool)
+        self._commit = client.register_script(_COMMIT)
+        self._drop = client.register_script(_DROP)
+        self._in_cluster = in_cluster
+        self._client = client
 
     def _close_backend(self) -> None:
-        if self._client is not None:
-            self._client.connection_pool.disconnect()
-            self._client = None
+        with self._connect_lock:
+            if self._client is not None:
+                self._client.close() if self._in_cluster else self._client.connection_pool.disconnect()
+                self._client = None
 
     # --- names ---------------------------------------------------------------------------------------
 
     def manifest_name(self, key: ObjectKey) -> bytes:
+        if self._in_cluster:  # the hash tag: manifest and parts in one slot
+            return self._prefix + b"{" + key.hex().encode() + b"}"
         return self._prefix + key.hex().encode()
 
     def part_names(self, key: ObjectKey, meta: bytes) -> list[bytes]:
@@ -145,6 +204,7 @@ class ValkeyAdapter(BackendAdapter):
     # --- primitives ----------------------------------------------------------------------------------
 
     def _put(self, key: ObjectKey, payload: memoryview) -> None:
+        client = self._valkey  # connected first: the names depend on whether the server is a cluster
         data = memoryview(payload).cast("B")
         head = envelope.encode_header(key, data)
         gen = os.urandom(8)
@@ -160,17 +220,23 @@ class ValkeyAdapter(BackendAdapter):
             nparts = math.ceil(data.nbytes / self._part_bytes)
             meta = _META.pack(_META_MAGIC, nparts, self._part_bytes, gen)
             parts = self.part_names(key, meta)
-            pipe = self._client.pipeline(transaction=False)
+            pipe = client.pipeline(transaction=False)
             for i, name in enumerate(parts):
                 pipe.set(name, data[i * self._part_bytes : (i + 1) * self._part_bytes], ex=ORPHAN_TTL_S)
             pipe.execute()
             value = meta + head
-        old = self._commit(keys=[mkey, self._counter, *parts], args=[value, ttl, _META.size])
+        if self._in_cluster:
+            old = self._commit(keys=[mkey, *parts], args=[value, ttl, _META.size, 0], client=client)
+            if not old:
+                client.incr(self._counter)
+        else:
+            old = self._commit(keys=[mkey, self._counter, *parts], args=[value, ttl, _META.size, 1], client=client)
         if old and old != meta:
             self._delete_parts(key, old)
 
     def _get_into(self, key: ObjectKey, dest: memoryview) -> bool:
-        raw = self._client.get(self.manifest_name(key))
+        client = self._valkey
+        raw = client.get(self.manifest_name(key))
         if raw is None:
             return False
         meta, nparts, part_bytes = _parse_meta(raw)
@@ -191,7 +257,7 @@ class ValkeyAdapter(BackendAdapter):
         per_round = max(1, _MGET_BYTES // part_bytes)
         pos = 0
         for first in range(0, nparts, per_round):
-            for value in self._client.mget(names[first : first + per_round]):
+            for value in client.mget(names[first : first + per_round]):  # one slot: one node, even in a cluster
                 if value is None:  # evicted or deleted behind our back: a miss; drop the broken manifest
                     self._drop_object(key, meta)
                     return False
@@ -206,7 +272,7 @@ class ValkeyAdapter(BackendAdapter):
     def _contains(self, keys: list[ObjectKey]) -> list[bool]:
         if not keys:
             return []
-        pipe = self._client.pipeline(transaction=False)
+        pipe = self._valkey.pipeline(transaction=False)
         for key in keys:
             pipe.exists(self.manifest_name(key))
         return [bool(n) for n in pipe.execute()]
@@ -217,35 +283,45 @@ class ValkeyAdapter(BackendAdapter):
     def _clear(self) -> int:
         """Every key under our prefix (manifests, parts and the counter) goes; another prefix's keys,
         or the rest of the server's, are never touched."""
-        count = int(self._client.get(self._counter) or 0)
+        client = self._valkey
+        count = int(client.get(self._counter) or 0)
         batch: list[bytes] = []
-        for name in self._client.scan_iter(match=_glob_escape(self._prefix) + b"*", count=1000):
+        for name in client.scan_iter(match=_glob_escape(self._prefix) + b"*", count=1000):  # every primary, in a cluster
             batch.append(name)
             if len(batch) >= 512:
-                self._client.unlink(*batch)
+                client.unlink(*batch)  # split by slot in a cluster
                 batch.clear()
         if batch:
-            self._client.unlink(*batch)
+            client.unlink(*batch)
         return max(0, count)
 
     def _usage(self) -> tuple[int, int, int]:
         """(server used_memory, server maxmemory or 0, manifests under our prefix). Memory figures are
-        the whole server's; the object count is a counter that misses TTL expiry and server-side
-        eviction, so it is reported as 0 (unknown) when ``ttl_s`` is set."""
-        if self._client is None or not self._healthy:
+        the whole server's (in a cluster, summed over its primaries); the object count is a counter that
+        misses TTL expiry and server-side eviction, so it is reported as 0 (unknown) when ``ttl_s`` is set."""
+        if not self._healthy:
             return 0, 0, 0  # never block a status call on a tier that is down
-        pipe = self._client.pipeline(transaction=False)
-        pipe.get(self._counter)
-        pipe.info("memory")
-        count, info = pipe.execute()
+        client = self._valkey
+        count = client.get(self._counter)
+        if self._in_cluster:
+            per_node = client.info("memory", target_nodes=type(client).PRIMARIES)
+            infos = list(per_node.values()) if per_node and all(isinstance(v, dict) for v in per_node.values()) else [per_node]
+        else:
+            infos = [client.info("memory")]
         objects = max(0, int(count or 0)) if self._config.ttl_s == 0 else 0
-        return int(info.get("used_memory", 0)), int(info.get("maxmemory", 0)), objects
+        return sum(int(i.get("used_memory", 0)) for i in infos), sum(int(i.get("maxmemory", 0)) for i in infos), objects
 
     # --- helpers -------------------------------------------------------------------------------------
 
     def _drop_object(self, key: ObjectKey, expected_meta: bytes) -> None:
         """Delete the manifest first (the object is gone from then on), then its parts."""
-        old = self._drop(keys=[self.manifest_name(key), self._counter], args=[_META.size, expected_meta])
+        client = self._valkey
+        if self._in_cluster:
+            old = self._drop(keys=[self.manifest_name(key)], args=[_META.size, expected_meta], client=client)
+            if old:
+                client.decr(self._counter)
+        else:
+            old = self._drop(keys=[self.manifest_name(key), self._counter], args=[_META.size, expected_meta], client=client)
         if old:
             self._delete_parts(key, old)
 
@@ -256,13 +332,14 @@ class ValkeyAdapter(BackendAdapter):
             return  # unreadable meta: its parts cannot be named (if it had any, they are orphaned)
         names = self.part_names(key, meta)
         for first in range(0, len(names), 512):
-            self._client.delete(*names[first : first + 512])
+            self._valkey.delete(*names[first : first + 512])
 
     def corrupt_for_test(self, key: ObjectKey, offset: int) -> None:
         """Flip one byte of the stored envelope (header + key + payload; ``offset`` counts from its
         start, as in the memory tier), wherever it lives: the manifest or a part."""
+        client = self._valkey
         mkey = self.manifest_name(key)
-        raw = self._client.get(mkey)
+        raw = client.get(mkey)
         if raw is None:
             raise KeyError(key)
         meta, nparts, part_bytes = _parse_meta(raw)
@@ -272,10 +349,10 @@ class ValkeyAdapter(BackendAdapter):
         else:
             payload_off = offset - inline
             name, at = self.part_names(key, meta)[payload_off // part_bytes], payload_off % part_bytes
-        byte = self._client.getrange(name, at, at)
+        byte = client.getrange(name, at, at)
         if len(byte) != 1:
             raise IndexError(f"offset {offset} is past the object's end")
-        self._client.setrange(name, at, bytes([byte[0] ^ 0xFF]))
+        client.setrange(name, at, bytes([byte[0] ^ 0xFF]))
 
 
 def _parse_meta(raw: bytes) -> tuple[bytes, int, int]:

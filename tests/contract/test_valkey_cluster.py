@@ -1,0 +1,112 @@
+"""What only a Valkey Cluster adds to the valkey tier (the contract suite runs over the cluster too):
+one object's keys in one hash slot, objects spread over every primary, and a primary's failover that
+loses no replicated object and leaves the tier serving again. Real clusters of valkey-server processes
+(3 primaries, a replica each) on loopback, formed with the cluster's own commands."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from kvdepot.storage.l2.valkey_adapter import ValkeyAdapter
+
+from support.backends import ValkeyCluster, short_tmpdir, start_valkey_cluster, valkey_config
+
+from .test_remote_adapters import RETRY_WAIT_S, load, lookup, new_key, store, wait_until_serving
+
+MiB = 1 << 20
+
+
+def raw_cluster(cluster: ValkeyCluster):
+    from valkey.cluster import ValkeyCluster as Client
+
+    return Client.from_url(cluster.url)
+
+
+def payloads(n: int, big_every: int = 2) -> dict[bytes, bytes]:
+    """``n`` objects; every ``big_every``-th is 2.5 MiB (three parts of 1 MiB), the rest fit in a manifest."""
+    return {new_key(): os.urandom(int(2.5 * MiB) if i % big_every == 0 else 20_000) for i in range(n)}
+
+
+def test_an_objects_keys_share_one_slot_and_objects_spread_over_every_primary(valkey_cluster) -> None:
+    adapter = ValkeyAdapter("cl", valkey_config(valkey_cluster.url, max_value_mib=1))
+    adapter.start()
+    raw = raw_cluster(valkey_cluster)
+    try:
+        objects = payloads(24)
+        for key, value in objects.items():
+            assert store(adapter, key, value).value == [True]
+        assert adapter.in_cluster  # cluster=auto asked the server
+        owners = set()
+        for key, value in objects.items():
+            manifest = adapter.manifest_name(key)
+            names = [n for n in raw.scan_iter(match=manifest + b"*") if n.startswith(manifest)]
+            assert manifest in names and len(names) == (4 if len(value) > MiB else 1), names  # manifest + 3 parts
+            slots = {raw.keyslot(n) for n in names}
+            assert len(slots) == 1, f"an object's keys in {len(slots)} slots"
+            owners.add(raw.get_node_from_key(manifest).name)
+            result, got = load(adapter, key, len(value))
+            assert result.value == [True] and got == value
+        assert len(owners) == valkey_cluster.primaries, f"objects on {len(owners)} of {valkey_cluster.primaries} primaries"
+        assert lookup(adapter, list(objects)).value == len(objects)
+        usage = adapter.usage()
+        assert usage.objects == len(objects) and usage.used_bytes > 0
+    finally:
+        adapter.close()
+        raw.close()
+
+
+def test_cluster_off_on_a_cluster_is_a_failing_tier_never_wrong_bytes(valkey_cluster) -> None:
+    """Told it is one server, the adapter's multi-key script meets keys of other nodes: each such store
+    fails (counted, the tier marked down), and nothing it reads is wrong."""
+    adapter = ValkeyAdapter("off", valkey_config(valkey_cluster.url, cluster="off", max_value_mib=1))
+    adapter.start()
+    try:
+        outcomes = [store(adapter, key, value).ok for key, value in payloads(6).items()]
+        assert not all(outcomes)
+        assert adapter.usage().failures >= 1 and not adapter.in_cluster
+    finally:
+        adapter.close()
+
+
+@pytest.fixture
+def own_cluster():
+    workdir = short_tmpdir("vkfail")
+    cluster = start_valkey_cluster(workdir)
+    yield cluster
+    cluster.stop()
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_a_failover_loses_no_replicated_object_and_the_tier_serves_again(own_cluster) -> None:
+    adapter = ValkeyAdapter("fo", valkey_config(own_cluster.url, max_value_mib=1, socket_timeout_s=1.0))
+    adapter.start()
+    raw = raw_cluster(own_cluster)
+    try:
+        objects = payloads(18, big_every=3)
+        for key, value in objects.items():
+            assert store(adapter, key, value).value == [True]
+        own_cluster.wait_replicated()
+        # SIGKILL the primary that holds the most of them: its replica has to take over
+        by_port: dict[int, int] = {}
+        for key in objects:
+            port = raw.get_node_from_key(adapter.manifest_name(key)).port
+            by_port[port] = by_port.get(port, 0) + 1
+        victim = next(n for n in own_cluster.nodes if n.port == max(by_port, key=by_port.get))
+        victim.kill()
+        own_cluster.wait_failed_over(victim)
+
+        took = wait_until_serving(adapter, new_key(), os.urandom(3 * MiB))
+        assert took < RETRY_WAIT_S
+        for key, value in objects.items():
+            result, got = load(adapter, key, len(value))
+            assert result.value == [True], f"an object on the failed primary (port {victim.port}) was lost"
+            assert got == value
+        for key, value in payloads(6).items():  # new objects land, on the promoted replica too
+            assert store(adapter, key, value).value == [True]
+            assert load(adapter, key, len(value))[1] == value
+    finally:
+        adapter.close()
+        raw.close()
