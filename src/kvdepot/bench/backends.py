@@ -233,17 +233,21 @@ class ValkeyCluster:
         self._wait(caught_up, "the replicas to catch up", timeout_s)
 
     def wait_failed_over(self, dead: ValkeyServer, timeout_s: float = 30.0) -> None:
-        """Until a surviving node sees ``dead`` as failed and the cluster as ok again (a replica promoted)."""
+        """Until every surviving node sees ``dead`` as failed and the cluster as ok again (a replica
+        promoted): a client that asks any of them for the slot map then gets the new one."""
         import valkey
 
         alive = [n for n in self.nodes if n is not dead and n.proc is not None and n.proc.poll() is None]
 
-        def promoted() -> bool:
-            with valkey.Valkey(port=alive[0].port, socket_timeout=2) as c:
+        def sees_it(node: ValkeyServer) -> bool:
+            with valkey.Valkey(port=node.port, socket_timeout=2) as c:
                 nodes = _cluster_nodes(c)
                 ok = _cluster_state(c) == "ok"
             gone = [line for line in nodes if f":{dead.port}@" in line]
             return ok and bool(gone) and "fail" in gone[0].split()[2]
+
+        def promoted() -> bool:
+            return all(sees_it(n) for n in alive)
 
         self._wait(promoted, f"a replica to take over from the primary on port {dead.port}", timeout_s)
 
