@@ -20,7 +20,14 @@ cache no longer holds it" case that an external cache is for): a hit can only co
 and configuration (a) recomputes everything. A *miss* is a request's first sight of its document or
 history (QA question 1, chat round 1), a *hit* every later request.
 
-    .venv/bin/python benchmarks/vllm_ttft.py [--quick] [--configs none,kvdepot,lmcache] [--json out.json]
+The floor (``--floor N``, on by default): in one engine with kvdepot, N fresh documents, each asked
+once cold, then again served by vLLM's *own* prefix cache (no reset), and again after a reset, served by
+kvdepot: the two hits of the same prompt, in alternating order, so drift hits both alike. A kvdepot hit
+can cost no less than vLLM's own; the table gives their ratio, the connector's load split (from its INFO
+lines: the server's answer, the copy into vLLM's blocks) and the load's effective bandwidth next to a
+memcpy of the same bytes measured in the same run.
+
+    .venv/bin/python benchmarks/vllm_ttft.py [--quick] [--configs none,kvdepot,lmcache] [--floor N] [--json out.json]
 
 Needs vLLM (scripts/install-vllm.sh). Times are those of a shared CPU machine: the load average at the
 start and the end is printed with the table.
@@ -32,6 +39,7 @@ import argparse
 import json
 import os
 import random
+import re
 import socket
 import statistics
 import subprocess
@@ -205,6 +213,113 @@ def run_workloads(engine: Engine, s: Scale, rep: int = 0) -> list[Record]:
     return recs
 
 
+LOAD_LINE = re.compile(  # the vLLM worker's INFO line for each load
+    r"kvdepot: \S+ loaded (\d+) chunks \(([\d.]+) MiB\) in ([\d.]+) ms: retrieve ([\d.]+) ms, copy into blocks ([\d.]+) ms"
+)
+
+
+def memcpy_s(nbytes: int, repeats: int = 7) -> float:
+    """One single-threaded copy of ``nbytes`` at this machine's memory bandwidth (over >= 128 MiB of
+    touched buffers, so a small size does not get the speed of the CPU's caches)."""
+    import numpy as np
+
+    size = max(nbytes, 128 << 20)
+    src = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+    dst = np.ones_like(src)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * nbytes / size
+
+
+@dataclass
+class FloorRecord:
+    doc: int
+    kind: str  # "cold" | "own" (vLLM's prefix cache) | "kvdepot"
+    prompt_len: int
+    ttft_s: float
+    cached: int
+    out: list[int]
+    load_ms: float = 0.0  # the connector's load (kvdepot hits): total, the server's answer, the copy
+    retrieve_ms: float = 0.0
+    copy_ms: float = 0.0
+    loaded_mib: float = 0.0
+
+
+def run_floor(model: TinyModel, s: Scale, work: Path, docs: int) -> list[FloorRecord]:
+    """kvdepot hit vs vLLM's own prefix-cache hit of the same prompt, in one engine, interleaved."""
+    wd = work / "floor"
+    wd.mkdir(parents=True, exist_ok=True)
+    server = ServerProcess(
+        args=["--chunk-size", str(CHUNK), "--l1-size-gb", "2", "--log-level", "warning"],
+        http_port=free_port(), env={"OMP_NUM_THREADS": "1"}, log_path=str(wd / "kvdepot-server.log"),
+    ).start()  # fmt: skip
+    engine = Engine(
+        model, connector_config(server.url, chunk_size=CHUNK, model_name=MODEL_NAME), wd, name="engine-floor",
+        max_model_len=s.max_model_len, llm_kwargs={"max_num_batched_tokens": s.max_model_len}, kvcache_gb=2,
+        env_extra={"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    recs: list[FloorRecord] = []
+
+    def rec(doc: int, kind: str, prompt: list[int]) -> None:
+        start = engine.log_path.stat().st_size if engine.log_path.exists() else 0
+        o = engine.one(prompt, MAX_TOKENS, reset_prefix_cache=kind != "own")
+        r = FloorRecord(doc, kind, len(prompt), o["ttft_s"] or o["seconds"], o["num_cached_tokens"], o["token_ids"])
+        time.sleep(0.05)  # the worker's log line is written before the step returns; let it reach the file
+        with open(engine.log_path, "rb") as f:
+            f.seek(start)
+            for m in LOAD_LINE.finditer(f.read().decode(errors="replace")):
+                r.loaded_mib += float(m[2])
+                r.load_ms += float(m[3])
+                r.retrieve_ms += float(m[4])
+                r.copy_ms += float(m[5])
+        recs.append(r)
+
+    try:
+        engine.start(timeout_s=600)
+        warm_up(engine, s)
+        rng = random.Random(4242)
+        for d in range(docs):
+            prompt = words(rng, s.doc_lengths[0]) + words(rng, s.question_len)
+            rec(d, "cold", prompt)
+            for kind in ("own", "kvdepot") if d % 2 == 0 else ("kvdepot", "own"):
+                rec(d, kind, prompt)
+    finally:
+        engine.close()
+        server.stop()
+    return recs
+
+
+def report_floor(recs: list[FloorRecord]) -> dict:
+    by = {k: [r for r in recs if r.kind == k] for k in ("cold", "own", "kvdepot")}
+    cold, own, kvd = (statistics.median(r.ttft_s for r in by[k]) for k in ("cold", "own", "kvdepot"))
+    load = {k: statistics.median(getattr(r, k) for r in by["kvdepot"]) for k in ("load_ms", "retrieve_ms", "copy_ms", "loaded_mib")}
+    nbytes = int(load["loaded_mib"] * 2**20)
+    floor = memcpy_s(nbytes) if nbytes else 0.0
+    extra = kvd - own
+    same = sum(a.out == b.out for a, b in zip(by["own"], by["kvdepot"]))
+    print(f"### the floor: a kvdepot hit vs vLLM's own prefix-cache hit of the same prompt ({len(by['cold'])} documents of "
+          f"{by['cold'][0].prompt_len} tokens, same engine, alternating order)\n")  # fmt: skip
+    print("| served by | TTFT p50 (ms) | / vLLM's own hit | tokens not computed |")
+    print("|---|---:|---:|---:|")
+    print(f"| nothing (cold) | {cold * 1e3:.0f} | {cold / own:.2f} | 0 |")
+    print(f"| vLLM's own prefix cache | {own * 1e3:.0f} | 1.00 | {statistics.median(r.cached for r in by['own']):.0f} |")
+    print(f"| kvdepot | {kvd * 1e3:.0f} | **{kvd / own:.2f}** (target <= 1.1) | {statistics.median(r.cached for r in by['kvdepot']):.0f} |")
+    print()
+    print(f"- kvdepot's load in the worker: {load['load_ms']:.1f} ms for {load['loaded_mib']:.1f} MiB: the server's answer "
+          f"{load['retrieve_ms']:.1f} ms, the copy into vLLM's blocks {load['copy_ms']:.1f} ms; one memcpy of the same bytes "
+          f"{floor * 1e3:.1f} ms (copy / memcpy {load['copy_ms'] / 1e3 / floor:.2f})" if floor else "- no load was logged")  # fmt: skip
+    if floor and extra > 0:
+        gbps = nbytes / extra / 1e9
+        print(f"- a kvdepot hit costs {extra * 1e3:.0f} ms more than vLLM's own: {gbps:.2f} GB/s effective for the bytes it brings "
+              f"= {extra and floor / extra:.2f} x memcpy (target >= 0.5); the load itself is "
+              f"{load['load_ms'] / (extra * 1e3):.0%} of that")  # fmt: skip
+    print(f"- the two hits gave the same greedy tokens in {same}/{len(by['own'])} documents\n")
+    return {"cold_s": cold, "own_s": own, "kvdepot_s": kvd, "ratio": kvd / own, "memcpy_s": floor, **load}
+
+
 def run_config(name: str, model: TinyModel, s: Scale, work: Path, repeats: int) -> list[Record]:
     wd = work / name
     wd.mkdir(parents=True, exist_ok=True)
@@ -287,6 +402,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller model and prompts (4 layers, hidden 512, 1-2k-token docs)")
     ap.add_argument("--configs", default="none,kvdepot,lmcache")
     ap.add_argument("--repeats", type=int, default=1, help="run the workloads this many times, with fresh prompts each time")
+    ap.add_argument("--floor", type=int, default=4, help="documents for the kvdepot-hit vs vLLM's-own-hit comparison (0: none)")
     ap.add_argument("--json", help="write every request's record here")
     ap.add_argument("--workdir", help="keep logs here (default: a fresh temporary dir)")
     args = ap.parse_args()
@@ -298,8 +414,15 @@ def main() -> None:
     t_start = time.monotonic()
     model = make_tiny_model(work / "model", s.shape)
 
+    floor: list[FloorRecord] = []
+    if args.floor:
+        print(f"[{time.monotonic() - t_start:6.0f}s] floor ...", flush=True)
+        floor = run_floor(model, s, work, args.floor)
+        for r in floor:
+            print(f"  doc{r.doc} {r.kind:7} len={r.prompt_len:5} cached={r.cached:5} ttft={1000 * r.ttft_s:7.0f} ms "
+                  f"load={r.load_ms:6.1f} ms", flush=True)  # fmt: skip
     results: dict[str, list[Record] | str] = {}
-    for name in args.configs.split(","):
+    for name in [c for c in args.configs.split(",") if c]:
         print(f"[{time.monotonic() - t_start:6.0f}s] {name} ...", flush=True)
         try:
             results[name] = run_config(name, model, s, work, args.repeats)
@@ -333,6 +456,7 @@ def main() -> None:
             f"{sm['throughput']:.0f} | {sm['hit_tokens']}/{sm['hit_prompt_tokens']} |"
         )
     print()
+    floor_summary = report_floor(floor) if floor else None
 
     # --- targets
     first_len = s.doc_lengths[0]
@@ -368,7 +492,8 @@ def main() -> None:
         Path(args.json).write_text(
             json.dumps(
                 {n: (r if isinstance(r, str) else [vars(x) for x in r]) for n, r in results.items()}
-                | {"summary": sums, "load_start": load_start, "load_end": load_end, "quick": args.quick},
+                | {"summary": sums, "floor": [vars(r) for r in floor], "floor_summary": floor_summary}
+                | {"load_start": load_start, "load_end": load_end, "quick": args.quick},
                 indent=1,
             )
         )

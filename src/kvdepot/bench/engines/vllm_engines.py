@@ -270,9 +270,10 @@ class Engine:
     def generate(self, prompts: list[list[int]], max_tokens: int = 16, salt: str = "") -> dict:
         return self.call({"op": "generate", "prompts": [{"ids": p, "salt": salt} for p in prompts], "max_tokens": max_tokens})
 
-    def one(self, prompt: list[int], max_tokens: int = 16) -> dict:
-        """Reset vLLM's own prefix cache, then one request alone: its output, with ``seconds``."""
-        self.call({"op": "reset_prefix_cache"})
+    def one(self, prompt: list[int], max_tokens: int = 16, reset_prefix_cache: bool = True) -> dict:
+        """Reset vLLM's own prefix cache (unless told not to), then one request alone: its output, with ``seconds``."""
+        if reset_prefix_cache:
+            self.call({"op": "reset_prefix_cache"})
         r = self.generate([prompt], max_tokens)
         return {**r["outputs"][0], "seconds": r["seconds"]}
 

@@ -156,10 +156,20 @@ class WorkerSide:
                 job.wait(index)
 
     def load(self, op: LoadOp) -> None:
-        """Scatter the chunks of ``op`` into their blocks; blocks left unwritten become load errors."""
+        """Scatter the chunks of ``op`` into their blocks; blocks left unwritten become load errors.
+        Logged at INFO with its time: the server's answer (views of the chunks) and the copy into the
+        blocks, apart."""
+        t0 = time.perf_counter()
+        copied = 0
         with self.retrieve(op) as views:
+            t1 = time.perf_counter()
             for i, view in enumerate(views):
                 self._scatter(op, i, view)
+                copied += view.nbytes
+            t2 = time.perf_counter()
+        if views:
+            log.info("kvdepot: %s loaded %d chunks (%.1f MiB) in %.1f ms: retrieve %.1f ms, copy into blocks %.1f ms",
+                     op.req_id, len(views), copied / 2**20, (time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3, (t2 - t1) * 1e3)  # fmt: skip
 
     @contextmanager
     def retrieve(self, op: LoadOp) -> Iterator[list[np.ndarray]]:
