@@ -380,8 +380,9 @@ def test_worker_saves_and_loads_blocks_exactly(server, transport, mode):
 
 
 def test_chunks_in_the_standard_layout(server):
-    """What the worker stores is real per-token K and V (``[K, L, T, H, D]``): the same bytes vLLM's own
-    CPU kernel was given, so any engine with this model and layout can read them."""
+    """With ``cpu_kv_layout="shared"`` what the worker stores is real per-token K and V
+    (``[K, L, T, H, D]``): the same bytes vLLM's own CPU kernel was given, so any engine with this model
+    and layout can read them."""
     import torch
     from vllm import _custom_ops as ops_
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
@@ -393,13 +394,34 @@ def test_chunks_in_the_standard_layout(server):
     for i, cache in enumerate(caches.values()):
         kc, vc = cache.view(12, H, 2 * BS, D).chunk(2, dim=2)
         ops_.cpu_attn_reshape_and_cache(keys[i], values[i], kc, vc, slots, _get_attn_isa(torch.float32, BS, D))
-    w = worker(server.url, caches)
+    w = worker(server.url, caches, cpu_kv_layout="shared")
+    assert w.model_id == MODEL
     toks = tokens(CS + 1)
     save, _ = ops(toks, 1, [4], [0])
     w.wait_for_save(meta(saves=[save]))
     with KVClient(server.url, MODEL, layout("float32"), options=ClientOptions(chunk_size=CS)) as c:
         chunk = c.retrieve(toks)
     assert np.array_equal(chunk[0], keys.numpy()) and np.array_equal(chunk[1], values.numpy())
+    w.shutdown()
+
+
+def test_chunks_in_vllms_own_layout_by_default(server):
+    """The default (``native``) stores each block's halves as vLLM's cache holds them, head by head,
+    under a model id of their own, so no engine that reads per-token K/V is ever handed them."""
+    caches = cpu_caches(seed=9, dtype="float32")
+    w = worker(server.url, caches)
+    assert w.model_id.startswith(MODEL + "@vllm-cpu-") and w.model_id.endswith("-native")
+    toks = tokens(CS + 1)
+    save, _ = ops(toks, 1, [4], [0])
+    w.wait_for_save(meta(saves=[save]))
+    with KVClient(server.url, MODEL, layout("float32"), options=ClientOptions(chunk_size=CS)) as c:
+        assert c.lookup(toks) == 0  # not under the plain model name
+    with KVClient(server.url, w.model_id, layout("float32"), options=ClientOptions(chunk_size=CS)) as c:
+        chunk = c.retrieve(toks)
+    for i, cache in enumerate(caches.values()):
+        halves = cache.numpy()[4].reshape(H, 2, BS * D)  # block 4: per head, its K half then its V half
+        assert np.array_equal(chunk[0, i].reshape(H, BS * D), halves[:, 0])
+        assert np.array_equal(chunk[1, i].reshape(H, BS * D), halves[:, 1])
     w.shutdown()
 
 
@@ -419,8 +441,9 @@ def test_chunks_gone_before_the_load_become_load_errors(server):
     src, dst = cpu_caches(seed=4), cpu_caches()
     toks = tokens(3 * CS + 1)
     save, load = ops(toks, 3, [1, 2, 3], [4, 5, 6])
-    worker(server.url, src).wait_for_save(meta(saves=[save]))
-    with KVClient(server.url, MODEL, layout("bfloat16"), options=ClientOptions(chunk_size=CS)) as c:
+    saver = worker(server.url, src)
+    saver.wait_for_save(meta(saves=[save]))
+    with KVClient(server.url, saver.model_id, layout("bfloat16"), options=ClientOptions(chunk_size=CS)) as c:
         c.clear()
         kv = np.zeros(layout("bfloat16").chunk_shape(CS), dtype=np.uint16)
         assert c.store(toks[:CS], kv, raw=True) == CS  # only the first chunk is back

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvdepot import ClientOptions, KVClient, KVLayout
-from kvdepot.bench.engines.vllm_engines import BLOCK, MODEL_NAME, ApiServer, Engine, connector_config, expected_hit, make_prompts
+from kvdepot.bench.engines.vllm_engines import BLOCK, ApiServer, Engine, connector_config, engine_model_id, expected_hit, make_prompts
 
 pytestmark = pytest.mark.timeout(600)  # engine start-ups count against the test that needs them
 
@@ -90,7 +90,7 @@ def test_tampered_chunks_change_the_tokens(tiny_model, cold_run, hit_engine, ser
     the same hit, and different tokens -- so the loaded KV really is what the engine attends to."""
     layout = KVLayout(tiny_model.num_layers, tiny_model.num_kv_heads, tiny_model.head_dim, tiny_model.dtype)
     victim, donor = prompts[1], prompts[2]  # 1000 tokens (7 chunks are loaded), 1024 tokens
-    with KVClient(server.url, MODEL_NAME, layout, options=ClientOptions(chunk_size=BLOCK)) as c:
+    with KVClient(server.url, engine_model_id(tiny_model), layout, options=ClientOptions(chunk_size=BLOCK)) as c:
         other = c.retrieve(donor)
         n = len(c.hashes(victim))
         assert other.shape[2] >= n * BLOCK

@@ -2,9 +2,9 @@
 
 - Different models: each engine stores and hits its own pages, neither sees the other's, and neither
   slows the other into errors.
-- The same model, named alike, with SGLang's page = vLLM's chunk (128 tokens) and the same KV layout
-  (float32 here): a prefix computed by one engine is loaded by the other. The page keys and chunk hashes
-  agree, and so do the objects.
+- The same model, named alike, with SGLang's page = vLLM's chunk (128 tokens), the same KV layout
+  (float32 here) and vLLM's ``cpu_kv_layout="shared"``: a prefix computed by one engine is loaded by the
+  other. The page keys and chunk hashes agree, and so do the objects.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from support.servers import wait_until
 
 @pytest.fixture(scope="module")
 def vllm(server, tiny_model, workdir):
-    with Engine(tiny_model, connector_config(server.url), workdir, name="vllm-beside-sglang") as engine:
+    # cpu_kv_layout=shared: per-token K/V, the objects SGLang reads (the default, native, is vLLM's own layout)
+    with Engine(tiny_model, connector_config(server.url, cpu_kv_layout="shared"), workdir, name="vllm-beside-sglang") as engine:
         yield engine
 
 

@@ -114,6 +114,16 @@ def expected_hit(prompt_len: int, block: int = BLOCK) -> int:
     return (prompt_len - 1) // block * block
 
 
+def engine_model_id(model: TinyModel, model_name: str = MODEL_NAME, cpu_kv_layout: str = "native") -> str:
+    """The model part of the keys the connector of an engine running ``model`` on vLLM's CPU backend
+    uses: ``model_name`` plus the suffix of its chunk format (``paged_layout.CacheFormat``), for a plain
+    ``KVClient`` that reads or writes the engine's chunks."""
+    from kvdepot.connectors.vllm.paged_layout import choose_format, probe_cpu_layout
+
+    probed = probe_cpu_layout(f"torch.{model.dtype}", BLOCK, model.head_dim)
+    return model_name + choose_format(probed, cpu_kv_layout).model_suffix
+
+
 def connector_config(url: str, chunk_size: int = BLOCK, model_name: str = MODEL_NAME, **extra) -> dict:
     """``--kv-transfer-config`` for the kvdepot connector, as a user writes it."""
     return {

@@ -7,6 +7,7 @@ from typing import Annotated
 
 from kvdepot.config import option
 from kvdepot.connectors.common import ClientSettings
+from kvdepot.connectors.vllm.paged_layout import CpuKVLayout
 
 DEFAULT_CHUNK_TOKENS = 256
 
@@ -23,6 +24,10 @@ class ConnectorConfig(ClientSettings, frozen=True, kw_only=True):
     prefetch_timeout_s: Annotated[
         float, option("how long a request may wait for the server's L2 prefetch before it is served without the hit", gt=0)
     ] = 30.0
+    cpu_kv_layout: Annotated[
+        CpuKVLayout,
+        option("vLLM on CPU: native (vLLM's own block layout, copies at memcpy speed) or shared (per-token K/V that SGLang reads too)"),
+    ] = CpuKVLayout.NATIVE
     debug_load_delay_s: Annotated[float, option("for tests: sleep this long inside every load, holding its locks", ge=0)] = 0.0
     debug_dump_dir: Annotated[
         str, option("for tests: write what each step's loads left in vLLM's paged cache (and what saves stored) here")

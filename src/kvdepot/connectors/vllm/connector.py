@@ -45,7 +45,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvdepot.connectors.common import ensure_logging
 from kvdepot.connectors.vllm.config import ConnectorConfig
 from kvdepot.connectors.vllm.metadata import KVDepotConnectorMetadata
-from kvdepot.connectors.vllm.paged_layout import make_layout, probe_cpu_layout
+from kvdepot.connectors.vllm.paged_layout import choose_format, make_layout, probe_cpu_layout
 from kvdepot.connectors.vllm.scheduler import SchedulerSide
 from kvdepot.connectors.vllm.worker import WorkerSide
 
@@ -93,7 +93,7 @@ class KVDepotConnector(KVConnectorBase_V1):
             if len(groups) != 1:
                 raise NotImplementedError(f"kvdepot supports one KV cache group, got {len(groups)}")
             spec = groups[0].kv_cache_spec
-            fmt = probe_cpu_layout(str(spec.dtype), block_size, spec.head_size, cache_dtype)
+            fmt = choose_format(probe_cpu_layout(str(spec.dtype), block_size, spec.head_size, cache_dtype), self.config.cpu_kv_layout)
             layout = make_layout(len(groups[0].layer_names), spec.num_kv_heads, spec.head_size, spec.dtype)
             self._scheduler = SchedulerSide(self.config, model + fmt.model_suffix, layout, block_size, world_size=tp)
         else:

@@ -40,7 +40,7 @@ from kvdepot.client.client import KVClient
 from kvdepot.connectors.common import Breakers, Direction, FailureTally, ResilientClient
 from kvdepot.connectors.vllm.config import ConnectorConfig
 from kvdepot.connectors.vllm.metadata import KVDepotConnectorMetadata, KVDepotWorkerMetadata, LoadOp, SaveOp
-from kvdepot.connectors.vllm.paged_layout import PagedKV, make_layout, probe_cpu_layout
+from kvdepot.connectors.vllm.paged_layout import PagedKV, choose_format, make_layout, probe_cpu_layout
 from kvdepot.errors import ErrorCode, KVDepotError
 from kvdepot.types import SlotStatus
 
@@ -89,7 +89,7 @@ class WorkerSide:
         if block_size != self.block_size:
             raise NotImplementedError(f"kernel block size {block_size} differs from the scheduler's {self.block_size}")
         head_size = fused // 2
-        fmt = probe_cpu_layout(str(first.dtype), block_size, head_size, self.cache_dtype)
+        fmt = choose_format(probe_cpu_layout(str(first.dtype), block_size, head_size, self.cache_dtype), self.config.cpu_kv_layout)
         self.paged = PagedKV([kv_caches[n] for n in names], block_size, head_size, fmt)
         self.layer_index = {n: i for i, n in enumerate(names)}
         self._layout = make_layout(len(names), heads, head_size, first.dtype)
@@ -121,6 +121,11 @@ class WorkerSide:
             self._layerwise.join()
         if self._resilient is not None:
             self._resilient.close()
+
+    @property
+    def model_id(self) -> str:
+        """The model part of this worker's keys: ``model_name`` plus its chunk format's suffix."""
+        return self._model_id
 
     @property
     def client(self) -> KVClient | None:
