@@ -47,6 +47,7 @@ from kvdepot.bench.engines import sglang_probe
 from kvdepot.bench.engines.sglang_engines import PAGE, SGLangServer, backend_config, storage_tokens
 from kvdepot.bench.engines.vllm_engines import FIRST_WORD, VOCAB, ModelShape, make_tiny_model
 from kvdepot.bench.serverproc import ServerProcess, free_port
+from kvdepot.bench.stats import memcpy_seconds
 
 
 @dataclass(frozen=True)
@@ -69,21 +70,6 @@ SPLIT = ("l3.lookup", "l3.read", "h2d", "forward.extend")
 
 def kv_bytes_per_token(shape: ModelShape) -> int:
     return 2 * shape.layers * shape.kv_heads * (shape.hidden // shape.heads) * 2
-
-
-def memcpy_s(nbytes: int, repeats: int = 7) -> float:
-    """How long one single-threaded copy of ``nbytes`` takes at this machine's memory bandwidth (the floor
-    of any read of them): measured over at least 128 MiB between touched buffers, so that a small KV does
-    not get the speed of a copy that stays in the CPU's caches (a hit's KV was written long before)."""
-    size = max(nbytes, 128 << 20)
-    src = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
-    dst = np.ones_like(src)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * nbytes / size
 
 
 def wait_for(pred, timeout_s: float = 120.0) -> bool:
@@ -253,7 +239,7 @@ def main() -> None:
         count = max(1, a.prompts - 1) if model.name == "wide" else a.prompts
         prompts = [[rng.randrange(FIRST_WORD, VOCAB) for _ in range(n_tokens)] for _ in range(count)]
         kv_bytes = kv_bytes_per_token(model.shape) * ((n_tokens - 1) // PAGE * PAGE)
-        floor = memcpy_s(kv_bytes)
+        floor = memcpy_seconds(kv_bytes)
         records: list[dict] = []
         for name in configs:
             print(f"{model.name} / {name}:", flush=True)

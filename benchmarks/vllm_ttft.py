@@ -52,6 +52,7 @@ from pathlib import Path
 # The engine harness is the e2e tests' (kvdepot.bench.engines.vllm_engines): the same worker, model and environment.
 from kvdepot.bench.engines.vllm_engines import Engine, ModelShape, TinyModel, connector_config, interrupt_group, make_tiny_model, words
 from kvdepot.bench.serverproc import ServerProcess, free_port
+from kvdepot.bench.stats import memcpy_seconds
 
 CHUNK = 256  # tokens per chunk, kvdepot and LMCache alike (a multiple of vLLM's CPU block size, 128)
 MODEL_NAME = "kvdepot-bench-llama"
@@ -218,22 +219,6 @@ LOAD_LINE = re.compile(  # the vLLM worker's INFO line for each load
 )
 
 
-def memcpy_s(nbytes: int, repeats: int = 7) -> float:
-    """One single-threaded copy of ``nbytes`` at this machine's memory bandwidth (over >= 128 MiB of
-    touched buffers, so a small size does not get the speed of the CPU's caches)."""
-    import numpy as np
-
-    size = max(nbytes, 128 << 20)
-    src = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
-    dst = np.ones_like(src)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * nbytes / size
-
-
 @dataclass
 class FloorRecord:
     doc: int
@@ -297,7 +282,7 @@ def report_floor(recs: list[FloorRecord]) -> dict:
     cold, own, kvd = (statistics.median(r.ttft_s for r in by[k]) for k in ("cold", "own", "kvdepot"))
     load = {k: statistics.median(getattr(r, k) for r in by["kvdepot"]) for k in ("load_ms", "retrieve_ms", "copy_ms", "loaded_mib")}
     nbytes = int(load["loaded_mib"] * 2**20)
-    floor = memcpy_s(nbytes) if nbytes else 0.0
+    floor = memcpy_seconds(nbytes) if nbytes else 0.0
     extra = kvd - own
     same = sum(a.out == b.out for a, b in zip(by["own"], by["kvdepot"]))
     print(f"### the floor: a kvdepot hit vs vLLM's own prefix-cache hit of the same prompt ({len(by['cold'])} documents of "

@@ -123,34 +123,30 @@ def s3_server() -> Iterator[WeedServer | MotoServer]:
     shutil.rmtree(workdir, ignore_errors=True)
 
 
-@pytest.fixture
-def valkey_adapter_factory(valkey_server: ValkeyServer) -> Iterator[Callable[..., ValkeyAdapter]]:
-    """``make(name, **config_overrides)``: an unstarted adapter under a prefix no other call uses."""
+def _valkey_adapters(url: str) -> Iterator[Callable[..., ValkeyAdapter]]:
+    """``make(name, **config_overrides)``: an unstarted adapter on ``url`` under a prefix no other call
+    uses; every one is closed at teardown (closing twice is harmless)."""
     made: list[ValkeyAdapter] = []
 
     def make(name: str, **overrides: object) -> ValkeyAdapter:
-        adapter = ValkeyAdapter(name, valkey_config(valkey_server.url, **overrides))
-        made.append(adapter)
-        return adapter
-
-    yield make
-    for adapter in made:
-        adapter.close()  # closing twice is harmless
-
-
-@pytest.fixture
-def valkey_cluster_adapter_factory(valkey_cluster: ValkeyCluster) -> Iterator[Callable[..., ValkeyAdapter]]:
-    """As ``valkey_adapter_factory``, on the shared cluster (``cluster=auto``: the adapter finds out)."""
-    made: list[ValkeyAdapter] = []
-
-    def make(name: str, **overrides: object) -> ValkeyAdapter:
-        adapter = ValkeyAdapter(name, valkey_config(valkey_cluster.url, **overrides))
+        adapter = ValkeyAdapter(name, valkey_config(url, **overrides))
         made.append(adapter)
         return adapter
 
     yield make
     for adapter in made:
         adapter.close()
+
+
+@pytest.fixture
+def valkey_adapter_factory(valkey_server: ValkeyServer) -> Iterator[Callable[..., ValkeyAdapter]]:
+    yield from _valkey_adapters(valkey_server.url)
+
+
+@pytest.fixture
+def valkey_cluster_adapter_factory(valkey_cluster: ValkeyCluster) -> Iterator[Callable[..., ValkeyAdapter]]:
+    """On the shared cluster (``cluster=auto``: the adapter finds out)."""
+    yield from _valkey_adapters(valkey_cluster.url)
 
 
 @pytest.fixture

@@ -56,6 +56,17 @@ def memcpy_gbps(object_bytes: int, count: int, reps: int) -> Sample:
     return gbps(object_bytes * count, timed(run, reps, warmup=2))
 
 
+def memcpy_seconds(nbytes: int, repeats: int = 7) -> float:
+    """How long one single-threaded copy of ``nbytes`` takes at this machine's memory bandwidth (the
+    floor of any read of them): the median over ``repeats`` copies of at least 128 MiB between touched
+    buffers, scaled to ``nbytes``, so a small size does not get the speed of a copy that stays in the
+    CPU's caches (a hit's KV was written long before it is read)."""
+    size = max(nbytes, 128 << 20)
+    src = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+    dst = np.ones_like(src)
+    return statistics.median(timed(lambda: np.copyto(dst, src), repeats, warmup=0)) * nbytes / size
+
+
 def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q))
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -97,7 +97,7 @@ class PageCodec:
             kept = "k" + kept
         permutation = tuple(kept.index(a) for a in _CHUNK_AXES)
         codec = cls(pool, layout, int(pool.page_size), axes, tuple(page.shape), permutation, mla)
-        return cls(pool, layout, int(pool.page_size), axes, tuple(page.shape), permutation, mla, PoolPages.of(codec))
+        return replace(codec, pages=PoolPages.of(codec))  # found through the codec's own (SGLang's) page views
 
     def chunk_view(self, page: torch.Tensor) -> np.ndarray:
         """A writable numpy view ``[K, L, T, H, D]`` (storage dtype) of one page tensor (no copy)."""

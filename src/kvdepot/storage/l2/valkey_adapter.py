@@ -184,9 +184,11 @@ class ValkeyAdapter(BackendAdapter):
 
     def _close_backend(self) -> None:
         with self._connect_lock:
-            if self._client is not None:
-                self._client.close() if self._in_cluster else self._client.connection_pool.disconnect()
-                self._client = None
+            if self._in_cluster and self._client is not None:
+                self._client.close()
+            elif self._client is not None:
+                self._client.connection_pool.disconnect()
+            self._client = None
 
     # --- names ---------------------------------------------------------------------------------------
 
