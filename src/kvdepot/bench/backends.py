@@ -199,8 +199,20 @@ class ValkeyCluster:
             seed = self.nodes[0]
             for c in clients[1:]:
                 c.execute_command("CLUSTER", "MEET", "127.0.0.1", seed.port, buses[0])
-            self._wait(lambda: all(len(_cluster_nodes(c)) == len(clients) for c in clients), "every node to meet every other")
             ids = [c.execute_command("CLUSTER", "MYID").decode() for c in clients]
+
+            def everyone_known() -> bool:
+                # A node met over the bus is listed under a temporary id until its handshake ends;
+                # REPLICATE names the real id, so wait until every node lists every real id, no handshake.
+                for c in clients:
+                    lines = _cluster_nodes(c)
+                    if any("handshake" in line.split()[2] for line in lines):
+                        return False
+                    if {line.split()[0] for line in lines} != set(ids):
+                        return False
+                return True
+
+            self._wait(everyone_known, "every node to know every other by its id")
             for r, c in enumerate(clients[self.primaries :]):
                 c.execute_command("CLUSTER", "REPLICATE", ids[r % self.primaries])
             self._wait(lambda: all(_cluster_state(c) == "ok" for c in clients), "the cluster to be ok")
