@@ -37,6 +37,13 @@ class RequestType(IntEnum):
     CLEAR = 15
     REPORT_BLOCK_ALLOCATION = 16
     RENEW_LEASES = 17
+    # the peer tier's control plane (node to node; kvdepot.peer)
+    PEER_JOIN = 32
+    PEER_HEARTBEAT = 33
+    PEER_PUBLISH = 34
+    PEER_UNPUBLISH = 35
+    PEER_RESOLVE = 36
+    PEER_STATUS = 37
 
 
 class _Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -298,6 +305,90 @@ class RenewLeasesReply(_Body):
     renewed: int
 
 
+# --- the peer tier (node to node) -------------------------------------------------------------------
+
+
+class PeerNodeInfo(_Body):
+    """One member of a peer cluster: its id (``host:control_port``), where its data plane listens, and
+    the incarnation it started with (a restarted node is told from its earlier self)."""
+
+    id: str
+    host: str
+    control_port: int
+    data_port: int
+    incarnation: int = 0
+
+
+class PeerMembershipReply(_Body):
+    """A master's view: live members (the head first, then by id) and the active masters."""
+
+    members: list[PeerNodeInfo]
+    masters: list[str]
+    head: str = ""
+    silent_ms: list[int] = msgspec.field(default_factory=list)  # per member: since this master last heard it
+
+
+class PeerJoinRequest(_Body):
+    node: PeerNodeInfo
+
+
+class PeerHeartbeatRequest(_Body):
+    node: PeerNodeInfo
+
+
+class PeerLocation(_Body):
+    """Where one published page lives: its owner's pool range, the generation that range holds, and
+    the page's checksum (xxh3_128), which the reader checks on every byte it receives."""
+
+    key: bytes
+    node: str
+    offset: int
+    length: int
+    generation: int
+    checksum: bytes
+    resident: bool = True
+
+
+class PeerPublishRequest(_Body):
+    records: list[PeerLocation]
+
+
+class PeerUnpublishRequest(_Body):
+    """Forget these (key, node, generation) records; a newer generation of the same key stays."""
+
+    keys: list[bytes]
+    node: str
+    generations: list[int]
+
+
+class PeerCountReply(_Body):
+    count: int
+
+
+class PeerResolveRequest(_Body):
+    keys: list[bytes]
+
+
+class PeerResolveReply(_Body):
+    """Per key, the records this shard holds (empty: unknown here)."""
+
+    locations: list[list[PeerLocation]]
+
+
+class PeerStatusRequest(_Body):
+    pass
+
+
+class PeerStatusReply(_Body):
+    node: PeerNodeInfo
+    members: list[PeerNodeInfo]
+    masters: list[str]
+    pool_used_bytes: int
+    pool_capacity_bytes: int
+    pool_keys: int
+    directory_records: int
+
+
 # --- the registry ----------------------------------------------------------------------------------
 
 REGISTRY: dict[RequestType, tuple[type[_Body], type[_Body]]] = {
@@ -318,6 +409,12 @@ REGISTRY: dict[RequestType, tuple[type[_Body], type[_Body]]] = {
     RequestType.CLEAR: (ClearRequest, ClearReply),
     RequestType.REPORT_BLOCK_ALLOCATION: (ReportBlockAllocationRequest, Ack),
     RequestType.RENEW_LEASES: (RenewLeasesRequest, RenewLeasesReply),
+    RequestType.PEER_JOIN: (PeerJoinRequest, PeerMembershipReply),
+    RequestType.PEER_HEARTBEAT: (PeerHeartbeatRequest, PeerMembershipReply),
+    RequestType.PEER_PUBLISH: (PeerPublishRequest, PeerCountReply),
+    RequestType.PEER_UNPUBLISH: (PeerUnpublishRequest, PeerCountReply),
+    RequestType.PEER_RESOLVE: (PeerResolveRequest, PeerResolveReply),
+    RequestType.PEER_STATUS: (PeerStatusRequest, PeerStatusReply),
 }
 
 

@@ -30,14 +30,16 @@ from kvdepot.errors import ErrorCode, KVDepotError, KVDepotTimeout
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.messages import RequestType
+from kvdepot.rpc.security import CurveSecurity
 
 OnReply = Callable[[int, object, list], None]  # (request index, typed reply, payload frames)
 Answered = Callable[[RequestType], None]
 
 
 class RpcChannel:
-    def __init__(self, url: str, context: zmq.Context | None = None) -> None:
+    def __init__(self, url: str, context: zmq.Context | None = None, security: CurveSecurity | None = None) -> None:
         self.url = url
+        self._security = security
         self._zctx = context or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._ids = itertools.count(1)
@@ -56,6 +58,8 @@ class RpcChannel:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        if self._security is not None:
+            self._security.apply_client(sock)
         sock.connect(self.url)
         self._sock = sock
         return self

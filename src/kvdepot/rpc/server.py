@@ -37,6 +37,7 @@ from kvdepot.protocol import codec
 from kvdepot.protocol.messages import RequestType
 from kvdepot.rpc.dispatch import Call, HandlerMode, HandlerSpec, Reply
 from kvdepot.rpc.endpoints import IpcClaim
+from kvdepot.rpc.security import CurveSecurity
 from kvdepot.types import ClientId
 
 log = logging.getLogger(__name__)
@@ -72,10 +73,12 @@ class RpcServer:
         housekeeping_interval_s: float = 0.1,
         goodbyes: Collection[RequestType] = (),
         metrics: Metrics | None = None,
+        security: CurveSecurity | None = None,
     ) -> None:
         """``goodbyes``: request types after which a client closes its connection on purpose (its
         disconnect is then counted as a goodbye, not as a client that died)."""
         self._endpoints = endpoints
+        self._security = security  # None: plain sockets; else only holders of the cluster secret get in
         self._handlers: dict[RequestType, HandlerSpec] = {}
         self.observer: RequestObserver = observer or _NoObserver()
         self._goodbye_types = frozenset(goodbyes)
@@ -149,6 +152,8 @@ class RpcServer:
             for sock in (self._router, self._monitor):
                 if sock is not None:
                     sock.close(linger=0)
+        if self._security is not None:
+            self._security.close()
         if self._ctx is not None:
             self._ctx.destroy(linger=0)  # closes any socket left (worker PUSH sockets) instead of waiting
         for claim in self._claims:
@@ -165,6 +170,8 @@ class RpcServer:
         router.setsockopt(zmq.MAXMSGSIZE, 4 * max(self._max_frame, codec.MAX_BODY_BYTES) + (1 << 20))
         router.setsockopt(zmq.RCVHWM, 0)
         router.setsockopt(zmq.SNDHWM, 0)
+        if self._security is not None:
+            self._security.apply_server(self._ctx, router)
         ep = ""
         try:
             for claim in self._claims:

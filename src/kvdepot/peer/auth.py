@@ -1,0 +1,70 @@
+"""The data plane's handshake: both ends prove they hold the cluster secret, without sending it.
+
+::
+
+    server -> client   MAGIC(4) version(2) server nonce(16)
+    client -> server   client nonce(16) HMAC-SHA256(secret, "client" | server nonce | client nonce)(32)
+    server -> client   HMAC-SHA256(secret, "server" | client nonce | server nonce)(32)
+
+The server closes the connection on a wrong proof (a reader without the secret reads nothing); the
+client drops a server whose proof is wrong (a stranger cannot serve it pages). Fresh nonces on both
+sides make a recorded handshake useless. An empty secret is an open cluster: the same exchange, keyed
+with nothing, so a node with a secret and one without never talk. Pages are not encrypted: the checksum
+in the directory record guards their integrity; the control plane is CurveZMQ (``kvdepot.rpc.security``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+
+MAGIC = b"KVPD"
+VERSION = 1
+_HELLO = struct.Struct("<4sH16s")
+
+
+class HandshakeFailed(ConnectionError):
+    """The other end does not hold the cluster secret, or does not speak this protocol."""
+
+
+def _mac(secret: bytes, label: bytes, a: bytes, b: bytes) -> bytes:
+    return hmac.new(secret, label + a + b, hashlib.sha256).digest()
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("connection closed mid-message")
+        got += k
+    return bytes(buf)
+
+
+def serve_handshake(sock: socket.socket, secret: bytes) -> None:
+    server_nonce = os.urandom(16)
+    sock.sendall(_HELLO.pack(MAGIC, VERSION, server_nonce))
+    answer = recv_exact(sock, 48)
+    client_nonce, proof = answer[:16], answer[16:]
+    if not hmac.compare_digest(proof, _mac(secret, b"client", server_nonce, client_nonce)):
+        raise HandshakeFailed("a reader without the cluster secret was refused")
+    sock.sendall(_mac(secret, b"server", client_nonce, server_nonce))
+
+
+def client_handshake(sock: socket.socket, secret: bytes) -> None:
+    magic, version, server_nonce = _HELLO.unpack(recv_exact(sock, _HELLO.size))
+    if magic != MAGIC or version != VERSION:
+        raise HandshakeFailed(f"not a kvdepot peer data plane (magic {magic!r}, version {version})")
+    client_nonce = os.urandom(16)
+    sock.sendall(client_nonce + _mac(secret, b"client", server_nonce, client_nonce))
+    try:
+        proof = recv_exact(sock, 32)
+    except ConnectionError:
+        raise HandshakeFailed("the peer closed the connection: it does not hold our cluster secret") from None
+    if not hmac.compare_digest(proof, _mac(secret, b"server", client_nonce, server_nonce)):
+        raise HandshakeFailed("the peer does not hold the cluster secret")

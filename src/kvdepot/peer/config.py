@@ -1,0 +1,50 @@
+"""A peer node's settings: one struct for ``PeerStore(...)``, ``--l2 'peer:...'`` and ``kvdepot peer``."""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated
+
+from kvdepot.config import ConfigStruct, option
+from kvdepot.errors import ConfigError
+from kvdepot.peer.discovery import DEFAULT_MAX_MASTERS
+from kvdepot.peer.ring import DEFAULT_VNODES
+
+SECRET_ENV = "KVDEPOT_PEER_SECRET"
+DEFAULT_CONTROL_PORT = 31995
+DEFAULT_DATA_PORT = 31996
+
+
+class PeerConfig(ConfigStruct, frozen=True, kw_only=True):
+    discovery: Annotated[
+        str,
+        option("the head node's HOST:PORT (its control port), then optionally other nodes' to bootstrap through, "
+               "comma-separated; empty: this node is the head"),
+    ] = ""  # fmt: skip
+    host: Annotated[str, option("address this node listens on and tells the others (control and data plane)", min_length=1)] = "127.0.0.1"
+    port: Annotated[int, option("control port (discovery, directory); 0 picks a free one", ge=0, le=65535)] = DEFAULT_CONTROL_PORT
+    data_port: Annotated[int, option("data-plane port (pages); 0 picks a free one", ge=0, le=65535)] = DEFAULT_DATA_PORT
+    pool_size_mb: Annotated[int, option("published pool: host memory other nodes read this node's pages from (LRU)", ge=1)] = 1024
+    secret: Annotated[str, option(f"cluster secret for every join and every data-plane connection (else ${SECRET_ENV}; empty: an open cluster)")] = ""
+    directory_replicas: Annotated[int, option("directory records per key (the owner and the next nodes on the ring)", ge=1, le=8)] = 2
+    vnodes: Annotated[int, option("points per node on the consistent-hash ring", ge=1, le=4096)] = DEFAULT_VNODES
+    max_channels_per_peer: Annotated[int, option("data-plane connections to one peer at most", ge=1, le=256)] = 16
+    max_masters: Annotated[int, option("discovery masters (the head first, then by node id)", ge=1, le=16)] = DEFAULT_MAX_MASTERS
+    heartbeat_interval_s: Annotated[float, option("how often a node heartbeats the masters", gt=0)] = 1.0
+    member_ttl_s: Annotated[float, option("a node silent this long leaves the cluster", gt=0)] = 5.0
+    timeout_s: Annotated[float, option("deadline of one get/exists/set (a slower peer is a miss)", gt=0)] = 2.0
+    control_timeout_s: Annotated[float, option("deadline of one directory call to one node (then its replica is asked)", gt=0)] = 1.0
+    join_timeout_s: Annotated[float, option("how long start-up waits to join (then it serves its own pages and keeps trying)", ge=0)] = 10.0
+    workers: Annotated[int, option("threads running the tier's tasks (as an L2 tier)", ge=1, le=256)] = 4
+
+    def _check_together(self) -> None:
+        if self.member_ttl_s <= self.heartbeat_interval_s:
+            raise ConfigError("member_ttl_s must be longer than heartbeat_interval_s")
+
+    @property
+    def cluster_secret(self) -> str:
+        return self.secret or os.environ.get(SECRET_ENV, "")
+
+    @property
+    def bootstrap(self) -> list[str]:
+        return [a.strip() for a in self.discovery.split(",") if a.strip()]

@@ -1,0 +1,318 @@
+"""The data plane: pages from an owner's pool straight into a reader's buffer, over TCP.
+
+The transport is an interface (``Transport``), so RDMA or NIXL can come later; this one is plain TCP,
+the fallback every network has. After the handshake (``auth.py``) a connection carries read requests::
+
+    request   "RDRQ" count(u32), then per page: key length(u16) generation(u64) offset(u64) length(u64) key
+    reply     per page: status(u8) pad(7) length(u64), then ``length`` bytes when status is OK
+
+The owner serves only a published (key, generation) at the offset and length its record names, pinned
+while it is sent (``pool.py``), straight from pool memory (no copy); anything else is MISSING. The reader
+receives straight into the destination (``recv_into``) and checks the page against the checksum its
+directory record carries: garbage, a stall past the deadline or a connection closed mid-page make that
+page and the rest of the request misses, and the connection is closed, never reused.
+
+Connections are per peer, made lazily, reused through a free list and capped at
+``max_channels_per_peer``, so several reader threads read one peer at once; a thread beyond the cap
+waits (within its deadline) for one to come back.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import xxhash
+
+from kvdepot.peer.auth import HandshakeFailed, client_handshake, recv_exact, serve_handshake
+from kvdepot.peer.pool import PoolEntry
+
+log = logging.getLogger(__name__)
+
+_REQUEST = struct.Struct("<4sI")
+_ITEM = struct.Struct("<HQQQ")
+_REPLY = struct.Struct("<B7xQ")
+REQUEST_MAGIC = b"RDRQ"
+MAX_PAGES_PER_REQUEST = 4096
+MAX_KEY_BYTES = 1024
+OK, MISSING = 0, 1
+
+
+class PageSource(Protocol):
+    """What the server reads pages from (the published pool)."""
+
+    def acquire(self, key: bytes, generation: int = 0) -> PoolEntry | None: ...
+
+    def release(self, entry: PoolEntry) -> None: ...
+
+    def view(self, entry: PoolEntry) -> memoryview: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PageRead:
+    """One page to read: which (key, generation, range) the directory named, its checksum, and where
+    it goes (a writable buffer of exactly ``length`` bytes)."""
+
+    key: bytes
+    generation: int
+    offset: int
+    length: int
+    checksum: bytes
+    dest: memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class ReadStats:
+    pages: int
+    bytes: int
+    seconds: float
+
+
+class Transport(Protocol):
+    def read(self, host: str, port: int, pages: Sequence[PageRead], deadline: float) -> list[bool]:
+        """Per page: read and verified (False: a miss, for whatever reason)."""
+        ...
+
+    def forget(self, host: str, port: int) -> None:
+        """Drop every idle connection to a peer (it left the cluster)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+# --- the owner's side ---------------------------------------------------------------------------------
+
+
+class DataServer:
+    """Accepts readers on ``host:port`` (0 picks a free port) and serves each connection on a thread."""
+
+    def __init__(self, source: PageSource, secret: bytes, host: str = "127.0.0.1", port: int = 0, send_timeout_s: float = 30.0) -> None:
+        self._source = source
+        self._secret = secret
+        self._send_timeout = send_timeout_s  # a reader that stops reading cannot pin a page longer
+        self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
+        self.port = self._listener.getsockname()[1]
+        self._closing = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.refused = 0  # handshakes that failed
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._accept_loop, name="kvdepot-peer-data", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closing.set()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+    def _accept_loop(self) -> None:
+        while not self._closing.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="kvdepot-peer-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(self._send_timeout)
+            serve_handshake(conn, self._secret)
+            conn.settimeout(None)  # an idle pooled connection waits for its next request
+            while not self._closing.is_set():
+                head = conn.recv(_REQUEST.size, socket.MSG_WAITALL)
+                if len(head) < _REQUEST.size:
+                    return  # the reader closed it
+                magic, count = _REQUEST.unpack(head)
+                if magic != REQUEST_MAGIC or count > MAX_PAGES_PER_REQUEST:
+                    log.warning("peer data plane: malformed request (%r, %d pages): connection closed", magic, count)
+                    return
+                conn.settimeout(self._send_timeout)
+                items = []
+                for _ in range(count):
+                    key_len, generation, offset, length = _ITEM.unpack(recv_exact(conn, _ITEM.size))
+                    if key_len > MAX_KEY_BYTES:
+                        log.warning("peer data plane: key of %d bytes: connection closed", key_len)
+                        return
+                    items.append((recv_exact(conn, key_len), generation, offset, length))
+                for key, generation, offset, length in items:
+                    self._send_page(conn, key, generation, offset, length)
+                conn.settimeout(None)
+        except HandshakeFailed as exc:
+            self.refused += 1
+            log.warning("peer data plane: %s", exc)
+        except (OSError, ConnectionError, struct.error):
+            pass  # the reader went away or stalled past the send timeout
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _send_page(self, conn: socket.socket, key: bytes, generation: int, offset: int, length: int) -> None:
+        entry = self._source.acquire(key, generation)
+        if entry is None or entry.offset != offset or entry.length != length:
+            if entry is not None:
+                self._source.release(entry)
+            conn.sendall(_REPLY.pack(MISSING, 0))
+            return
+        try:
+            conn.sendall(_REPLY.pack(OK, length))
+            conn.sendall(self._source.view(entry))  # straight from pool memory
+        finally:
+            self._source.release(entry)
+
+
+# --- the reader's side --------------------------------------------------------------------------------
+
+
+class _PeerChannels:
+    """Idle connections to one peer, and a cap on how many exist."""
+
+    def __init__(self, cap: int) -> None:
+        self.idle: list[socket.socket] = []
+        self.slots = threading.BoundedSemaphore(cap)
+        self.lock = threading.Lock()
+
+
+class TcpTransport:
+    def __init__(self, secret: bytes, max_channels_per_peer: int = 16, connect_timeout_s: float = 2.0) -> None:
+        if max_channels_per_peer < 1:
+            raise ValueError("max_channels_per_peer must be at least 1")
+        self._secret = secret
+        self._cap = max_channels_per_peer
+        self._connect_timeout = connect_timeout_s
+        self._peers: dict[tuple[str, int], _PeerChannels] = {}
+        self._lock = threading.Lock()
+        self.dropped = 0  # connections closed after a failure
+        self.garbage = 0  # pages whose bytes did not match their checksum
+
+    def read(self, host: str, port: int, pages: Sequence[PageRead], deadline: float) -> list[bool]:
+        out = [False] * len(pages)
+        if not pages:
+            return out
+        peer = self._channels(host, port)
+        if not peer.slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return out  # every channel to this peer is busy past our deadline
+        try:
+            conn = self._lease(peer, host, port, deadline)
+            if conn is None:
+                return out
+            healthy = False
+            try:
+                healthy = self._exchange(conn, pages, out, deadline)
+            except (OSError, ConnectionError) as exc:
+                log.info("peer %s:%d: read failed (%s): the rest are misses", host, port, exc)
+            finally:
+                if healthy:
+                    with peer.lock:
+                        peer.idle.append(conn)
+                else:
+                    self.dropped += 1
+                    conn.close()
+            return out
+        finally:
+            peer.slots.release()
+
+    def _channels(self, host: str, port: int) -> _PeerChannels:
+        with self._lock:
+            peer = self._peers.get((host, port))
+            if peer is None:
+                peer = self._peers[(host, port)] = _PeerChannels(self._cap)
+            return peer
+
+    def _lease(self, peer: _PeerChannels, host: str, port: int, deadline: float) -> socket.socket | None:
+        with peer.lock:
+            if peer.idle:
+                return peer.idle.pop()
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        conn: socket.socket | None = None
+        try:
+            conn = socket.create_connection((host, port), timeout=min(remaining, self._connect_timeout))
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            client_handshake(conn, self._secret)
+            return conn
+        except HandshakeFailed as exc:
+            log.warning("peer %s:%d: %s", host, port, exc)
+        except OSError as exc:
+            log.info("peer %s:%d: cannot connect (%s)", host, port, exc)
+        if conn is not None:
+            conn.close()
+        return None
+
+    def _exchange(self, conn: socket.socket, pages: Sequence[PageRead], out: list[bool], deadline: float) -> bool:
+        """Send one request for every page, receive each into its destination. True: the connection
+        is in a clean state (every reply read whole) and may be reused."""
+        parts = [_REQUEST.pack(REQUEST_MAGIC, len(pages))]
+        for p in pages:
+            parts.append(_ITEM.pack(len(p.key), p.generation, p.offset, p.length))
+            parts.append(p.key)
+        self._settimeout(conn, deadline)
+        conn.sendall(b"".join(parts))
+        for i, p in enumerate(pages):
+            self._settimeout(conn, deadline)
+            status, length = _REPLY.unpack(recv_exact(conn, _REPLY.size))
+            if status == MISSING:
+                continue
+            if status != OK or length != p.length or p.dest.nbytes != length:
+                log.warning("peer data plane: reply of %d bytes (status %d) for a page of %d: connection dropped", length, status, p.length)
+                return False
+            view = p.dest
+            got = 0
+            while got < length:
+                self._settimeout(conn, deadline)
+                k = conn.recv_into(view[got:])
+                if k == 0:
+                    raise ConnectionError("peer closed the connection mid-page")
+                got += k
+            if xxhash.xxh3_128_digest(view) != p.checksum:
+                self.garbage += 1
+                log.warning("peer data plane: a page failed its checksum: a miss, connection dropped")
+                return False
+            out[i] = True
+        return True
+
+    @staticmethod
+    def _settimeout(conn: socket.socket, deadline: float) -> None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("deadline passed")
+        conn.settimeout(remaining)
+
+    def forget(self, host: str, port: int) -> None:
+        with self._lock:
+            peer = self._peers.pop((host, port), None)
+        if peer is not None:
+            with peer.lock:
+                for conn in peer.idle:
+                    conn.close()
+                peer.idle.clear()
+
+    def close(self) -> None:
+        with self._lock:
+            peers = list(self._peers)
+        for host, port in peers:
+            self.forget(host, port)

@@ -1,0 +1,76 @@
+"""This node's shard of the directory: key -> where that page lives (one record per owning node).
+
+The union of every node's shard is the directory; the ring (``ring.py``) says which shards hold a
+key's record (its owner and the next ``directory_replicas - 1`` nodes), so there is no central store.
+A record names a (node, generation): a newer generation of a key from the same node replaces an older
+one, an unpublish removes only the generation it names (a late unpublish never removes a newer page),
+and the records of a node that left the cluster go with it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Collection, Sequence
+
+from kvdepot.protocol.messages import PeerLocation
+
+
+class DirectoryShard:
+    def __init__(self) -> None:
+        self._records: dict[bytes, dict[str, PeerLocation]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(by_node) for by_node in self._records.values())
+
+    def publish(self, records: Sequence[PeerLocation]) -> int:
+        """Keep each record unless this shard already has a newer one of that (key, node)."""
+        kept = 0
+        with self._lock:
+            for rec in records:
+                by_node = self._records.setdefault(rec.key, {})
+                old = by_node.get(rec.node)
+                if old is None or old.generation <= rec.generation:
+                    by_node[rec.node] = rec
+                    kept += 1
+        return kept
+
+    def unpublish(self, keys: Sequence[bytes], node: str, generations: Sequence[int]) -> int:
+        removed = 0
+        with self._lock:
+            for key, generation in zip(keys, generations, strict=True):
+                by_node = self._records.get(key)
+                if by_node is None:
+                    continue
+                old = by_node.get(node)
+                if old is not None and old.generation <= generation:
+                    del by_node[node]
+                    removed += 1
+                if not by_node:
+                    del self._records[key]
+        return removed
+
+    def resolve(self, keys: Sequence[bytes]) -> list[list[PeerLocation]]:
+        with self._lock:
+            return [list(self._records.get(key, {}).values()) for key in keys]
+
+    def keep_nodes(self, live: Collection[str]) -> int:
+        """Drop every record of a node not in ``live``; returns how many went."""
+        return self._drop(lambda key, rec: rec.node not in live)
+
+    def keep_keys(self, mine: Callable[[bytes], bool]) -> int:
+        """Drop the records of keys this shard no longer owns (after the ring changed)."""
+        return self._drop(lambda key, rec: not mine(key))
+
+    def _drop(self, gone: Callable[[bytes, PeerLocation], bool]) -> int:
+        n = 0
+        with self._lock:
+            for key in list(self._records):
+                by_node = self._records[key]
+                for node in [node for node, rec in by_node.items() if gone(key, rec)]:
+                    del by_node[node]
+                    n += 1
+                if not by_node:
+                    del self._records[key]
+        return n

@@ -1,0 +1,79 @@
+"""Embedded, multi-master discovery: who is in the cluster, with no machine set aside for it.
+
+Every node runs the discovery service on its control port. The active masters are the first
+``max_masters`` live members in one fixed order: the head (the ``discovery`` address every node is
+started with) first, then the rest by node id; so every node computes the same masters from the same
+members, a dead non-head master is replaced by the next node in that order, and nothing has to be
+elected. Each node heartbeats every master it knows; each master keeps a table of who it heard from
+and expires a member silent for ``member_ttl_s``. A node keeps the last membership a master gave it,
+so a master outage (the head's included) does not stop established reads and writes; a node that
+cannot reach any master keeps its cached view and keeps trying (the head, the masters it knew, and
+any other bootstrap address it was given).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+
+from kvdepot.protocol.messages import PeerMembershipReply, PeerNodeInfo
+
+DEFAULT_MAX_MASTERS = 3
+
+
+def ordered(members: Iterable[PeerNodeInfo], head: str) -> list[PeerNodeInfo]:
+    """The one order every node agrees on: the head first, then by id."""
+    return sorted(members, key=lambda n: (n.id != head, n.id))
+
+
+def masters_of(members: Iterable[PeerNodeInfo], head: str, max_masters: int) -> list[str]:
+    return [n.id for n in ordered(members, head)[:max_masters]]
+
+
+class MemberTable:
+    """A master's record of who it heard from and when. Thread-safe (the RPC loop writes it, the
+    node's heartbeat thread expires it)."""
+
+    def __init__(self, head: str, max_masters: int, ttl_s: float) -> None:
+        self.head = head
+        self.max_masters = max_masters
+        self.ttl_s = ttl_s
+        self._seen: dict[str, tuple[PeerNodeInfo, float]] = {}
+        self._lock = threading.Lock()
+
+    def heard(self, node: PeerNodeInfo, now: float | None = None) -> None:
+        with self._lock:
+            self._seen[node.id] = (node, time.monotonic() if now is None else now)
+
+    def adopt(self, view: PeerMembershipReply) -> None:
+        """Take what another master (or this node's cache, on promotion) knows: each member as last
+        heard by whoever heard it last. Masters thus agree within a heartbeat, and a member that is
+        really gone expires everywhere one TTL after anyone last heard it (an adopted time is never
+        newer than a real heartbeat, so two masters cannot keep a dead node alive between them)."""
+        now = time.monotonic()
+        silent = view.silent_ms or [0] * len(view.members)
+        with self._lock:
+            for node, ms in zip(view.members, silent, strict=False):
+                if ms / 1000 >= self.ttl_s:
+                    continue
+                heard = now - ms / 1000
+                mine = self._seen.get(node.id)
+                if mine is None or (mine[0].incarnation == node.incarnation and mine[1] < heard) or mine[0].incarnation < node.incarnation:
+                    self._seen[node.id] = (node, heard)
+
+    def expire(self, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            gone = [nid for nid, (_, seen) in self._seen.items() if now - seen > self.ttl_s]
+            for nid in gone:
+                del self._seen[nid]
+            return gone
+
+    def view(self) -> PeerMembershipReply:
+        now = time.monotonic()
+        with self._lock:
+            heard = {n.id: seen for n, seen in self._seen.values()}
+            members = ordered((n for n, _ in self._seen.values()), self.head)
+        return PeerMembershipReply(members=members, masters=masters_of(members, self.head, self.max_masters), head=self.head,
+                                   silent_ms=[int((now - heard[n.id]) * 1000) for n in members])  # fmt: skip

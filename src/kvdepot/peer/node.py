@@ -1,0 +1,439 @@
+"""A peer node: the pool, its shard of the directory, discovery and the data plane, put together.
+
+One node per process (a standalone ``kvdepot peer``, a ``PeerStore`` inside an engine, or the ``peer``
+tier of a kvdepot server). Its control port serves discovery and its directory shard (typed messages
+over the project's RPC layer, CurveZMQ when the cluster has a secret); its data port serves pool pages
+(``dataplane.py``).
+
+Life cycle::
+
+    NEW ──start──► RUNNING ──close──► CLOSED
+
+``start`` binds both ports, joins (waits up to ``join_timeout_s`` for a master's answer) and starts the
+heartbeat. Every membership change rebuilds the ring, drops the records of nodes that left, and
+re-publishes this node's pages to their owners under the new ring (so the directory re-shards).
+
+Reads: resolve every key at its owner (a failed or empty answer falls back to the next replica; a node
+that failed a call is skipped for ``SUSPECT_S``), then pull the pages, grouped by the node that holds
+them, straight into the caller's buffers; a page held here is one memcpy. Every failure is a miss.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import socket
+import threading
+import time
+from collections.abc import Sequence
+
+import zmq
+
+from kvdepot.errors import KVDepotError
+from kvdepot.peer.config import PeerConfig
+from kvdepot.peer.dataplane import PageRead, TcpTransport
+from kvdepot.peer.directory import DirectoryShard
+from kvdepot.peer.discovery import MemberTable, masters_of, ordered
+from kvdepot.peer.pool import PoolEntry, PublishedPool
+from kvdepot.peer.ring import HashRing
+from kvdepot.protocol import messages as m
+from kvdepot.protocol.messages import PeerLocation, PeerMembershipReply, PeerNodeInfo, RequestType
+from kvdepot.rpc.channel import Heartbeat, RpcChannel
+from kvdepot.rpc.dispatch import Call, HandlerMode, HandlerSpec, Reply
+from kvdepot.rpc.security import CurveSecurity
+from kvdepot.rpc.server import RpcServer
+
+log = logging.getLogger(__name__)
+
+SUSPECT_S = 2.0  # a node whose call failed is not asked again for this long
+MAX_KEY_BYTES = 1024
+
+
+class NodeState(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    CLOSED = "closed"
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class PeerNode:
+    def __init__(self, config: PeerConfig) -> None:
+        self.config = config
+        secret = config.cluster_secret
+        self.secured = bool(secret)
+        self.pool = PublishedPool(config.pool_size_mb << 20)
+        self.shard = DirectoryShard()
+        self._security = CurveSecurity(secret) if secret else None
+        self._client_security = CurveSecurity(secret) if secret else None
+        self._transport = TcpTransport(secret.encode(), config.max_channels_per_peer)
+        self._data_server = None
+        self._rpc: RpcServer | None = None
+        self._zctx = zmq.Context()
+        self._channels: dict[str, RpcChannel] = {}
+        self._channels_lock = threading.Lock()
+        self._suspects: dict[str, float] = {}
+        self._view_lock = threading.Lock()
+        self._members: dict[str, PeerNodeInfo] = {}
+        self._masters: list[str] = []
+        self._ring = HashRing((), config.vnodes)
+        self._joined = threading.Event()
+        self._heartbeat = Heartbeat(config.heartbeat_interval_s, self._tick, name="kvdepot-peer-heartbeat")
+        self.state = NodeState.NEW
+        self.info: PeerNodeInfo | None = None
+        self.head = ""
+        self._table: MemberTable | None = None
+        self.republished = 0
+
+    def __repr__(self) -> str:
+        return f"PeerNode({self.info.id if self.info else '?'}, {self.state.value}, {len(self._members)} members)"
+
+    # --- life cycle ----------------------------------------------------------------------------------
+
+    def start(self) -> PeerNode:
+        if self.state is not NodeState.NEW:
+            raise RuntimeError(f"a {self.state.value} node cannot start")
+        from kvdepot.peer.dataplane import DataServer
+
+        cfg = self.config
+        self._data_server = DataServer(self.pool, cfg.cluster_secret.encode(), cfg.host, cfg.data_port)
+        port = cfg.port or _free_port(cfg.host)
+        self.info = PeerNodeInfo(id=f"{cfg.host}:{port}", host=cfg.host, control_port=port, data_port=self._data_server.port,
+                                 incarnation=time.time_ns())  # fmt: skip
+        self.head = (cfg.bootstrap or [self.info.id])[0]
+        self._table = MemberTable(self.head, cfg.max_masters, cfg.member_ttl_s)
+        self._table.heard(self.info)
+        self._apply(PeerMembershipReply(members=[self.info], masters=[self.info.id], head=self.head))
+        self._rpc = RpcServer([f"tcp://{cfg.host}:{port}"], self._handlers(), workers=4, security=self._security)
+        try:
+            self._rpc.start()
+        except BaseException:
+            self._data_server.close()
+            raise
+        self._data_server.start()
+        self.state = NodeState.RUNNING
+        self._tick()
+        if self.head != self.info.id and not self._joined.wait(cfg.join_timeout_s):
+            log.warning("peer %s: no master answered in %.1f s (is %s up, and is the secret right?); serving own pages, still trying",
+                        self.info.id, cfg.join_timeout_s, self.head)  # fmt: skip
+        self._heartbeat.start()
+        log.info("peer node %s up (data port %d, head %s, %s)", self.info.id, self.info.data_port, self.head,
+                 "secret set" if self.secured else "open cluster: no secret")  # fmt: skip
+        return self
+
+    def close(self) -> None:
+        if self.state is NodeState.CLOSED:
+            return
+        self.state = NodeState.CLOSED
+        self._heartbeat.stop()
+        if self._rpc is not None:
+            self._rpc.close(drain_s=0.5)
+        if self._data_server is not None:
+            self._data_server.close()
+        self._transport.close()
+        with self._channels_lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()
+        if self._client_security is not None:
+            self._client_security.close()
+        self._zctx.destroy(linger=0)
+        self.pool.close()
+
+    @property
+    def joined(self) -> bool:
+        return self._joined.is_set()
+
+    def members(self) -> list[PeerNodeInfo]:
+        with self._view_lock:
+            return ordered(self._members.values(), self.head)
+
+    def masters(self) -> list[str]:
+        with self._view_lock:
+            return list(self._masters)
+
+    # --- writes --------------------------------------------------------------------------------------
+
+    def put_many(self, items: Sequence[tuple[bytes, object]]) -> list[bool]:
+        """Copy each page into the pool and publish where it is; False where the pool cannot take it."""
+        out: list[bool] = []
+        published: list[PoolEntry] = []
+        evicted: list[PoolEntry] = []
+        for key, data in items:
+            _check_key(key)
+            entry, gone = self.pool.put(key, data)
+            evicted += gone
+            out.append(entry is not None)
+            if entry is not None:
+                published.append(entry)
+        if evicted:
+            self._unpublish(evicted)
+        self._publish(published)
+        return out
+
+    def delete(self, key: bytes) -> bool:
+        entry = self.pool.remove(key)
+        if entry is not None:
+            self._unpublish([entry])
+        return entry is not None
+
+    def clear(self) -> int:
+        gone = self.pool.clear()
+        self._unpublish(gone)
+        return len(gone)
+
+    def _record(self, e: PoolEntry) -> PeerLocation:
+        assert self.info is not None
+        return PeerLocation(key=e.key, node=self.info.id, offset=e.offset, length=e.length, generation=e.generation, checksum=e.checksum)
+
+    def _publish(self, entries: Sequence[PoolEntry], deadline: float | None = None) -> None:
+        by_owner: dict[str, list[PeerLocation]] = {}
+        ring = self._ring
+        for e in entries:
+            for owner in ring.owners(e.key, self.config.directory_replicas):
+                by_owner.setdefault(owner, []).append(self._record(e))
+        for owner, records in by_owner.items():
+            self._call_shard(owner, m.PeerPublishRequest(records=records), deadline)
+
+    def _unpublish(self, entries: Sequence[PoolEntry]) -> None:
+        assert self.info is not None
+        by_owner: dict[str, list[PoolEntry]] = {}
+        for e in entries:
+            for owner in self._ring.owners(e.key, self.config.directory_replicas):
+                by_owner.setdefault(owner, []).append(e)
+        for owner, group in by_owner.items():
+            req = m.PeerUnpublishRequest(keys=[e.key for e in group], node=self.info.id, generations=[e.generation for e in group])
+            self._call_shard(owner, req, None)
+
+    # --- reads ---------------------------------------------------------------------------------------
+
+    def resolve(self, keys: Sequence[bytes], deadline: float) -> list[PeerLocation | None]:
+        """Where each key's page can be read from (None: nowhere known)."""
+        for key in keys:
+            _check_key(key)
+        found: list[PeerLocation | None] = [None] * len(keys)
+        ring = self._ring
+        owners = [ring.owners(k, self.config.directory_replicas) for k in keys]
+        pending = list(range(len(keys)))
+        for replica in range(self.config.directory_replicas):
+            by_owner: dict[str, list[int]] = {}
+            for i in pending:
+                if replica < len(owners[i]):
+                    by_owner.setdefault(owners[i][replica], []).append(i)
+            still: list[int] = []
+            for owner, idx in by_owner.items():
+                reply = self._call_shard(owner, m.PeerResolveRequest(keys=[keys[i] for i in idx]), deadline)
+                for j, i in enumerate(idx):
+                    loc = self._best(reply.locations[j]) if reply is not None and j < len(reply.locations) else None
+                    if loc is None:
+                        still.append(i)
+                    else:
+                        found[i] = loc
+            pending = still
+            if not pending or time.monotonic() >= deadline:
+                break
+        return found
+
+    def _best(self, locations: Sequence[PeerLocation]) -> PeerLocation | None:
+        """This node's own copy first; else one on a live member that has not just failed us."""
+        assert self.info is not None
+        now = time.monotonic()
+        with self._view_lock:
+            live = set(self._members)
+        usable = [loc for loc in locations if loc.node in live and self._suspects.get(loc.node, 0.0) <= now and loc.resident]
+        mine = [loc for loc in usable if loc.node == self.info.id]
+        return (mine or usable or [None])[0]
+
+    def read_into(self, locations: Sequence[PeerLocation | None], dests: Sequence[memoryview], deadline: float) -> list[bool]:
+        """Pull each located page into its destination (a buffer of exactly the page's size)."""
+        assert self.info is not None
+        out = [False] * len(locations)
+        by_node: dict[str, list[int]] = {}
+        for i, loc in enumerate(locations):
+            if loc is not None:
+                by_node.setdefault(loc.node, []).append(i)
+        for node, idx in by_node.items():
+            if node == self.info.id:
+                for i in idx:
+                    out[i] = self._read_local(locations[i], dests[i])
+                continue
+            with self._view_lock:
+                peer = self._members.get(node)
+            if peer is None:
+                continue
+            pages = [PageRead(loc.key, loc.generation, loc.offset, loc.length, loc.checksum, memoryview(dests[i]).cast("B"))
+                     for i in idx if (loc := locations[i]) is not None]  # fmt: skip
+            got = self._transport.read(peer.host, peer.data_port, pages, deadline)
+            for i, ok in zip(idx, got, strict=True):
+                out[i] = ok
+        return out
+
+    def _read_local(self, loc: PeerLocation | None, dest: memoryview) -> bool:
+        if loc is None:
+            return False
+        entry = self.pool.acquire(loc.key, loc.generation)
+        if entry is None:
+            return False
+        try:
+            dst = memoryview(dest).cast("B")
+            if dst.nbytes != entry.length:
+                return False
+            dst[:] = self.pool.view(entry)
+            return True
+        finally:
+            self.pool.release(entry)
+
+    # --- the control plane, client side --------------------------------------------------------------
+
+    def _channel(self, node: str) -> RpcChannel:
+        with self._channels_lock:
+            ch = self._channels.get(node)
+            if ch is None:
+                ch = self._channels[node] = RpcChannel(f"tcp://{node}", self._zctx, security=self._client_security).open()
+            return ch
+
+    def _drop_channel(self, node: str) -> None:
+        with self._channels_lock:
+            ch = self._channels.pop(node, None)
+        if ch is not None:
+            ch.close()
+
+    def _call_shard(self, owner: str, body, deadline: float | None):
+        """A directory call to ``owner`` (this node: in process). None when it failed or timed out."""
+        assert self.info is not None
+        if owner == self.info.id:
+            return self._serve_shard(body)
+        now = time.monotonic()
+        if self._suspects.get(owner, 0.0) > now:
+            return None
+        timeout = self.config.control_timeout_s if deadline is None else min(self.config.control_timeout_s, deadline - now)
+        if timeout <= 0:
+            return None
+        try:
+            return self._channel(owner).call(body, timeout_s=timeout)
+        except KVDepotError as exc:
+            self._suspects[owner] = time.monotonic() + SUSPECT_S
+            self._drop_channel(owner)  # a reply that comes later must not confuse the next call
+            log.info("peer %s: %s to %s failed (%s): its replica is asked instead", self.info.id, type(body).__name__, owner, exc)
+            return None
+
+    # --- the control plane, server side --------------------------------------------------------------
+
+    def _handlers(self) -> list[HandlerSpec]:
+        sync = HandlerMode.SYNC
+        return [
+            HandlerSpec(RequestType.PING, lambda c: Reply(m.PingReply(ok=True)), sync),
+            HandlerSpec(RequestType.PEER_JOIN, self._on_hello, sync),
+            HandlerSpec(RequestType.PEER_HEARTBEAT, self._on_hello, sync),
+            HandlerSpec(RequestType.PEER_PUBLISH, lambda c: Reply(self._serve_shard(c.body)), sync),
+            HandlerSpec(RequestType.PEER_UNPUBLISH, lambda c: Reply(self._serve_shard(c.body)), sync),
+            HandlerSpec(RequestType.PEER_RESOLVE, lambda c: Reply(self._serve_shard(c.body)), sync),
+            HandlerSpec(RequestType.PEER_STATUS, self._on_status, sync),
+        ]
+
+    def _serve_shard(self, body):
+        if isinstance(body, m.PeerPublishRequest):
+            for rec in body.records:
+                _check_key(rec.key)
+            return m.PeerCountReply(count=self.shard.publish(body.records))
+        if isinstance(body, m.PeerUnpublishRequest):
+            return m.PeerCountReply(count=self.shard.unpublish(body.keys, body.node, body.generations))
+        if isinstance(body, m.PeerResolveRequest):
+            return m.PeerResolveReply(locations=self.shard.resolve(body.keys))
+        raise TypeError(f"not a directory request: {type(body).__name__}")
+
+    def _on_hello(self, call: Call) -> Reply:
+        assert self._table is not None
+        self._table.heard(call.body.node)
+        if self._is_master():
+            return Reply(self._table.view())
+        return Reply(self._cached_view())
+
+    def _on_status(self, call: Call) -> Reply:
+        assert self.info is not None
+        s = self.pool.stats()
+        return Reply(m.PeerStatusReply(node=self.info, members=self.members(), masters=self.masters(), pool_used_bytes=s.used_bytes,
+                                       pool_capacity_bytes=s.capacity_bytes, pool_keys=s.keys, directory_records=len(self.shard)))  # fmt: skip
+
+    # --- discovery -----------------------------------------------------------------------------------
+
+    def _is_master(self) -> bool:
+        assert self.info is not None
+        with self._view_lock:
+            return self.info.id in self._masters or self.info.id == self.head
+
+    def _cached_view(self) -> PeerMembershipReply:
+        with self._view_lock:
+            return PeerMembershipReply(members=ordered(self._members.values(), self.head), masters=list(self._masters), head=self.head)
+
+    def _tick(self) -> None:
+        """One heartbeat round: tell every master we are here, and take the membership they know."""
+        assert self.info is not None and self._table is not None
+        if self.state is not NodeState.RUNNING:
+            return
+        self._table.heard(self.info)
+        gone = self._table.expire()
+        if gone:
+            log.info("peer %s: %s silent past the TTL", self.info.id, ", ".join(gone))
+        targets = [t for t in dict.fromkeys(self.masters() + self.config.bootstrap) if t != self.info.id]
+        body = m.PeerHeartbeatRequest(node=self.info)
+        views: list[PeerMembershipReply] = []
+        for target in targets:
+            try:
+                view = self._channel(target).call(body, timeout_s=min(self.config.control_timeout_s, self.config.heartbeat_interval_s))
+            except KVDepotError:
+                self._drop_channel(target)
+                continue
+            views.append(view)
+        if self._is_master():
+            for other in views:
+                self._table.adopt(other)
+            view = self._table.view()
+        elif views:
+            view = views[0]
+        else:
+            return  # no master answered: keep the cached membership
+        if views:
+            self._joined.set()
+        self._apply(view)
+
+    def _apply(self, view: PeerMembershipReply) -> None:
+        """Take a membership view; on a change, rebuild the ring and re-shard the directory."""
+        assert self.info is not None and self._table is not None
+        members = {n.id: n for n in view.members}
+        members[self.info.id] = self.info  # whatever a stale master says, this node is alive
+        masters = masters_of(members.values(), self.head, self.config.max_masters)
+        with self._view_lock:
+            before = dict(self._members)
+            was_master = self.info.id in self._masters
+            self._members = members
+            self._masters = masters
+        if self.info.id in masters and not was_master:
+            self._table.adopt(view)  # promoted: start from what we knew
+        if {nid: n.incarnation for nid, n in members.items()} == {nid: n.incarnation for nid, n in before.items()}:
+            return
+        self._ring = HashRing(members, self.config.vnodes)
+        self.shard.keep_nodes(set(members))
+        for nid, old in before.items():
+            if nid not in members or members[nid].incarnation != old.incarnation:  # left, or restarted
+                self._suspects.pop(nid, None)
+                self._drop_channel(nid)
+                self._transport.forget(old.host, old.data_port)
+        if before:
+            log.info("peer %s: membership now %s", self.info.id, sorted(members))
+        # Re-publish what this node holds to the owners under the new ring, then drop what it no longer owns.
+        entries = self.pool.entries()
+        if entries:
+            self._publish(entries)
+            self.republished += len(entries)
+        me = self.info.id
+        self.shard.keep_keys(lambda key: me in self._ring.owners(key, self.config.directory_replicas))
+
+
+def _check_key(key: bytes) -> None:
+    if not isinstance(key, bytes) or not 0 < len(key) <= MAX_KEY_BYTES:
+        raise ValueError(f"a page key is 1 to {MAX_KEY_BYTES} bytes")

@@ -1,0 +1,125 @@
+"""``PeerStore``: a page store every node of a peer cluster can read, with no master to run.
+
+::
+
+    from kvdepot.peer import PeerStore
+    with PeerStore(discovery="10.0.0.1:31995", host="10.0.0.2", pool_size_mb=4096, secret="...") as store:
+        store.set("page-1", page_bytes)            # one copy into this node's pool, then published
+        store.batch_exists(["page-1", "page-2"])   # leading pages found anywhere (SGLang HiCache's rule)
+        store.get_into("page-1", buffer)           # straight into a caller's buffer, from whichever node has it
+
+Keys are ``str`` (UTF-8) or ``bytes``, up to 1 KiB. A page is any contiguous buffer. Every get or exists
+either answers within ``timeout_s`` or is a miss; a page read is always exactly the bytes set under its key
+(checked against the checksum recorded when it was set), never another page's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvdepot.peer.config import PeerConfig
+from kvdepot.peer.node import PeerNode
+from kvdepot.types import leading_run
+
+Key = str | bytes
+
+
+def _key(key: Key) -> bytes:
+    return key.encode() if isinstance(key, str) else bytes(key)
+
+
+class PeerStore:
+    def __init__(self, config: PeerConfig | None = None, **options: Any) -> None:
+        """``PeerStore(discovery=..., host=..., pool_size_mb=..., secret=...)`` or ``PeerStore(PeerConfig(...))``;
+        the options are ``PeerConfig``'s (``kvdepot peer --help`` lists them)."""
+        if config is not None and options:
+            raise TypeError("give a PeerConfig or keyword options, not both")
+        self.config = config or PeerConfig(**options)
+        self.node = PeerNode(self.config).start()
+
+    def __enter__(self) -> PeerStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.node.close()
+
+    @property
+    def node_id(self) -> str:
+        assert self.node.info is not None
+        return self.node.info.id
+
+    # --- writes --------------------------------------------------------------------------------------
+
+    def set(self, key: Key, value) -> bool:
+        return self.batch_set([key], [value])[0]
+
+    def batch_set(self, keys: Sequence[Key], values: Sequence) -> list[bool]:
+        """Per key: stored in this node's pool and published (False: larger than the pool, or the pool
+        is full of pages being read)."""
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys for {len(values)} values")
+        return self.node.put_many([(_key(k), v) for k, v in zip(keys, values, strict=True)])
+
+    def delete(self, key: Key) -> bool:
+        """Remove this node's page of ``key`` (other nodes' copies are theirs)."""
+        return self.node.delete(_key(key))
+
+    def clear(self) -> int:
+        """Remove every page this node published."""
+        return self.node.clear()
+
+    # --- reads ---------------------------------------------------------------------------------------
+
+    def exists(self, key: Key) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_exists(self, keys: Sequence[Key]) -> int:
+        """How many leading keys some node holds."""
+        return leading_run(self.exists_many(keys))
+
+    def exists_many(self, keys: Sequence[Key]) -> list[bool]:
+        deadline = time.monotonic() + self.config.timeout_s
+        return [loc is not None for loc in self.node.resolve([_key(k) for k in keys], deadline)]
+
+    def get(self, key: Key) -> bytes | None:
+        return self.batch_get([key])[0]
+
+    def batch_get(self, keys: Sequence[Key]) -> list[bytes | None]:
+        deadline = time.monotonic() + self.config.timeout_s
+        locations = self.node.resolve([_key(k) for k in keys], deadline)
+        buffers = [bytearray(loc.length) if loc is not None else bytearray(0) for loc in locations]
+        got = self.node.read_into(locations, [memoryview(b) for b in buffers], deadline)
+        return [bytes(b) if ok else None for b, ok in zip(buffers, got, strict=True)]
+
+    def get_into(self, key: Key, dest) -> bool:
+        """Read ``key``'s page straight into ``dest`` (a writable buffer of exactly the page's size)."""
+        return self.batch_get_into([key], [dest])[0]
+
+    def batch_get_into(self, keys: Sequence[Key], dests: Sequence) -> list[bool]:
+        """Per key: its page read into its buffer and verified. A buffer of another size is a miss."""
+        if len(keys) != len(dests):
+            raise ValueError(f"{len(keys)} keys for {len(dests)} buffers")
+        deadline = time.monotonic() + self.config.timeout_s
+        views = [memoryview(d).cast("B") for d in dests]
+        locations = self.node.resolve([_key(k) for k in keys], deadline)
+        located = [loc if loc is not None and loc.length == v.nbytes else None for loc, v in zip(locations, views, strict=True)]
+        return self.node.read_into(located, views, deadline)
+
+    # --- state ---------------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        s = self.node.pool.stats()
+        return {
+            "node": self.node_id,
+            "head": self.node.head,
+            "joined": self.node.joined,
+            "members": [n.id for n in self.node.members()],
+            "masters": self.node.masters(),
+            "pool": {"capacity_bytes": s.capacity_bytes, "used_bytes": s.used_bytes, "keys": s.keys, "evictions": s.evictions},
+            "directory_records": len(self.node.shard),
+        }
