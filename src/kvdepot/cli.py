@@ -109,6 +109,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 2
 
 
+def cmd_peer(args: argparse.Namespace) -> int:
+    _setup_logging(args.log_level)
+    from kvdepot.peer import cli as peer_cli
+
+    return peer_cli.main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvdepot", description="A KV-cache server for LLM inference engines.")
     p.add_argument("--version", action="version", version=f"kvdepot {__version__}")
@@ -141,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_engine_demo_args(d)
     d.set_defaults(func=cmd_demo)
+
+    pp = sub.add_parser("peer", help="run a peer-cluster node (the peer tier, standalone), or show a node's view of its cluster")
+    from kvdepot.peer.cli import add_args as add_peer_args
+
+    add_peer_args(pp)
+    pp.set_defaults(func=cmd_peer)
 
     mm = sub.add_parser("make-model", help="write a small random-weight Llama (the one the demo and tests use) to DIR")
     mm.add_argument("dir", help="directory to write it to (a Hugging Face model directory vLLM and SGLang load)")

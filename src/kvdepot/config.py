@@ -271,6 +271,11 @@ def _comma_list(text: str) -> tuple[str, ...]:
     return tuple(h.strip() for h in text.split(",") if h.strip())
 
 
+def config_values(cls: type[ConfigStruct], args: argparse.Namespace) -> dict[str, Any]:
+    """The values ``add_config_args(parser, cls, ...)`` parsed, by field name."""
+    return _values_of(cls, args)
+
+
 def _values_of(cls: type[ConfigStruct], args: argparse.Namespace) -> dict[str, Any]:
     prefix = f"{cls.__name__}."
     return {k[len(prefix) :]: v for k, v in vars(args).items() if k.startswith(prefix) and v is not None}

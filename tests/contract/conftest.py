@@ -1,6 +1,6 @@
 """Fixtures for the L2 contract suite: ``make_adapter``/``adapter``, parametrized over every adapter.
 
-memory and fs are built here (fs under ``tmp_path``). valkey (one server, and a 3-primary cluster) and s3
+memory, fs and peer (a one-node cluster on free ports) are built here (fs under ``tmp_path``). valkey (one server, and a 3-primary cluster) and s3
 need real servers: their factories are the harness's ``valkey_adapter_factory``,
 ``valkey_cluster_adapter_factory`` and ``s3_adapter_factory`` (``support.plugin``), each a
 callable ``(name: str) -> adapter`` returning an *unstarted* adapter against a real server. A missing
@@ -16,10 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from kvdepot.peer.adapter import PeerAdapter
+from kvdepot.peer.config import PeerConfig
 from kvdepot.storage.l2.fs_adapter import FsAdapter, FsConfig
 from kvdepot.storage.l2.memory_adapter import MemoryAdapter, MemoryConfig
 
-KINDS = ["memory", "fs", "valkey", "valkey_cluster", "s3"]
+KINDS = ["memory", "fs", "valkey", "valkey_cluster", "s3", "peer"]
 SERVER_KINDS = ("valkey", "valkey_cluster", "s3")
 DEFAULT_CAPACITY = 256 << 20
 
@@ -46,6 +48,8 @@ def make_adapter(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> I
             adapter = MemoryAdapter(name, MemoryConfig(size_gb=size_gb))
         elif kind == "fs":
             adapter = FsAdapter(name, FsConfig(path=str(tmp_path / name), size_gb=size_gb))
+        elif kind == "peer":  # a one-node cluster: reads are local pool copies (tests/peer covers the network)
+            adapter = PeerAdapter(name, PeerConfig(port=0, data_port=0, pool_size_mb=max(1, (capacity_bytes or DEFAULT_CAPACITY) >> 20)))
         else:
             assert backend_factory is not None
             adapter = backend_factory(name)

@@ -48,3 +48,7 @@ class PeerConfig(ConfigStruct, frozen=True, kw_only=True):
     @property
     def bootstrap(self) -> list[str]:
         return [a.strip() for a in self.discovery.split(",") if a.strip()]
+
+    def __repr__(self) -> str:  # the secret never reaches a log line
+        fields = ", ".join(f"{f}={'<secret>' if f == 'secret' and self.secret else repr(getattr(self, f))}" for f in self.__struct_fields__)
+        return f"PeerConfig({fields})"

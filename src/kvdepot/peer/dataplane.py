@@ -19,6 +19,7 @@ waits (within its deadline) for one to come back.
 
 from __future__ import annotations
 
+import enum
 import logging
 import socket
 import struct
@@ -42,6 +43,12 @@ REQUEST_MAGIC = b"RDRQ"
 MAX_PAGES_PER_REQUEST = 4096
 MAX_KEY_BYTES = 1024
 OK, MISSING = 0, 1
+
+
+class PageOutcome(enum.IntEnum):
+    MISS = 0  # absent, stale, unreachable, too slow: the page was not read
+    HIT = 1  # read whole and verified
+    CORRUPT = 2  # bytes arrived that do not match the page's checksum (never handed out)
 
 
 class PageSource(Protocol):
@@ -75,8 +82,8 @@ class ReadStats:
 
 
 class Transport(Protocol):
-    def read(self, host: str, port: int, pages: Sequence[PageRead], deadline: float) -> list[bool]:
-        """Per page: read and verified (False: a miss, for whatever reason)."""
+    def read(self, host: str, port: int, pages: Sequence[PageRead], deadline: float) -> list[PageOutcome]:
+        """Per page: read and verified, or why not."""
         ...
 
     def forget(self, host: str, port: int) -> None:
@@ -208,8 +215,8 @@ class TcpTransport:
         self.dropped = 0  # connections closed after a failure
         self.garbage = 0  # pages whose bytes did not match their checksum
 
-    def read(self, host: str, port: int, pages: Sequence[PageRead], deadline: float) -> list[bool]:
-        out = [False] * len(pages)
+    def read(self, host: str, port: int, pages: Sequence[PageRead], deadline: float) -> list[PageOutcome]:
+        out = [PageOutcome.MISS] * len(pages)
         if not pages:
             return out
         peer = self._channels(host, port)
@@ -263,7 +270,7 @@ class TcpTransport:
             conn.close()
         return None
 
-    def _exchange(self, conn: socket.socket, pages: Sequence[PageRead], out: list[bool], deadline: float) -> bool:
+    def _exchange(self, conn: socket.socket, pages: Sequence[PageRead], out: list[PageOutcome], deadline: float) -> bool:
         """Send one request for every page, receive each into its destination. True: the connection
         is in a clean state (every reply read whole) and may be reused."""
         parts = [_REQUEST.pack(REQUEST_MAGIC, len(pages))]
@@ -290,9 +297,10 @@ class TcpTransport:
                 got += k
             if xxhash.xxh3_128_digest(view) != p.checksum:
                 self.garbage += 1
+                out[i] = PageOutcome.CORRUPT
                 log.warning("peer data plane: a page failed its checksum: a miss, connection dropped")
                 return False
-            out[i] = True
+            out[i] = PageOutcome.HIT
         return True
 
     @staticmethod

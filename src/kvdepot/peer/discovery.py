@@ -42,19 +42,23 @@ class MemberTable:
         self._seen: dict[str, tuple[PeerNodeInfo, float]] = {}
         self._lock = threading.Lock()
 
-    def heard(self, node: PeerNodeInfo, now: float | None = None) -> None:
+    def heard(self, node: PeerNodeInfo, now: float | None = None) -> bool:
+        """Record a heartbeat; True when it is news (a new member, or a member restarted)."""
         with self._lock:
+            old = self._seen.get(node.id)
             self._seen[node.id] = (node, time.monotonic() if now is None else now)
+            return old is None or old[0].incarnation != node.incarnation
 
     def adopt(self, view: PeerMembershipReply) -> None:
         """Take what another master (or this node's cache, on promotion) knows: each member as last
         heard by whoever heard it last. Masters thus agree within a heartbeat, and a member that is
         really gone expires everywhere one TTL after anyone last heard it (an adopted time is never
         newer than a real heartbeat, so two masters cannot keep a dead node alive between them)."""
+        if len(view.silent_ms) != len(view.members):
+            return  # not a master's table (a node's cached view says nothing of when anyone was heard)
         now = time.monotonic()
-        silent = view.silent_ms or [0] * len(view.members)
         with self._lock:
-            for node, ms in zip(view.members, silent, strict=False):
+            for node, ms in zip(view.members, view.silent_ms, strict=True):
                 if ms / 1000 >= self.ttl_s:
                     continue
                 heard = now - ms / 1000

@@ -27,11 +27,12 @@ import threading
 import time
 from collections.abc import Sequence
 
+import xxhash
 import zmq
 
 from kvdepot.errors import KVDepotError
 from kvdepot.peer.config import PeerConfig
-from kvdepot.peer.dataplane import PageRead, TcpTransport
+from kvdepot.peer.dataplane import PageOutcome, PageRead, TcpTransport
 from kvdepot.peer.directory import DirectoryShard
 from kvdepot.peer.discovery import MemberTable, masters_of, ordered
 from kvdepot.peer.pool import PoolEntry, PublishedPool
@@ -82,7 +83,7 @@ class PeerNode:
         self._masters: list[str] = []
         self._ring = HashRing((), config.vnodes)
         self._joined = threading.Event()
-        self._heartbeat = Heartbeat(config.heartbeat_interval_s, self._tick, name="kvdepot-peer-heartbeat")
+        self._heartbeat = Heartbeat(config.heartbeat_interval_s, self._safe_tick, name="kvdepot-peer-heartbeat")
         self.state = NodeState.NEW
         self.info: PeerNodeInfo | None = None
         self.head = ""
@@ -248,10 +249,10 @@ class PeerNode:
         mine = [loc for loc in usable if loc.node == self.info.id]
         return (mine or usable or [None])[0]
 
-    def read_into(self, locations: Sequence[PeerLocation | None], dests: Sequence[memoryview], deadline: float) -> list[bool]:
+    def read_into(self, locations: Sequence[PeerLocation | None], dests: Sequence[memoryview], deadline: float) -> list[PageOutcome]:
         """Pull each located page into its destination (a buffer of exactly the page's size)."""
         assert self.info is not None
-        out = [False] * len(locations)
+        out = [PageOutcome.MISS] * len(locations)
         by_node: dict[str, list[int]] = {}
         for i, loc in enumerate(locations):
             if loc is not None:
@@ -272,20 +273,21 @@ class PeerNode:
                 out[i] = ok
         return out
 
-    def _read_local(self, loc: PeerLocation | None, dest: memoryview) -> bool:
+    def _read_local(self, loc: PeerLocation | None, dest: memoryview) -> PageOutcome:
         if loc is None:
-            return False
+            return PageOutcome.MISS
         entry = self.pool.acquire(loc.key, loc.generation)
         if entry is None:
-            return False
+            return PageOutcome.MISS
         try:
             dst = memoryview(dest).cast("B")
             if dst.nbytes != entry.length:
-                return False
+                return PageOutcome.MISS
             dst[:] = self.pool.view(entry)
-            return True
         finally:
             self.pool.release(entry)
+        # Checked here too: the pool is plain memory that a stray write could have hit.
+        return PageOutcome.HIT if xxhash.xxh3_128_digest(dst) == loc.checksum else PageOutcome.CORRUPT
 
     # --- the control plane, client side --------------------------------------------------------------
 
@@ -348,7 +350,8 @@ class PeerNode:
 
     def _on_hello(self, call: Call) -> Reply:
         assert self._table is not None
-        self._table.heard(call.body.node)
+        if self._table.heard(call.body.node):
+            self._heartbeat.kick()  # a newcomer: take the new membership now, not a heartbeat later
         if self._is_master():
             return Reply(self._table.view())
         return Reply(self._cached_view())
@@ -369,6 +372,12 @@ class PeerNode:
     def _cached_view(self) -> PeerMembershipReply:
         with self._view_lock:
             return PeerMembershipReply(members=ordered(self._members.values(), self.head), masters=list(self._masters), head=self.head)
+
+    def _safe_tick(self) -> None:
+        try:
+            self._tick()
+        except Exception:  # the next tick tries again; say why this one failed
+            log.exception("peer %s: heartbeat round failed", self.info.id if self.info else "?")
 
     def _tick(self) -> None:
         """One heartbeat round: tell every master we are here, and take the membership they know."""

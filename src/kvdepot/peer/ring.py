@@ -50,3 +50,14 @@ class HashRing:
                 if len(out) == want:
                     break
         return out
+
+    def shares(self) -> dict[str, float]:
+        """Each node's fraction of the key space (as the first owner): how even the ring is."""
+        if not self._points:
+            return {}
+        span = 1 << 64
+        out = dict.fromkeys(self.nodes, 0.0)
+        for i, point in enumerate(self._points):
+            prev = self._points[i - 1] if i else self._points[-1] - span
+            out[self._owners[i]] += (point - prev) / span
+        return out

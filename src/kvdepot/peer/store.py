@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvdepot.peer.config import PeerConfig
+from kvdepot.peer.dataplane import PageOutcome
 from kvdepot.peer.node import PeerNode
 from kvdepot.types import leading_run
 
@@ -94,7 +95,7 @@ class PeerStore:
         locations = self.node.resolve([_key(k) for k in keys], deadline)
         buffers = [bytearray(loc.length) if loc is not None else bytearray(0) for loc in locations]
         got = self.node.read_into(locations, [memoryview(b) for b in buffers], deadline)
-        return [bytes(b) if ok else None for b, ok in zip(buffers, got, strict=True)]
+        return [bytes(b) if ok is PageOutcome.HIT else None for b, ok in zip(buffers, got, strict=True)]
 
     def get_into(self, key: Key, dest) -> bool:
         """Read ``key``'s page straight into ``dest`` (a writable buffer of exactly the page's size)."""
@@ -108,7 +109,7 @@ class PeerStore:
         views = [memoryview(d).cast("B") for d in dests]
         locations = self.node.resolve([_key(k) for k in keys], deadline)
         located = [loc if loc is not None and loc.length == v.nbytes else None for loc, v in zip(locations, views, strict=True)]
-        return self.node.read_into(located, views, deadline)
+        return [ok is PageOutcome.HIT for ok in self.node.read_into(located, views, deadline)]
 
     # --- state ---------------------------------------------------------------------------------------
 

@@ -190,27 +190,37 @@ class _TryLock:
 
 
 class Heartbeat:
-    """Calls ``tick()`` every ``interval_s`` on its own thread, from ``start`` until ``stop``. A tick that
-    raises is logged by the caller's tick itself; the loop never dies of one."""
+    """Calls ``tick()`` every ``interval_s`` on its own thread, from ``start`` until ``stop``; ``kick``
+    runs the next tick at once. A tick that raises is logged by the caller's tick itself; the loop never
+    dies of one."""
 
     def __init__(self, interval_s: float, tick: Callable[[], None], name: str = "kvdepot-heartbeat") -> None:
         self._interval = interval_s
         self._tick = tick
         self._name = name
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
         self._thread.start()
 
+    def kick(self) -> None:
+        self._wake.set()
+
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=2)
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval):
+        while True:
+            self._wake.wait(self._interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self._tick()
             except Exception:  # never let the heartbeat die: the server would declare us gone

@@ -1,0 +1,238 @@
+"""A peer cluster of real node processes on loopback, and the faults a fleet meets.
+
+Every byte read is checked against what was written under its key (``page_bytes``): a read is a miss
+or exactly those bytes. Nodes heartbeat every 0.3 s and expire after 1.5 s here, so faults show within
+seconds.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from support.peer_cluster import NodeProcess, check_pages, keys, page_bytes, wait_for
+
+from kvdepot.peer import PeerStore
+from kvdepot.peer.dataplane import PageOutcome, PageRead
+
+SIZE = 64 << 10
+SECRET = "cluster-test-secret"
+FAST = {"heartbeat_interval_s": 0.3, "member_ttl_s": 1.5, "control_timeout_s": 0.5, "timeout_s": 2.0}
+
+
+def store(discovery: str = "", secret: str = SECRET, **options) -> PeerStore:
+    return PeerStore(discovery=discovery, secret=secret, port=0, data_port=0, pool_size_mb=options.pop("pool_size_mb", 32), **{**FAST, **options})
+
+
+@pytest.fixture
+def nodes():
+    started: list[NodeProcess] = []
+
+    def start(**options) -> NodeProcess:
+        options.setdefault("secret", SECRET)
+        node = NodeProcess(**options).start()
+        started.append(node)
+        return node
+
+    yield start
+    for node in started:
+        node.stop()
+
+
+def members_of(s: PeerStore) -> int:
+    return len(s.status()["members"])
+
+
+def agree(count: int, local: list[PeerStore], processes: list[NodeProcess]) -> None:
+    """Wait until every node sees ``count`` members (membership spreads within a heartbeat or two)."""
+    def all_see() -> bool:
+        return all(members_of(s) == count for s in local) and all(len(p.command("status")["members"]) == count for p in processes)
+
+    wait_for(all_see, 15, f"every node to see {count} members")
+
+
+def test_three_nodes_share_pages_every_way(nodes):
+    head = nodes()
+    a = nodes(discovery=head.node_id)
+    with store(head.node_id) as local:
+        agree(3, [local], [head, a])
+        for node, prefix in ((head, "h"), (a, "a")):
+            assert node.command(f"set {prefix} 20 {SIZE}") == {"stored": 20}
+        assert local.batch_set(keys("l", 20), [page_bytes(k, SIZE) for k in keys("l", 20)]) == [True] * 20
+        for node in (head, a):
+            for prefix in "hal":
+                assert node.command(f"check {prefix} 20 {SIZE}") == {"hit": 20, "miss": 0, "wrong": 0}, (node.node_id, prefix)
+        assert check_pages(local, "h", 20, SIZE) == {"hit": 20, "miss": 0, "wrong": 0}
+        assert local.batch_exists(keys("a", 20) + ["nope"] + keys("h", 3)) == 20  # leading hits, as HiCache counts
+        buf = bytearray(SIZE)
+        assert local.get_into("a7", buf) and bytes(buf) == page_bytes("a7", SIZE)
+        assert not local.get_into("a7", bytearray(SIZE - 1))  # a buffer of another size is a miss, not a partial read
+
+
+def test_killed_node_survivors_still_hit_its_pages_miss_and_writes_land_after(nodes):
+    head = nodes()
+    a, b = nodes(discovery=head.node_id), nodes(discovery=head.node_id)
+    with store(head.node_id) as reader:
+        agree(4, [reader], [head, a, b])
+        assert a.command(f"set a 40 {SIZE}") == {"stored": 40}
+        assert b.command(f"set b 40 {SIZE}") == {"stored": 40}
+        assert check_pages(reader, "a", 40, SIZE)["hit"] == 40
+        b.kill()
+        # At once, before the cluster has noticed: records b owned for a's pages have replicas.
+        assert check_pages(reader, "a", 40, SIZE) == {"hit": 40, "miss": 0, "wrong": 0}
+        # b's own pages are clean misses (its data plane is gone), and within seconds b is out.
+        got = check_pages(reader, "b", 40, SIZE)
+        assert got["wrong"] == 0 and got["hit"] == 0
+        wait_for(lambda: members_of(reader) == 3, 10, "the dead node to leave")
+        assert reader.batch_exists(keys("b", 40)) == 0
+        # The ring re-sharded: later writes land and everyone reads them.
+        assert a.command(f"set a2 40 {SIZE}") == {"stored": 40}
+        assert check_pages(reader, "a2", 40, SIZE) == {"hit": 40, "miss": 0, "wrong": 0}
+        assert head.command(f"check a2 40 {SIZE}") == {"hit": 40, "miss": 0, "wrong": 0}
+
+
+def test_head_master_killed_established_nodes_serve_and_a_restarted_head_rejoins(nodes):
+    head = nodes()
+    port = int(head.node_id.rsplit(":", 1)[1])
+    a = nodes(discovery=head.node_id)
+    b = nodes(discovery=head.node_id)
+    agree(3, [], [head, a, b])
+    head.kill()
+    assert a.command(f"set x 30 {SIZE}") == {"stored": 30}
+    assert b.command(f"check x 30 {SIZE}") == {"hit": 30, "miss": 0, "wrong": 0}
+    wait_for(lambda: a.command("status")["members"] == sorted(a.command("status")["members"]) and
+             len(a.command("status")["members"]) == 2, 10, "the head to be expired")  # fmt: skip
+    assert b.command(f"set y 30 {SIZE}") == {"stored": 30}
+    assert a.command(f"check y 30 {SIZE}") == {"hit": 30, "miss": 0, "wrong": 0}
+    # The head comes back on its address: the others find it again and it reads what they wrote.
+    again = nodes(port=port)
+    assert again.node_id == head.node_id
+    wait_for(lambda: len(again.command("status")["members"]) == 3, 10, "the restarted head to see everyone")
+    wait_for(lambda: again.command(f"check x 30 {SIZE}")["hit"] == 30, 10, "the restarted head to read x")
+    assert again.command(f"check y 30 {SIZE}") == {"hit": 30, "miss": 0, "wrong": 0}
+
+
+def test_a_node_without_the_secret_can_neither_join_nor_read(nodes):
+    head = nodes()
+    assert head.command(f"set s 10 {SIZE}") == {"stored": 10}
+    with store(head.node_id, secret="not-the-secret", join_timeout_s=1.0) as intruder, store(head.node_id, secret="", join_timeout_s=1.0) as open_node:
+        for s in (intruder, open_node):
+            assert not s.node.joined
+            assert s.status()["members"] == [s.node_id]
+            assert s.batch_exists(keys("s", 10)) == 0 and s.get("s0") is None
+        with store(head.node_id) as member:  # a legitimate member, to learn a real location
+            wait_for(lambda: member.exists("s0"), 10, "the member to see s0")
+            loc = member.node.resolve([b"s0"], time.monotonic() + 2)[0]
+            assert loc is not None
+            peer = next(n for n in member.node.members() if n.id == loc.node)
+            # Straight at the owner's data plane with the wrong secret: refused, not a byte served.
+            dest = bytearray(loc.length)
+            page = PageRead(loc.key, loc.generation, loc.offset, loc.length, loc.checksum, memoryview(dest))
+            assert intruder.node._transport.read(peer.host, peer.data_port, [page], time.monotonic() + 2) == [PageOutcome.MISS]
+            assert dest == bytearray(loc.length)
+            assert member.node._transport.read(peer.host, peer.data_port, [page], time.monotonic() + 2) == [PageOutcome.HIT]
+            assert bytes(dest) == page_bytes("s0", SIZE)
+
+
+def test_a_stalled_peer_is_a_timely_miss_and_serves_again_after(nodes):
+    head = nodes()
+    a = nodes(discovery=head.node_id)
+    assert a.command(f"set p 20 {SIZE}") == {"stored": 20}
+    with store(head.node_id, timeout_s=1.0) as reader:
+        agree(3, [reader], [head, a])
+        wait_for(lambda: check_pages(reader, "p", 20, SIZE)["hit"] == 20, 10, "the pages")
+        a.pause()  # SIGSTOP: its sockets stay open, nothing answers
+        try:
+            t0 = time.monotonic()
+            got = check_pages(reader, "p", 20, SIZE)
+            took = time.monotonic() - t0
+            assert got["hit"] == 0 and got["wrong"] == 0
+            assert took < 10, f"a stalled peer held a read for {took:.1f} s"  # bounded by the deadline, not a hang
+        finally:
+            a.resume()
+        wait_for(lambda: check_pages(reader, "p", 20, SIZE)["hit"] == 20, 15, "service back after the stall")
+
+
+def test_garbage_and_a_connection_closed_mid_page_are_misses_then_service_comes_back():
+    with store() as owner, store(owner.node_id) as reader:
+        wait_for(lambda: members_of(reader) == 2, 10, "two members")
+        names = keys("g", 4)
+        assert owner.batch_set(names, [page_bytes(n, SIZE) for n in names]) == [True] * 4
+        assert check_pages(reader, "g", 4, SIZE)["hit"] == 4
+        # Garbage: the owner's pool bytes change under a published record.
+        entry = owner.node.pool.acquire(b"g1")
+        view = owner.node.pool.view(entry)
+        view[100] ^= 0xFF
+        garbage_before = reader.node._transport.garbage
+        assert check_pages(reader, "g", 4, SIZE)["wrong"] == 0
+        assert reader.get("g1") is None
+        assert reader.node._transport.garbage > garbage_before
+        view[100] ^= 0xFF
+        owner.node.pool.release(entry)
+        assert check_pages(reader, "g", 4, SIZE) == {"hit": 4, "miss": 0, "wrong": 0}
+        # A connection closed halfway through a page.
+        server = owner.node._data_server
+        original = server._send_page
+
+        def half_then_close(conn, key, generation, offset, length):
+            conn.sendall(b"\0" * 16 + b"\x01" * (length // 2))
+            raise ConnectionError("closed mid-page")
+
+        server._send_page = half_then_close
+        dropped = reader.node._transport.dropped
+        try:
+            assert reader.get("g2") is None
+            assert reader.node._transport.dropped > dropped  # that connection is never reused
+        finally:
+            server._send_page = original
+        assert check_pages(reader, "g", 4, SIZE) == {"hit": 4, "miss": 0, "wrong": 0}
+
+
+def test_evictions_under_concurrent_reads_never_hand_out_wrong_bytes():
+    """The owner's pool holds 16 pages; a writer keeps rewriting 48 keys (new versions evict old pages)
+    while four reader threads on another node read them: every hit must be one of the versions written."""
+    size = 256 << 10
+    with store(pool_size_mb=4) as owner, store(owner.node_id) as reader:
+        wait_for(lambda: members_of(reader) == 2, 10, "two members")
+        names = keys("e", 48)
+        stop = threading.Event()
+        versions_written = [0]
+        failures: list[str] = []
+        counts = {"hit": 0, "miss": 0}
+        lock = threading.Lock()
+
+        def write():
+            v = 0
+            while not stop.is_set():
+                v += 1
+                for n in names:
+                    owner.set(n, page_bytes(n, size, v))
+                versions_written[0] = v
+
+        def read(seed: int):
+            i = seed
+            while not stop.is_set():
+                batch = [names[(i + j) % len(names)] for j in range(4)]
+                i += 5
+                for name, value in zip(batch, reader.batch_get(batch), strict=True):
+                    if value is None:
+                        with lock:
+                            counts["miss"] += 1
+                        continue
+                    top = versions_written[0] + 1
+                    if not any(value == page_bytes(name, size, v) for v in range(top, 0, -1)):
+                        failures.append(f"{name}: bytes of no version written")
+                    with lock:
+                        counts["hit"] += 1
+
+        threads = [threading.Thread(target=write)] + [threading.Thread(target=read, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(6)
+        stop.set()
+        for t in threads:
+            t.join(30)
+        assert not failures, failures[:5]
+        assert owner.node.pool.stats().evictions > 100, "the test must actually evict under the readers"
+        assert counts["hit"] > 20, counts  # reads did land between evictions

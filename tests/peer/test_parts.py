@@ -1,0 +1,202 @@
+"""The peer tier's parts on their own: ring, pool, directory shard, member table, handshake."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import pytest
+
+from kvdepot.peer.auth import HandshakeFailed, client_handshake, serve_handshake
+from kvdepot.peer.directory import DirectoryShard
+from kvdepot.peer.discovery import MemberTable, masters_of
+from kvdepot.peer.pool import PublishedPool
+from kvdepot.peer.ring import HashRing
+from kvdepot.protocol.messages import PeerLocation, PeerNodeInfo
+
+
+def node(i: int, incarnation: int = 1) -> PeerNodeInfo:
+    return PeerNodeInfo(id=f"10.0.0.{i}:31995", host=f"10.0.0.{i}", control_port=31995, data_port=31996, incarnation=incarnation)
+
+
+# --- ring ---------------------------------------------------------------------------------------------
+
+
+def test_ring_owners_are_distinct_stable_and_agree_across_builds():
+    nodes = [f"n{i}" for i in range(5)]
+    a, b = HashRing(nodes), HashRing(reversed(nodes))
+    for i in range(200):
+        key = f"key{i}".encode()
+        owners = a.owners(key, 3)
+        assert owners == b.owners(key, 3)  # every node computes the same owners
+        assert len(set(owners)) == 3
+    assert HashRing(["only"]).owners(b"k", 2) == ["only"]
+    assert HashRing().owners(b"k") == []
+
+
+def test_ring_moves_only_the_keys_next_to_a_joining_node():
+    before = HashRing([f"n{i}" for i in range(4)])
+    after = HashRing([f"n{i}" for i in range(5)])
+    keys = [os.urandom(16) for _ in range(4000)]
+    moved = sum(before.owners(k)[0] != after.owners(k)[0] for k in keys)
+    assert all(after.owners(k)[0] == "n4" for k in keys if before.owners(k)[0] != after.owners(k)[0])
+    assert 0.1 < moved / len(keys) < 0.3  # about 1/5 of the keys, all of them to the new node
+
+
+def test_ring_shares_are_even_with_160_vnodes():
+    shares = HashRing([f"10.0.0.{i}:31995" for i in range(8)]).shares()
+    assert sum(shares.values()) == pytest.approx(1.0)
+    assert max(shares.values()) < 1.5 / 8 and min(shares.values()) > 0.5 / 8
+
+
+# --- pool ---------------------------------------------------------------------------------------------
+
+
+def test_pool_generation_guards_every_read():
+    pool = PublishedPool(1 << 20)
+    first, _ = pool.put(b"k", b"a" * 5000)
+    assert first is not None
+    second, _ = pool.put(b"k", b"b" * 5000)
+    assert second is not None and second.generation > first.generation
+    assert pool.acquire(b"k", first.generation) is None  # the old page is gone for good
+    entry = pool.acquire(b"k", second.generation)
+    assert entry is not None and bytes(pool.view(entry)) == b"b" * 5000
+    pool.release(entry)
+
+
+def test_pool_never_reuses_space_a_reader_still_pins():
+    pool = PublishedPool(4 * 4096)
+    pages = {f"k{i}".encode(): bytes([i]) * 4096 for i in range(4)}
+    for k, v in pages.items():
+        assert pool.put(k, v)[0] is not None
+    reading = pool.acquire(b"k0")  # a reader is sending k0's bytes
+    assert reading is not None
+    assert pool.remove(b"k0") is not None  # evicted/deleted while read: retired, not freed
+    # The pool is full: the new page must evict an unpinned page, never take k0's range.
+    entry, evicted = pool.put(b"new", b"\xff" * 4096)
+    assert entry is not None and entry.offset != reading.offset
+    assert [e.key for e in evicted] == [b"k1"]
+    assert bytes(pool.view(reading)) == pages[b"k0"]  # the reader's bytes are intact
+    pool.release(reading)
+    assert pool.stats().retired == 0
+    again, _ = pool.put(b"later", b"\x01" * 4096)  # now that range is free again
+    assert again is not None and again.offset == reading.offset
+
+
+def test_pool_full_of_pinned_pages_refuses_instead_of_overwriting():
+    pool = PublishedPool(2 * 4096)
+    pins = []
+    for k in (b"a", b"b"):
+        pool.put(k, b"x" * 4096)
+        pins.append(pool.acquire(k))
+    entry, evicted = pool.put(b"c", b"y" * 4096)
+    assert entry is None and evicted == []
+    assert pool.put(b"huge", b"z" * (3 * 4096)) == (None, [])
+    for p in pins:
+        pool.release(p)
+    assert pool.put(b"c", b"y" * 4096)[0] is not None
+
+
+def test_pool_lru_order_follows_reads():
+    pool = PublishedPool(3 * 4096)
+    for k in (b"a", b"b", b"c"):
+        pool.put(k, b"." * 4096)
+    pool.release(pool.acquire(b"a"))  # read: a is newest now
+    _, evicted = pool.put(b"d", b"." * 4096)
+    assert [e.key for e in evicted] == [b"b"]
+
+
+# --- directory ----------------------------------------------------------------------------------------
+
+
+def rec(key: bytes, node_id: str, generation: int) -> PeerLocation:
+    return PeerLocation(key=key, node=node_id, offset=0, length=10, generation=generation, checksum=b"\0" * 16)
+
+
+def test_directory_keeps_the_newest_generation_and_a_late_unpublish_spares_it():
+    shard = DirectoryShard()
+    assert shard.publish([rec(b"k", "A", 5)]) == 1
+    assert shard.publish([rec(b"k", "A", 3)]) == 0  # an older record arriving late is dropped
+    assert shard.publish([rec(b"k", "B", 1)]) == 1  # another node's copy sits beside it
+    assert shard.unpublish([b"k"], "A", [4]) == 0  # the unpublish of an older generation spares gen 5
+    assert sorted((r.node, r.generation) for r in shard.resolve([b"k"])[0]) == [("A", 5), ("B", 1)]
+    assert shard.keep_nodes({"A"}) == 1  # B left the cluster: its records go
+    assert [r.node for r in shard.resolve([b"k"])[0]] == ["A"]
+    assert shard.keep_keys(lambda key: False) == 1
+    assert shard.resolve([b"k", b"x"]) == [[], []] and len(shard) == 0
+
+
+# --- discovery ----------------------------------------------------------------------------------------
+
+
+def test_masters_are_the_head_then_by_id():
+    members = [node(5), node(2), node(9), node(3)]
+    assert masters_of(members, head=node(9).id, max_masters=3) == [node(9).id, node(2).id, node(3).id]
+    # The head gone: the next in order steps in; nothing is elected.
+    assert masters_of(members[:2] + members[3:], head=node(9).id, max_masters=3) == [node(2).id, node(3).id, node(5).id]
+
+
+def test_member_table_expires_the_silent_and_adoption_never_revives_them():
+    t = MemberTable(head=node(1).id, max_masters=3, ttl_s=5.0)
+    t.heard(node(1), now=100.0)
+    t.heard(node(2), now=100.0)
+    assert t.expire(now=104.0) == []
+    t.heard(node(1), now=104.0)
+    assert t.expire(now=106.0) == [node(2).id]
+    other = MemberTable(head=node(1).id, max_masters=3, ttl_s=5.0)
+    other.heard(node(2))
+    view = other.view()
+    view.silent_ms[0] = 6000  # the other master last heard node 2 more than a TTL ago
+    t.adopt(view)
+    assert [n.id for n in t.view().members] == [node(1).id]
+    view.silent_ms[0] = 100
+    t.adopt(view)
+    assert [n.id for n in t.view().members] == [node(1).id, node(2).id]
+
+
+# --- data-plane handshake -----------------------------------------------------------------------------
+
+
+def _handshake(server_secret: bytes, client_secret: bytes) -> tuple[BaseException | None, BaseException | None]:
+    a, b = socket.socketpair()
+    errors: list[BaseException | None] = [None, None]
+
+    def serve():
+        try:
+            serve_handshake(a, server_secret)
+        except BaseException as exc:
+            errors[0] = exc
+            a.close()
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        client_handshake(b, client_secret)
+    except BaseException as exc:
+        errors[1] = exc
+    t.join(5)
+    a.close()
+    b.close()
+    return errors[0], errors[1]
+
+
+def test_handshake_needs_the_same_secret_on_both_ends():
+    assert _handshake(b"s", b"s") == (None, None)
+    server_err, client_err = _handshake(b"s", b"wrong")
+    assert isinstance(server_err, HandshakeFailed) and isinstance(client_err, HandshakeFailed)
+    server_err, client_err = _handshake(b"", b"s")  # an open node and a secured one never talk
+    assert isinstance(server_err, HandshakeFailed) and isinstance(client_err, HandshakeFailed)
+
+
+def test_a_view_without_timings_is_never_adopted():
+    """A non-master answers with its cached membership, which says nothing of when anyone was last
+    heard: adopting it as fresh would keep a dead node alive forever."""
+    t = MemberTable(head=node(1).id, max_masters=3, ttl_s=5.0)
+    t.heard(node(1))
+    cached = MemberTable(head=node(1).id, max_masters=3, ttl_s=5.0)
+    cached.heard(node(7))
+    view = cached.view()
+    view.silent_ms = []
+    t.adopt(view)
+    assert [n.id for n in t.view().members] == [node(1).id]
