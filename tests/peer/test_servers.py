@@ -1,0 +1,74 @@
+"""kvdepot servers with a ``peer`` tier: what one server stored, every other server serves.
+
+Three real ``kvdepot server`` processes, each with ``--l2 'peer:...'`` (the first is the cluster's head),
+as the README's "Running a cluster" starts them. A prompt stored through server A's engine client comes
+back, bit for bit, through server C's: C's LOOKUP finds the chunks in the directory, its prefetch pulls
+them from A's pool into C's L1, and C's client retrieves them as local hits.
+"""
+
+from __future__ import annotations
+
+import pytest
+from support.servers import wait_until
+from support.tiers import assert_served_whole, make_prompt, store_full, tier_of, wait_store_idle
+
+from kvdepot.bench.serverproc import free_port
+
+SECRET = "servers-test-secret"
+FAST = "heartbeat_interval_s=0.3,member_ttl_s=1.5,control_timeout_s=0.5"
+
+
+def peer_spec(port: int, discovery: str = "", name: str = "peers") -> str:
+    spec = f"peer:name={name},port={port},data_port=0,pool_size_mb=32,secret={SECRET},{FAST}"
+    return spec + (f",discovery={discovery}" if discovery else "")
+
+
+@pytest.fixture
+def cluster(make_server):
+    ports = [free_port() for _ in range(3)]
+    head = f"127.0.0.1:{ports[0]}"
+    servers = [make_server("--l2", peer_spec(ports[0]), name="peer-a")]
+    servers += [make_server("--l2", peer_spec(p, head), name=f"peer-{n}") for p, n in zip(ports[1:], "bc", strict=True)]
+    return servers
+
+
+def test_three_servers_share_what_each_stored_every_way(cluster, seed):
+    a, b, c = cluster
+    prompts = [make_prompt(3, seed + i) for i in range(len(cluster))]
+    for srv, p in zip(cluster, prompts, strict=True):
+        with srv.client() as client:
+            store_full(client, p)
+        status = wait_store_idle(srv)
+        assert tier_of(status, "peers")["objects"] == 3  # in this server's published pool
+    for reader in cluster:
+        with reader.client() as client:
+            for writer, p in zip(cluster, prompts, strict=True):
+                if writer is reader:
+                    continue
+                # Membership spreads within a heartbeat or two: the first lookups may still miss.
+                wait_until(lambda p=p: client.lookup(p.tokens) == p.n_tokens, timeout_s=15, what="the other server's chunks")
+                assert_served_whole(client, p)
+        t = tier_of(reader.status(), "peers")
+        assert (t["healthy"], t["loaded"], t["corrupt"]) == (True, 6, 0), t
+
+
+def test_a_server_that_dies_takes_only_its_own_chunks_along(cluster, seed):
+    a, b, c = cluster
+    pa, pb = make_prompt(2, seed), make_prompt(2, seed + 1)
+    with a.client() as client:
+        store_full(client, pa)
+    with b.client() as client:
+        store_full(client, pb)
+    wait_store_idle(a)
+    wait_store_idle(b)
+    with c.client() as client:
+        wait_until(lambda: client.lookup(pb.tokens) == pb.n_tokens, timeout_s=15, what="b's chunks on c")
+    c.clear()  # c's L1 forgets; only the peers hold the chunks now
+    b.proc.proc.kill()
+    b.proc.proc.wait(10)
+    with c.client() as client:
+        wait_until(lambda: client.lookup(pa.tokens) == pa.n_tokens, timeout_s=15, what="a's chunks on c after b died")
+        assert_served_whole(client, pa)
+        assert client.lookup(pb.tokens) == 0  # b's chunks went with b: a clean miss
+        assert client.retrieve(pb.tokens).shape[2] == 0
+    assert tier_of(c.status(), "peers")["healthy"]
