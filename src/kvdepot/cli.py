@@ -105,6 +105,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return transfer.main(args)
     if args.workload == "tiers":
         return tiers.main(args)
+    if args.workload == "peer":
+        from kvdepot.bench import peer
+
+        return peer.main(args)
     print(f"unknown workload {args.workload}", file=sys.stderr)
     return 2
 
@@ -169,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     btt = bsub.add_parser("tiers", help="L2 adapters' store/load GB/s vs the raw backend, and LOOKUP from L2")
     add_tiers_args(btt)
+    from kvdepot.bench.peer import add_args as add_peer_bench_args
+
+    btp = bsub.add_parser("peer", help="the peer tier: remote get/set GB/s and batch_exists vs raw loopback sockets")
+    add_peer_bench_args(btp)
     b.set_defaults(func=cmd_bench)
     return p
 

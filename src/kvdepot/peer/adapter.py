@@ -15,18 +15,23 @@ request path.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 
 from kvdepot.peer.config import PeerConfig
 from kvdepot.peer.dataplane import PageOutcome
 from kvdepot.peer.node import PeerNode
+from kvdepot.protocol.messages import PeerLocation
 from kvdepot.storage.l2.backend import BackendAdapter
 from kvdepot.storage.l2.contract import AdapterType, TierServices
 from kvdepot.storage.l2.envelope import RejectedObject
 from kvdepot.types import ObjectKey
 
 log = logging.getLogger(__name__)
+
+LOCATED_TTL_S = 2.0  # a lookup's locations serve the load that follows within this long
+LOCATED_KEPT = 65536
 
 
 class PeerAdapter(BackendAdapter):
@@ -36,6 +41,10 @@ class PeerAdapter(BackendAdapter):
         super().__init__(name, workers=config.workers, services=services)
         self.config = config
         self.node = PeerNode(config)
+        # Locations a lookup just resolved, for the load that follows it (one directory round saved;
+        # a stale one is the owner's generation check's business: a miss, never other bytes).
+        self._located: dict[bytes, tuple[float, PeerLocation]] = {}
+        self._located_lock = threading.Lock()
 
     def start(self) -> None:
         self.node.start()
@@ -52,7 +61,12 @@ class PeerAdapter(BackendAdapter):
         """One directory round and one data-plane request per holding node for the whole batch."""
         deadline = time.monotonic() + self.config.timeout_s
         views = [memoryview(d).cast("B") for _, d in pairs]
-        locations = self.node.resolve([bytes(k) for k, _ in pairs], deadline)
+        keys = [bytes(k) for k, _ in pairs]
+        locations = self._recently_located(keys)
+        missing = [i for i, loc in enumerate(locations) if loc is None]
+        if missing:
+            for i, loc in zip(missing, self.node.resolve([keys[i] for i in missing], deadline), strict=True):
+                locations[i] = loc
         located = [loc if loc is not None and loc.length == v.nbytes else None for loc, v in zip(locations, views, strict=True)]
         outcomes = self.node.read_into(located, views, deadline)
         for (key, _), loc, outcome in zip(pairs, located, outcomes, strict=True):
@@ -79,7 +93,25 @@ class PeerAdapter(BackendAdapter):
 
     def _contains(self, keys: list[ObjectKey]) -> list[bool]:
         deadline = time.monotonic() + self.config.timeout_s
-        return [loc is not None for loc in self.node.resolve([bytes(k) for k in keys], deadline)]
+        raw = [bytes(k) for k in keys]
+        locations = self.node.resolve(raw, deadline)
+        now = time.monotonic()
+        with self._located_lock:
+            if len(self._located) > LOCATED_KEPT:
+                self._located = {k: v for k, v in self._located.items() if now - v[0] < LOCATED_TTL_S}
+            for key, loc in zip(raw, locations, strict=True):
+                if loc is not None:
+                    self._located[key] = (now, loc)
+        return [loc is not None for loc in locations]
+
+    def _recently_located(self, keys: list[bytes]) -> list[PeerLocation | None]:
+        now = time.monotonic()
+        out: list[PeerLocation | None] = []
+        with self._located_lock:
+            for key in keys:
+                hit = self._located.pop(key, None)
+                out.append(hit[1] if hit is not None and now - hit[0] < LOCATED_TTL_S else None)
+        return out
 
     def _delete(self, key: ObjectKey) -> None:
         self.node.delete(bytes(key))

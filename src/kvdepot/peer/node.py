@@ -47,6 +47,7 @@ from kvdepot.rpc.server import RpcServer
 log = logging.getLogger(__name__)
 
 SUSPECT_S = 2.0  # a node whose call failed is not asked again for this long
+CHANNELS_KEPT_PER_NODE = 8  # idle control channels kept per node (more are made when threads need them)
 MAX_KEY_BYTES = 1024
 
 
@@ -75,13 +76,13 @@ class PeerNode:
         self._data_server = None
         self._rpc: RpcServer | None = None
         self._zctx = zmq.Context()
-        self._channels: dict[str, RpcChannel] = {}
+        self._channels: dict[str, list[RpcChannel]] = {}  # idle control channels per node
         self._channels_lock = threading.Lock()
         self._suspects: dict[str, float] = {}
         self._view_lock = threading.Lock()
         self._members: dict[str, PeerNodeInfo] = {}
         self._masters: list[str] = []
-        self._ring = HashRing((), config.vnodes)
+        self._ring = HashRing((), config.vnodes, config.directory_replicas)
         self._joined = threading.Event()
         self._heartbeat = Heartbeat(config.heartbeat_interval_s, self._safe_tick, name="kvdepot-peer-heartbeat")
         self.state = NodeState.NEW
@@ -137,8 +138,9 @@ class PeerNode:
             self._data_server.close()
         self._transport.close()
         with self._channels_lock:
-            for ch in self._channels.values():
-                ch.close()
+            for idle in self._channels.values():
+                for ch in idle:
+                    ch.close()
             self._channels.clear()
         if self._client_security is not None:
             self._client_security.close()
@@ -218,6 +220,9 @@ class PeerNode:
             _check_key(key)
         found: list[PeerLocation | None] = [None] * len(keys)
         ring = self._ring
+        now = time.monotonic()
+        with self._view_lock:
+            usable = {nid for nid in self._members if self._suspects.get(nid, 0.0) <= now}
         owners = [ring.owners(k, self.config.directory_replicas) for k in keys]
         pending = list(range(len(keys)))
         for replica in range(self.config.directory_replicas):
@@ -229,7 +234,7 @@ class PeerNode:
             for owner, idx in by_owner.items():
                 reply = self._call_shard(owner, m.PeerResolveRequest(keys=[keys[i] for i in idx]), deadline)
                 for j, i in enumerate(idx):
-                    loc = self._best(reply.locations[j]) if reply is not None and j < len(reply.locations) else None
+                    loc = self._best(reply.locations[j], usable) if reply is not None and j < len(reply.locations) else None
                     if loc is None:
                         still.append(i)
                     else:
@@ -239,15 +244,16 @@ class PeerNode:
                 break
         return found
 
-    def _best(self, locations: Sequence[PeerLocation]) -> PeerLocation | None:
+    def _best(self, locations: Sequence[PeerLocation], usable: set[str]) -> PeerLocation | None:
         """This node's own copy first; else one on a live member that has not just failed us."""
         assert self.info is not None
-        now = time.monotonic()
-        with self._view_lock:
-            live = set(self._members)
-        usable = [loc for loc in locations if loc.node in live and self._suspects.get(loc.node, 0.0) <= now and loc.resident]
-        mine = [loc for loc in usable if loc.node == self.info.id]
-        return (mine or usable or [None])[0]
+        best = None
+        for loc in locations:
+            if loc.node in usable and loc.resident:
+                if loc.node == self.info.id:
+                    return loc
+                best = best or loc
+        return best
 
     def read_into(self, locations: Sequence[PeerLocation | None], dests: Sequence[memoryview], deadline: float) -> list[PageOutcome]:
         """Pull each located page into its destination (a buffer of exactly the page's size)."""
@@ -291,18 +297,40 @@ class PeerNode:
 
     # --- the control plane, client side --------------------------------------------------------------
 
-    def _channel(self, node: str) -> RpcChannel:
+    def _lease_channel(self, node: str) -> RpcChannel:
+        """An idle control channel to ``node`` (a new one if none is idle): calls to one node from
+        several threads run side by side instead of queueing on one socket."""
         with self._channels_lock:
-            ch = self._channels.get(node)
-            if ch is None:
-                ch = self._channels[node] = RpcChannel(f"tcp://{node}", self._zctx, security=self._client_security).open()
-            return ch
+            idle = self._channels.setdefault(node, [])
+            if idle:
+                return idle.pop()
+        return RpcChannel(f"tcp://{node}", self._zctx, security=self._client_security).open()
 
-    def _drop_channel(self, node: str) -> None:
+    def _return_channel(self, node: str, ch: RpcChannel, healthy: bool) -> None:
+        """Back to the idle list after a clean call; closed (never reused) after a failed one, whose late
+        reply must not meet the next call, and when the node left meanwhile."""
         with self._channels_lock:
-            ch = self._channels.pop(node, None)
-        if ch is not None:
+            idle = self._channels.get(node)
+            if healthy and idle is not None and len(idle) < CHANNELS_KEPT_PER_NODE and self.state is NodeState.RUNNING:
+                idle.append(ch)
+                return
+        ch.close()
+
+    def _drop_channels(self, node: str) -> None:
+        with self._channels_lock:
+            idle = self._channels.pop(node, [])
+        for ch in idle:
             ch.close()
+
+    def _call(self, node: str, body, timeout_s: float):
+        ch = self._lease_channel(node)
+        ok = False
+        try:
+            reply = ch.call(body, timeout_s=timeout_s)
+            ok = True
+            return reply
+        finally:
+            self._return_channel(node, ch, ok)
 
     def _call_shard(self, owner: str, body, deadline: float | None):
         """A directory call to ``owner`` (this node: in process). None when it failed or timed out."""
@@ -316,10 +344,9 @@ class PeerNode:
         if timeout <= 0:
             return None
         try:
-            return self._channel(owner).call(body, timeout_s=timeout)
+            return self._call(owner, body, timeout)
         except KVDepotError as exc:
             self._suspects[owner] = time.monotonic() + SUSPECT_S
-            self._drop_channel(owner)  # a reply that comes later must not confuse the next call
             log.info("peer %s: %s to %s failed (%s): its replica is asked instead", self.info.id, type(body).__name__, owner, exc)
             return None
 
@@ -393,9 +420,8 @@ class PeerNode:
         views: list[PeerMembershipReply] = []
         for target in targets:
             try:
-                view = self._channel(target).call(body, timeout_s=min(self.config.control_timeout_s, self.config.heartbeat_interval_s))
+                view = self._call(target, body, min(self.config.control_timeout_s, self.config.heartbeat_interval_s))
             except KVDepotError:
-                self._drop_channel(target)
                 continue
             views.append(view)
         if self._is_master():
@@ -425,12 +451,12 @@ class PeerNode:
             self._table.adopt(view)  # promoted: start from what we knew
         if {nid: n.incarnation for nid, n in members.items()} == {nid: n.incarnation for nid, n in before.items()}:
             return
-        self._ring = HashRing(members, self.config.vnodes)
+        self._ring = HashRing(members, self.config.vnodes, self.config.directory_replicas)
         self.shard.keep_nodes(set(members))
         for nid, old in before.items():
             if nid not in members or members[nid].incarnation != old.incarnation:  # left, or restarted
                 self._suspects.pop(nid, None)
-                self._drop_channel(nid)
+                self._drop_channels(nid)
                 self._transport.forget(old.host, old.data_port)
         if before:
             log.info("peer %s: membership now %s", self.info.id, sorted(members))

@@ -21,7 +21,9 @@ def _point(data: bytes) -> int:
 
 
 class HashRing:
-    def __init__(self, nodes: Iterable[str] = (), vnodes: int = DEFAULT_VNODES) -> None:
+    def __init__(self, nodes: Iterable[str] = (), vnodes: int = DEFAULT_VNODES, replicas: int = 2) -> None:
+        """``replicas``: the ``n`` most asked for; owner lists up to it are precomputed per point, so
+        ``owners`` is one hash and one bisection (the directory asks for every key of every read)."""
         if vnodes < 1:
             raise ValueError(f"vnodes must be at least 1, got {vnodes}")
         self.vnodes = vnodes
@@ -29,6 +31,8 @@ class HashRing:
         points = sorted((_point(f"{node}#{i}".encode()), node) for node in self.nodes for i in range(vnodes))
         self._points = [p for p, _ in points]
         self._owners = [n for _, n in points]
+        self._replicas = replicas
+        self._successors = [self._walk(i, replicas) for i in range(len(self._points))]
 
     def __repr__(self) -> str:
         return f"HashRing({len(self.nodes)} nodes x {self.vnodes} vnodes)"
@@ -40,9 +44,15 @@ class HashRing:
         """The first ``n`` distinct nodes clockwise from ``key`` (fewer if the ring has fewer)."""
         if not self._points:
             return []
+        i = bisect.bisect(self._points, _point(key)) % len(self._points)
+        if n <= self._replicas:
+            return self._successors[i][:n]
+        return self._walk(i, n)
+
+    def _walk(self, i: int, n: int) -> list[str]:
+        """The first ``n`` distinct nodes from point ``i`` on, clockwise."""
         want = min(n, len(self.nodes))
         out: list[str] = []
-        i = bisect.bisect(self._points, _point(key))
         for step in range(len(self._points)):
             node = self._owners[(i + step) % len(self._points)]
             if node not in out:

@@ -1,0 +1,312 @@
+"""``kvdepot bench peer``: the peer tier's data plane and directory against raw loopback sockets.
+
+An owner node runs in a child process (its own interpreter, as on another machine) with a raw TCP
+sender beside it; this process joins it as a reader. For each page size, in the same run:
+- raw loopback socket: the child sends pages from memory, this process ``recv_into``s them (1 and 4
+  connections): the limit of any TCP data plane here;
+- remote get: ``PeerStore.batch_get_into`` of the same pages from the owner's pool (1 and 4 threads);
+- set: ``batch_set`` into this node's pool (a copy plus the directory publish), next to memcpy;
+- ``batch_exists`` of 128 keys next to one raw TCP round trip.
+Medians over ``--reps``; ratios are figure / limit. The owner and the reader share the machine's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from kvdepot.bench.stats import loadavg, memcpy_seconds
+
+MiB = 1 << 20
+_LEN = struct.Struct("<Q")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes-kib", default="256,2048,32768", help="page sizes in KiB (default: %(default)s)")
+    p.add_argument("--bytes-mib", type=int, default=128, help="bytes read per timed repetition (default: %(default)s)")
+    p.add_argument("--reps", type=int, default=7, help="timed repetitions (default: %(default)s)")
+    p.add_argument("--threads", default="1,4", help="reader threads (default: %(default)s)")
+    p.add_argument("--secret", default="bench-secret", help="cluster secret of the two nodes (default: %(default)s)")
+    p.add_argument("--json", default=None, help="also write the results as JSON to this path")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions and bytes (a smoke run, not for quoting)")
+
+
+@dataclass
+class Row:
+    metric: str
+    value: str
+    limit: str
+    ratio: str
+
+
+# --- the owner (child process) ------------------------------------------------------------------------
+
+
+def _owner(options: dict) -> int:
+    from kvdepot.peer import PeerStore
+
+    store = PeerStore(**options)
+    payload = np.random.default_rng(1).bytes(64 * MiB)
+    raw = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_raw_sender, args=(raw, memoryview(payload)), daemon=True).start()
+    print(json.dumps({"node": store.node_id, "raw_port": raw.getsockname()[1]}), flush=True)
+    for line in sys.stdin:
+        parts = line.split()
+        if not parts or parts[0] == "quit":
+            break
+        if parts[0] == "set":  # set PREFIX COUNT SIZE
+            prefix, count, size = parts[1], int(parts[2]), int(parts[3])
+            names = [f"{prefix}{i}" for i in range(count)]
+            pages = [memoryview(payload)[(i * size) % (64 * MiB - size + 1) :][:size] for i in range(count)]
+            ok = store.batch_set(names, pages)
+            print(json.dumps({"stored": sum(ok)}), flush=True)
+        elif parts[0] == "clear":
+            store.clear()
+            print(json.dumps({"cleared": True}), flush=True)
+    store.close()
+    return 0
+
+
+def _raw_sender(listener: socket.socket, payload: memoryview) -> None:
+    """Per connection: read a length, send that many bytes straight from memory (no protocol)."""
+
+    def serve(conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with conn:
+            while True:
+                head = conn.recv(_LEN.size, socket.MSG_WAITALL)
+                if len(head) < _LEN.size:
+                    return
+                (n,) = _LEN.unpack(head)
+                while n:
+                    k = min(n, len(payload))
+                    conn.sendall(payload[:k])
+                    n -= k
+
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+
+class _Owner:
+    def __init__(self, options: dict) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvdepot.bench.peer", json.dumps(options)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+        hello = self._answer()
+        self.node_id, self.raw_port = hello["node"], hello["raw_port"]
+
+    def command(self, line: str) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def _answer(self) -> dict:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the owner process exited ({self.proc.poll()})")
+        return json.loads(line)
+
+    def close(self) -> None:
+        try:
+            self.command("quit")
+        except (RuntimeError, BrokenPipeError, ValueError):
+            pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+# --- the reader (this process) ------------------------------------------------------------------------
+
+
+def _raw_read(port: int, dests: list[memoryview], threads: int, per_batch: int) -> float:
+    """Seconds to receive every destination's bytes over ``threads`` connections, asking for
+    ``per_batch`` pages at a time (as the data plane does) and receiving each straight into its buffer."""
+    conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(threads)]
+    for c in conns:
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def run(conn: socket.socket, mine: list[memoryview]) -> None:
+        for i in range(0, len(mine), per_batch):
+            batch = mine[i : i + per_batch]
+            conn.sendall(_LEN.pack(sum(d.nbytes for d in batch)))
+            for d in batch:
+                got = 0
+                while got < d.nbytes:
+                    got += conn.recv_into(d[got:])
+
+    t0 = time.perf_counter()
+    _in_threads(run, conns, dests)
+    dt = time.perf_counter() - t0
+    for c in conns:
+        c.close()
+    return dt
+
+
+def _raw_rtt(port: int, n: int = 200) -> float:
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buf = bytearray(1)
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            c.sendall(_LEN.pack(1))
+            c.recv_into(buf)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _raw_zmq_rtt(n: int = 300) -> float:
+    from kvdepot.bench.rawzmq import round_trips
+    from kvdepot.bench.serverproc import free_port
+
+    return statistics.median(round_trips(f"tcp://127.0.0.1:{free_port()}", n))
+
+
+def _in_threads(fn, workers: list, dests: list[memoryview]) -> None:
+    share = -(-len(dests) // len(workers))
+    threads = [threading.Thread(target=fn, args=(w, dests[i * share : (i + 1) * share])) for i, w in enumerate(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def main(args: argparse.Namespace) -> int:
+    from kvdepot.peer import PeerStore
+
+    reps = 3 if args.quick else args.reps
+    total = (32 if args.quick else args.bytes_mib) * MiB
+    sizes = [int(s) * 1024 for s in args.sizes_kib.split(",")]
+    threads = [int(t) for t in args.threads.split(",")]
+    pool_mb = max(total, 4 * max(sizes)) // MiB + 64
+    node_options = {"port": 0, "data_port": 0, "pool_size_mb": pool_mb, "secret": args.secret, "heartbeat_interval_s": 0.5, "member_ttl_s": 3.0}
+    load_start = loadavg()
+    owner = _Owner(node_options)
+    rows: list[Row] = []
+    raw: dict = {"load_start": load_start, "reps": reps, "bytes_per_rep": total}
+    try:
+        with PeerStore(discovery=owner.node_id, **node_options) as reader:
+            _wait_members(reader, 2)
+            rtt = _raw_rtt(owner.raw_port)
+            zrtt = _raw_zmq_rtt()
+            raw["raw_rtt_s"], raw["raw_zmq_rtt_s"] = rtt, zrtt
+            rows.append(Row("raw TCP round trip (loopback, 1 byte)", f"{rtt * 1e6:.0f} µs", "—", "1.00"))
+            rows.append(Row("raw ZeroMQ round trip (tcp, the control plane's transport)", f"{zrtt * 1e6:.0f} µs", "—", "1.00"))
+            for size in sizes:
+                rows += _bench_size(reader, owner, size, total, threads, reps, raw)
+            owner.command("clear")
+            owner.command(f"set x 128 {4096}")
+            names = [f"x{i}" for i in range(128)]
+            assert reader.batch_exists(names) == 128, "the owner's pages must be visible"
+            exists = []
+            for _ in range(max(reps, 5) * 10):
+                t0 = time.perf_counter()
+                reader.batch_exists(names)
+                exists.append(time.perf_counter() - t0)
+            ex = statistics.median(exists)
+            raw["batch_exists_128_s"] = ex
+            rows.append(Row("batch_exists, 128 keys (directory on 2 nodes)", f"{ex * 1e6:.0f} µs", f"{zrtt * 1e6:.0f} µs raw ZeroMQ RTT",
+                            f"{ex / zrtt:.2f} (x TCP RTT {ex / rtt:.1f})"))  # fmt: skip
+    finally:
+        owner.close()
+    raw["load_end"] = loadavg()
+    _print(rows, raw)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": [asdict(r) for r in rows], "raw": raw}, f, indent=2)
+    return 0
+
+
+def _wait_members(store, n: int, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(store.status()["members"]) < n:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the reader did not join the owner")
+        time.sleep(0.1)
+
+
+def _bench_size(reader, owner: _Owner, size: int, total: int, threads: list[int], reps: int, raw: dict) -> list[Row]:
+    count = max(4, total // size)
+    owner.command("clear")
+    assert owner.command(f"set p {count} {size}")["stored"] == count
+    names = [f"p{i}" for i in range(count)]
+    dests = [np.empty(size, np.uint8) for _ in range(count)]
+    views = [memoryview(d) for d in dests]
+    nbytes = count * size
+    label = f"{size // 1024} KiB" if size < MiB else f"{size // MiB} MiB"
+    rows = []
+    per_batch = max(1, min(16, (8 * MiB) // size))  # what one engine request asks for at once, about
+
+    def peer_get(names_views: list[tuple[str, memoryview]]) -> None:
+        for i in range(0, len(names_views), per_batch):
+            part = names_views[i : i + per_batch]
+            got = reader.batch_get_into([n for n, _ in part], [v for _, v in part])
+            if not all(got):
+                raise RuntimeError(f"a remote get missed ({got.count(False)} of {len(got)})")
+
+    pairs = list(zip(names, views, strict=True))
+    peer_get(pairs)  # warm: connections made, pages touched
+    for t in threads:
+        raw_s = statistics.median([_raw_read(owner.raw_port, views, t, per_batch) for _ in range(reps)])
+        peer_s = statistics.median([_timed_threads(peer_get, pairs, t) for _ in range(reps)])
+        raw_gbps, peer_gbps = nbytes / raw_s / 1e9, nbytes / peer_s / 1e9
+        raw[f"{label}_{t}t"] = {"raw_gbps": raw_gbps, "peer_gbps": peer_gbps}
+        rows.append(Row(f"remote get {label} pages, {t} thread{'s' if t > 1 else ''}", f"{peer_gbps:.2f} GB/s",
+                        f"{raw_gbps:.2f} GB/s raw socket", f"{peer_gbps / raw_gbps:.2f}"))  # fmt: skip
+    src = [np.random.default_rng(i).integers(0, 255, size, dtype=np.uint8) for i in range(min(count, 64))]
+    set_names = [f"s{i}" for i in range(len(src))]
+    set_s = statistics.median([_timed(lambda: reader.batch_set(set_names, src)) for _ in range(reps)])
+    copy_s = memcpy_seconds(len(src) * size)
+    set_gbps, copy_gbps = len(src) * size / set_s / 1e9, len(src) * size / copy_s / 1e9
+    raw[f"{label}_set"] = {"set_gbps": set_gbps, "memcpy_gbps": copy_gbps}
+    rows.append(Row(f"set {label} pages (copy into the pool + publish)", f"{set_gbps:.2f} GB/s", f"{copy_gbps:.2f} GB/s memcpy", f"{set_gbps / copy_gbps:.2f}"))
+    reader.clear()
+    return rows
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _timed_threads(fn, pairs: list, threads: int) -> float:
+    if threads == 1:
+        return _timed(lambda: fn(pairs))
+    share = -(-len(pairs) // threads)
+    ts = [threading.Thread(target=fn, args=(pairs[i * share : (i + 1) * share],)) for i in range(threads)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def _print(rows: list[Row], raw: dict) -> None:
+    print(f"# kvdepot bench peer: load {raw['load_start']} -> {raw['load_end']}; medians of {raw['reps']}; {os.cpu_count()} CPUs")
+    widths = [max(len(getattr(r, f)) for r in rows) for f in ("metric", "value", "limit", "ratio")]
+    heads = ("metric", "kvdepot", "limit (same run)", "ratio")
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(heads, widths, strict=True)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in rows:
+        print("| " + " | ".join(v.ljust(w) for v, w in zip((r.metric, r.value, r.limit, r.ratio), widths, strict=True)) + " |")
+
+
+if __name__ == "__main__":
+    sys.exit(_owner(json.loads(sys.argv[1])))
