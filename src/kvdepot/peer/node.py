@@ -90,6 +90,7 @@ class PeerNode:
         self.head = ""
         self._table: MemberTable | None = None
         self.republished = 0
+        self._cut_off = False  # no master answered the last heartbeat round
 
     def __repr__(self) -> str:
         return f"PeerNode({self.info.id if self.info else '?'}, {self.state.value}, {len(self._members)} members)"
@@ -431,12 +432,19 @@ class PeerNode:
         elif views:
             view = views[0]
         else:
-            return  # no master answered: keep the cached membership
+            if targets and not self._cut_off:
+                log.warning("peer %s: no master answers; serving with the membership it knew", self.info.id)
+                self._cut_off = True
+            return  # keep the cached membership
         if views:
             self._joined.set()
-        self._apply(view)
+        # Back from a partition: the others dropped this node's records when it left their view,
+        # although this node's own view may not have changed at all: publish everything again.
+        rejoined = self._cut_off and bool(views)
+        self._cut_off = False
+        self._apply(view, republish=rejoined)
 
-    def _apply(self, view: PeerMembershipReply) -> None:
+    def _apply(self, view: PeerMembershipReply, republish: bool = False) -> None:
         """Take a membership view; on a change, rebuild the ring and re-shard the directory."""
         assert self.info is not None and self._table is not None
         members = {n.id: n for n in view.members}
@@ -450,6 +458,8 @@ class PeerNode:
         if self.info.id in masters and not was_master:
             self._table.adopt(view)  # promoted: start from what we knew
         if {nid: n.incarnation for nid, n in members.items()} == {nid: n.incarnation for nid, n in before.items()}:
+            if republish:
+                self._republish()
             return
         self._ring = HashRing(members, self.config.vnodes, self.config.directory_replicas)
         self.shard.keep_nodes(set(members))
@@ -460,13 +470,16 @@ class PeerNode:
                 self._transport.forget(old.host, old.data_port)
         if before:
             log.info("peer %s: membership now %s", self.info.id, sorted(members))
-        # Re-publish what this node holds to the owners under the new ring, then drop what it no longer owns.
+        self._republish()
+        me = self.info.id
+        self.shard.keep_keys(lambda key: me in self._ring.owners(key, self.config.directory_replicas))
+
+    def _republish(self) -> None:
+        """Publish every page this node holds to its owners under the current ring."""
         entries = self.pool.entries()
         if entries:
             self._publish(entries)
             self.republished += len(entries)
-        me = self.info.id
-        self.shard.keep_keys(lambda key: me in self._ring.owners(key, self.config.directory_replicas))
 
 
 def _check_key(key: bytes) -> None:
