@@ -4,7 +4,8 @@
 that takes line commands on stdin and answers one JSON line on stdout::
 
     set PREFIX COUNT SIZE   -> {"stored": n}           pages PREFIX0..PREFIX{COUNT-1} of SIZE bytes
-    check PREFIX COUNT SIZE -> {"hit": h, "miss": m, "wrong": w}   reads them back from wherever they are
+    check PREFIX COUNT SIZE [VERSION]     -> {"hit": h, "miss": m, "wrong": w}   reads them back from wherever they are
+    checkany PREFIX COUNT SIZE MAXVERSION -> the same, a hit being any version 0..MAXVERSION
     status                  -> PeerStore.status()
     quit
 
@@ -111,15 +112,20 @@ def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
         time.sleep(interval_s)
 
 
-def check_pages(store, prefix: str, count: int, size: int, version: int = 0) -> dict[str, int]:
-    """Read every page back through ``store``: hits, misses, and wrong bytes (which must never happen)."""
+def check_pages(store, prefix: str, count: int, size: int, version: int = 0, any_up_to: int | None = None) -> dict[str, int]:
+    """Read every page back through ``store``: hits, misses, and wrong bytes (which must never happen).
+    ``any_up_to``: a hit may be any version from 0 to it (pages rewritten while others read them)."""
     names = keys(prefix, count)
+    return check_names(store, names, size, range(version, version + 1) if any_up_to is None else range(any_up_to, -1, -1))
+
+
+def check_names(store, names: list[str], size: int, versions) -> dict[str, int]:
     got = store.batch_get(names)
     out = {"hit": 0, "miss": 0, "wrong": 0}
     for name, value in zip(names, got, strict=True):
         if value is None:
             out["miss"] += 1
-        elif value == page_bytes(name, size, version):
+        elif any(value == page_bytes(name, size, v) for v in versions):
             out["hit"] += 1
         else:
             out["wrong"] += 1
@@ -146,6 +152,8 @@ def _serve(options: dict) -> int:
             answer: dict = {"stored": sum(ok)}
         elif op == "check":
             answer = check_pages(store, parts[1], int(parts[2]), int(parts[3]), int(parts[4]) if len(parts) > 4 else 0)
+        elif op == "checkany":
+            answer = check_pages(store, parts[1], int(parts[2]), int(parts[3]), any_up_to=int(parts[4]))
         elif op == "status":
             answer = store.status()
         else:
