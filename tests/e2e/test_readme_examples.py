@@ -24,6 +24,8 @@ from kvdepot.bench.serverproc import wait_healthy
 REPO = Path(__file__).resolve().parents[2]
 BLOCK = re.compile(r"<!-- readme-test: (?P<name>\S+)(?P<bg> \(background\))? -->\n```(?P<lang>\w+)\n(?P<code>.*?)```", re.S)
 PORTS = {"kvdepot": 5555, "kvdepot HTTP": 8080, "vLLM": 8000, "SGLang": 30000}
+CLUSTER_PORTS = {"peer head": 31995, "peer head data": 31996, "server A": 5601, "server B": 5602, "server A HTTP": 8601,
+                 "server B HTTP": 8602, **{f"peer node {p}": p for p in range(31981, 31989)}}  # fmt: skip
 
 
 def readme_blocks() -> dict[str, tuple[str, bool]]:
@@ -79,7 +81,7 @@ def port_free(port: int) -> bool:
 
 @pytest.fixture
 def shell(tmp_path):
-    for what, port in PORTS.items():
+    for what, port in {**PORTS, **CLUSTER_PORTS}.items():
         if not port_free(port):
             pytest.fail(f"port {port} ({what}), which README's examples use, is taken on this machine", pytrace=False)
     work = tmp_path / "checkout"
@@ -96,7 +98,28 @@ def test_readme_marks_every_engine_example():
     assert names == {
         "model", "kvdepot-server", "vllm_offline.py", "vllm-offline-run", "vllm-server", "vllm-requests", "status",
         "sglang-server", "sglang-requests",
+        "peer-head", "peer-server-a", "peer-server-b", "peer_servers.py", "peer-servers-run", "peer_store.py", "peer-store-run",
     }, names  # fmt: skip
+
+
+def test_the_cluster_examples_run_as_printed(shell):
+    """README's "Running a cluster": a head, two servers with peer tiers, KV stored on one served by the
+    other; then PeerStore in Python."""
+    blocks = readme_blocks()
+    for name, (code, _) in blocks.items():
+        if name.endswith(".py"):
+            (shell.cwd / name).write_text(code)
+    shell.start("peer-head", blocks["peer-head"][0])
+    shell.start("peer-server-a", blocks["peer-server-a"][0])
+    shell.start("peer-server-b", blocks["peer-server-b"][0])
+    shell.wait_healthy("peer-server-a", "http://127.0.0.1:8601/healthcheck", timeout_s=60)
+    shell.wait_healthy("peer-server-b", "http://127.0.0.1:8602/healthcheck", timeout_s=60)
+    out = shell.run("peer-servers-run", blocks["peer-servers-run"][0], timeout_s=120)
+    lines = out.splitlines()
+    assert lines[:2] == ["stored on A: 1024 tokens", "served by B: 1024 tokens, identical: True"], out
+    assert "3 members" in out and "master" in out, out
+    out = shell.run("peer-store-run", blocks["peer-store-run"][0], timeout_s=120)
+    assert out.splitlines() == ["b finds it: 1", "b reads it: True"], out
 
 
 def test_the_vllm_and_sglang_examples_run_as_printed_and_hit(shell):

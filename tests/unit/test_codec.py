@@ -30,6 +30,9 @@ from kvdepot.protocol.messages import PROTOCOL_VERSION, REGISTRY, RequestHeader,
 
 KEYS = [b"\x01" * 48, b"\x02" * 48]
 
+_NODE = m.PeerNodeInfo(id="10.0.0.1:31995", host="10.0.0.1", control_port=31995, data_port=31996, incarnation=7)
+_LOC = m.PeerLocation(key=b"k" * 48, node=_NODE.id, offset=8192, length=4096, generation=9, checksum=b"c" * 16)
+
 REQUESTS: dict[RequestType, msgspec.Struct] = {
     RequestType.PING: m.PingRequest(),
     RequestType.REGISTER_CONTEXT: m.RegisterContextRequest(
@@ -56,6 +59,12 @@ REQUESTS: dict[RequestType, msgspec.Struct] = {
     RequestType.CLEAR: m.ClearRequest(scope="all"),
     RequestType.REPORT_BLOCK_ALLOCATION: m.ReportBlockAllocationRequest(context_id=7, allocated_blocks=3, freed_blocks=1),
     RequestType.RENEW_LEASES: m.RenewLeasesRequest(context_id=7, lease_ids=[5, 6], sessions=["req-1"]),
+    RequestType.PEER_JOIN: m.PeerJoinRequest(node=_NODE),
+    RequestType.PEER_HEARTBEAT: m.PeerHeartbeatRequest(node=_NODE),
+    RequestType.PEER_PUBLISH: m.PeerPublishRequest(records=[_LOC]),
+    RequestType.PEER_UNPUBLISH: m.PeerUnpublishRequest(keys=[b"k" * 48], node="10.0.0.1:31995", generations=[3]),
+    RequestType.PEER_RESOLVE: m.PeerResolveRequest(keys=[b"k" * 48, b"x"]),
+    RequestType.PEER_STATUS: m.PeerStatusRequest(),
 }
 
 REPLIES: dict[RequestType, msgspec.Struct] = {
@@ -86,6 +95,13 @@ REPLIES: dict[RequestType, msgspec.Struct] = {
     RequestType.CLEAR: m.ClearReply(removed=12, tiers_removed={"disk": 3}),
     RequestType.REPORT_BLOCK_ALLOCATION: m.Ack(),
     RequestType.RENEW_LEASES: m.RenewLeasesReply(renewed=2),
+    RequestType.PEER_JOIN: m.PeerMembershipReply(members=[_NODE], masters=[_NODE.id], head=_NODE.id, silent_ms=[12]),
+    RequestType.PEER_HEARTBEAT: m.PeerMembershipReply(members=[_NODE], masters=[_NODE.id]),
+    RequestType.PEER_PUBLISH: m.PeerCountReply(count=1),
+    RequestType.PEER_UNPUBLISH: m.PeerCountReply(count=0),
+    RequestType.PEER_RESOLVE: m.PeerResolveReply(locations=[[_LOC], []]),
+    RequestType.PEER_STATUS: m.PeerStatusReply(node=_NODE, members=[_NODE], masters=[_NODE.id], pool_used_bytes=4096,
+                                               pool_capacity_bytes=1 << 20, pool_keys=1, directory_records=2),
 }
 
 
@@ -115,6 +131,12 @@ def test_request_type_values_are_pinned():
         "CLEAR": 15,
         "REPORT_BLOCK_ALLOCATION": 16,
         "RENEW_LEASES": 17,
+        "PEER_JOIN": 32,
+        "PEER_HEARTBEAT": 33,
+        "PEER_PUBLISH": 34,
+        "PEER_UNPUBLISH": 35,
+        "PEER_RESOLVE": 36,
+        "PEER_STATUS": 37,
     }
     values = [t.value for t in RequestType]
     assert len(values) == len(set(values))

@@ -52,7 +52,8 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
         "kvdepot.server", "kvdepot.storage", "kvdepot.admin", "kvdepot.connectors", "kvdepot.bench", "kvdepot.config",
         "kvdepot.rpc.server", "kvdepot.rpc.dispatch", "kvdepot.observability",
     ),
-    "kvdepot.connectors": ("kvdepot.server", "kvdepot.storage", "kvdepot.admin", "kvdepot.bench", "kvdepot.rpc.server", "kvdepot.rpc.dispatch"),
+    "kvdepot.connectors": ("kvdepot.server", "kvdepot.storage", "kvdepot.admin", "kvdepot.bench", "kvdepot.rpc.server", "kvdepot.rpc.dispatch",
+                           "kvdepot.peer.adapter", "kvdepot.peer.node"),
     # storage knows bytes and keys, never the wire, the RPC layer (either side) or who asks
     "kvdepot.storage": (
         "kvdepot.protocol", "kvdepot.rpc", "kvdepot.server", "kvdepot.client", "kvdepot.admin", "kvdepot.connectors", "kvdepot.bench",
@@ -66,6 +67,9 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     ),
     # the server serves: it never calls out through the client or the connectors
     "kvdepot.server": ("kvdepot.client", "kvdepot.connectors", "kvdepot.bench", "kvdepot.rpc.channel"),
+    # the peer tier is a tier and a node: it calls other nodes over the rpc layer, never through the
+    # client, and knows no engine, server or admin API (an engine's connector may run a node)
+    "kvdepot.peer": ("kvdepot.client", "kvdepot.connectors", "kvdepot.server", "kvdepot.admin", "kvdepot.bench"),
 }
 
 

@@ -10,7 +10,7 @@ import threading
 
 from kvdepot.config import add_config_args, config_values
 from kvdepot.errors import ConfigError, KVDepotError
-from kvdepot.peer.config import PeerConfig
+from kvdepot.peer.config import PeerConfig, PeerFlags
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -19,12 +19,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node", default="", help="status: the node's HOST:PORT (control port; default: --host:--port)")
     p.add_argument("--json", action="store_true", help="status: the whole answer as JSON")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default: %(default)s)")
-    add_config_args(p, PeerConfig, "peer node")
+    add_config_args(p, PeerFlags, "peer node")
 
 
 def main(args: argparse.Namespace) -> int:
     try:
-        config = PeerConfig(**config_values(PeerConfig, args))
+        config = PeerFlags(**config_values(PeerFlags, args))
     except (ConfigError, TypeError) as exc:
         print(f"kvdepot peer: {exc}", file=sys.stderr)
         return 2

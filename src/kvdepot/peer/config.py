@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 from kvdepot.config import ConfigStruct, option
 from kvdepot.errors import ConfigError
@@ -16,6 +16,8 @@ DEFAULT_DATA_PORT = 31996
 
 
 class PeerConfig(ConfigStruct, frozen=True, kw_only=True):
+    _flag_prefix: ClassVar[str | None] = None  # keys (PeerStore(...), --l2 peer:...); PeerFlags names them as flags
+
     discovery: Annotated[
         str,
         option("the head node's HOST:PORT (its control port), then optionally other nodes' to bootstrap through, "
@@ -52,3 +54,9 @@ class PeerConfig(ConfigStruct, frozen=True, kw_only=True):
     def __repr__(self) -> str:  # the secret never reaches a log line
         fields = ", ".join(f"{f}={'<secret>' if f == 'secret' and self.secret else repr(getattr(self, f))}" for f in self.__struct_fields__)
         return f"PeerConfig({fields})"
+
+
+class PeerFlags(PeerConfig, frozen=True, kw_only=True):
+    """The same settings as ``kvdepot peer`` flags (``--pool-size-mb``): errors name the flag."""
+
+    _flag_prefix: ClassVar[str | None] = ""

@@ -23,6 +23,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
 from kvdepot.storage.allocator import ExtentAllocator
@@ -70,8 +71,9 @@ class PublishedPool:
     def put(self, key: bytes, data) -> tuple[PoolEntry | None, list[PoolEntry]]:
         """Copy ``data`` in as ``key``'s newest page. Returns the entry (None when it cannot fit: larger
         than the pool, or the pool is full of pages being read) and the pages evicted to make room."""
-        src = memoryview(data).cast("B")
-        size = src.nbytes
+        strided = isinstance(data, np.ndarray) and not data.flags.c_contiguous
+        src = data if strided else memoryview(data).cast("B")
+        size = data.nbytes if strided else src.nbytes
         if size == 0:
             raise ValueError("an empty page cannot be published")
         evicted: list[PoolEntry] = []
@@ -87,8 +89,12 @@ class PublishedPool:
                 offset = self._alloc.allocate(size)
             if offset is None:
                 return None, evicted
-        self._view[offset : offset + size] = src
-        entry = PoolEntry(key, offset, size, 0, xxhash.xxh3_128_digest(src))
+        dest = self._view[offset : offset + size]
+        if strided:  # a page spread over a strided host pool: gathered straight into the pool, one copy
+            np.copyto(np.frombuffer(dest, dtype=data.dtype).reshape(data.shape), data)
+        else:
+            dest[:] = src
+        entry = PoolEntry(key, offset, size, 0, xxhash.xxh3_128_digest(dest))
         with self._lock:
             self._generation += 1
             entry.generation = self._generation

@@ -61,7 +61,8 @@ class PeerStore:
 
     def batch_set(self, keys: Sequence[Key], values: Sequence) -> list[bool]:
         """Per key: stored in this node's pool and published (False: larger than the pool, or the pool
-        is full of pages being read)."""
+        is full of pages being read). A value is any contiguous buffer, or a strided numpy array (a
+        page of a layer-first host pool), gathered straight into the pool."""
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys for {len(values)} values")
         return self.node.put_many([(_key(k), v) for k, v in zip(keys, values, strict=True)])
@@ -79,19 +80,20 @@ class PeerStore:
     def exists(self, key: Key) -> bool:
         return self.batch_exists([key]) == 1
 
-    def batch_exists(self, keys: Sequence[Key]) -> int:
+    def batch_exists(self, keys: Sequence[Key], timeout_s: float | None = None) -> int:
         """How many leading keys some node holds."""
-        return leading_run(self.exists_many(keys))
+        return leading_run(self.exists_many(keys, timeout_s))
 
-    def exists_many(self, keys: Sequence[Key]) -> list[bool]:
-        deadline = time.monotonic() + self.config.timeout_s
+    def exists_many(self, keys: Sequence[Key], timeout_s: float | None = None) -> list[bool]:
+        """``timeout_s`` (here and in every read): this call's deadline instead of the configured one."""
+        deadline = time.monotonic() + (timeout_s or self.config.timeout_s)
         return [loc is not None for loc in self.node.resolve([_key(k) for k in keys], deadline)]
 
     def get(self, key: Key) -> bytes | None:
         return self.batch_get([key])[0]
 
-    def batch_get(self, keys: Sequence[Key]) -> list[bytes | None]:
-        deadline = time.monotonic() + self.config.timeout_s
+    def batch_get(self, keys: Sequence[Key], timeout_s: float | None = None) -> list[bytes | None]:
+        deadline = time.monotonic() + (timeout_s or self.config.timeout_s)
         locations = self.node.resolve([_key(k) for k in keys], deadline)
         buffers = [bytearray(loc.length) if loc is not None else bytearray(0) for loc in locations]
         got = self.node.read_into(locations, [memoryview(b) for b in buffers], deadline)
@@ -101,11 +103,12 @@ class PeerStore:
         """Read ``key``'s page straight into ``dest`` (a writable buffer of exactly the page's size)."""
         return self.batch_get_into([key], [dest])[0]
 
-    def batch_get_into(self, keys: Sequence[Key], dests: Sequence) -> list[bool]:
-        """Per key: its page read into its buffer and verified. A buffer of another size is a miss."""
+    def batch_get_into(self, keys: Sequence[Key], dests: Sequence, timeout_s: float | None = None) -> list[bool]:
+        """Per key: its page read into its buffer (contiguous, writable) and verified. A buffer of
+        another size is a miss."""
         if len(keys) != len(dests):
             raise ValueError(f"{len(keys)} keys for {len(dests)} buffers")
-        deadline = time.monotonic() + self.config.timeout_s
+        deadline = time.monotonic() + (timeout_s or self.config.timeout_s)
         views = [memoryview(d).cast("B") for d in dests]
         locations = self.node.resolve([_key(k) for k in keys], deadline)
         located = [loc if loc is not None and loc.length == v.nbytes else None for loc, v in zip(locations, views, strict=True)]

@@ -294,6 +294,55 @@ def scenario_whatif_attention(url: str, args: dict) -> dict:
             is not TorchNativeAttnBackend._run_sdpa_forward_extend}  # fmt: skip
 
 
+def peer_backend(host, extra: dict, model: str = "inproc-peer", interface_v1: int = 1):
+    """SGLang's loader building kvdepot's peer-tier backend (no kvdepot server: a peer node in this process)."""
+    config = HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+        enable_storage_metrics=False, is_page_first_layout=host.layout != "layer_first", model_name=model,
+        extra_config={"backend_name": "kvdepot-peer", "module_path": "kvdepot.connectors.sglang.peer_backend",
+                      "class_name": "PeerHiCacheStorage", "interface_v1": interface_v1, **extra},
+    )
+    b = StorageBackendFactory.create_backend("dynamic", config, host)
+    b.register_mem_pool_host(host)
+    return b
+
+
+def scenario_peer(url: str, args: dict) -> dict:
+    """Two peer nodes in one process (as two SGLang processes would be): pages A's SGLang backs up are
+    read by B's, from A's pool over the data plane, in each layout and interface."""
+    fast = {"secret": "inproc-peer", "heartbeat_interval_s": 0.3, "member_ttl_s": 1.5, "pool_size_mb": 16}
+    out = {}
+    for i, (layout, v1) in enumerate([("layer_first", 1), ("page_first", 1), ("layer_first", 0)]):
+        host_a, host_b = host_pool("mha", layout, "bfloat16"), host_pool("mha", layout, "bfloat16")
+        a = peer_backend(host_a, fast, interface_v1=v1)
+        b = peer_backend(host_b, {**fast, "discovery": a.store.node_id}, interface_v1=v1)
+        other = peer_backend(host_b, {**fast, "discovery": a.store.node_id}, model="another-model", interface_v1=v1)
+        deadline = time.monotonic() + 10
+        while len(b.store.status()["members"]) < 3 or len(a.store.status()["members"]) < 3:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        keys = get_storage_hash_str(tokens(4 * PAGE, 500 + i), None, page_size=PAGE)
+        src = torch.arange(0, 4 * PAGE, dtype=torch.int64)
+        dst = torch.arange(8 * PAGE, 12 * PAGE, dtype=torch.int64)
+        fill_random(host_a, src, 500 + i)
+        stored = page_set(a, host_a, keys, src, v1)
+        out[f"{layout}/v{v1}"] = {
+            "members": len(b.store.status()["members"]),
+            "stored": stored,
+            "exists": b.batch_exists(keys),
+            "got": page_get(b, host_b, keys, dst, v1),
+            "same": canonical_pages(a, host_a, src) == canonical_pages(b, host_b, dst),
+            "foreign": other.batch_exists(keys),
+            "partial": b.batch_exists(keys[:2] + get_storage_hash_str(tokens(2 * PAGE, 900 + i), keys[1], page_size=PAGE)),
+            "from_a": a.store.node_id, "b": b.store.node_id,
+            "failures": a.failures + b.failures,
+        }
+        for x in (other, b, a):
+            x.close()
+    return out
+
+
 def scenario_all(url: str, args: dict) -> dict:
     """Every scenario in one process (SGLang's imports take seconds): the dead one against ``dead_url``."""
     out = {name: fn(url, args) for name, fn in SCENARIOS.items() if name not in ("all", "dead", "stalled")}
@@ -310,6 +359,7 @@ SCENARIOS = {
     "mla_replicas": scenario_mla_replicas,
     "stalled": scenario_stalled,
     "whatif_attention": scenario_whatif_attention,
+    "peer": scenario_peer,
     "all": scenario_all,
 }
 

@@ -94,3 +94,16 @@ def test_the_benchmarks_what_if_attention_gives_sglangs_outputs(found):
     for the new queries only: the same numbers as SGLang's own, or its figures would not mean anything."""
     w = found["whatif_attention"]
     assert w["patched"] and w["max_abs_diff"] < 1e-5, w
+
+
+@pytest.mark.parametrize("case", ["layer_first/v1", "page_first/v1", "layer_first/v0"])
+def test_sglang_over_the_peer_tier_reads_another_nodes_pages(found, case):
+    """No kvdepot server: SGLang's backend is a peer node; what node A's SGLang backed up, node B's
+    SGLang reads from A's pool, byte for byte, in both host layouts and both interfaces."""
+    r = found["peer"][case]
+    assert r["members"] == 3 and r["from_a"] != r["b"]
+    assert r["stored"] is True and r["exists"] == 4 and r["got"] == 4
+    assert r["same"], "the pages B read differ from those A stored"
+    assert r["foreign"] == 0, "another model's backend saw these pages"
+    assert r["partial"] == 2
+    assert r["failures"] == 0
