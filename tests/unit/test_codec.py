@@ -65,6 +65,7 @@ REQUESTS: dict[RequestType, msgspec.Struct] = {
     RequestType.PEER_UNPUBLISH: m.PeerUnpublishRequest(keys=[b"k" * 48], node="10.0.0.1:31995", generations=[3]),
     RequestType.PEER_RESOLVE: m.PeerResolveRequest(keys=[b"k" * 48, b"x"]),
     RequestType.PEER_STATUS: m.PeerStatusRequest(),
+    RequestType.PEER_PROMOTE: m.PeerPromoteRequest(keys=[b"k" * 48]),
 }
 
 REPLIES: dict[RequestType, msgspec.Struct] = {
@@ -102,6 +103,7 @@ REPLIES: dict[RequestType, msgspec.Struct] = {
     RequestType.PEER_RESOLVE: m.PeerResolveReply(locations=[[_LOC], []]),
     RequestType.PEER_STATUS: m.PeerStatusReply(node=_NODE, members=[_NODE], masters=[_NODE.id], pool_used_bytes=4096,
                                                pool_capacity_bytes=1 << 20, pool_keys=1, directory_records=2),
+    RequestType.PEER_PROMOTE: m.PeerResolveReply(locations=[[_LOC]]),
 }
 
 
@@ -137,6 +139,7 @@ def test_request_type_values_are_pinned():
         "PEER_UNPUBLISH": 35,
         "PEER_RESOLVE": 36,
         "PEER_STATUS": 37,
+        "PEER_PROMOTE": 38,
     }
     values = [t.value for t in RequestType]
     assert len(values) == len(set(values))

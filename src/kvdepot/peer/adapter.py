@@ -67,8 +67,7 @@ class PeerAdapter(BackendAdapter):
         if missing:
             for i, loc in zip(missing, self.node.resolve([keys[i] for i in missing], deadline), strict=True):
                 locations[i] = loc
-        located = [loc if loc is not None and loc.length == v.nbytes else None for loc, v in zip(locations, views, strict=True)]
-        outcomes = self.node.read_into(located, views, deadline)
+        outcomes, located = self.node.fetch(keys, views, deadline, located=locations)
         for (key, _), loc, outcome in zip(pairs, located, outcomes, strict=True):
             if outcome is PageOutcome.CORRUPT:
                 self._count("corrupt")

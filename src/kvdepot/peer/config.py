@@ -28,6 +28,8 @@ class PeerConfig(ConfigStruct, frozen=True, kw_only=True):
     data_port: Annotated[int, option("data-plane port (pages); 0 picks a free one", ge=0, le=65535)] = DEFAULT_DATA_PORT
     pool_size_mb: Annotated[int, option("published pool: host memory other nodes read this node's pages from (LRU)", ge=1)] = 1024
     secret: Annotated[str, option(f"cluster secret for every join and every data-plane connection (else ${SECRET_ENV}; empty: an open cluster)")] = ""
+    disk_path: Annotated[str, option("L4: keep pages that leave the pool in this directory and promote them back on a read (empty: off)")] = ""
+    disk_size_gb: Annotated[float, option("the disk tier's bound (LRU beyond it)", gt=0)] = 100.0
     directory_replicas: Annotated[int, option("directory records per key (the owner and the next nodes on the ring)", ge=1, le=8)] = 2
     vnodes: Annotated[int, option("points per node on the consistent-hash ring", ge=1, le=4096)] = DEFAULT_VNODES
     max_channels_per_peer: Annotated[int, option("data-plane connections to one peer at most", ge=1, le=256)] = 16

@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 SUSPECT_S = 2.0  # a node whose call failed is not asked again for this long
 CHANNELS_KEPT_PER_NODE = 8  # idle control channels kept per node (more are made when threads need them)
 MAX_KEY_BYTES = 1024
+PROMOTE_SLICE = 8  # pages promoted from disk, then read, at a time
+ANY_GENERATION = (1 << 63) - 1  # an unpublish of every record this node has of a key
 
 
 class NodeState(enum.Enum):
@@ -90,6 +92,10 @@ class PeerNode:
         self.head = ""
         self._table: MemberTable | None = None
         self.republished = 0
+        self.disk = None  # DiskTier, when disk_path is set and usable
+        self._disk_only: set[bytes] = set()  # pages on disk and not in the pool (published non-resident)
+        self._disk_lock = threading.Lock()
+        self._warmer = None  # a one-thread executor promoting pages that exists() found on disk
         self._cut_off = False  # no master answered the last heartbeat round
 
     def __repr__(self) -> str:
@@ -111,6 +117,14 @@ class PeerNode:
         self._table = MemberTable(self.head, cfg.max_masters, cfg.member_ttl_s)
         self._table.heard(self.info)
         self._apply(PeerMembershipReply(members=[self.info], masters=[self.info.id], head=self.head))
+        if cfg.disk_path:
+            from concurrent.futures import ThreadPoolExecutor
+
+            from kvdepot.peer.disk import open_disk
+
+            self.disk, on_disk = open_disk(cfg.disk_path, int(cfg.disk_size_gb * (1 << 30)), self.pool)
+            self._disk_only = set(on_disk)
+            self._warmer = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-peer-warm")
         self._rpc = RpcServer([f"tcp://{cfg.host}:{port}"], self._handlers(), workers=4, security=self._security)
         try:
             self._rpc.start()
@@ -123,6 +137,8 @@ class PeerNode:
         if self.head != self.info.id and not self._joined.wait(cfg.join_timeout_s):
             log.warning("peer %s: no master answered in %.1f s (is %s up, and is the secret right?); serving own pages, still trying",
                         self.info.id, cfg.join_timeout_s, self.head)  # fmt: skip
+        if self._disk_only:
+            self._republish()  # what a previous run left on disk: readable (promoted on a read)
         self._heartbeat.start()
         log.info("peer node %s up (data port %d, head %s, %s)", self.info.id, self.info.data_port, self.head,
                  "secret set" if self.secured else "open cluster: no secret")  # fmt: skip
@@ -138,6 +154,10 @@ class PeerNode:
         if self._data_server is not None:
             self._data_server.close()
         self._transport.close()
+        if self._warmer is not None:
+            self._warmer.shutdown(wait=True, cancel_futures=True)
+        if self.disk is not None:
+            self.disk.close()
         with self._channels_lock:
             for idle in self._channels.values():
                 for ch in idle:
@@ -171,37 +191,94 @@ class PeerNode:
             _check_key(key)
             entry, gone = self.pool.put(key, data)
             evicted += gone
+            if entry is None and self.disk is not None:
+                entry = self._put_after_disk_catches_up(key, data, evicted)
             out.append(entry is not None)
             if entry is not None:
                 published.append(entry)
+                self._write_through(entry)
         if evicted:
-            self._unpublish(evicted)
+            self._evicted(evicted)
         self._publish(published)
         return out
 
+    def _put_after_disk_catches_up(self, key: bytes, data, evicted: list[PoolEntry]) -> PoolEntry | None:
+        """The pool is full of pages still queued for the disk (pinned until written): wait for the
+        writer, within ``timeout_s``, rather than refuse the page."""
+        assert self.disk is not None
+        deadline = time.monotonic() + self.config.timeout_s
+        while self.disk.pending() and time.monotonic() < deadline:
+            time.sleep(0.002)
+            entry, gone = self.pool.put(key, data)
+            evicted += gone
+            if entry is not None:
+                return entry
+        return None
+
+    def _write_through(self, entry: PoolEntry) -> None:
+        if self.disk is None:
+            return
+        with self._disk_lock:
+            self._disk_only.discard(entry.key)
+        pinned = self.pool.acquire(entry.key, entry.generation)  # held until the disk has it
+        if pinned is not None:
+            self.disk.put(pinned)
+
+    def _evicted(self, entries: Sequence[PoolEntry]) -> None:
+        """Pages the pool let go: non-resident where the disk has them, else gone from the directory."""
+        on_disk = [e for e in entries if self.disk is not None and self.disk.has(e.key)]
+        gone = [e for e in entries if not (self.disk is not None and self.disk.has(e.key))]
+        if on_disk:
+            with self._disk_lock:
+                self._disk_only.update(e.key for e in on_disk)
+            self._publish_records([self._record(e, resident=False) for e in on_disk])
+        if gone:
+            self._unpublish(gone)
+
     def delete(self, key: bytes) -> bool:
         entry = self.pool.remove(key)
+        found = entry is not None
+        if self.disk is not None and self.disk.has(key):
+            self.disk.delete(key)
+            with self._disk_lock:
+                self._disk_only.discard(key)
+            found = True
+            entry = entry or PoolEntry(key, 0, 0, ANY_GENERATION, b"", published=False)
         if entry is not None:
             self._unpublish([entry])
-        return entry is not None
+        return found
 
     def clear(self) -> int:
         gone = self.pool.clear()
+        n = len(gone)
+        if self.disk is not None:
+            with self._disk_lock:
+                disk_only, self._disk_only = self._disk_only, set()
+            for e in gone:
+                self.disk.delete(e.key)
+            for key in disk_only:
+                self.disk.delete(key)
+            gone += [PoolEntry(key, 0, 0, ANY_GENERATION, b"", published=False) for key in disk_only]
+            n += len(disk_only)
         self._unpublish(gone)
-        return len(gone)
+        return n
 
-    def _record(self, e: PoolEntry) -> PeerLocation:
+    def _record(self, e: PoolEntry, resident: bool = True) -> PeerLocation:
         assert self.info is not None
-        return PeerLocation(key=e.key, node=self.info.id, offset=e.offset, length=e.length, generation=e.generation, checksum=e.checksum)
+        return PeerLocation(key=e.key, node=self.info.id, offset=e.offset, length=e.length, generation=e.generation, checksum=e.checksum,
+                            resident=resident)  # fmt: skip
 
     def _publish(self, entries: Sequence[PoolEntry], deadline: float | None = None) -> None:
+        self._publish_records([self._record(e) for e in entries], deadline)
+
+    def _publish_records(self, records: Sequence[PeerLocation], deadline: float | None = None) -> None:
         by_owner: dict[str, list[PeerLocation]] = {}
         ring = self._ring
-        for e in entries:
-            for owner in ring.owners(e.key, self.config.directory_replicas):
-                by_owner.setdefault(owner, []).append(self._record(e))
-        for owner, records in by_owner.items():
-            self._call_shard(owner, m.PeerPublishRequest(records=records), deadline)
+        for rec in records:
+            for owner in ring.owners(rec.key, self.config.directory_replicas):
+                by_owner.setdefault(owner, []).append(rec)
+        for owner, group in by_owner.items():
+            self._call_shard(owner, m.PeerPublishRequest(records=group), deadline)
 
     def _unpublish(self, entries: Sequence[PoolEntry]) -> None:
         assert self.info is not None
@@ -246,18 +323,56 @@ class PeerNode:
         return found
 
     def _best(self, locations: Sequence[PeerLocation], usable: set[str]) -> PeerLocation | None:
-        """This node's own copy first; else one on a live member that has not just failed us."""
+        """This node's own copy first, then one in a live member's pool, then one on a live member's disk
+        (to be promoted before it is read); never one on a node that has just failed us."""
         assert self.info is not None
-        best = None
+        best = on_disk = None
         for loc in locations:
-            if loc.node in usable and loc.resident:
-                if loc.node == self.info.id:
-                    return loc
+            if loc.node not in usable:
+                continue
+            if not loc.resident:
+                on_disk = on_disk or loc
+            elif loc.node == self.info.id:
+                return loc
+            else:
                 best = best or loc
-        return best
+        return best or on_disk
+
+    def fetch(self, keys: Sequence[bytes], dests: Sequence[memoryview], deadline: float,
+              located: Sequence[PeerLocation | None] | None = None) -> tuple[list[PageOutcome], list[PeerLocation | None]]:  # fmt: skip
+        """Resolve (unless ``located`` says where) and read each key's page into its destination (a
+        contiguous buffer; one of another size than the page is a miss). A page that was evicted or
+        rewritten between the lookup and the read (its owner no longer has that generation) is looked
+        up once more and read again: within one batch, promoting pages from a disk can evict others of
+        the same batch. Returns the outcomes and the locations they were read from."""
+        locations = list(located) if located is not None else self.resolve(keys, deadline)
+        sized = [loc if loc is not None and loc.length == memoryview(d).nbytes else None for loc, d in zip(locations, dests, strict=True)]
+        out = self.read_into(sized, dests, deadline)
+        again = [i for i, (o, loc) in enumerate(zip(out, sized, strict=True)) if o is PageOutcome.MISS and loc is not None]
+        if again and time.monotonic() < deadline:
+            fresh = self.resolve([keys[i] for i in again], deadline)
+            retry = [(i, loc) for i, loc in zip(again, fresh, strict=True)
+                     if loc is not None and loc.length == memoryview(dests[i]).nbytes and (loc.generation, loc.resident) != (sized[i].generation, sized[i].resident)]  # type: ignore[union-attr]  # fmt: skip
+            if retry:
+                got = self.read_into([loc for _, loc in retry], [dests[i] for i, _ in retry], deadline)
+                for (i, loc), outcome in zip(retry, got, strict=True):
+                    out[i], sized[i] = outcome, loc
+        return out, sized
 
     def read_into(self, locations: Sequence[PeerLocation | None], dests: Sequence[memoryview], deadline: float) -> list[PageOutcome]:
         """Pull each located page into its destination (a buffer of exactly the page's size)."""
+        assert self.info is not None
+        if any(loc is not None and not loc.resident for loc in locations):
+            # Pages on a disk: promoted and read a few at a time, so that a batch larger than an owner's
+            # pool does not evict its own first pages before they are read.
+            out: list[PageOutcome] = []
+            for i in range(0, len(locations), PROMOTE_SLICE):
+                part = self._promoted(locations[i : i + PROMOTE_SLICE], deadline)
+                out += self._read_resident(part, dests[i : i + PROMOTE_SLICE], deadline)
+            return out
+        return self._read_resident(locations, dests, deadline)
+
+    def _read_resident(self, locations: Sequence[PeerLocation | None], dests: Sequence[memoryview], deadline: float) -> list[PageOutcome]:
         assert self.info is not None
         out = [PageOutcome.MISS] * len(locations)
         by_node: dict[str, list[int]] = {}
@@ -279,6 +394,62 @@ class PeerNode:
             for i, ok in zip(idx, got, strict=True):
                 out[i] = ok
         return out
+
+    def _promoted(self, locations: Sequence[PeerLocation | None], deadline: float) -> list[PeerLocation | None]:
+        """Ask each owner to bring its non-resident pages back into its pool; their fresh records."""
+        out = list(locations)
+        by_node: dict[str, list[int]] = {}
+        for i, loc in enumerate(locations):
+            if loc is not None and not loc.resident:
+                by_node.setdefault(loc.node, []).append(i)
+        for node, idx in by_node.items():
+            keys = [out[i].key for i in idx]  # type: ignore[union-attr]
+            reply = self._call_shard(node, m.PeerPromoteRequest(keys=keys), deadline)
+            for j, i in enumerate(idx):
+                fresh = reply.locations[j] if reply is not None and j < len(reply.locations) else []
+                out[i] = fresh[0] if fresh else None
+        return out
+
+    def promote(self, keys: Sequence[bytes]) -> list[list[PeerLocation]]:
+        """Owner side: each page back in the pool (from disk where it left it) and published resident."""
+        out: list[list[PeerLocation]] = []
+        for key in keys:
+            entry = self.pool.acquire(key)
+            if entry is not None:
+                self.pool.release(entry)
+                out.append([self._record(entry)])
+                continue
+            if self.disk is None:
+                out.append([])
+                continue
+            result = self.disk.load(key, lambda buf, key=key: self.pool.put(key, buf))
+            if result is None:
+                with self._disk_lock:
+                    self._disk_only.discard(key)
+                self._unpublish([PoolEntry(key, 0, 0, ANY_GENERATION, b"", published=False)])  # gone from disk too
+                out.append([])
+                continue
+            entry, evicted = result
+            if evicted:
+                self._evicted(evicted)
+            if entry is None:
+                out.append([])
+                continue
+            with self._disk_lock:
+                self._disk_only.discard(key)
+            self._publish([entry])
+            out.append([self._record(entry)])
+        return out
+
+    def warm(self, locations: Sequence[PeerLocation | None]) -> None:
+        """Best effort, in the background: promote the pages a lookup found only on disk, so the read
+        that usually follows finds them in a pool."""
+        cold = [loc for loc in locations if loc is not None and not loc.resident]
+        if cold and self._warmer is not None:
+            try:
+                self._warmer.submit(self._promoted, cold, time.monotonic() + self.config.timeout_s)
+            except RuntimeError:
+                pass  # closing
 
     def _read_local(self, loc: PeerLocation | None, dest: memoryview) -> PageOutcome:
         if loc is None:
@@ -363,9 +534,12 @@ class PeerNode:
             HandlerSpec(RequestType.PEER_UNPUBLISH, lambda c: Reply(self._serve_shard(c.body)), sync),
             HandlerSpec(RequestType.PEER_RESOLVE, lambda c: Reply(self._serve_shard(c.body)), sync),
             HandlerSpec(RequestType.PEER_STATUS, self._on_status, sync),
+            HandlerSpec(RequestType.PEER_PROMOTE, lambda c: Reply(m.PeerResolveReply(locations=self.promote(c.body.keys))), HandlerMode.BLOCKING),
         ]
 
     def _serve_shard(self, body):
+        if isinstance(body, m.PeerPromoteRequest):  # to this node itself
+            return m.PeerResolveReply(locations=self.promote(body.keys))
         if isinstance(body, m.PeerPublishRequest):
             for rec in body.records:
                 _check_key(rec.key)
@@ -475,11 +649,24 @@ class PeerNode:
         self.shard.keep_keys(lambda key: me in self._ring.owners(key, self.config.directory_replicas))
 
     def _republish(self) -> None:
-        """Publish every page this node holds to its owners under the current ring."""
+        """Publish every page this node holds to its owners under the current ring (those only on its
+        disk as non-resident)."""
         entries = self.pool.entries()
         if entries:
             self._publish(entries)
             self.republished += len(entries)
+        if self.disk is not None:
+            with self._disk_lock:
+                disk_only = list(self._disk_only)
+            records = [self._disk_record(key) for key in disk_only]
+            self._publish_records([r for r in records if r is not None])
+
+    def _disk_record(self, key: bytes) -> PeerLocation | None:
+        assert self.info is not None and self.disk is not None
+        size = self.disk.size_of(key)
+        if size is None:
+            return None
+        return PeerLocation(key=key, node=self.info.id, offset=0, length=size, generation=0, checksum=b"", resident=False)
 
 
 def _check_key(key: bytes) -> None:

@@ -87,16 +87,19 @@ class PeerStore:
     def exists_many(self, keys: Sequence[Key], timeout_s: float | None = None) -> list[bool]:
         """``timeout_s`` (here and in every read): this call's deadline instead of the configured one."""
         deadline = time.monotonic() + (timeout_s or self.config.timeout_s)
-        return [loc is not None for loc in self.node.resolve([_key(k) for k in keys], deadline)]
+        locations = self.node.resolve([_key(k) for k in keys], deadline)
+        self.node.warm(locations)  # pages found only on a disk: promoted now, for the read that follows
+        return [loc is not None for loc in locations]
 
     def get(self, key: Key) -> bytes | None:
         return self.batch_get([key])[0]
 
     def batch_get(self, keys: Sequence[Key], timeout_s: float | None = None) -> list[bytes | None]:
         deadline = time.monotonic() + (timeout_s or self.config.timeout_s)
-        locations = self.node.resolve([_key(k) for k in keys], deadline)
+        raw = [_key(k) for k in keys]
+        locations = self.node.resolve(raw, deadline)
         buffers = [bytearray(loc.length) if loc is not None else bytearray(0) for loc in locations]
-        got = self.node.read_into(locations, [memoryview(b) for b in buffers], deadline)
+        got, _ = self.node.fetch(raw, [memoryview(b) for b in buffers], deadline, located=locations)
         return [bytes(b) if ok is PageOutcome.HIT else None for b, ok in zip(buffers, got, strict=True)]
 
     def get_into(self, key: Key, dest) -> bool:
@@ -110,9 +113,8 @@ class PeerStore:
             raise ValueError(f"{len(keys)} keys for {len(dests)} buffers")
         deadline = time.monotonic() + (timeout_s or self.config.timeout_s)
         views = [memoryview(d).cast("B") for d in dests]
-        locations = self.node.resolve([_key(k) for k in keys], deadline)
-        located = [loc if loc is not None and loc.length == v.nbytes else None for loc, v in zip(locations, views, strict=True)]
-        return [ok is PageOutcome.HIT for ok in self.node.read_into(located, views, deadline)]
+        got, _ = self.node.fetch([_key(k) for k in keys], views, deadline)
+        return [ok is PageOutcome.HIT for ok in got]
 
     # --- state ---------------------------------------------------------------------------------------
 
@@ -126,4 +128,13 @@ class PeerStore:
             "masters": self.node.masters(),
             "pool": {"capacity_bytes": s.capacity_bytes, "used_bytes": s.used_bytes, "keys": s.keys, "evictions": s.evictions},
             "directory_records": len(self.node.shard),
+            "disk": self._disk_status(),
         }
+
+    def _disk_status(self) -> dict[str, Any] | None:
+        disk = self.node.disk
+        if disk is None:
+            return None
+        used, capacity, pages = disk.usage()
+        return {"used_bytes": used, "capacity_bytes": capacity, "pages": pages, "written": disk.written, "promoted": disk.promoted,
+                "dropped": disk.dropped, "corrupt": disk.corrupt}  # fmt: skip

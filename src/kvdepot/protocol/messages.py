@@ -44,6 +44,7 @@ class RequestType(IntEnum):
     PEER_UNPUBLISH = 35
     PEER_RESOLVE = 36
     PEER_STATUS = 37
+    PEER_PROMOTE = 38
 
 
 class _Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -379,6 +380,13 @@ class PeerStatusRequest(_Body):
     pass
 
 
+class PeerPromoteRequest(_Body):
+    """Bring these pages from the owner's disk back into its pool; the reply holds each one's fresh
+    resident record (empty: not on this node any more)."""
+
+    keys: list[bytes]
+
+
 class PeerStatusReply(_Body):
     node: PeerNodeInfo
     members: list[PeerNodeInfo]
@@ -415,6 +423,7 @@ REGISTRY: dict[RequestType, tuple[type[_Body], type[_Body]]] = {
     RequestType.PEER_UNPUBLISH: (PeerUnpublishRequest, PeerCountReply),
     RequestType.PEER_RESOLVE: (PeerResolveRequest, PeerResolveReply),
     RequestType.PEER_STATUS: (PeerStatusRequest, PeerStatusReply),
+    RequestType.PEER_PROMOTE: (PeerPromoteRequest, PeerResolveReply),
 }
 
 

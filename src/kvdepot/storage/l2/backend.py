@@ -192,6 +192,29 @@ class BackendAdapter(ABC):
     def _on_pin_change(self) -> None:
         """Hook for adapters whose eviction must respect pins."""
 
+    # --- the blocking primitives, for an owner that runs its own threads ------------------------------
+    # (the peer tier's disk writes through and promotes on its own threads; the task machinery above
+    # is for the storage manager)
+
+    def put_now(self, key: ObjectKey, payload: memoryview) -> None:
+        self._put(key, payload)
+        self._flush()
+
+    def get_now(self, key: ObjectKey, dest: memoryview) -> bool:
+        """The object's payload into ``dest``; False when absent; CorruptObject (deleted) when bad."""
+        try:
+            return self._get_into(key, dest)
+        except CorruptObject:
+            self._count("corrupt")
+            self._delete(key)
+            raise
+
+    def contains_now(self, keys: list[ObjectKey]) -> list[bool]:
+        return self._contains(keys)
+
+    def delete_now(self, key: ObjectKey) -> None:
+        self._delete(key)
+
     def is_pinned(self, key: ObjectKey) -> bool:
         with self._lock:
             return key in self._pins

@@ -330,6 +330,17 @@ class FsAdapter(BackendAdapter):
                 if size is not None:
                     self._used -= size
 
+    def payload_size(self, key: ObjectKey) -> int | None:
+        """The stored payload's length in bytes (None: not here), from the index."""
+        with self._mu:
+            size = self._index.get(key)
+        return None if size is None else size - HEADER_BYTES - len(key)
+
+    def keys(self) -> list[ObjectKey]:
+        """Every indexed object, oldest first."""
+        with self._mu:
+            return list(self._index)
+
     def _contains(self, keys: list[ObjectKey]) -> list[bool]:
         with self._mu:
             return [k in self._index for k in keys]

@@ -1,0 +1,128 @@
+"""The disk tier under the pool (L4): pages that left the pool, kept on local disk and promoted back.
+
+Write-through, asynchronous: ``put`` queues a page that the pool just took, pinned, and one writer thread
+stores it in the fs tier's format (checksummed, written to a temporary name, fsync'd, renamed: a torn
+write is never read) under an LRU bound of its own; the pin ends when the write does, so the pool cannot
+evict a page before the disk has it. A full queue drops the write (counted): the page then simply
+leaves with its eviction. A page evicted from the pool but on disk stays in the directory as
+non-resident; a read promotes it (one disk read and one copy into the pool, under a new generation).
+An unusable path turns the tier off with a warning; the node then deletes records on eviction.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from kvdepot.peer.pool import PoolEntry, PublishedPool
+from kvdepot.storage.l2.envelope import CorruptObject
+from kvdepot.storage.l2.fs_adapter import FsAdapter, FsConfig
+from kvdepot.types import ObjectKey
+
+log = logging.getLogger(__name__)
+
+QUEUE_PAGES = 4096
+
+
+class DiskTier:
+    def __init__(self, path: str, size_bytes: int, pool: PublishedPool) -> None:
+        # No fsync: a cache page lost to a power cut is a miss, and a page damaged by one fails its checksum
+        # (a miss too); the write is still to a temporary name renamed whole, so a crash never shows a torn page.
+        self._fs = FsAdapter("peer-disk", FsConfig(path=path, size_gb=size_bytes / (1 << 30), workers=1, fsync=False))
+        self._pool = pool
+        self._queue: queue.Queue[PoolEntry | None] = queue.Queue(QUEUE_PAGES)
+        self._thread: threading.Thread | None = None
+        self.written = 0
+        self.dropped = 0
+        self.promoted = 0
+        self.corrupt = 0
+
+    def start(self) -> list[bytes]:
+        """Take the directory and index it; returns the pages already there (a restart keeps them)."""
+        self._fs.start()
+        self._thread = threading.Thread(target=self._write_loop, name="kvdepot-peer-disk", daemon=True)
+        self._thread.start()
+        return [bytes(k) for k in self._fs.keys()]
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=30)
+        while True:  # whatever was still queued: unpin it
+            try:
+                entry = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if entry is not None:
+                self._pool.release(entry)
+        self._fs.close()
+
+    def put(self, entry: PoolEntry) -> None:
+        """Write ``entry`` (pinned by the caller; this tier unpins it) to disk, later."""
+        try:
+            self._queue.put_nowait(entry)
+        except queue.Full:
+            self.dropped += 1
+            self._pool.release(entry)
+
+    def pending(self) -> int:
+        """Pages queued for the disk (each pins its page in the pool)."""
+        return self._queue.qsize()
+
+    def has(self, key: bytes) -> bool:
+        return self._fs.contains_now([ObjectKey(key)])[0]
+
+    def load(self, key: bytes, into: Callable[[np.ndarray], object]) -> object | None:
+        """Read ``key``'s page and hand it to ``into`` (which copies it where it goes); None when it is
+        not on disk or fails its checksum (then it is gone from disk too)."""
+        size = self._fs.payload_size(ObjectKey(key))
+        if size is None:
+            return None
+        buf = np.empty(size, np.uint8)
+        try:
+            if not self._fs.get_now(ObjectKey(key), memoryview(buf)):
+                return None
+        except CorruptObject as exc:
+            self.corrupt += 1
+            log.warning("peer disk: page %s failed its checksum (%s): deleted, a miss", key.hex()[:16], exc)
+            return None
+        self.promoted += 1
+        return into(buf)
+
+    def size_of(self, key: bytes) -> int | None:
+        return self._fs.payload_size(ObjectKey(key))
+
+    def delete(self, key: bytes) -> None:
+        self._fs.delete_now(ObjectKey(key))
+
+    def usage(self) -> tuple[int, int, int]:
+        """(bytes used, capacity, pages)."""
+        u = self._fs.usage()
+        return u.used_bytes, u.capacity_bytes, u.objects
+
+    def _write_loop(self) -> None:
+        while True:
+            entry = self._queue.get()
+            if entry is None:
+                return
+            try:
+                self._fs.put_now(ObjectKey(entry.key), self._pool.view(entry))
+                self.written += 1
+            except Exception as exc:  # a full or failing disk: the page just is not on disk
+                log.warning("peer disk: cannot write a page (%s: %s)", type(exc).__name__, exc)
+            finally:
+                self._pool.release(entry)
+
+
+def open_disk(path: str, size_bytes: int, pool: PublishedPool) -> tuple[DiskTier | None, list[bytes]]:
+    """The disk tier, or None (with a warning naming why) where ``path`` cannot be used."""
+    tier = DiskTier(path, size_bytes, pool)
+    try:
+        return tier, tier.start()
+    except (OSError, ValueError) as exc:
+        log.warning("peer disk tier at %s is off: %s", path, exc)
+        return None, []

@@ -1,0 +1,55 @@
+"""The disk tier under the pool (L4): evicted pages stay readable, promoted back on a read, a restart
+keeps them, and an unusable path turns the tier off without stopping the node."""
+
+from __future__ import annotations
+
+import time
+
+from support.peer_cluster import check_pages, keys, page_bytes, wait_for
+
+from kvdepot.peer import PeerStore
+
+SIZE = 64 << 10
+FAST = {"heartbeat_interval_s": 0.3, "member_ttl_s": 1.5, "control_timeout_s": 0.5, "timeout_s": 2.0, "secret": "disk-test"}
+
+
+def test_pages_evicted_from_the_pool_are_promoted_from_disk_on_a_read(tmp_path):
+    with PeerStore(port=0, data_port=0, pool_size_mb=2, disk_path=str(tmp_path / "l4"), **FAST) as owner, \
+         PeerStore(discovery=owner.node_id, port=0, data_port=0, pool_size_mb=8, **FAST) as reader:  # fmt: skip
+        wait_for(lambda: len(reader.status()["members"]) == 2 and len(owner.status()["members"]) == 2, 10, "two members")
+        names = keys("d", 48)  # 3 MiB through a 2 MiB pool: a third of the pages leave it
+        for n in names:
+            assert owner.set(n, page_bytes(n, SIZE))
+        wait_for(lambda: owner.status()["disk"]["written"] == 48, 10, "the write-through")
+        assert owner.status()["pool"]["evictions"] >= 16
+        assert reader.batch_exists(names) == 48  # a page on disk is a hit
+        assert check_pages(reader, "d", 48, SIZE) == {"hit": 48, "miss": 0, "wrong": 0}
+        assert owner.status()["disk"]["promoted"] >= 16
+        # Deleted: gone from pool, disk and directory.
+        assert owner.delete("d0")
+        wait_for(lambda: not reader.exists("d0"), 5, "the delete to reach the directory")
+
+
+def test_a_restarted_node_serves_what_its_disk_kept(tmp_path):
+    disk = str(tmp_path / "l4")
+    with PeerStore(port=0, data_port=0, pool_size_mb=8, **FAST) as head:
+        owner = PeerStore(discovery=head.node_id, port=0, data_port=0, pool_size_mb=1, disk_path=disk, **FAST)
+        names = keys("r", 8)
+        assert owner.batch_set(names, [page_bytes(n, SIZE) for n in names]) == [True] * 8
+        wait_for(lambda: owner.status()["disk"]["written"] == 8, 10, "the write-through")
+        port = int(owner.node_id.rsplit(":", 1)[1])
+        owner.close()
+        wait_for(lambda: len(head.status()["members"]) == 1, 10, "the owner to leave")
+        assert head.batch_exists(names) == 0
+        with PeerStore(discovery=head.node_id, port=port, data_port=0, pool_size_mb=1, disk_path=disk, **FAST) as again:
+            assert again.status()["disk"]["pages"] == 8
+            wait_for(lambda: head.batch_exists(names) == 8, 10, "the restarted node's disk pages in the directory")
+            assert check_pages(head, "r", 8, SIZE) == {"hit": 8, "miss": 0, "wrong": 0}
+
+
+def test_an_unusable_disk_path_turns_the_tier_off_and_the_node_still_serves(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with PeerStore(port=0, data_port=0, pool_size_mb=2, disk_path=str(blocker / "l4"), **FAST) as node:
+        assert node.status()["disk"] is None
+        assert node.set("x", b"y" * 5000) and node.get("x") == b"y" * 5000
