@@ -49,7 +49,7 @@ def make_adapter(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> I
         elif kind == "fs":
             adapter = FsAdapter(name, FsConfig(path=str(tmp_path / name), size_gb=size_gb))
         elif kind == "peer":  # a one-node cluster: reads are local pool copies (tests/peer covers the network)
-            adapter = PeerAdapter(name, PeerConfig(port=0, data_port=0, pool_size_mb=max(1, (capacity_bytes or DEFAULT_CAPACITY) >> 20)))
+            adapter = PeerAdapter(name, PeerConfig(port=0, data_port=0, metrics_port=0, pool_size_mb=max(1, (capacity_bytes or DEFAULT_CAPACITY) >> 20)))
         else:
             assert backend_factory is not None
             adapter = backend_factory(name)

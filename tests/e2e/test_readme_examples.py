@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parents[2]
 BLOCK = re.compile(r"<!-- readme-test: (?P<name>\S+)(?P<bg> \(background\))? -->\n```(?P<lang>\w+)\n(?P<code>.*?)```", re.S)
 PORTS = {"kvdepot": 5555, "kvdepot HTTP": 8080, "vLLM": 8000, "SGLang": 30000}
 CLUSTER_PORTS = {"peer head": 31995, "peer head data": 31996, "server A": 5601, "server B": 5602, "server A HTTP": 8601,
-                 "server B HTTP": 8602, **{f"peer node {p}": p for p in range(31981, 31989)}}  # fmt: skip
+                 "server B HTTP": 8602, "head metrics": 31997, "server A metrics": 31991, "server B metrics": 31992,
+                 **{f"peer node {p}": p for p in range(31981, 31989)}}  # fmt: skip
 
 
 def readme_blocks() -> dict[str, tuple[str, bool]]:
@@ -118,6 +119,9 @@ def test_the_cluster_examples_run_as_printed(shell):
     lines = out.splitlines()
     assert lines[:2] == ["stored on A: 1024 tokens", "served by B: 1024 tokens, identical: True"], out
     assert "3 members" in out and "master" in out, out
+    import httpx
+
+    assert "kvdepot_peer_writes_total" in httpx.get("http://127.0.0.1:31991/metrics", timeout=5).text  # server A's node
     out = shell.run("peer-store-run", blocks["peer-store-run"][0], timeout_s=120)
     assert out.splitlines() == ["b finds it: 1", "b reads it: True"], out
 

@@ -18,7 +18,7 @@ from kvdepot.peer.dataplane import PageOutcome, PageRead
 
 SIZE = 64 << 10
 SECRET = "cluster-test-secret"
-FAST = {"heartbeat_interval_s": 0.3, "member_ttl_s": 1.5, "control_timeout_s": 0.5, "timeout_s": 2.0}
+FAST = {"heartbeat_interval_s": 0.3, "member_ttl_s": 1.5, "control_timeout_s": 0.5, "timeout_s": 2.0, "metrics_port": 0}
 
 
 def store(discovery: str = "", secret: str = SECRET, **options) -> PeerStore:

@@ -10,7 +10,7 @@ from support.peer_cluster import check_pages, keys, page_bytes, wait_for
 from kvdepot.peer import PeerStore
 
 SIZE = 64 << 10
-FAST = {"heartbeat_interval_s": 0.3, "member_ttl_s": 1.5, "control_timeout_s": 0.5, "timeout_s": 2.0, "secret": "disk-test"}
+FAST = {"heartbeat_interval_s": 0.3, "member_ttl_s": 1.5, "control_timeout_s": 0.5, "timeout_s": 2.0, "secret": "disk-test", "metrics_port": 0}
 
 
 def test_pages_evicted_from_the_pool_are_promoted_from_disk_on_a_read(tmp_path):

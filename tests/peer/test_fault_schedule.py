@@ -21,7 +21,7 @@ from kvdepot.peer import PeerStore
 SIZE = 64 << 10
 PAGES = 24  # per node
 SECRET = "fault-schedule-secret"
-FAST = {"heartbeat_interval_s": 0.3, "member_ttl_s": 1.5, "control_timeout_s": 0.5, "timeout_s": 1.5}
+FAST = {"heartbeat_interval_s": 0.3, "member_ttl_s": 1.5, "control_timeout_s": 0.5, "timeout_s": 1.5, "metrics_port": 0}
 
 
 def test_random_faults_never_produce_a_wrong_byte():

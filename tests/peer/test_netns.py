@@ -19,7 +19,7 @@ from kvdepot.peer import PeerStore
 
 SIZE = 128 << 10
 SECRET = "netns-secret"
-FAST = {"heartbeat_interval_s": 0.3, "member_ttl_s": 1.5, "control_timeout_s": 0.5, "timeout_s": 1.5}
+FAST = {"heartbeat_interval_s": 0.3, "member_ttl_s": 1.5, "control_timeout_s": 0.5, "timeout_s": 1.5, "metrics_port": 0}
 
 _why = netns.available()
 if _why and os.environ.get("KVDEPOT_SKIP_NETNS") == "1":

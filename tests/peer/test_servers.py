@@ -15,7 +15,7 @@ from support.tiers import assert_served_whole, make_prompt, store_full, tier_of,
 from kvdepot.bench.serverproc import free_port
 
 SECRET = "servers-test-secret"
-FAST = "heartbeat_interval_s=0.3,member_ttl_s=1.5,control_timeout_s=0.5"
+FAST = "heartbeat_interval_s=0.3,member_ttl_s=1.5,control_timeout_s=0.5,metrics_port=0"
 
 
 def peer_spec(port: int, discovery: str = "", name: str = "peers") -> str:

@@ -44,7 +44,7 @@ class NodeProcess:
                  pool_size_mb: int = 64, netns: str | None = None, extra: dict | None = None) -> None:  # fmt: skip
         self.options = {"discovery": discovery, "secret": secret, "host": host, "port": port, "data_port": data_port,
                         "pool_size_mb": pool_size_mb, "heartbeat_interval_s": 0.3, "member_ttl_s": 1.5, "timeout_s": 2.0,
-                        "control_timeout_s": 0.5, "join_timeout_s": 10.0, **(extra or {})}  # fmt: skip
+                        "control_timeout_s": 0.5, "join_timeout_s": 10.0, "metrics_port": 0, **(extra or {})}  # fmt: skip
         self.netns = netns
         self.proc: subprocess.Popen | None = None
         self.node_id = ""

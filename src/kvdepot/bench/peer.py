@@ -194,7 +194,7 @@ def main(args: argparse.Namespace) -> int:
     sizes = [int(s) * 1024 for s in args.sizes_kib.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
     pool_mb = max(total, 4 * max(sizes)) // MiB + 64
-    node_options = {"port": 0, "data_port": 0, "pool_size_mb": pool_mb, "secret": args.secret, "heartbeat_interval_s": 0.5, "member_ttl_s": 3.0}
+    node_options = {"port": 0, "data_port": 0, "metrics_port": 0, "pool_size_mb": pool_mb, "secret": args.secret, "heartbeat_interval_s": 0.5, "member_ttl_s": 3.0}
     load_start = loadavg()
     owner = _Owner(node_options)
     rows: list[Row] = []

@@ -10,10 +10,11 @@ same numbers. The observability work extends this module, never a second registr
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 REQUEST_FAILURE_CLASSES = ("lease_expired_frees", "short_retrieves")
@@ -199,3 +200,121 @@ def _tier_metrics(tiers: Iterable[Any]) -> Iterable:
         corrupt.add_metric([t.name], t.corrupt)
         failures.add_metric([t.name], t.failures)
     return (healthy, used, objects, stored, loaded, corrupt, failures)
+
+
+# --- the peer tier: one node's metrics (its own registry: a node runs in processes without a server) -----
+
+LATENCY_WINDOW = 2048  # the latest operations the p50/p90/p99 are computed over
+_PEER_STATE_GAUGES = (
+    ("kvdepot_peer_pool_used_bytes", "Published pool bytes in use (pages and quarantined ranges).", "pool_used_bytes"),
+    ("kvdepot_peer_pool_capacity_bytes", "Published pool capacity.", "pool_capacity_bytes"),
+    ("kvdepot_peer_pool_pages", "Pages in the published pool.", "pool_pages"),
+    ("kvdepot_peer_disk_used_bytes", "Disk tier bytes (0 without one).", "disk_used_bytes"),
+    ("kvdepot_peer_disk_pages", "Pages on the disk tier.", "disk_pages"),
+    ("kvdepot_peer_members", "Members of the cluster as this node sees it.", "members"),
+    ("kvdepot_peer_directory_records", "Records in this node's directory shard.", "directory_records"),
+)
+_PEER_STATE_COUNTERS = (
+    ("kvdepot_peer_evictions", "Pages evicted from the published pool.", "evictions"),
+    ("kvdepot_peer_promotes", "Pages promoted from disk into the pool.", "promotes"),
+    ("kvdepot_peer_served_pages", "Pages this node's data plane sent to readers.", "served_pages"),
+    ("kvdepot_peer_served_bytes", "Bytes this node's data plane sent to readers.", "served_bytes"),
+    ("kvdepot_peer_refused_connections", "Data-plane connections refused (no cluster secret).", "refused"),
+    ("kvdepot_peer_dropped_connections", "Data-plane connections this node closed after a failed read.", "dropped"),
+)
+
+
+class PeerMetrics:
+    """A peer node's counters, latencies and (at each scrape) states; ``text`` is /metrics, ``summary``
+    what the node's HTML page shows. Counters are incremented by the node's threads."""
+
+    def __init__(self, state: Callable[[], Mapping[str, float]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.reads = Counter("kvdepot_peer_reads", "Pages asked to be read, by outcome (hit, miss, corrupt).", ["outcome"], registry=r)
+        self.read_bytes = Counter("kvdepot_peer_read_bytes", "Bytes read into callers' buffers (hits).", registry=r)
+        self.writes = Counter("kvdepot_peer_writes", "Pages set, by outcome (stored, refused).", ["outcome"], registry=r)
+        self.write_bytes = Counter("kvdepot_peer_write_bytes", "Bytes copied into the pool.", registry=r)
+        self.lookups = Counter("kvdepot_peer_lookups", "Keys looked up in the directory, by result (found, missing).", ["result"], registry=r)
+        self.read_seconds = Histogram("kvdepot_peer_read_seconds", "One batched read (lookup excluded).", registry=r,
+                                      buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2))  # fmt: skip
+        self.write_seconds = Histogram("kvdepot_peer_write_seconds", "One batched set (copy and publish).", registry=r,
+                                       buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2))  # fmt: skip
+        for outcome in ("hit", "miss", "corrupt"):
+            self.reads.labels(outcome)
+        for outcome in ("stored", "refused"):
+            self.writes.labels(outcome)
+        for result in ("found", "missing"):
+            self.lookups.labels(result)
+        self._windows = {"read": deque(maxlen=LATENCY_WINDOW), "write": deque(maxlen=LATENCY_WINDOW)}
+        self._state = state
+        r.register(_PeerStateCollector(self))
+
+    def read_done(self, seconds: float, hits: int, misses: int, corrupt: int, nbytes: int) -> None:
+        self.reads.labels("hit").inc(hits)
+        self.reads.labels("miss").inc(misses)
+        if corrupt:
+            self.reads.labels("corrupt").inc(corrupt)
+        self.read_bytes.inc(nbytes)
+        self.read_seconds.observe(seconds)
+        self._windows["read"].append(seconds)
+
+    def write_done(self, seconds: float, stored: int, refused: int, nbytes: int) -> None:
+        self.writes.labels("stored").inc(stored)
+        if refused:
+            self.writes.labels("refused").inc(refused)
+        self.write_bytes.inc(nbytes)
+        self.write_seconds.observe(seconds)
+        self._windows["write"].append(seconds)
+
+    def looked_up(self, found: int, missing: int) -> None:
+        self.lookups.labels("found").inc(found)
+        self.lookups.labels("missing").inc(missing)
+
+    def quantiles(self, op: str) -> dict[str, float]:
+        """p50/p90/p99 and the mean (seconds) of the latest ``LATENCY_WINDOW`` operations of ``op``."""
+        values = sorted(self._windows[op])
+        if not values:
+            return {"p50": 0.0, "p90": 0.0, "p99": 0.0, "avg": 0.0, "n": 0}
+        pick = lambda q: values[min(len(values) - 1, int(q * len(values)))]  # noqa: E731
+        return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "avg": sum(values) / len(values), "n": len(values)}
+
+    def summary(self) -> dict[str, Any]:
+        reads = counts(self.reads)
+        asked = sum(reads.values())
+        return {
+            "state": dict(self._state()),
+            "reads": reads,
+            "read_hit_rate": reads.get("hit", 0) / asked if asked else 0.0,
+            "read_bytes": counts(self.read_bytes).get("", 0),
+            "writes": counts(self.writes),
+            "write_bytes": counts(self.write_bytes).get("", 0),
+            "lookups": counts(self.lookups),
+            "read_latency_s": self.quantiles("read"),
+            "write_latency_s": self.quantiles("write"),
+        }
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _PeerStateCollector:
+    def __init__(self, metrics: PeerMetrics) -> None:
+        self._m = metrics
+
+    def describe(self) -> Iterable:
+        return []
+
+    def collect(self) -> Iterable:
+        state = self._m._state()
+        for name, doc, field in _PEER_STATE_GAUGES:
+            yield GaugeMetricFamily(name, doc, value=state.get(field, 0))
+        for name, doc, field in _PEER_STATE_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=state.get(field, 0))
+        for op in ("read", "write"):
+            q = GaugeMetricFamily(f"kvdepot_peer_{op}_latency_seconds", f"{op.title()} latency over the latest {LATENCY_WINDOW} operations.",
+                                  labels=["quantile"])  # fmt: skip
+            for label, value in self._m.quantiles(op).items():
+                if label.startswith("p"):
+                    q.add_metric([f"0.{label[1:]}"], value)
+            yield q

@@ -30,6 +30,8 @@ class PeerConfig(ConfigStruct, frozen=True, kw_only=True):
     secret: Annotated[str, option(f"cluster secret for every join and every data-plane connection (else ${SECRET_ENV}; empty: an open cluster)")] = ""
     disk_path: Annotated[str, option("L4: keep pages that leave the pool in this directory and promote them back on a read (empty: off)")] = ""
     disk_size_gb: Annotated[float, option("the disk tier's bound (LRU beyond it)", gt=0)] = 100.0
+    metrics_port: Annotated[int, option("Prometheus /metrics and an HTML page (/) on this port (0: off; taken: a warning)", ge=0, le=65535)] = 31997
+    metrics_dashboard: Annotated[bool, option("serve the HTML page at / of the metrics port")] = True
     directory_replicas: Annotated[int, option("directory records per key (the owner and the next nodes on the ring)", ge=1, le=8)] = 2
     vnodes: Annotated[int, option("points per node on the consistent-hash ring", ge=1, le=4096)] = DEFAULT_VNODES
     max_channels_per_peer: Annotated[int, option("data-plane connections to one peer at most", ge=1, le=256)] = 16

@@ -110,6 +110,8 @@ class DataServer:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.refused = 0  # handshakes that failed
+        self.served_pages = 0
+        self.served_bytes = 0
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._accept_loop, name="kvdepot-peer-data", daemon=True)
@@ -187,6 +189,8 @@ class DataServer:
         try:
             conn.sendall(_REPLY.pack(OK, length))
             conn.sendall(self._source.view(entry))  # straight from pool memory
+            self.served_pages += 1
+            self.served_bytes += length
         finally:
             self._source.release(entry)
 

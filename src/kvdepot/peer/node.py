@@ -31,6 +31,7 @@ import xxhash
 import zmq
 
 from kvdepot.errors import KVDepotError
+from kvdepot.observability.metrics import PeerMetrics
 from kvdepot.peer.config import PeerConfig
 from kvdepot.peer.dataplane import PageOutcome, PageRead, TcpTransport
 from kvdepot.peer.directory import DirectoryShard
@@ -97,6 +98,8 @@ class PeerNode:
         self._disk_lock = threading.Lock()
         self._warmer = None  # a one-thread executor promoting pages that exists() found on disk
         self._cut_off = False  # no master answered the last heartbeat round
+        self.metrics = PeerMetrics(self._metrics_state)
+        self._metrics_server = None
 
     def __repr__(self) -> str:
         return f"PeerNode({self.info.id if self.info else '?'}, {self.state.value}, {len(self._members)} members)"
@@ -137,6 +140,11 @@ class PeerNode:
         if self.head != self.info.id and not self._joined.wait(cfg.join_timeout_s):
             log.warning("peer %s: no master answered in %.1f s (is %s up, and is the secret right?); serving own pages, still trying",
                         self.info.id, cfg.join_timeout_s, self.head)  # fmt: skip
+        if cfg.metrics_port:
+            from kvdepot.peer.monitor import MetricsServer
+
+            self._metrics_server = MetricsServer(self.metrics, cfg.host, cfg.metrics_port, cfg.metrics_dashboard, self.info.id)
+            self._metrics_server.start()
         if self._disk_only:
             self._republish()  # what a previous run left on disk: readable (promoted on a read)
         self._heartbeat.start()
@@ -149,6 +157,8 @@ class PeerNode:
             return
         self.state = NodeState.CLOSED
         self._heartbeat.stop()
+        if self._metrics_server is not None:
+            self._metrics_server.close()
         if self._rpc is not None:
             self._rpc.close(drain_s=0.5)
         if self._data_server is not None:
@@ -184,6 +194,7 @@ class PeerNode:
 
     def put_many(self, items: Sequence[tuple[bytes, object]]) -> list[bool]:
         """Copy each page into the pool and publish where it is; False where the pool cannot take it."""
+        t0 = time.perf_counter()
         out: list[bool] = []
         published: list[PoolEntry] = []
         evicted: list[PoolEntry] = []
@@ -200,6 +211,7 @@ class PeerNode:
         if evicted:
             self._evicted(evicted)
         self._publish(published)
+        self.metrics.write_done(time.perf_counter() - t0, len(published), len(out) - len(published), sum(e.length for e in published))
         return out
 
     def _put_after_disk_catches_up(self, key: bytes, data, evicted: list[PoolEntry]) -> PoolEntry | None:
@@ -320,6 +332,8 @@ class PeerNode:
             pending = still
             if not pending or time.monotonic() >= deadline:
                 break
+        hit = sum(loc is not None for loc in found)
+        self.metrics.looked_up(hit, len(found) - hit)
         return found
 
     def _best(self, locations: Sequence[PeerLocation], usable: set[str]) -> PeerLocation | None:
@@ -346,6 +360,7 @@ class PeerNode:
         up once more and read again: within one batch, promoting pages from a disk can evict others of
         the same batch. Returns the outcomes and the locations they were read from."""
         locations = list(located) if located is not None else self.resolve(keys, deadline)
+        t0 = time.perf_counter()
         sized = [loc if loc is not None and loc.length == memoryview(d).nbytes else None for loc, d in zip(locations, dests, strict=True)]
         out = self.read_into(sized, dests, deadline)
         again = [i for i, (o, loc) in enumerate(zip(out, sized, strict=True)) if o is PageOutcome.MISS and loc is not None]
@@ -357,6 +372,10 @@ class PeerNode:
                 got = self.read_into([loc for _, loc in retry], [dests[i] for i, _ in retry], deadline)
                 for (i, loc), outcome in zip(retry, got, strict=True):
                     out[i], sized[i] = outcome, loc
+        hits = [i for i, o in enumerate(out) if o is PageOutcome.HIT]
+        corrupt = sum(o is PageOutcome.CORRUPT for o in out)
+        self.metrics.read_done(time.perf_counter() - t0, len(hits), len(out) - len(hits) - corrupt, corrupt,
+                               sum(sized[i].length for i in hits))  # type: ignore[union-attr]  # fmt: skip
         return out, sized
 
     def read_into(self, locations: Sequence[PeerLocation | None], dests: Sequence[memoryview], deadline: float) -> list[PageOutcome]:
@@ -466,6 +485,18 @@ class PeerNode:
             self.pool.release(entry)
         # Checked here too: the pool is plain memory that a stray write could have hit.
         return PageOutcome.HIT if xxhash.xxh3_128_digest(dst) == loc.checksum else PageOutcome.CORRUPT
+
+    def _metrics_state(self) -> dict[str, float]:
+        s = self.pool.stats()
+        disk_used, _, disk_pages = self.disk.usage() if self.disk is not None else (0, 0, 0)
+        data = self._data_server
+        return {
+            "pool_used_bytes": s.used_bytes, "pool_capacity_bytes": s.capacity_bytes, "pool_pages": s.keys,
+            "disk_used_bytes": disk_used, "disk_pages": disk_pages, "members": len(self._members),
+            "directory_records": len(self.shard), "evictions": s.evictions, "promotes": self.disk.promoted if self.disk else 0,
+            "served_pages": data.served_pages if data else 0, "served_bytes": data.served_bytes if data else 0,
+            "refused": data.refused if data else 0, "dropped": self._transport.dropped,
+        }  # fmt: skip
 
     # --- the control plane, client side --------------------------------------------------------------
 

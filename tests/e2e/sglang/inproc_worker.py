@@ -310,7 +310,7 @@ def peer_backend(host, extra: dict, model: str = "inproc-peer", interface_v1: in
 def scenario_peer(url: str, args: dict) -> dict:
     """Two peer nodes in one process (as two SGLang processes would be): pages A's SGLang backs up are
     read by B's, from A's pool over the data plane, in each layout and interface."""
-    fast = {"secret": "inproc-peer", "heartbeat_interval_s": 0.3, "member_ttl_s": 1.5, "pool_size_mb": 16}
+    fast = {"secret": "inproc-peer", "heartbeat_interval_s": 0.3, "member_ttl_s": 1.5, "pool_size_mb": 16, "metrics_port": 0}
     out = {}
     for i, (layout, v1) in enumerate([("layer_first", 1), ("page_first", 1), ("layer_first", 0)]):
         host_a, host_b = host_pool("mha", layout, "bfloat16"), host_pool("mha", layout, "bfloat16")

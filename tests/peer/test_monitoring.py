@@ -1,0 +1,54 @@
+"""A node's metrics port: Prometheus counters that move with what the node does, and its HTML page."""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from support.peer_cluster import page_bytes, wait_for
+
+from kvdepot.bench.serverproc import free_port
+from kvdepot.peer import PeerStore
+
+FAST = {"heartbeat_interval_s": 0.3, "member_ttl_s": 1.5, "control_timeout_s": 0.5, "secret": "metrics-test"}
+
+
+def samples(port: int) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_metrics_and_the_page_follow_what_the_node_does():
+    port = free_port()
+    with PeerStore(port=0, data_port=0, pool_size_mb=1, metrics_port=port, **FAST) as owner, \
+         PeerStore(discovery=owner.node_id, port=0, data_port=0, pool_size_mb=4, metrics_port=0, **FAST) as reader:  # fmt: skip
+        wait_for(lambda: len(reader.status()["members"]) == 2, 10, "two members")
+        names = [f"m{i}" for i in range(24)]  # 1.5 MiB into a 1 MiB pool: evictions
+        assert owner.batch_set(names, [page_bytes(n, 64 << 10) for n in names]) == [True] * 24
+        got = reader.batch_get(names[-8:])
+        assert all(g is not None for g in got)
+        owner.get("not-there")
+        s = samples(port)
+        assert s[("kvdepot_peer_writes_total", (("outcome", "stored"),))] == 24
+        assert s[("kvdepot_peer_write_bytes_total", ())] == 24 * (64 << 10)
+        assert s[("kvdepot_peer_evictions_total", ())] >= 8
+        assert s[("kvdepot_peer_served_pages_total", ())] == 8  # the reader's pages came from this pool
+        assert s[("kvdepot_peer_pool_capacity_bytes", ())] == 1 << 20
+        assert s[("kvdepot_peer_members", ())] == 2
+        assert s[("kvdepot_peer_lookups_total", (("result", "missing"),))] >= 1
+        assert s[("kvdepot_peer_write_latency_seconds", (("quantile", "0.99"),))] > 0
+        assert s[("kvdepot_peer_write_seconds_count", ())] == 1
+        page = httpx.get(f"http://127.0.0.1:{port}/", timeout=5)
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert owner.node_id in page.text and "hit rate" in page.text and "write latency" in page.text
+        assert "<script" not in page.text and "http://" not in page.text.replace("http-equiv", "")  # self-contained
+        summary = httpx.get(f"http://127.0.0.1:{port}/summary", timeout=5).json()
+        assert summary["writes"]["stored"] == 24 and summary["state"]["pool_pages"] <= 16
+
+
+def test_a_taken_metrics_port_is_a_warning_not_a_failure(caplog):
+    port = free_port()
+    with PeerStore(port=0, data_port=0, pool_size_mb=1, metrics_port=port, **FAST) as first, \
+         PeerStore(port=0, data_port=0, pool_size_mb=1, metrics_port=port, **FAST) as second:  # fmt: skip
+        assert second.set("k", b"v" * 100) and second.get("k") == b"v" * 100
+        assert "no metrics port" in caplog.text
+        assert first.node._metrics_server.port == port
