@@ -51,17 +51,18 @@ class ServerProcess:
     ipc_path: str | None = None
     env: dict[str, str] | None = None
     log_path: str | None = None
-    prefix: list[str] = field(default_factory=list)  # e.g. ["unshare", "--pid", "--fork"]
+    prefix: list[str] = field(default_factory=list)  # e.g. ["unshare", "--pid", "--fork"], ["ip", "netns", "exec", NS]
+    host: str = "127.0.0.1"  # --host, and where start() looks for it
     proc: subprocess.Popen | None = None
     _log: object = None
 
     @property
     def url(self) -> str:
-        return f"tcp://127.0.0.1:{self.port}"
+        return f"tcp://{self.host}:{self.port}"
 
     @property
     def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
+        return f"http://{self.host}:{self.http_port}"
 
     @property
     def ipc_url(self) -> str:
@@ -73,6 +74,8 @@ class ServerProcess:
 
         self.port = self.port or free_port()
         cmd = [*self.prefix, sys.executable, "-m", "kvdepot.cli", "server", "--port", str(self.port), "--http-port", str(self.http_port)]
+        if self.host != "127.0.0.1":
+            cmd += ["--host", self.host]
         if self.ipc_path:
             cmd += ["--ipc-path", self.ipc_path]
         cmd += self.args

@@ -210,6 +210,7 @@ class Engine:
     max_model_len: int = 4096
     kvcache_gb: int = 1
     env_extra: dict[str, str] = field(default_factory=dict)
+    prefix: list[str] = field(default_factory=list)  # e.g. ["ip", "netns", "exec", NS]: the engine on another host
     proc: subprocess.Popen | None = None
     _replies: queue.Queue = field(default_factory=queue.Queue)
     _tmpdir: Path | None = None
@@ -221,7 +222,7 @@ class Engine:
     def start(self, timeout_s: float = 300.0) -> Engine:
         read_fd, write_fd = os.pipe()
         cmd = [
-            sys.executable, "-m", WORKER_MODULE,
+            *self.prefix, sys.executable, "-m", WORKER_MODULE,
             "--model", self.model.path,
             "--kv-transfer-config", json.dumps(self.kv_config),
             "--result-fd", str(write_fd),
