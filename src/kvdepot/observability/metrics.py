@@ -236,6 +236,9 @@ class PeerMetrics:
         self.writes = Counter("kvdepot_peer_writes", "Pages set, by outcome (stored, refused).", ["outcome"], registry=r)
         self.write_bytes = Counter("kvdepot_peer_write_bytes", "Bytes copied into the pool.", registry=r)
         self.lookups = Counter("kvdepot_peer_lookups", "Keys looked up in the directory, by result (found, missing).", ["result"], registry=r)
+        self.decisions = Counter("kvdepot_peer_pull_decisions", "Pull-or-recompute decisions, by decision and reason.", ["decision", "reason"],
+                                 registry=r)  # fmt: skip
+        self.hints = Counter("kvdepot_peer_hints", "Pages asked of a router's hinted node, by result (found, missing).", ["result"], registry=r)
         self.read_seconds = Histogram("kvdepot_peer_read_seconds", "One batched read (lookup excluded).", registry=r,
                                       buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2))  # fmt: skip
         self.write_seconds = Histogram("kvdepot_peer_write_seconds", "One batched set (copy and publish).", registry=r,
@@ -267,6 +270,13 @@ class PeerMetrics:
         self.write_seconds.observe(seconds)
         self._windows["write"].append(seconds)
 
+    def decided(self, pull: bool, reason: str) -> None:
+        self.decisions.labels("pull" if pull else "recompute", reason).inc()
+
+    def hinted(self, found: int, missing: int) -> None:
+        self.hints.labels("found").inc(found)
+        self.hints.labels("missing").inc(missing)
+
     def looked_up(self, found: int, missing: int) -> None:
         self.lookups.labels("found").inc(found)
         self.lookups.labels("missing").inc(missing)
@@ -290,6 +300,8 @@ class PeerMetrics:
             "writes": counts(self.writes),
             "write_bytes": counts(self.write_bytes).get("", 0),
             "lookups": counts(self.lookups),
+            "pull_decisions": {f"{d['decision']}/{d['reason']}": v for d, v in labelled(self.decisions)},
+            "hints": counts(self.hints),
             "read_latency_s": self.quantiles("read"),
             "write_latency_s": self.quantiles("write"),
         }

@@ -36,6 +36,7 @@ from kvdepot.peer.config import PeerConfig
 from kvdepot.peer.dataplane import PageOutcome, PageRead, TcpTransport
 from kvdepot.peer.directory import DirectoryShard
 from kvdepot.peer.discovery import MemberTable, masters_of, ordered
+from kvdepot.peer.planner import PullPlanner
 from kvdepot.peer.pool import PoolEntry, PublishedPool
 from kvdepot.peer.ring import HashRing
 from kvdepot.protocol import messages as m
@@ -100,6 +101,7 @@ class PeerNode:
         self._cut_off = False  # no master answered the last heartbeat round
         self.metrics = PeerMetrics(self._metrics_state)
         self._metrics_server = None
+        self.planner = PullPlanner()
 
     def __repr__(self) -> str:
         return f"PeerNode({self.info.id if self.info else '?'}, {self.state.value}, {len(self._members)} members)"
@@ -304,8 +306,10 @@ class PeerNode:
 
     # --- reads ---------------------------------------------------------------------------------------
 
-    def resolve(self, keys: Sequence[bytes], deadline: float) -> list[PeerLocation | None]:
-        """Where each key's page can be read from (None: nowhere known)."""
+    def resolve(self, keys: Sequence[bytes], deadline: float, hint: str = "") -> list[PeerLocation | None]:
+        """Where each key's page can be read from (None: nowhere known). ``hint`` (a router's
+        ``host[:port]`` of where the KV lives) is asked first, for its own pages; what it does not hold
+        is looked up in the directory as usual (a wrong hint costs one round trip, never an error)."""
         for key in keys:
             _check_key(key)
         found: list[PeerLocation | None] = [None] * len(keys)
@@ -313,8 +317,11 @@ class PeerNode:
         now = time.monotonic()
         with self._view_lock:
             usable = {nid for nid in self._members if self._suspects.get(nid, 0.0) <= now}
-        owners = [ring.owners(k, self.config.directory_replicas) for k in keys]
         pending = list(range(len(keys)))
+        if hint:
+            pending = self._ask_hinted(hint, keys, found, usable, deadline)
+        wanted = set(pending)
+        owners = [ring.owners(k, self.config.directory_replicas) if i in wanted else [] for i, k in enumerate(keys)]
         for replica in range(self.config.directory_replicas):
             by_owner: dict[str, list[int]] = {}
             for i in pending:
@@ -336,6 +343,41 @@ class PeerNode:
         self.metrics.looked_up(hit, len(found) - hit)
         return found
 
+    def _ask_hinted(self, hint: str, keys: Sequence[bytes], found: list[PeerLocation | None], usable: set[str], deadline: float) -> list[int]:
+        """Fill ``found`` from the hinted node(s)' own pages; returns the indices still to look up."""
+        host, _, port = hint.strip().rpartition(":") if ":" in hint else (hint.strip(), "", "")
+        with self._view_lock:
+            members = list(self._members.values())
+        nodes = [n.id for n in members if n.id == hint.strip()] or [n.id for n in members if n.host == (host or hint.strip())]
+        pending = list(range(len(keys)))
+        for node in nodes:
+            if node not in usable or not pending:
+                continue
+            reply = self._call_shard(node, m.PeerResolveRequest(keys=[keys[i] for i in pending], own_pages=True), deadline)
+            still = []
+            for j, i in enumerate(pending):
+                loc = self._best(reply.locations[j], usable) if reply is not None and j < len(reply.locations) else None
+                if loc is None:
+                    still.append(i)
+                else:
+                    found[i] = loc
+            pending = still
+        self.metrics.hinted(len(keys) - len(pending), len(pending))
+        return pending
+
+    def own_records(self, keys: Sequence[bytes]) -> list[list[PeerLocation]]:
+        """This node's own pages of ``keys`` (in its pool, or non-resident on its disk)."""
+        out: list[list[PeerLocation]] = []
+        for key in keys:
+            entry = self.pool.peek(key)
+            if entry is not None:
+                out.append([self._record(entry)])
+            elif self.disk is not None and (rec := self._disk_record(key)) is not None:
+                out.append([rec])
+            else:
+                out.append([])
+        return out
+
     def _best(self, locations: Sequence[PeerLocation], usable: set[str]) -> PeerLocation | None:
         """This node's own copy first, then one in a live member's pool, then one on a live member's disk
         (to be promoted before it is read); never one on a node that has just failed us."""
@@ -353,13 +395,17 @@ class PeerNode:
         return best or on_disk
 
     def fetch(self, keys: Sequence[bytes], dests: Sequence[memoryview], deadline: float,
-              located: Sequence[PeerLocation | None] | None = None) -> tuple[list[PageOutcome], list[PeerLocation | None]]:  # fmt: skip
+              located: Sequence[PeerLocation | None] | None = None, *, hint: str = "",
+              recompute_s: float | None = None) -> tuple[list[PageOutcome], list[PeerLocation | None]]:  # fmt: skip
         """Resolve (unless ``located`` says where) and read each key's page into its destination (a
         contiguous buffer; one of another size than the page is a miss). A page that was evicted or
         rewritten between the lookup and the read (its owner no longer has that generation) is looked
         up once more and read again: within one batch, promoting pages from a disk can evict others of
-        the same batch. Returns the outcomes and the locations they were read from."""
-        locations = list(located) if located is not None else self.resolve(keys, deadline)
+        the same batch. ``recompute_s``: what computing these pages again would take; other nodes'
+        pages are then pulled only if the estimate says pulling is faster (``planner.py``), else they
+        are misses. Returns the outcomes and the locations they were read from."""
+        locations = list(located) if located is not None else self.resolve(keys, deadline, hint)
+        locations = self._worth_pulling(locations, recompute_s)
         t0 = time.perf_counter()
         sized = [loc if loc is not None and loc.length == memoryview(d).nbytes else None for loc, d in zip(locations, dests, strict=True)]
         out = self.read_into(sized, dests, deadline)
@@ -377,6 +423,22 @@ class PeerNode:
         self.metrics.read_done(time.perf_counter() - t0, len(hits), len(out) - len(hits) - corrupt, corrupt,
                                sum(sized[i].length for i in hits))  # type: ignore[union-attr]  # fmt: skip
         return out, sized
+
+    def _worth_pulling(self, locations: list[PeerLocation | None], recompute_s: float | None) -> list[PeerLocation | None]:
+        assert self.info is not None
+        remote: dict[str, int] = {}
+        for loc in locations:
+            if loc is not None and loc.node != self.info.id:
+                remote[loc.node] = remote.get(loc.node, 0) + loc.length
+        if not remote:
+            return locations
+        decision = self.planner.decide(remote, recompute_s)
+        self.metrics.decided(decision.pull, decision.reason.value)
+        if decision.pull:
+            return locations
+        log.info("peer %s: recomputing rather than pulling %d bytes (estimated %.1f ms > %.1f ms to recompute)",
+                 self.info.id, sum(remote.values()), decision.pull_s * 1e3, decision.recompute_s * 1e3)  # fmt: skip
+        return [loc if loc is None or loc.node == self.info.id else None for loc in locations]
 
     def read_into(self, locations: Sequence[PeerLocation | None], dests: Sequence[memoryview], deadline: float) -> list[PageOutcome]:
         """Pull each located page into its destination (a buffer of exactly the page's size)."""
@@ -409,7 +471,9 @@ class PeerNode:
                 continue
             pages = [PageRead(loc.key, loc.generation, loc.offset, loc.length, loc.checksum, memoryview(dests[i]).cast("B"))
                      for i in idx if (loc := locations[i]) is not None]  # fmt: skip
+            t0 = time.perf_counter()
             got = self._transport.read(peer.host, peer.data_port, pages, deadline)
+            self.planner.read_measured(node, sum(p.length for p, o in zip(pages, got, strict=True) if o is PageOutcome.HIT), time.perf_counter() - t0)
             for i, ok in zip(idx, got, strict=True):
                 out[i] = ok
         return out
@@ -529,7 +593,9 @@ class PeerNode:
         ch = self._lease_channel(node)
         ok = False
         try:
+            t0 = time.perf_counter()
             reply = ch.call(body, timeout_s=timeout_s)
+            self.planner.call_measured(node, time.perf_counter() - t0)
             ok = True
             return reply
         finally:
@@ -578,6 +644,8 @@ class PeerNode:
         if isinstance(body, m.PeerUnpublishRequest):
             return m.PeerCountReply(count=self.shard.unpublish(body.keys, body.node, body.generations))
         if isinstance(body, m.PeerResolveRequest):
+            if body.own_pages:
+                return m.PeerResolveReply(locations=self.own_records(body.keys))
             return m.PeerResolveReply(locations=self.shard.resolve(body.keys))
         raise TypeError(f"not a directory request: {type(body).__name__}")
 

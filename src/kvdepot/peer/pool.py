@@ -114,6 +114,11 @@ class PublishedPool:
             self._index.move_to_end(key)
             return entry
 
+    def peek(self, key: bytes) -> PoolEntry | None:
+        """``key``'s newest page as it is now, unpinned (for a record: a read still names its generation)."""
+        with self._lock:
+            return self._index.get(key)
+
     def release(self, entry: PoolEntry) -> None:
         with self._lock:
             entry.pins -= 1

@@ -80,40 +80,44 @@ class PeerStore:
     def exists(self, key: Key) -> bool:
         return self.batch_exists([key]) == 1
 
-    def batch_exists(self, keys: Sequence[Key], timeout_s: float | None = None) -> int:
+    def batch_exists(self, keys: Sequence[Key], timeout_s: float | None = None, hint: str = "") -> int:
         """How many leading keys some node holds."""
-        return leading_run(self.exists_many(keys, timeout_s))
+        return leading_run(self.exists_many(keys, timeout_s, hint))
 
-    def exists_many(self, keys: Sequence[Key], timeout_s: float | None = None) -> list[bool]:
-        """``timeout_s`` (here and in every read): this call's deadline instead of the configured one."""
+    def exists_many(self, keys: Sequence[Key], timeout_s: float | None = None, hint: str = "") -> list[bool]:
+        """``timeout_s`` (here and in every read): this call's deadline instead of the configured one.
+        ``hint`` (here and in every read): a router's ``host[:port]`` of the node that holds the pages,
+        asked first; a wrong one falls back to the directory."""
         deadline = time.monotonic() + (timeout_s or self.config.timeout_s)
-        locations = self.node.resolve([_key(k) for k in keys], deadline)
+        locations = self.node.resolve([_key(k) for k in keys], deadline, hint)
         self.node.warm(locations)  # pages found only on a disk: promoted now, for the read that follows
         return [loc is not None for loc in locations]
 
     def get(self, key: Key) -> bytes | None:
         return self.batch_get([key])[0]
 
-    def batch_get(self, keys: Sequence[Key], timeout_s: float | None = None) -> list[bytes | None]:
+    def batch_get(self, keys: Sequence[Key], timeout_s: float | None = None, hint: str = "", recompute_s: float | None = None) -> list[bytes | None]:
         deadline = time.monotonic() + (timeout_s or self.config.timeout_s)
         raw = [_key(k) for k in keys]
-        locations = self.node.resolve(raw, deadline)
+        locations = self.node.resolve(raw, deadline, hint)
         buffers = [bytearray(loc.length) if loc is not None else bytearray(0) for loc in locations]
-        got, _ = self.node.fetch(raw, [memoryview(b) for b in buffers], deadline, located=locations)
+        got, _ = self.node.fetch(raw, [memoryview(b) for b in buffers], deadline, located=locations, recompute_s=recompute_s)
         return [bytes(b) if ok is PageOutcome.HIT else None for b, ok in zip(buffers, got, strict=True)]
 
-    def get_into(self, key: Key, dest) -> bool:
+    def get_into(self, key: Key, dest, **options) -> bool:
         """Read ``key``'s page straight into ``dest`` (a writable buffer of exactly the page's size)."""
-        return self.batch_get_into([key], [dest])[0]
+        return self.batch_get_into([key], [dest], **options)[0]
 
-    def batch_get_into(self, keys: Sequence[Key], dests: Sequence, timeout_s: float | None = None) -> list[bool]:
+    def batch_get_into(self, keys: Sequence[Key], dests: Sequence, timeout_s: float | None = None, hint: str = "",
+                       recompute_s: float | None = None) -> list[bool]:  # fmt: skip
         """Per key: its page read into its buffer (contiguous, writable) and verified. A buffer of
-        another size is a miss."""
+        another size is a miss. ``recompute_s``: what computing these pages again would cost the
+        caller; pages on other nodes are then pulled only when the estimate says it is faster."""
         if len(keys) != len(dests):
             raise ValueError(f"{len(keys)} keys for {len(dests)} buffers")
         deadline = time.monotonic() + (timeout_s or self.config.timeout_s)
         views = [memoryview(d).cast("B") for d in dests]
-        got, _ = self.node.fetch([_key(k) for k in keys], views, deadline)
+        got, _ = self.node.fetch([_key(k) for k in keys], views, deadline, hint=hint, recompute_s=recompute_s)
         return [ok is PageOutcome.HIT for ok in got]
 
     # --- state ---------------------------------------------------------------------------------------
@@ -129,6 +133,8 @@ class PeerStore:
             "pool": {"capacity_bytes": s.capacity_bytes, "used_bytes": s.used_bytes, "keys": s.keys, "evictions": s.evictions},
             "directory_records": len(self.node.shard),
             "disk": self._disk_status(),
+            "peers": self.node.planner.snapshot(),
+            "pull_decisions": self.node.metrics.summary()["pull_decisions"],
         }
 
     def _disk_status(self) -> dict[str, Any] | None:

@@ -368,6 +368,7 @@ class PeerCountReply(_Body):
 
 class PeerResolveRequest(_Body):
     keys: list[bytes]
+    own_pages: bool = False  # answer from this node's own pool and disk, not its directory shard (a router's hint)
 
 
 class PeerResolveReply(_Body):

@@ -53,6 +53,9 @@ class PeerSGLangSettings(ConfigStruct, frozen=True, kw_only=True):
     prefetch_timeout_per_ki_token: Annotated[float, option("SGLang's prefetch budget per 1,024 tokens, s", ge=0)] | None = None
     model_name: Annotated[str, option("the model part of every key; empty: SGLang's model name")] = ""
     budget_share: Annotated[float, option("the share of SGLang's prefetch budget one lookup or load may use", gt=0, le=1)] = 0.4
+    prefill_tokens_per_s: Annotated[
+        float, option("this engine's prefill rate: pages are pulled from other nodes only when that is estimated faster (0: always pull)", ge=0)
+    ] = 0.0
 
 
 def split_settings(extra: dict[str, Any] | None) -> tuple[PeerSGLangSettings, PeerConfig]:
@@ -189,7 +192,10 @@ class PeerHiCacheStorage(HiCacheStorage):
         buffer and one copy; only the leading run counts (SGLang uses that)."""
         t0 = time.perf_counter()
         dests = [t if t.flags.c_contiguous else np.empty(t.shape, t.dtype) for t in targets]
-        got = self.store.batch_get_into(self._keys(keys), dests, timeout_s=self.deadline_s(len(keys)))
+        page = self.codec.page_size if self.codec is not None else 0
+        rate = self.settings.prefill_tokens_per_s
+        recompute_s = len(keys) * page / rate if rate > 0 else None
+        got = self.store.batch_get_into(self._keys(keys), dests, timeout_s=self.deadline_s(len(keys)), recompute_s=recompute_s)
         n = 0
         while n < len(got) and got[n]:
             if dests[n] is not targets[n]:

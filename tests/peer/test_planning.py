@@ -1,0 +1,65 @@
+"""Where to read from (a router's hint) and whether to read at all (pull or recompute)."""
+
+from __future__ import annotations
+
+from support.peer_cluster import keys, page_bytes, wait_for
+
+from kvdepot.peer import PeerStore
+
+SIZE = 512 << 10
+FAST = {"heartbeat_interval_s": 0.3, "member_ttl_s": 1.5, "control_timeout_s": 0.5, "secret": "planning", "metrics_port": 0}
+
+
+def cluster(n: int) -> list[PeerStore]:
+    head = PeerStore(port=0, data_port=0, pool_size_mb=16, **FAST)
+    nodes = [head] + [PeerStore(discovery=head.node_id, port=0, data_port=0, pool_size_mb=16, **FAST) for _ in range(n - 1)]
+    wait_for(lambda: all(len(s.status()["members"]) == n for s in nodes), 10, f"{n} members")
+    return nodes
+
+
+def test_a_hint_finds_pages_the_directory_lost_and_a_wrong_hint_falls_back_to_the_ring():
+    a, b, reader = cluster(3)
+    try:
+        names = keys("h", 6)
+        assert a.batch_set(names, [page_bytes(n, SIZE) for n in names]) == [True] * 6
+        assert reader.batch_exists(names) == 6
+        # A wrong hint (a node that holds none of them, or no node at all): the directory answers.
+        assert reader.batch_exists(names, hint=b.node_id) == 6
+        assert reader.batch_exists(names, hint="10.9.9.9:8000") == 6
+        # The directory loses every record (as right after a re-shard): only the hint can find them.
+        for s in (a, b, reader):
+            s.node.shard.keep_nodes(())
+        assert reader.batch_exists(names) == 0
+        host = a.node_id.rsplit(":", 1)[0]
+        assert reader.batch_exists(names, hint=a.node_id) == 6  # host:port of the node
+        got = reader.batch_get(names, hint=host)  # or just its host (the engine's address, as llm-d passes it)
+        assert all(g == page_bytes(n, SIZE) for g, n in zip(got, names, strict=True))
+        hints = reader.node.metrics.summary()["hints"]
+        assert hints["found"] >= 12 and hints["missing"] >= 6, hints
+    finally:
+        for s in (reader, b, a):
+            s.close()
+
+
+def test_pulls_that_would_lose_to_recomputing_are_skipped_and_counted():
+    a, reader = cluster(2)
+    try:
+        names = keys("p", 8)
+        assert a.batch_set(names, [page_bytes(n, SIZE) for n in names]) == [True] * 8
+        bufs = [bytearray(SIZE) for _ in names]
+        # No estimate yet: pull (and learn the peer's bandwidth).
+        assert reader.batch_get_into(names, bufs, recompute_s=1e-9) == [True] * 8
+        est = reader.status()["peers"][a.node_id]
+        assert est["bandwidth_bytes_per_s"] > 0 and est["rtt_s"] > 0, est
+        # Recomputing is estimated faster than pulling 4 MiB: skipped, a miss the engine recomputes.
+        assert reader.batch_get_into(names, bufs, recompute_s=1e-6) == [False] * 8
+        # Pulling is faster than a slow prefill: pulled.
+        assert reader.batch_get_into(names, bufs, recompute_s=60.0) == [True] * 8
+        assert all(bytes(buf) == page_bytes(n, SIZE) for buf, n in zip(bufs, names, strict=True))
+        decisions = reader.status()["pull_decisions"]
+        assert decisions == {"pull/no_estimate": 1, "recompute/pull_slower": 1, "pull/pull_faster": 1}, decisions
+        # A node's own pages are never weighed: a local read is one memcpy.
+        assert a.batch_get_into(names[:1], bufs[:1], recompute_s=1e-9) == [True]
+    finally:
+        reader.close()
+        a.close()
