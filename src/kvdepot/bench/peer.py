@@ -40,6 +40,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--secret", default="bench-secret", help="cluster secret of the two nodes (default: %(default)s)")
     p.add_argument("--json", default=None, help="also write the results as JSON to this path")
     p.add_argument("--quick", action="store_true", help="fewer repetitions and bytes (a smoke run, not for quoting)")
+    p.add_argument("--ttft", action="store_true",
+                   help="also the cross-node TTFT: two kvdepot servers with peer tiers, a vLLM engine on each (needs vLLM; minutes)")  # fmt: skip
+    p.add_argument("--ttft-tokens", type=int, default=4096, help="prompt length of the TTFT rows (default: %(default)s)")
 
 
 @dataclass
@@ -224,12 +227,55 @@ def main(args: argparse.Namespace) -> int:
                             f"{ex / zrtt:.2f} (x TCP RTT {ex / rtt:.1f})"))  # fmt: skip
     finally:
         owner.close()
+    if args.ttft:
+        rows += _cross_node_ttft(args.ttft_tokens, 2 if args.quick else 3, raw)
     raw["load_end"] = loadavg()
     _print(rows, raw)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": [asdict(r) for r in rows], "raw": raw}, f, indent=2)
     return 0
+
+
+def _cross_node_ttft(tokens: int, prompts: int, raw: dict) -> list[Row]:
+    """Engine A (vLLM, bf16) computes each prompt cold against server A; engine B, a fresh process on
+    server B, serves it with the prefix pulled through the peer tier. Medians of ``prompts`` prompts."""
+    import tempfile
+    from pathlib import Path
+
+    from kvdepot.bench.engines.vllm_engines import BLOCK, Engine, ModelShape, connector_config, make_prompts, make_tiny_model
+    from kvdepot.bench.serverproc import ServerProcess, free_port
+
+    work = Path(tempfile.mkdtemp(prefix="kvdepot-bench-peer-ttft-"))
+    model = make_tiny_model(work / "model", ModelShape(layers=8, hidden=1024, heads=8, kv_heads=4, max_positions=2 * tokens))
+    head = free_port()
+    fast = "metrics_port=0,heartbeat_interval_s=0.5,member_ttl_s=3,pool_size_mb=1024,secret=bench"
+
+    def server(name: str, spec: str) -> ServerProcess:
+        return ServerProcess(args=["--chunk-size", str(BLOCK), "--l1-size-gb", "2", "--log-level", "warning", "--l2", spec],
+                             http_port=free_port(), env={"OMP_NUM_THREADS": "1"}, log_path=str(work / f"{name}.log")).start(60)  # fmt: skip
+
+    a = server("a", f"peer:name=peers,port={head},data_port=0,{fast}")
+    b = server("b", f"peer:name=peers,port={free_port()},data_port=0,discovery=127.0.0.1:{head},{fast}")
+    todo = make_prompts(seed=4242, lengths=[tokens] * prompts)
+    try:
+        kw = {"max_model_len": 2 * tokens, "llm_kwargs": {"max_num_batched_tokens": 2 * tokens}, "kvcache_gb": 2, "dtype": "bfloat16"}
+        with Engine(model, connector_config(a.url), work, name="engine-a", **kw) as engine:
+            engine.one(make_prompts(seed=1, lengths=[BLOCK - 28])[0], 2)  # warm-up
+            cold = [engine.one(p, 4) for p in todo]
+        time.sleep(2.0)  # A's store controller pushes the chunks into its pool
+        with Engine(model, connector_config(b.url), work, name="engine-b", **kw) as engine:
+            engine.one(make_prompts(seed=2, lengths=[BLOCK - 28])[0], 2)
+            hit = [engine.one(p, 4) for p in todo]
+    finally:
+        a.stop()
+        b.stop()
+    hits = [h["num_cached_tokens"] for h in hit]
+    cold_s = statistics.median(c["ttft_s"] or c["seconds"] for c in cold)
+    hit_s = statistics.median(h["ttft_s"] or h["seconds"] for h in hit)
+    raw["ttft"] = {"tokens": tokens, "cold_s": [c["ttft_s"] for c in cold], "hit_s": [h["ttft_s"] for h in hit], "hit_tokens": hits}
+    return [Row(f"cross-node vLLM TTFT, {tokens} tokens bf16 (hit {min(hits)}-{max(hits)} tokens via the peer tier)",
+                f"{hit_s:.3f} s", f"{cold_s:.3f} s cold", f"{hit_s / cold_s:.2f}")]  # fmt: skip
 
 
 def _wait_members(store, n: int, timeout_s: float = 15.0) -> None:
