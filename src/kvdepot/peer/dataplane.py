@@ -42,6 +42,8 @@ _REPLY = struct.Struct("<B7xQ")
 REQUEST_MAGIC = b"RDRQ"
 MAX_PAGES_PER_REQUEST = 4096
 MAX_KEY_BYTES = 1024
+MAX_CONNECTIONS = 1024  # readers' connections served at once; more are closed at once
+HANDSHAKE_TIMEOUT_S = 5.0  # a connection that does not prove the secret by then is closed
 OK, MISSING = 0, 1
 
 
@@ -142,12 +144,16 @@ class DataServer:
                 return
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
+                if len(self._conns) >= MAX_CONNECTIONS:
+                    conn.close()  # one thread per connection: a flood must not take the host's threads
+                    self.refused += 1
+                    continue
                 self._conns.add(conn)
             threading.Thread(target=self._serve, args=(conn,), name="kvdepot-peer-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            conn.settimeout(self._send_timeout)
+            conn.settimeout(HANDSHAKE_TIMEOUT_S)
             serve_handshake(conn, self._secret)
             conn.settimeout(None)  # an idle pooled connection waits for its next request
             while not self._closing.is_set():

@@ -133,8 +133,12 @@ class PeerNode:
         self._rpc = RpcServer([f"tcp://{cfg.host}:{port}"], self._handlers(), workers=4, security=self._security)
         try:
             self._rpc.start()
-        except BaseException:
+        except BaseException:  # the control port is taken: give back what was opened
             self._data_server.close()
+            if self._warmer is not None:
+                self._warmer.shutdown(wait=False)
+            if self.disk is not None:
+                self.disk.close()
             raise
         self._data_server.start()
         self.state = NodeState.RUNNING
@@ -212,7 +216,8 @@ class PeerNode:
                 self._write_through(entry)
         if evicted:
             self._evicted(evicted)
-        self._publish(published)
+        # A page a later page of this batch evicted again is not announced (its record would be stale).
+        self._publish([e for e in published if e.published])
         self.metrics.write_done(time.perf_counter() - t0, len(published), len(out) - len(published), sum(e.length for e in published))
         return out
 
