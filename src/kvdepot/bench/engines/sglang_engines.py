@@ -89,11 +89,13 @@ class SGLangServer:
     admin_api_key: str = ""  # needed for runtime attach/detach
     probe: Path | None = None  # time SGLang's storage calls, H2D loads and forwards into this file (sglang_probe)
     port: int = 0
+    host: str = "127.0.0.1"
+    prefix: list[str] = field(default_factory=list)  # e.g. ["ip", "netns", "exec", NS]: SGLang on another host
     proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def log_path(self) -> Path:
@@ -102,7 +104,7 @@ class SGLangServer:
     def command(self) -> list[str]:
         cmd = [
             str(SGLANG_PYTHON), "-m", "sglang.launch_server",
-            "--model-path", self.model_path, "--host", "127.0.0.1", "--port", str(self.port),
+            "--model-path", self.model_path, "--host", self.host, "--port", str(self.port),
             "--dtype", self.dtype,
             "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--disable-cuda-graph",
             "--max-total-tokens", str(self.max_total_tokens),
@@ -134,7 +136,7 @@ class SGLangServer:
 
             env = probe_env(self.probe, env)
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.proc = subprocess.Popen([*self.prefix, *self.command()], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
         why = wait_healthy(self.proc, f"{self.url}/health", timeout_s)
         if why:
