@@ -8,10 +8,12 @@ them from A's pool into C's L1, and C's client retrieves them as local hits.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from support.servers import wait_until
-from support.tiers import assert_served_whole, make_prompt, store_full, tier_of, wait_store_idle
+from support.tiers import assert_served_whole, make_prompt, store_full, tier_of, wait_prefetch, wait_store_idle
 
+from kvdepot import KVLayout
 from kvdepot.bench.serverproc import free_port
 
 SECRET = "servers-test-secret"
@@ -72,3 +74,45 @@ def test_a_server_that_dies_takes_only_its_own_chunks_along(cluster, seed):
         assert client.lookup(pb.tokens) == 0  # b's chunks went with b: a clean miss
         assert client.retrieve(pb.tokens).shape[2] == 0
     assert tier_of(c.status(), "peers")["healthy"]
+
+
+BIG = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128)  # 32 KiB a token: 512 KiB a 16-token chunk
+
+
+def big_prompt(seed: int, chunks: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 50_000, chunks * 16, dtype=np.int64)
+    return tokens, rng.standard_normal(BIG.chunk_shape(len(tokens))).astype(np.float16)
+
+
+def lookup_with(client, tokens, session: str, **hints) -> int:
+    reply = client.lookup_reply(client.hashes(tokens), session_id=session, **hints)
+    hits = reply.hits if reply.hits is not None else wait_prefetch(client, session)
+    client.end_session(session)
+    return hits
+
+
+def test_the_server_path_takes_a_routers_hint_and_skips_pulls_that_would_lose(cluster, seed):
+    """LOOKUP carries the engine's prefill rate and a router's hint to the peer tier: with no estimate
+    yet it pulls (and learns the peer's bandwidth); then a pull slower than recomputing is skipped (a
+    miss), one faster is made, and a hint names the node asked first. /status counts each decision."""
+    a, b, c = cluster
+    prompts = [big_prompt(seed + i) for i in range(4)]
+    with a.client(layout=BIG) as client:
+        for tokens, kv in prompts:
+            assert client.store(tokens, kv) == len(tokens)
+    wait_store_idle(a)
+    a_node = tier_of(a.status(), "peers")["details"]["node"]
+    with b.client(layout=BIG) as client:
+        (t0, kv0), (t1, _), (t2, kv2), (t3, _) = prompts
+        wait_until(lambda: lookup_with(client, t0, "learn", prefill_tokens_per_s=1e12) == 4, timeout_s=15, what="a's chunks on b")
+        assert np.array_equal(client.retrieve(t0), kv0)
+        assert lookup_with(client, t1, "skip", prefill_tokens_per_s=1e12) == 0  # recomputing 64 tokens: ~0 s
+        assert lookup_with(client, t2, "pull", prefill_tokens_per_s=1.0) == 4  # a minute to recompute: pull
+        assert np.array_equal(client.retrieve(t2), kv2)
+        assert lookup_with(client, t3, "hinted", source_hint=a_node) == 4
+    details = tier_of(b.status(), "peers")["details"]
+    decisions = details["pull_decisions"]
+    assert decisions.get("pull/no_estimate", 0) >= 1 and decisions["recompute/pull_slower"] == 1 and decisions["pull/pull_faster"] == 1, decisions
+    assert details["hints"]["found"] == 4, details["hints"]
+    assert details["peers"][a_node]["bandwidth_bytes_per_s"] > 0

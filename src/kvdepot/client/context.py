@@ -167,13 +167,16 @@ class ContextLink:
         return self.lookup_reply(hashes, salt, session_id, lock, prefetch, probe).hits
 
     def lookup_reply(
-        self, hashes: list[ChunkHash], salt: str, session_id: str = "", lock: bool = True, prefetch: bool = True, probe: bool = False
+        self, hashes: list[ChunkHash], salt: str, session_id: str = "", lock: bool = True, prefetch: bool = True, probe: bool = False,
+        source_hint: str = "", prefill_tokens_per_s: float = 0.0,
     ) -> m.LookupReply:
-        """``lookup`` with the whole reply (``in_l1``: how many of the hits were in L1 at the lookup)."""
+        """``lookup`` with the whole reply (``in_l1``: how many of the hits were in L1 at the lookup).
+        ``source_hint`` and ``prefill_tokens_per_s`` reach the tiers' lookups (see ``LookupRequest``)."""
         if not hashes:
             return m.LookupReply(hits=0)
         req = m.LookupRequest(
-            context_id=0, keys=list(hashes), cache_salt=salt, session_id=session_id, lock=lock, prefetch=prefetch, probe=probe
+            context_id=0, keys=list(hashes), cache_salt=salt, session_id=session_id, lock=lock, prefetch=prefetch, probe=probe,
+            source_hint=source_hint, prefill_tokens_per_s=prefill_tokens_per_s,
         )
         return self.request(req)
 

@@ -18,15 +18,16 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from kvdepot.peer.config import PeerConfig
 from kvdepot.peer.dataplane import PageOutcome
 from kvdepot.peer.node import PeerNode
 from kvdepot.protocol.messages import PeerLocation
 from kvdepot.storage.l2.backend import BackendAdapter
-from kvdepot.storage.l2.contract import AdapterType, TierServices
+from kvdepot.storage.l2.contract import AdapterType, LookupHints, TierServices
 from kvdepot.storage.l2.envelope import RejectedObject
-from kvdepot.types import ObjectKey
+from kvdepot.types import ObjectKey, leading_run
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +92,19 @@ class PeerAdapter(BackendAdapter):
             self.node.pool.release(entry)
 
     def _contains(self, keys: list[ObjectKey]) -> list[bool]:
+        return self._contains_hinted(keys, None)
+
+    def _contains_hinted(self, keys: list[ObjectKey], hints: LookupHints | None) -> list[bool]:
+        """Where each object is: the router's hinted node first, then the directory. With the engine's
+        prefill rate, a leading run that lives on other nodes is counted only if pulling it is
+        estimated faster than recomputing it (else: a miss, and the decision is counted)."""
         deadline = time.monotonic() + self.config.timeout_s
         raw = [bytes(k) for k in keys]
-        locations = self.node.resolve(raw, deadline)
+        locations = self.node.resolve(raw, deadline, hints.source if hints is not None else "")
+        n = leading_run(loc is not None for loc in locations)
+        recompute_s = hints.recompute_s(n) if hints is not None else None
+        worth = self.node.worth_pulling(locations[:n], recompute_s)
+        locations = worth + locations[n:]
         now = time.monotonic()
         with self._located_lock:
             if len(self._located) > LOCATED_KEPT:
@@ -124,6 +135,16 @@ class PeerAdapter(BackendAdapter):
 
     def _close_backend(self) -> None:
         self.node.close()
+
+    def _details(self) -> dict[str, Any] | None:
+        summary = self.node.metrics.summary()
+        return {
+            "node": self.node.info.id if self.node.info else "",
+            "members": len(self.node.members()),
+            "pull_decisions": summary["pull_decisions"],
+            "hints": summary["hints"],
+            "peers": self.node.planner.snapshot(),
+        }
 
     def lookup_keys(self, keys: Sequence[ObjectKey]) -> list[bool]:
         """Where a test or a benchmark wants the directory's answer without a task."""

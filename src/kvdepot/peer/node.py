@@ -410,7 +410,7 @@ class PeerNode:
         pages are then pulled only if the estimate says pulling is faster (``planner.py``), else they
         are misses. Returns the outcomes and the locations they were read from."""
         locations = list(located) if located is not None else self.resolve(keys, deadline, hint)
-        locations = self._worth_pulling(locations, recompute_s)
+        locations = self.worth_pulling(locations, recompute_s)
         t0 = time.perf_counter()
         sized = [loc if loc is not None and loc.length == memoryview(d).nbytes else None for loc, d in zip(locations, dests, strict=True)]
         out = self.read_into(sized, dests, deadline)
@@ -429,7 +429,9 @@ class PeerNode:
                                sum(sized[i].length for i in hits))  # type: ignore[union-attr]  # fmt: skip
         return out, sized
 
-    def _worth_pulling(self, locations: list[PeerLocation | None], recompute_s: float | None) -> list[PeerLocation | None]:
+    def worth_pulling(self, locations: list[PeerLocation | None], recompute_s: float | None) -> list[PeerLocation | None]:
+        """``locations`` with other nodes' pages dropped (None) when pulling them is estimated slower
+        than ``recompute_s`` (``planner.py``); the decision is counted."""
         assert self.info is not None
         remote: dict[str, int] = {}
         for loc in locations:

@@ -16,7 +16,8 @@ import msgspec
 from kvdepot.hashing import HashAlgorithm
 from kvdepot.types import ClearScope, SlotStatus  # wire enums too: SlotStatus is re-exported here  # noqa: F401
 
-PROTOCOL_VERSION = 3  # 2: ShmInfo.liveness_lock, RENEW_LEASES, SlotStatus.OVER_QUOTA; 3: LookupRequest.probe, LookupReply.in_l1
+PROTOCOL_VERSION = 4  # 2: ShmInfo.liveness_lock, RENEW_LEASES, SlotStatus.OVER_QUOTA; 3: LookupRequest.probe, LookupReply.in_l1;
+# 4: LookupRequest.source_hint and prefill_tokens_per_s, the PEER_* requests
 
 
 class RequestType(IntEnum):
@@ -166,6 +167,8 @@ class LookupRequest(_Body):
     lock: bool = True
     prefetch: bool = True
     probe: bool = False  # a store's check of what is stored already: not counted as a lookup
+    source_hint: str = ""  # a router's HOST[:PORT] of where the prompt's KV was computed (the peer tier asks it first)
+    prefill_tokens_per_s: float = 0.0  # the engine's measured prefill rate (0: unknown): a pull slower than recomputing is skipped
 
 
 class LookupReply(_Body):

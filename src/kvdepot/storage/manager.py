@@ -47,7 +47,7 @@ from kvdepot.storage.l1 import (
     Toucher,
 )
 from kvdepot.storage.l2 import registry
-from kvdepot.storage.l2.contract import L2Usage, TaskKind, TaskResult, TierServices
+from kvdepot.storage.l2.contract import L2Usage, LookupHints, TaskKind, TaskResult, TierServices
 from kvdepot.types import ClearScope, ClientId, LeaseId, NodeId, ObjectKey
 
 # The value types handlers and /status hold (a read lock's offsets, who touches a lease, the snapshot's
@@ -269,13 +269,14 @@ class StorageManager:
         """The bytes of the object at ``offset``, without a copy (under a read lock: for a send)."""
         return self._arena.buffer[offset : offset + size]
 
-    def prefetch(self, keys: list[ObjectKey], start: int, size: int, salt: str, on_done: Callable[[Prefetched], None]) -> bool:
+    def prefetch(self, keys: list[ObjectKey], start: int, size: int, salt: str, on_done: Callable[[Prefetched], None],
+                 hints: LookupHints | None = None) -> bool:  # fmt: skip
         """Fetch ``keys[start:]`` from the tiers into L1 in the background; ``on_done`` (on the tier
         driver's thread) gets how many more leading chunks are now in L1, and from which tiers
-        (``Prefetched``). False: there are no tiers."""
+        (``Prefetched``). ``hints`` go to the tiers' lookups. False: there are no tiers."""
         if self._prefetcher is None:
             return False
-        self._prefetcher.submit(PrefetchJob(keys, start, size, salt, on_done))
+        self._prefetcher.submit(PrefetchJob(keys, start, size, salt, on_done, hints))
         return True
 
     # --- leases --------------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ class RequestState:
     request: Any  # vllm Request: its all_token_ids grows as tokens are generated
     salt: str
     eligible: bool
+    source_hint: str = ""  # a router's HOST[:PORT] of where this prompt's KV was computed (kv_transfer_params)
     phase: Phase = Phase.NEW
     locks: Locks = Locks.NONE
     hashes: list[ChunkHash] = field(default_factory=list)  # chained hashes of leading complete chunks

@@ -27,6 +27,7 @@ from kvdepot.client.client import KVClient
 from kvdepot.client.options import Transport
 from kvdepot.connectors.common import Breakers, Direction, FailureTally, ResilientClient, is_transport_failure
 from kvdepot.connectors.vllm.config import ConnectorConfig
+from kvdepot.connectors.vllm.hints import PrefillRate, source_hint
 from kvdepot.connectors.vllm.metadata import KVDepotConnectorMetadata, KVDepotWorkerMetadata, LoadOp, SaveOp
 from kvdepot.connectors.vllm.request_state import Locks, Phase, RequestState
 from kvdepot.errors import KVDepotError
@@ -110,6 +111,7 @@ class SchedulerSide:
         self._open_lock = threading.Lock()  # the clients' heartbeat threads read the set
         self.pool = ClientPool(config, model, layout, world_size, self.chunk_size, self._held_sessions)
         self.states: dict[str, RequestState] = {}
+        self.prefill_rate = PrefillRate()
 
     def __repr__(self) -> str:
         return f"SchedulerSide(chunk_size={self.chunk_size}, requests={len(self.states)})"
@@ -170,6 +172,7 @@ class SchedulerSide:
             self._free_locks(st, 0, first)  # chunks vLLM found in its own prefix cache
 
     def build_connector_meta(self, so: SchedulerOutput) -> KVDepotConnectorMetadata:
+        self.prefill_rate.step(int(getattr(so, "total_num_scheduled_tokens", 0) or 0))
         meta = KVDepotConnectorMetadata()
         for req_id in so.preempted_req_ids or ():
             st = self.states.get(req_id)
@@ -227,7 +230,8 @@ class SchedulerSide:
         st = self.states.get(request.request_id)
         if st is None or st.request is not request:
             eligible = not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
-            st = RequestState(request.request_id, request, request.cache_salt or "", bool(eligible))
+            hint = source_hint(getattr(request, "kv_transfer_params", None))
+            st = RequestState(request.request_id, request, request.cache_salt or "", bool(eligible), hint)
             self.states[request.request_id] = st
         elif st.phase is Phase.ADMITTED:
             self._preempted(st)  # admitted again without our seeing the preemption: look up afresh
@@ -255,7 +259,8 @@ class SchedulerSide:
         st.looked_at = time.monotonic()
         self._open_session(st)
         try:
-            replies = [c.lookup_reply(hashes, st.salt, session_id=st.req_id) for c in clients]
+            rate = self.prefill_rate.tokens_per_s
+            replies = [c.lookup_reply(hashes, st.salt, session_id=st.req_id, source_hint=st.source_hint, prefill_tokens_per_s=rate) for c in clients]
             st.rank_hits, st.rank_in_l1 = [r.hits for r in replies], [r.in_l1 for r in replies]
         except KVDepotError as exc:
             self._lookup_failed(st, exc)

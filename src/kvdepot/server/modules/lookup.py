@@ -16,7 +16,7 @@ from kvdepot.server.modules import ServerContext
 from kvdepot.server.modules.common import context_and_keys
 from kvdepot.server.sessions import Key, Session
 from kvdepot.server.state import Context
-from kvdepot.storage.manager import Prefetched, Toucher
+from kvdepot.storage.manager import LookupHints, Prefetched, Toucher
 from kvdepot.types import NO_LEASE, ClientId, LeaseId, ObjectKey
 
 
@@ -70,7 +70,8 @@ class LookupModule:
                 self._answered(context, len(keys), {L1: hits, **p.by_tier})
             self._prefetched(key, session, client, hits + p.chunks)
 
-        self.storage.prefetch(keys, hits, context.chunk_bytes, body.cache_salt, done)
+        hints = LookupHints(body.source_hint, context.chunk_size, body.prefill_tokens_per_s)
+        self.storage.prefetch(keys, hits, context.chunk_bytes, body.cache_salt, done, hints)
         return Reply(m.LookupReply(hits=None, locked=lease != NO_LEASE, in_l1=hits))
 
     def _answered(self, context: Context, asked: int, found: dict[str, int]) -> None:

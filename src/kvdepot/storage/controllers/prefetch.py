@@ -17,7 +17,7 @@ from kvdepot.errors import IllegalTransition
 from kvdepot.shm import SharedArena
 from kvdepot.storage.controllers.owners import BACKGROUND_LEASE_TTL_S, PREFETCH_OWNER
 from kvdepot.storage.l1 import ObjectTable, Toucher
-from kvdepot.storage.l2.contract import L2Adapter, TaskKind, TaskResult
+from kvdepot.storage.l2.contract import L2Adapter, LookupHints, TaskKind, TaskResult
 from kvdepot.types import NO_LEASE, LeaseId, ObjectKey, SlotStatus, leading_run
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class PrefetchJob:
     size: int
     salt: str
     on_done: Callable[[Prefetched], None]
+    hints: LookupHints | None = None  # what the engine told its lookup (a router's hint, its prefill rate)
     state: PrefetchState = PrefetchState.LOOKUP
     tier: int = 0
     found: int = 0  # chunks the current tier holds (and pinned) from ``start`` on
@@ -158,7 +159,7 @@ class PrefetchController:
         if job.tier >= len(self._tiers) or job.start >= len(job.keys):
             self._finish(job)
             return
-        task = self._tiers[job.tier].submit_lookup_and_lock(job.keys[job.start :])
+        task = self._tiers[job.tier].submit_lookup_and_lock(job.keys[job.start :], job.hints)
         with self._lock:
             self._tasks[(job.tier, task)] = job
 

@@ -21,7 +21,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from kvdepot.breaker import CircuitBreaker
-from kvdepot.storage.l2.contract import L2Usage, TaskId, TaskKind, TaskResult, TierServices
+from kvdepot.storage.l2.contract import L2Usage, LookupHints, TaskId, TaskKind, TaskResult, TierServices
 from kvdepot.storage.l2.envelope import CorruptObject, DestinationMismatch, RejectedObject
 from kvdepot.types import ObjectKey, leading_run
 
@@ -75,9 +75,9 @@ class BackendAdapter(ABC):
         items = list(items)
         return self._submit(TaskKind.STORE, lambda: self._store_all(items), [False] * len(items))
 
-    def submit_lookup_and_lock(self, keys: Sequence[ObjectKey]) -> TaskId:
+    def submit_lookup_and_lock(self, keys: Sequence[ObjectKey], hints: LookupHints | None = None) -> TaskId:
         keys = list(keys)
-        return self._submit(TaskKind.LOOKUP, lambda: self._lookup_and_pin(keys), 0)
+        return self._submit(TaskKind.LOOKUP, lambda: self._lookup_and_pin(keys, hints), 0)
 
     def submit_load(self, keys: Sequence[ObjectKey], dests: Sequence[memoryview]) -> TaskId:
         pairs = list(zip(keys, dests, strict=True))
@@ -122,6 +122,7 @@ class BackendAdapter(ABC):
             stats["corrupt"],
             stats["failures"],
             self._breaker.last_error,
+            self._details(),
         )
 
     def _current_usage(self) -> tuple[int, int, int]:
@@ -170,6 +171,10 @@ class BackendAdapter(ABC):
     def _contains(self, keys: list[ObjectKey]) -> list[bool]:
         """Presence of each key."""
 
+    def _contains_hinted(self, keys: list[ObjectKey], hints: LookupHints | None) -> list[bool]:
+        """Presence of each key for a lookup with ``hints`` (a tier that can use them overrides this)."""
+        return self._contains(keys)
+
     @abstractmethod
     def _delete(self, key: ObjectKey) -> None:
         """Remove one object (absent is fine)."""
@@ -184,6 +189,10 @@ class BackendAdapter(ABC):
 
     def _close_backend(self) -> None:
         pass
+
+    def _details(self) -> dict[str, Any] | None:
+        """Kind-specific state for ``/status`` (quick: read on the asking thread)."""
+        return None
 
     def _flush(self) -> None:
         """End of a store batch, on the worker thread that ran it: make the batch durable (fs syncs
@@ -306,13 +315,13 @@ class BackendAdapter(ABC):
         log.info("L2 %s (%s) cleared: %d objects", self.name, self.kind, n)
         return n
 
-    def _lookup_and_pin(self, keys: list[ObjectKey]) -> int:
+    def _lookup_and_pin(self, keys: list[ObjectKey], hints: LookupHints | None = None) -> int:
         # Pin first, then look: an object seen present can no longer be evicted before its load.
         with self._lock:
             for key in keys:
                 self._pins[key] = self._pins.get(key, 0) + 1
         try:
-            present = self._contains(keys)
+            present = self._contains_hinted(keys, hints)
         except BaseException:
             self._unpin(keys)
             raise

@@ -72,6 +72,24 @@ class L2Usage:
     corrupt: int
     failures: int
     last_error: str
+    details: dict[str, Any] | None = None  # what only this kind of tier has to say (the peer tier: members, pull decisions)
+
+
+@dataclass(frozen=True, slots=True)
+class LookupHints:
+    """What a lookup's engine knows that a tier may use: a router's ``source`` (``HOST[:PORT]`` of where
+    the prompt's KV was computed), and what recomputing costs (``chunk_tokens`` per object over the
+    engine's ``prefill_tokens_per_s``; 0: unknown). Tiers that cannot use them ignore them."""
+
+    source: str = ""
+    chunk_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0
+
+    def recompute_s(self, objects: int) -> float | None:
+        """Seconds to recompute ``objects`` chunks, or None when the rate is unknown."""
+        if self.prefill_tokens_per_s <= 0 or self.chunk_tokens <= 0:
+            return None
+        return objects * self.chunk_tokens / self.prefill_tokens_per_s
 
 
 class ArenaMemory(Protocol):
@@ -110,7 +128,7 @@ class L2Adapter(Protocol):
 
     def submit_store(self, items: Sequence[tuple[ObjectKey, memoryview]]) -> TaskId: ...
 
-    def submit_lookup_and_lock(self, keys: Sequence[ObjectKey]) -> TaskId: ...
+    def submit_lookup_and_lock(self, keys: Sequence[ObjectKey], hints: LookupHints | None = None) -> TaskId: ...
 
     def submit_load(self, keys: Sequence[ObjectKey], dests: Sequence[memoryview]) -> TaskId: ...
 
