@@ -3,7 +3,6 @@ keeps them, and an unusable path turns the tier off without stopping the node.""
 
 from __future__ import annotations
 
-
 from support.peer_cluster import check_pages, keys, page_bytes, wait_for
 
 from kvdepot.peer import PeerStore
