@@ -199,6 +199,19 @@ class Fuzzer:
             leases = [self.lease() for _ in range(r.choice([0, 1, 3]))]
             sessions = [self.session() for _ in range(r.choice([0, 1, 2]))]
             return m.RenewLeasesRequest(context_id=self.ctx(), lease_ids=leases, sessions=sessions), []
+        if rtype.name.startswith("PEER_"):  # node-to-node requests: a kvdepot server answers them with an error
+            node = m.PeerNodeInfo(id="10.0.0.9:31995", host="10.0.0.9", control_port=31995, data_port=31996)
+            keys = self.keys()
+            return {
+                R.PEER_JOIN: m.PeerJoinRequest(node=node),
+                R.PEER_HEARTBEAT: m.PeerHeartbeatRequest(node=node),
+                R.PEER_PUBLISH: m.PeerPublishRequest(records=[m.PeerLocation(key=k, node=node.id, offset=0, length=1, generation=1, checksum=b"")
+                                                              for k in keys]),
+                R.PEER_UNPUBLISH: m.PeerUnpublishRequest(keys=keys, node=node.id, generations=[1] * len(keys)),
+                R.PEER_RESOLVE: m.PeerResolveRequest(keys=keys, own_pages=r.random() < 0.5),
+                R.PEER_STATUS: m.PeerStatusRequest(),
+                R.PEER_PROMOTE: m.PeerPromoteRequest(keys=keys),
+            }[rtype], []  # fmt: skip
         raise AssertionError(rtype)
 
     def header(self, rtype: int) -> bytes:

@@ -376,7 +376,7 @@ def test_a_bad_l2_spec_exits_non_zero_naming_the_problem(spec, named):
         assert named in r.stderr
         assert os.listdir(shm_dir) == []  # rejected before anything was created
     if "unknown tier type" in named:
-        assert "['fs', 'memory', 's3', 'valkey']" in r.stderr  # and the known ones are listed
+        assert "['fs', 'memory', 'peer', 's3', 'valkey']" in r.stderr  # and the known ones are listed
 
 
 @pytest.mark.parametrize("spec", ["fs:path=/tmp/kvd-never,size_gb=-1", "valkey:prefix=", "s3:bucket=b,part_size_mib=1"])

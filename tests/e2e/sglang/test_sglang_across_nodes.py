@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+import httpx
+
 from kvdepot.bench.engines.sglang_engines import PAGE, SGLangServer, storage_tokens
 
 from support import netns
@@ -39,18 +41,25 @@ def test_host_b_reads_the_pages_host_a_backed_up(sglang_model, workdir):
         b = SGLangServer(sglang_model.path, workdir, name="sglang-host-b", extra=peer_backend(addr_b, f"{addr_a}:31995"), host=addr_b,
                          port=30000, prefix=["ip", "netns", "exec", ns_b])  # fmt: skip
         engines.append(b.start())
+        # A first request on each: SGLang JIT-builds its page hasher on first use (once per venv, tens of
+        # seconds on a fresh one), and a request's prefetch that waits for that build times out before it
+        # looks anything up. Go on once B's prefetch thread has looked its warm-up prompt up.
+        a.generate(prompt(29, 300))
+        b.generate(prompt(30, 300))
+        wait_until(lambda: "SGLang looked up" in b.log_text(), timeout_s=240, what="host B's first L3 lookup (after SGLang's hasher build)")
+
+        def written() -> float:
+            text = httpx.get(f"http://{addr_a}:31997/metrics", timeout=5).text
+            line = next((x for x in text.splitlines() if x.startswith('kvdepot_peer_writes_total{outcome="stored"}')), "")
+            return float(line.split()[-1]) if line else 0.0
+
+        wait_until(lambda: written() >= 300 // PAGE, timeout_s=120, what="host A's backup of the warm-up prompt")
+        before = written()
         tokens = prompt(31)
         cold = a.generate(tokens)
         assert storage_tokens(cold) == 0
         # A's backup thread writes the prompt's pages into A's pool (its metrics page counts them).
-        import httpx
-
-        def backed_up() -> bool:
-            text = httpx.get(f"http://{addr_a}:31997/metrics", timeout=5).text
-            line = next((x for x in text.splitlines() if x.startswith('kvdepot_peer_writes_total{outcome="stored"}')), "")
-            return bool(line) and float(line.split()[-1]) >= FROM_L3 // PAGE
-
-        wait_until(backed_up, timeout_s=60, what="host A's backup of the prompt into its pool")
+        wait_until(lambda: written() >= before + FROM_L3 // PAGE, timeout_s=60, what="host A's backup of the prompt into its pool")
         hit = b.generate(tokens)
         details = hit["meta_info"]["cached_tokens_details"]
         assert details["storage"] == FROM_L3 and details["storage_backend"] == "PeerHiCacheStorage", details
