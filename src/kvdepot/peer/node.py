@@ -431,8 +431,11 @@ class PeerNode:
 
     def worth_pulling(self, locations: list[PeerLocation | None], recompute_s: float | None) -> list[PeerLocation | None]:
         """``locations`` with other nodes' pages dropped (None) when pulling them is estimated slower
-        than ``recompute_s`` (``planner.py``); the decision is counted."""
+        than ``recompute_s`` (``planner.py``); the decision is counted. No ``recompute_s``: nothing to
+        weigh (the caller does not know its cost), nothing decided."""
         assert self.info is not None
+        if recompute_s is None:
+            return locations
         remote: dict[str, int] = {}
         for loc in locations:
             if loc is not None and loc.node != self.info.id:

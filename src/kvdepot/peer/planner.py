@@ -21,7 +21,6 @@ MIN_SAMPLE_BYTES = 256 << 10  # reads smaller than this say more about latency t
 class Reason(Enum):
     FASTER = "pull_faster"  # the estimate beats recomputing
     NO_ESTIMATE = "no_estimate"  # nothing measured for one of the peers yet: pull, and learn
-    NO_RECOMPUTE_COST = "no_recompute_cost"  # the caller gave no recompute cost: pull
     SLOWER = "pull_slower"  # recomputing is faster: skipped
 
 
@@ -71,9 +70,7 @@ class PullPlanner:
                 total += nbytes / bw.value + (rtt.value if rtt is not None else 0.0)
         return total
 
-    def decide(self, bytes_by_node: dict[str, int], recompute_s: float | None) -> Decision:
-        if recompute_s is None:
-            return Decision(True, Reason.NO_RECOMPUTE_COST, 0.0, 0.0)
+    def decide(self, bytes_by_node: dict[str, int], recompute_s: float) -> Decision:
         pull_s = self.estimate(bytes_by_node)
         if pull_s is None:
             return Decision(True, Reason.NO_ESTIMATE, 0.0, recompute_s)
