@@ -22,11 +22,12 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
 
 from kvdepot.bench.stats import loadavg, memcpy_seconds
+from kvdepot.bench.transfer import Row
 
 MiB = 1 << 20
 _LEN = struct.Struct("<Q")
@@ -43,14 +44,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft", action="store_true",
                    help="also the cross-node TTFT: two kvdepot servers with peer tiers, a vLLM engine on each (needs vLLM; minutes)")  # fmt: skip
     p.add_argument("--ttft-tokens", type=int, default=4096, help="prompt length of the TTFT rows (default: %(default)s)")
-
-
-@dataclass
-class Row:
-    metric: str
-    value: str
-    limit: str
-    ratio: str
 
 
 # --- the owner (child process) ------------------------------------------------------------------------

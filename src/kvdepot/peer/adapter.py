@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from kvdepot.peer.config import PeerConfig
@@ -145,10 +144,6 @@ class PeerAdapter(BackendAdapter):
             "hints": summary["hints"],
             "peers": self.node.planner.snapshot(),
         }
-
-    def lookup_keys(self, keys: Sequence[ObjectKey]) -> list[bool]:
-        """Where a test or a benchmark wants the directory's answer without a task."""
-        return self._contains(list(keys))
 
 
 ADAPTER = AdapterType("peer", PeerConfig, PeerAdapter, help="other kvdepot servers' objects, through a peer cluster (no master)")

@@ -334,13 +334,7 @@ class PeerNode:
                     by_owner.setdefault(owners[i][replica], []).append(i)
             still: list[int] = []
             for owner, idx in by_owner.items():
-                reply = self._call_shard(owner, m.PeerResolveRequest(keys=[keys[i] for i in idx]), deadline)
-                for j, i in enumerate(idx):
-                    loc = self._best(reply.locations[j], usable) if reply is not None and j < len(reply.locations) else None
-                    if loc is None:
-                        still.append(i)
-                    else:
-                        found[i] = loc
+                still += self._ask(owner, idx, keys, found, usable, deadline)
             pending = still
             if not pending or time.monotonic() >= deadline:
                 break
@@ -358,17 +352,23 @@ class PeerNode:
         for node in nodes:
             if node not in usable or not pending:
                 continue
-            reply = self._call_shard(node, m.PeerResolveRequest(keys=[keys[i] for i in pending], own_pages=True), deadline)
-            still = []
-            for j, i in enumerate(pending):
-                loc = self._best(reply.locations[j], usable) if reply is not None and j < len(reply.locations) else None
-                if loc is None:
-                    still.append(i)
-                else:
-                    found[i] = loc
-            pending = still
+            pending = self._ask(node, pending, keys, found, usable, deadline, own_pages=True)
         self.metrics.hinted(len(keys) - len(pending), len(pending))
         return pending
+
+    def _ask(self, node: str, idx: list[int], keys: Sequence[bytes], found: list[PeerLocation | None], usable: set[str], deadline: float,
+             own_pages: bool = False) -> list[int]:  # fmt: skip
+        """One resolve at ``node`` for ``keys[i]`` of ``idx`` (its shard, or with ``own_pages`` its own
+        pages): fills ``found`` with the best usable location of each; returns the indices still unknown."""
+        reply = self._call_shard(node, m.PeerResolveRequest(keys=[keys[i] for i in idx], own_pages=own_pages), deadline)
+        still = []
+        for j, i in enumerate(idx):
+            loc = self._best(reply.locations[j], usable) if reply is not None and j < len(reply.locations) else None
+            if loc is None:
+                still.append(i)
+            else:
+                found[i] = loc
+        return still
 
     def own_records(self, keys: Sequence[bytes]) -> list[list[PeerLocation]]:
         """This node's own pages of ``keys`` (in its pool, or non-resident on its disk)."""
@@ -507,9 +507,8 @@ class PeerNode:
         """Owner side: each page back in the pool (from disk where it left it) and published resident."""
         out: list[list[PeerLocation]] = []
         for key in keys:
-            entry = self.pool.acquire(key)
-            if entry is not None:
-                self.pool.release(entry)
+            entry = self.pool.peek(key)
+            if entry is not None:  # already back (a concurrent promote, or a write)
                 out.append([self._record(entry)])
                 continue
             if self.disk is None:
