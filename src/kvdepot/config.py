@@ -152,10 +152,30 @@ class HttpConfig(ConfigStruct, frozen=True, kw_only=True):
     ] = ()
 
 
+class ObservabilityConfig(ConfigStruct, frozen=True, kw_only=True):
+    """The event bus and what it feeds: metrics, KV events for routers, the trace recorder, the alarm."""
+
+    event_queue_size: Annotated[
+        int, option("events waiting for the bus's drain thread; beyond it new events are dropped (counted); 0 turns the bus off", ge=0, le=1 << 24)
+    ] = 65536
+    kv_events_endpoint: Annotated[
+        str, option("publish KV events for routers here, in vLLM's format (ZeroMQ PUB, e.g. tcp://*:5557)")
+    ] = ""
+    kv_events_replay_endpoint: Annotated[
+        str, option("answer replay requests here (ZeroMQ ROUTER): a subscriber sends a sequence number and gets the batches from it")
+    ] = ""
+    kv_events_buffer: Annotated[int, option("KV-event batches kept for replay", ge=1, le=1 << 22)] = 10000
+    trace_record: Annotated[str, option("record every LOOKUP/STORE/RETRIEVE to this file (replay it with `kvdepot replay`)")] = ""
+    silent_miss_window_s: Annotated[
+        float, option("warn (log, metric, /healthcheck) when a model with stored objects had lookups but no hit for this long", gt=0)
+    ] = 600.0
+
+
 class ServerConfig(ConfigStruct, frozen=True, kw_only=True):
     rpc: RpcConfig = msgspec.field(default_factory=RpcConfig)
     storage: StorageConfig = msgspec.field(default_factory=StorageConfig)
     http: HttpConfig = msgspec.field(default_factory=HttpConfig)
+    observability: ObservabilityConfig = msgspec.field(default_factory=ObservabilityConfig)
     log_level: Annotated[Literal["debug", "info", "warning", "error"], option("log level")] = "info"
 
 
@@ -285,6 +305,7 @@ def add_server_args(p: argparse.ArgumentParser, tier_help: str = "") -> None:
     add_config_args(p, RpcConfig, "RPC (ZeroMQ)")
     add_config_args(p, StorageConfig, "storage (L1 and L2 tiers)", {"l2": f". Types: {tier_help}".replace("%", "%%") if tier_help else ""})
     add_config_args(p, HttpConfig, "HTTP API")
+    add_config_args(p, ObservabilityConfig, "observability (event bus, KV events, traces)")
     add_config_args(p, ServerConfig, "logging")
 
 
@@ -301,6 +322,7 @@ def server_from_args(a: argparse.Namespace) -> ServerConfig:
             "rpc": rpc,
             "storage": _build(StorageConfig, storage_values),
             "http": _build(HttpConfig, http_values),
+            "observability": _build(ObservabilityConfig, _values_of(ObservabilityConfig, a)),
             **_values_of(ServerConfig, a),
         },
     )

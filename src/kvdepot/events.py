@@ -1,9 +1,15 @@
-"""What L1 tells the rest of the system: an object was stored, or a stored object left.
+"""What L1 tells the rest of the system (an object was stored, or a stored object left), and the records
+every producer hands the event bus (``kvdepot.observability.bus``).
 
 The object table queues these under its lock and hands them to subscribers after it, in batches (see
 ``kvdepot.storage.l1``). Subscribers are the L2 store controller today; the peer tier's directory
 (publishing what this node holds), KV events for routers and metrics subscribe the same way. This
 module is at the bottom of the layers, so none of them has to reach into L1 for the types.
+
+The bus's records are small frozen values built on the request path and read later on the bus's drain
+thread (metrics, the trace recorder, the KV-events publisher, the silent-miss alarm, the recent-events
+ring). A record never holds a reference into shared memory or a lock. Producers see the bus only as an
+``EventSink``, so storage publishes without importing observability.
 """
 
 from __future__ import annotations
@@ -51,3 +57,103 @@ class EventSource(Protocol):
     """Where a listener subscribes to L1's events (the object table, through the storage manager)."""
 
     def subscribe(self, listener: EventListener) -> None: ...
+
+
+# --- the event bus's records ---------------------------------------------------------------------
+
+
+class EventSink(Protocol):
+    """Where producers publish. ``publish`` never blocks and never raises."""
+
+    def publish(self, event: object) -> None: ...
+
+    def wants(self, kind: type) -> bool:
+        """Does anyone subscribe to this type? (A producer skips building an event nobody reads.)"""
+        ...
+
+
+class NoEvents:
+    """The sink of a part built without a bus (unit tests, the bus turned off)."""
+
+    def publish(self, event: object) -> None:
+        pass
+
+    def wants(self, kind: type) -> bool:
+        return False
+
+
+NO_EVENTS = NoEvents()
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDone:
+    """Any RPC request answered: by type name and outcome (``ok`` or the error code's name)."""
+
+    rtype: str
+    outcome: str
+    duration_s: float  # from receipt to the reply being built
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRequestDone:
+    """A LOOKUP, STORE or RETRIEVE, with what a trace needs to replay it."""
+
+    op: str  # "lookup" | "store" | "retrieve"
+    t: float  # time.time() when the request arrived
+    duration_s: float
+    model: str
+    salt: str
+    keys: tuple[bytes, ...]  # the request's chunk hashes (the whole chain), in order
+    chunk_tokens: int
+    chunk_bytes: int
+    found: int  # lookup: leading chunks found (after L2); store: chunks stored; retrieve: chunks returned
+    outcome: str  # "ok" or an error code's name
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceSeen:
+    """A context used a namespace for the first time: what the digest at the head of its keys means
+    (KV events name a block's model and salt from it)."""
+
+    namespace: bytes
+    model: str
+    world_size: int
+    rank: int
+    salt: str
+    chunk_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class L1Changed:
+    """A batch of the object table's events (objects that became READY, objects that left L1)."""
+
+    events: tuple[ObjectEvent, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TierStored:
+    """Objects now durable in an L2 tier (its store task reported them written)."""
+
+    tier: str  # the tier's name (``--l2 ...,name=``; by default its kind and index: fs0)
+    kind: str  # "fs", "valkey", "s3", "memory", "peer"
+    keys: tuple[ObjectKey, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TierRemoved:
+    """Objects that left an L2 tier through kvdepot (deleted, found corrupt)."""
+
+    tier: str
+    kind: str
+    keys: tuple[ObjectKey, ...]
+    because: str  # "corrupt"
+
+
+@dataclass(frozen=True, slots=True)
+class Cleared:
+    """CLEAR (or POST /cache/clear) ran: L1, the tiers, or both. ``still_in_l1`` lists what L1 holds
+    after a tiers-only clear, so a subscriber that must forget "everything" can re-learn L1."""
+
+    l1: bool
+    tiers: bool
+    still_in_l1: tuple[ObjectKey, ...] = ()

@@ -14,13 +14,16 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvdepot.events import L1Changed, RequestDone, TierRemoved, TierStored
 
 REQUEST_FAILURE_CLASSES = ("lease_expired_frees", "short_retrieves")
 MAX_MODELS = 64  # distinct model labels kept; clients name models, so a flood of names shares one label
 OTHER_MODELS = "(other)"
 L1 = "l1"  # where a hit was found: L1, or the name of the L2 tier that supplied it
+REQUEST_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10)
 
 
 class Metrics:
@@ -53,6 +56,21 @@ class Metrics:
         self.stored_bytes = Counter("kvdepot_stored_bytes", "Bytes engines stored (committed), by model.", ["model"], registry=r)
         self.retrieved_chunks = Counter("kvdepot_retrieved_chunks", "Chunks engines read back, by model.", ["model"], registry=r)
         self.retrieved_bytes = Counter("kvdepot_retrieved_bytes", "Bytes engines read back, by model.", ["model"], registry=r)
+        # Fed by the event bus (``subscribe_to``), off the request path.
+        self.request_seconds = Histogram(
+            "kvdepot_request_seconds", "Time from receipt to reply, by request type and outcome (ok or the error code).", ["type", "outcome"],
+            registry=r, buckets=REQUEST_BUCKETS,
+        )
+        self.l1_removed = Counter("kvdepot_l1_removed_objects", "Objects that left L1, by reason (evicted, cleared, discarded, over_quota).",
+                                  ["reason"], registry=r)  # fmt: skip
+        self.tier_events = Counter("kvdepot_l2_object_events", "Objects an L2 tier stored or dropped through kvdepot, by tier kind and event.",
+                                   ["tier", "event"], registry=r)  # fmt: skip
+        self.kv_events = Counter("kvdepot_kv_events", "KV events published for routers, by event (BlockStored, BlockRemoved, AllBlocksCleared).",
+                                 ["event"], registry=r)  # fmt: skip
+        self.kv_event_batches = Counter("kvdepot_kv_event_batches", "KV-event batches published (one sequence number each).", registry=r)
+        self.kv_event_replays = Counter("kvdepot_kv_event_replays", "Replay requests answered.", registry=r)
+        self.silent_miss = Gauge("kvdepot_silent_miss_alarm", "1 while a model with stored objects gets lookups and no hit (see /healthcheck).",
+                                 ["model"], registry=r)  # fmt: skip
         for cls in REQUEST_FAILURE_CLASSES:
             self.request_failures.labels(cls)  # present (as 0) before the first one
         self._models: set[str] = set()
@@ -93,6 +111,26 @@ class Metrics:
                 self._models.add(model)
                 return model
         return OTHER_MODELS
+
+    # --- what the event bus hands over (its drain thread) -----------------------------------------------
+
+    def subscribe_to(self, bus: Any) -> None:
+        """Feed the bus-driven metrics, and export the bus's own counters at each scrape."""
+        bus.subscribe("metrics", self._on_events, (RequestDone, L1Changed, TierStored, TierRemoved))
+        self.registry.register(_BusCollector(bus.stats))
+
+    def _on_events(self, events: list) -> None:
+        for e in events:
+            if isinstance(e, RequestDone):
+                self.request_seconds.labels(e.rtype, e.outcome).observe(e.duration_s)
+            elif isinstance(e, L1Changed):
+                for o in e.events:
+                    if o.because is not None:
+                        self.l1_removed.labels(o.because.value).inc()
+            elif isinstance(e, TierStored):
+                self.tier_events.labels(e.kind, "stored").inc(len(e.keys))
+            else:
+                self.tier_events.labels(e.kind, e.because).inc(len(e.keys))
 
     def watch_storage(self, snapshot: Callable[[], object]) -> None:
         """Export the storage snapshot's states and counters at each scrape."""
@@ -181,6 +219,27 @@ class _StorageCollector:
             for name, doc, field in counters:
                 yield CounterMetricFamily(name, doc, value=getattr(part, field))
         yield from _tier_metrics(s.tiers)
+
+
+class _BusCollector:
+    """The event bus's own counters (``observability.bus.BusStats``, read by attribute)."""
+
+    def __init__(self, stats: Callable[[], Any]) -> None:
+        self._stats = stats
+
+    def describe(self) -> Iterable:
+        return []
+
+    def collect(self) -> Iterable:
+        s = self._stats()
+        yield GaugeMetricFamily("kvdepot_event_queue_capacity", "Events the bus's queue holds (0: the bus is off).", value=s.capacity)
+        yield GaugeMetricFamily("kvdepot_event_queue_depth", "Events waiting for the bus's drain thread.", value=s.depth)
+        yield CounterMetricFamily("kvdepot_events_published", "Events accepted by the bus.", value=s.published)
+        yield CounterMetricFamily("kvdepot_events_dropped", "Events dropped because the bus's queue was full.", value=s.dropped)
+        errors = CounterMetricFamily("kvdepot_event_handler_errors", "Bus subscribers that raised, by concern.", labels=["concern"])
+        for concern, n in s.handler_errors.items():
+            errors.add_metric([concern], n)
+        yield errors
 
 
 def _tier_metrics(tiers: Iterable[Any]) -> Iterable:

@@ -38,6 +38,7 @@ class Call:
     body: Any
     payload: list[zmq.Frame]
     deadline: float  # monotonic; inf when the client set none
+    received: float = 0.0  # monotonic
 
 
 @dataclass(slots=True)

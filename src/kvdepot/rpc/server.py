@@ -31,6 +31,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvdepot.errors import EndpointInUse, ErrorCode, KVDepotError
+from kvdepot.events import NO_EVENTS, EventSink, RequestDone
 from kvdepot.limits import MAX_FRAME_BYTES
 from kvdepot.observability.metrics import Metrics
 from kvdepot.protocol import codec
@@ -74,6 +75,7 @@ class RpcServer:
         goodbyes: Collection[RequestType] = (),
         metrics: Metrics | None = None,
         security: CurveSecurity | None = None,
+        events: EventSink = NO_EVENTS,
     ) -> None:
         """``goodbyes``: request types after which a client closes its connection on purpose (its
         disconnect is then counted as a goodbye, not as a client that died)."""
@@ -87,6 +89,7 @@ class RpcServer:
         self._housekeeping = housekeeping
         self._hk_interval = housekeeping_interval_s
         self.metrics = metrics or Metrics()
+        self.events = events  # each answered request: a RequestDone (latency histograms, traces)
         # Children made once: a labelled counter's lookup would cost more than the increment.
         self._requests = {t: self.metrics.requests.labels(t.name) for t in RequestType}
         self._errors = {c: self.metrics.errors.labels(c.name) for c in ErrorCode}
@@ -306,7 +309,7 @@ class RpcServer:
         if rtype in self._goodbye_types:
             self._goodbyes += 1
         deadline = received + header.timeout_ms / 1000 if header.timeout_ms > 0 else float("inf")
-        call = Call(client, header.request_id, rtype, body, payload, deadline)
+        call = Call(client, header.request_id, rtype, body, payload, deadline, received)
         self.observer.request_started(client)
         if spec.mode is HandlerMode.SYNC:
             self._send(router, ident, call, self._invoke(spec, call))
@@ -326,7 +329,9 @@ class RpcServer:
         reply: Reply | None = None
         try:
             reply = spec.fn(call)
-            return codec.encode_reply(call.request_id, reply.body), reply  # encoding can fail too
+            frames = codec.encode_reply(call.request_id, reply.body)  # encoding can fail too
+            self.events.publish(RequestDone(call.rtype.name, "ok", time.monotonic() - call.received))
+            return frames, reply
         except KVDepotError as exc:
             return self._error_frames(call, exc.code, exc.message)
         except Exception as exc:
@@ -337,6 +342,7 @@ class RpcServer:
 
     def _error_frames(self, call: Call, code: ErrorCode, message: str) -> list[Any]:
         self._errors[code].inc()
+        self.events.publish(RequestDone(call.rtype.name, code.name, time.monotonic() - call.received))
         return codec.encode_error(call.request_id, code, message)
 
     def _send(self, sock: zmq.Socket, ident: bytes, call: Call, result) -> None:

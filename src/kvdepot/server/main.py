@@ -17,6 +17,9 @@ from kvdepot import __version__
 from kvdepot.admin.http import HttpServer
 from kvdepot.config import ServerConfig
 from kvdepot.errors import ConfigError, EndpointInUse
+from kvdepot.events import Cleared, L1Changed, NamespaceSeen
+from kvdepot.observability.bus import EventBus
+from kvdepot.observability.kv_events import KVEventsPublisher
 from kvdepot.observability.metrics import Metrics
 from kvdepot.protocol.messages import RequestType
 from kvdepot.rpc.server import RpcServer
@@ -25,6 +28,7 @@ from kvdepot.server.modules import ModuleFactory, ServerContext
 from kvdepot.server.modules.lookup import LookupModule
 from kvdepot.server.modules.management import ManagementModule
 from kvdepot.server.modules.transfer import TransferModule
+from kvdepot.server.state import Context, ContextRegistry
 from kvdepot.server.status import degraded_reasons, status_document
 from kvdepot.storage.manager import QuotaControl, StorageManager
 from kvdepot.types import ClearScope, ClientId, NodeId
@@ -47,6 +51,16 @@ class KVDepotServer:
     def __init__(self, config: ServerConfig, modules: Sequence[ModuleFactory] = DEFAULT_MODULES) -> None:
         self.config = config
         metrics = Metrics()
+        obs = config.observability
+        self.bus = EventBus(obs.event_queue_size)
+        metrics.subscribe_to(self.bus)
+        self.kv_events = (
+            KVEventsPublisher(obs.kv_events_endpoint, obs.kv_events_replay_endpoint, obs.kv_events_buffer, metrics)
+            if obs.kv_events_endpoint and self.bus.enabled
+            else None
+        )
+        if obs.kv_events_endpoint and not self.bus.enabled:
+            raise ConfigError("--kv-events-endpoint needs the event bus: --event-queue-size must be > 0")
         self.rpc = RpcServer(
             config.rpc.endpoints,
             workers=config.rpc.workers,
@@ -54,17 +68,23 @@ class KVDepotServer:
             housekeeping=self._housekeeping,
             goodbyes=(RequestType.UNREGISTER_CONTEXT,),
             metrics=metrics,
+            events=self.bus,
         )
         self.http = HttpServer(self, config.http) if config.http.port else None
         self._stopped = threading.Event()
         self._bind()
         try:
-            self.storage = StorageManager(config.storage, holder_alive=self._holder_alive, node=node_id(config))
+            self.storage = StorageManager(config.storage, holder_alive=self._holder_alive, node=node_id(config), events=self.bus)
         except BaseException:
             self._unbind()
             raise
         self.liveness = LivenessTracker(config.rpc.client_timeout_s, lock_held=self.storage.lock_held)
-        self.ctx = ServerContext(config, self.storage, self.liveness, metrics=metrics)
+        self.ctx = ServerContext(config, self.storage, self.liveness, metrics=metrics, events=self.bus)
+        self.ctx.contexts = ContextRegistry(on_namespace=self._namespace_seen)
+        self.storage.subscribe(lambda batch: self.bus.publish(L1Changed(tuple(batch))))
+        if self.kv_events is not None:
+            self.kv_events.name_tiers(self.storage.tier_names())
+            self.bus.subscribe("kv_events", self.kv_events.handle, KVEventsPublisher.KINDS)
         metrics.watch_storage(self.storage.snapshot)
         self._watch = ClientWatch(self.liveness, self.ctx.client_gone)
         self.rpc.observer = self.liveness
@@ -74,8 +94,13 @@ class KVDepotServer:
     def _bind(self) -> None:
         """Bind the ZeroMQ endpoints and the HTTP port; every one that cannot be had is named, with its
         flag, in one ConfigError (both ports when both are taken)."""
-        rpc, http = self.config.rpc, self.config.http
+        rpc, http, obs = self.config.rpc, self.config.http, self.config.observability
         problems = []
+        if self.kv_events is not None:
+            try:
+                self.kv_events.bind()
+            except OSError as exc:
+                problems.append(f"--kv-events-endpoint {obs.kv_events_endpoint} / --kv-events-replay-endpoint {obs.kv_events_replay_endpoint}: {exc}")
         for part, flag_in_use, flag_other in (
             (self.rpc, f"--port {rpc.port}", f"--host {rpc.host}"),
             (self.http, f"--http-port {http.port}", f"--http-host {http.host}"),
@@ -97,6 +122,12 @@ class KVDepotServer:
         if self.http is not None:
             self.http.close()
         self.rpc.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
+
+    def _namespace_seen(self, context: Context, salt: str, digest: bytes) -> None:
+        spec = context.spec
+        self.bus.publish(NamespaceSeen(digest, spec.model, spec.world_size, spec.rank, salt, spec.chunk_size))
 
     def _holder_alive(self, client) -> bool:
         """For the object table: may this client still touch arena memory? (loop thread only)"""
@@ -115,6 +146,10 @@ class KVDepotServer:
     def start(self) -> None:
         """Start every part; if one fails, close what was started (the arena is real memory)."""
         try:
+            self.bus.start()
+            if self.kv_events is not None:
+                self.kv_events.start()
+                self.bus.publish(Cleared(l1=True, tiers=True))  # routers: this server holds nothing yet
             self.storage.start()
             if self.http is not None:
                 self.http.start()  # before RPC: a PING reply then means every part is up
@@ -142,6 +177,9 @@ class KVDepotServer:
         self.rpc.close()
         self.liveness.close()  # the loop has stopped: its pidfds can go
         self.storage.close()
+        self.bus.close()  # after every producer: what they said last is still handed out
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def serve_forever(self) -> None:
         """Start, block until SIGINT/SIGTERM, then close."""

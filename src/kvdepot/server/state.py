@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvdepot.errors import UnknownContext
@@ -24,6 +25,7 @@ class Context:
     spec: NamespaceSpec
     chunk_bytes: int
     _namespaces: dict[str, bytes]
+    _seen: Callable[[Context, str, bytes], None] | None = None  # a namespace this context used the first time
 
     @property
     def chunk_size(self) -> int:
@@ -40,6 +42,8 @@ class Context:
             if len(self._namespaces) > 4096:
                 self._namespaces.clear()  # bounded: salts can be per-user
             ns = self._namespaces[cache_salt] = self.spec.digest(cache_salt)
+            if self._seen is not None:
+                self._seen(self, cache_salt, ns)
         return ns
 
     def keys(self, hashes: list[bytes], cache_salt: str) -> list[ObjectKey]:
@@ -48,7 +52,10 @@ class Context:
 
 
 class ContextRegistry:
-    def __init__(self) -> None:
+    def __init__(self, on_namespace: Callable[[Context, str, bytes], None] | None = None) -> None:
+        """``on_namespace(context, salt, digest)``: a context's first use of a namespace (KV events learn
+        what a digest means from it)."""
+        self._on_namespace = on_namespace
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._contexts: dict[ContextId, Context] = {}
@@ -58,7 +65,7 @@ class ContextRegistry:
 
     def add(self, owner: ClientId, layout: KVLayout, spec: NamespaceSpec) -> Context:
         with self._lock:
-            ctx = Context(ContextId(next(self._ids)), owner, layout, spec, layout.chunk_bytes(spec.chunk_size), {})
+            ctx = Context(ContextId(next(self._ids)), owner, layout, spec, layout.chunk_bytes(spec.chunk_size), {}, self._on_namespace)
             self._contexts[ctx.id] = ctx
             return ctx
 

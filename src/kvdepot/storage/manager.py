@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from kvdepot.config import EvictionPolicyName, StorageConfig
 from kvdepot.errors import ConfigError
-from kvdepot.events import EventListener
+from kvdepot.events import NO_EVENTS, Cleared, EventListener, EventSink
 from kvdepot.shm import HEADER_BYTES, Prefaulter, SharedArena, liveness_offset
 from kvdepot.storage.allocator import ExtentAllocator
 from kvdepot.storage.controllers import (
@@ -133,11 +133,15 @@ class QuotaControl:
 
 
 class StorageManager:
-    def __init__(self, config: StorageConfig, holder_alive: HolderAlive | None = None, node: NodeId = NodeId("")) -> None:
+    def __init__(
+        self, config: StorageConfig, holder_alive: HolderAlive | None = None, node: NodeId = NodeId(""), events: EventSink = NO_EVENTS
+    ) -> None:
         """``holder_alive(client)``: may that client's process still touch arena memory it was given?
         (the server's liveness tracker answers; without one, every client is assumed to run).
-        ``node``: this server's identity, for tiers that talk to peers."""
+        ``node``: this server's identity, for tiers that talk to peers. ``events``: where L1's batches,
+        the tiers' acknowledged stores and removals, and clears are published (the event bus)."""
         self.config = config
+        self._events = events
         # Specs first: a bad one must fail before the arena (real memory) exists.
         specs = [registry.parse_spec(spec, i) for i, spec in enumerate(config.l2)]
         self._arena = SharedArena.create(
@@ -146,7 +150,7 @@ class StorageManager:
         allocator = ExtentAllocator(config.l1_size_bytes, alignment=ALIGNMENT, base=HEADER_BYTES)
         extra = {} if holder_alive is None else {"holder_alive": holder_alive}
         self._table = ObjectTable(allocator, make_policy(config.eviction_policy), lease_ttl_s=config.lease_ttl_s, **extra)
-        services = TierServices(node=node, arena=self._arena, events=self._table)
+        services = TierServices(node=node, arena=self._arena, events=self._table, sink=events)
         try:
             self._tiers = [registry.build(spec, services) for spec in specs]
         except BaseException:
@@ -162,7 +166,7 @@ class StorageManager:
         if self._tiers:
             self._driver = TierDriver(self._tiers)
             self._store = StoreController(
-                self._table, self._arena, self._tiers, self._driver.wake, config.l2_placement, config.l2_queue_limit
+                self._table, self._arena, self._tiers, self._driver.wake, config.l2_placement, config.l2_queue_limit, events
             )
             self._prefetcher = PrefetchController(self._table, self._arena, self._tiers, self._driver.wake)
             self._driver.add(self._store.step)
@@ -208,6 +212,10 @@ class StorageManager:
     @property
     def tier_count(self) -> int:
         return len(self._tiers)
+
+    def tier_names(self) -> list[tuple[str, str]]:
+        """(name, kind) of each tier, in lookup order."""
+        return [(t.name, t.kind) for t in self._tiers]
 
     def shm_offer(self, client: ClientId) -> ShmOffer:
         a = self._arena
@@ -326,6 +334,9 @@ class StorageManager:
                     tiers[name] = result.value if result.ok else -1
                 except FutureTimeout:
                     tiers[name] = -1
+        cleared_tiers = scope in (ClearScope.TIERS, ClearScope.ALL) and bool(self._tiers)
+        still = tuple(self._table.ready_keys()) if cleared_tiers and scope is ClearScope.TIERS else ()
+        self._events.publish(Cleared(l1=scope in (ClearScope.L1, ClearScope.ALL), tiers=cleared_tiers, still_in_l1=still))
         return ClearResult(l1, tiers)
 
     def _clear_step(self, results: list[tuple[int, TaskResult]]) -> None:

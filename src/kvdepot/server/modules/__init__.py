@@ -8,14 +8,16 @@ requests, GPU transfers) plugs in as one more factory.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvdepot.config import ServerConfig
 from kvdepot.errors import KVDepotError, LeaseRevoked, UnknownContext
+from kvdepot.events import NO_EVENTS, ChunkRequestDone, EventSink
 from kvdepot.observability.metrics import Metrics
-from kvdepot.rpc.dispatch import HandlerSpec
+from kvdepot.rpc.dispatch import Call, HandlerSpec
 from kvdepot.server.liveness import LivenessTracker
 from kvdepot.server.sessions import SessionTable
 from kvdepot.server.state import Context, ContextRegistry
@@ -35,6 +37,7 @@ class ServerContext:
     contexts: ContextRegistry = field(default_factory=ContextRegistry)
     sessions: SessionTable = field(default_factory=SessionTable)
     metrics: Metrics = field(default_factory=Metrics)
+    events: EventSink = NO_EVENTS  # the event bus: what modules publish (ChunkRequestDone)
 
     def context_of(self, context_id: int, client: ClientId) -> Context:
         """The caller's context. A client that was revoked (declared gone while it was only silent)
@@ -51,6 +54,19 @@ class ServerContext:
     @property
     def digest_size(self) -> int:
         return self.config.storage.hash_algorithm.digest_size
+
+    def chunk_request_done(self, op: str, call: Call, context: Context, hashes: list[bytes], found: int) -> None:
+        """Tell the bus a LOOKUP/STORE/RETRIEVE was answered (the trace recorder and the alarm read it);
+        nothing is built when nobody subscribes."""
+        if not self.events.wants(ChunkRequestDone):
+            return
+        now = time.monotonic()
+        self.events.publish(
+            ChunkRequestDone(
+                op, time.time() - (now - call.received), now - call.received, context.spec.model, call.body.cache_salt,
+                tuple(hashes), context.chunk_size, context.chunk_bytes, found, "ok",
+            )
+        )
 
     def release_quietly(self, lease: LeaseId, owner: ClientId) -> None:
         """Release a lease that may have ended already (TTL, revocation): freeing is idempotent."""

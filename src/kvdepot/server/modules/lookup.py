@@ -46,6 +46,7 @@ class LookupModule:
             hits = self.storage.lookup(keys)
             if counted:
                 self._answered(context, len(keys), {L1: hits})
+                self.ctx.chunk_request_done("lookup", call, context, body.keys, hits)
             return Reply(m.LookupReply(hits=hits, in_l1=hits))
         if body.lock:
             # NOBODY: a lookup lock tells the client no offsets; a retrieve hands them out later.
@@ -56,6 +57,7 @@ class LookupModule:
         prefetch = body.prefetch and self.storage.tier_count > 0 and hits < len(keys)
         if counted and not prefetch:
             self._answered(context, len(keys), {L1: hits})
+            self.ctx.chunk_request_done("lookup", call, context, body.keys, hits)
         if not prefetch and not body.lock:
             return Reply(m.LookupReply(hits=hits, in_l1=hits))  # nothing to track: no session is kept
         key: Key = (context.id, body.session_id)
@@ -68,6 +70,7 @@ class LookupModule:
         def done(p: Prefetched) -> None:
             if counted:
                 self._answered(context, len(keys), {L1: hits, **p.by_tier})
+                self.ctx.chunk_request_done("lookup", call, context, body.keys, hits + p.chunks)
             self._prefetched(key, session, client, hits + p.chunks)
 
         hints = LookupHints(body.source_hint, context.chunk_size, body.prefill_tokens_per_s)

@@ -53,6 +53,8 @@ class TransferModule:
         context, keys = context_and_keys(self.ctx, call)
         self._require_watchable(call)
         res = self.storage.reserve(keys, context.chunk_bytes, call.client, call.body.cache_salt, toucher=Toucher.CLIENT)
+        allocated = sum(1 for s in res.statuses if s == m.SlotStatus.ALLOCATED)
+        self.ctx.chunk_request_done("store", call, context, call.body.keys, allocated)
         return Reply(m.PrepareStoreReply(lease_id=res.lease_id, offsets=res.offsets, statuses=[int(s) for s in res.statuses]))
 
     def _context_for_finish(self, call: Call, finish) -> Context:
@@ -98,6 +100,7 @@ class TransferModule:
             raise
         committed = self.storage.commit(res.lease_id, call.client)
         self.ctx.metrics.stored(context.spec.model, committed, committed * size)
+        self.ctx.chunk_request_done("store", call, context, body.keys, committed)
         return Reply(m.StoreInlineReply(statuses=[int(s) for s in res.statuses]))
 
     # --- retrieve ------------------------------------------------------------------------------------
@@ -144,6 +147,7 @@ class TransferModule:
     def prepare_retrieve(self, call: Call) -> Reply:
         context, lock = self._lock_for_retrieve(call, Toucher.CLIENT)
         self.ctx.metrics.retrieved(context.spec.model, len(lock.offsets), len(lock.offsets) * context.chunk_bytes)
+        self.ctx.chunk_request_done("retrieve", call, context, call.body.keys, len(lock.offsets))
         return Reply(m.PrepareRetrieveReply(lease_id=lock.lease_id, offsets=lock.offsets))
 
     def commit_retrieve(self, call: Call) -> Reply:
@@ -170,6 +174,7 @@ class TransferModule:
             payload.extend(codec.split_object(self.storage.payload(offset, size), context.rows, rpf, max_frame))
         owner, lease = call.client, lock.lease_id
         self.ctx.metrics.retrieved(context.spec.model, len(lock.offsets), len(lock.offsets) * size)
+        self.ctx.chunk_request_done("retrieve", call, context, call.body.keys, len(lock.offsets))
 
         def release() -> None:  # once ZeroMQ no longer reads the arena
             try:

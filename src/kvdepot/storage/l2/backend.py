@@ -21,6 +21,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from kvdepot.breaker import CircuitBreaker
+from kvdepot.events import TierRemoved
 from kvdepot.storage.l2.contract import L2Usage, LookupHints, TaskId, TaskKind, TaskResult, TierServices
 from kvdepot.storage.l2.envelope import CorruptObject, DestinationMismatch, RejectedObject
 from kvdepot.types import ObjectKey, leading_run
@@ -216,7 +217,11 @@ class BackendAdapter(ABC):
         except CorruptObject:
             self._count("corrupt")
             self._delete(key)
+            self._removed_corrupt(key)
             raise
+
+    def _removed_corrupt(self, key: ObjectKey) -> None:
+        self.services.sink.publish(TierRemoved(self.name, self.kind, (key,), "corrupt"))
 
     def contains_now(self, keys: list[ObjectKey]) -> list[bool]:
         return self._contains(keys)
@@ -352,6 +357,7 @@ class BackendAdapter(ABC):
                 log.warning("L2 %s: corrupt object %s (%s): deleted, counted as a miss", self.name, key.hex()[:16], exc)
                 try:
                     self._delete(key)
+                    self._removed_corrupt(key)
                 except Exception:
                     pass
                 ok = False

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvdepot.config import ConfigStruct
-from kvdepot.events import EventSource
+from kvdepot.events import NO_EVENTS, EventSink, EventSource
 from kvdepot.types import NodeId, ObjectKey
 
 TaskId = int
@@ -115,6 +115,7 @@ class TierServices:
     node: NodeId = NodeId("")
     arena: ArenaMemory | None = None
     events: EventSource | None = None
+    sink: EventSink = NO_EVENTS  # where a tier reports what leaves it on its own (a corrupt object)
 
 
 class L2Adapter(Protocol):

@@ -1,0 +1,260 @@
+"""KV events for cache-aware routers, in vLLM's own wire format (``vllm/distributed/kv_events.py``).
+
+A router that already reads vLLM's KV events (llm-d's indexer, Dynamo, SGLang's router) reads
+kvdepot's the same way:
+
+- PUB socket (``--kv-events-endpoint``): multipart ``[topic, sequence (8 bytes, big-endian), payload]``,
+  the payload a msgpack ``KVEventBatch`` ``[ts, [events...], data_parallel_rank]`` whose events are
+  tagged maps: ``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``.
+- ROUTER socket (``--kv-events-replay-endpoint``): a subscriber sends ``[b"", start_seq]`` (8 bytes,
+  big-endian) and gets every kept batch from that number as ``[b"", topic, seq, payload]``, then
+  ``[b"", b"", -1, b""]``. The last ``--kv-events-buffer`` batches are kept.
+
+What kvdepot puts in them:
+
+- The topic is the model name (a router subscribes to one model's prefix, or to ``b""`` for all);
+  a batch holds one model's events. The sequence is shared by all topics and never goes back: it
+  starts at the server's start time in microseconds, so a restarted server never reuses a number.
+- ``block_hashes`` are kvdepot's chunk hashes (the chain the client computed: sha256 by default, so
+  equal to SGLang HiCache's page keys when a chunk is a page), ``block_size`` the chunk's tokens,
+  ``parent_block_hash`` None and ``token_ids`` empty: the server never sees token ids (clients hash).
+  ``extra_keys`` carries the ``cache_salt`` as ``(salt,)`` per block when there is one.
+- ``medium``: ``CPU`` for L1; each L2 tier by its kind in capitals (``FS``, ``VALKEY``, ``S3``,
+  ``MEMORY``, ``PEER``), or by its name in capitals when two tiers share a kind.
+- A store is sent once the object is really in place: committed in L1, acknowledged by the tier. A
+  removal for every way kvdepot sees an object leave: L1 eviction, clear, quota, discard (skip_l1
+  placement), a tier's corrupt object. A clear of everything is ``AllBlocksCleared``; a clear of the
+  tiers alone is ``AllBlocksCleared`` followed by a ``BlockStored`` (CPU) of what L1 still holds.
+  What a tier's own server drops by itself (a Valkey TTL or maxmemory eviction, an S3 lifecycle rule,
+  a peer pool's LRU) is not seen, so not sent: a router learns of it by a miss.
+- Only rank 0's objects are sent: one block per tensor-parallel group, not one per rank.
+- Each server starts with an ``AllBlocksCleared`` (its L1 is empty; what its tiers kept from an
+  earlier run is announced again as it is loaded back).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgspec
+import zmq
+
+from kvdepot.events import Cleared, EventKind, L1Changed, NamespaceSeen, TierRemoved, TierStored
+from kvdepot.types import NAMESPACE_BYTES, ObjectKey
+
+log = logging.getLogger(__name__)
+
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+L1_MEDIUM = "CPU"
+MAX_NAMESPACES = 65536
+
+
+# --- the wire format (vLLM's field names and order; our own structs) ---------------------------------
+
+
+class _KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(_KVCacheEvent):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+
+
+class BlockRemoved(_KVCacheEvent):
+    block_hashes: list[bytes | int]
+    medium: str | None
+
+
+class AllBlocksCleared(_KVCacheEvent):
+    pass
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+# --- the publisher --------------------------------------------------------------------------------
+
+
+def tier_media(tiers: Sequence[tuple[str, str]]) -> dict[str, str]:
+    """Each tier's ``medium`` by tier name: its kind in capitals, or its name where kinds repeat."""
+    kinds = [kind for _, kind in tiers]
+    return {name: (kind if kinds.count(kind) == 1 else name).upper() for name, kind in tiers}
+
+
+class KVEventsPublisher:
+    """A bus subscriber (``handle`` runs on the drain thread, the only user of the PUB socket); replay
+    requests are answered on a thread of their own."""
+
+    def __init__(self, endpoint: str, replay_endpoint: str = "", buffer: int = 10000, metrics: Any = None) -> None:
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self._media: dict[str, str] = {}
+        self._metrics = metrics
+        self._namespaces: dict[bytes, NamespaceSeen] = {}
+        self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer)
+        self._buffer_lock = threading.Lock()
+        self._seq = time.time_ns() // 1000
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._ctx = zmq.Context()
+        self._pub: zmq.Socket | None = None
+        self._replay: zmq.Socket | None = None
+        self._stop = threading.Event()
+        self._replay_thread: threading.Thread | None = None
+        self.unknown_namespace = 0  # events for objects whose namespace no context told us (skipped)
+
+    def bind(self) -> None:
+        """Bind both sockets (the composition root binds every endpoint before it reserves memory)."""
+        try:
+            self._pub = self._ctx.socket(zmq.PUB)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.setsockopt(zmq.SNDHWM, 100_000)
+            self._pub.bind(self.endpoint)
+            if self.replay_endpoint:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.bind(self.replay_endpoint)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise OSError(exc.errno, f"cannot bind {exc.strerror}") from None
+
+    @property
+    def bound_endpoints(self) -> tuple[str, str]:
+        """(PUB, ROUTER) as bound (a port 0 resolved)."""
+        pub = self._pub.getsockopt_string(zmq.LAST_ENDPOINT) if self._pub is not None else ""
+        rep = self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay is not None else ""
+        return pub, rep
+
+    def start(self) -> None:
+        if self._replay is not None:
+            self._replay_thread = threading.Thread(target=self._serve_replays, name="kvdepot-kv-events-replay", daemon=True)
+            self._replay_thread.start()
+
+    def name_tiers(self, tiers: Sequence[tuple[str, str]]) -> None:
+        """(name, kind) of the server's tiers, before the bus starts: each one's ``medium``."""
+        self._media = tier_media(tiers)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._replay_thread is not None:
+            self._replay_thread.join(timeout=2)
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self._pub = self._replay = None
+        self._ctx.term()
+
+    # --- the bus's events -----------------------------------------------------------------------------
+
+    KINDS = (NamespaceSeen, L1Changed, TierStored, TierRemoved, Cleared)
+
+    def handle(self, events: list) -> None:
+        by_topic: dict[bytes, list] = {}
+        for e in events:
+            if isinstance(e, NamespaceSeen):
+                self._learn(e)
+            elif isinstance(e, L1Changed):
+                for stored, run in itertools.groupby(e.events, key=lambda o: o.kind is EventKind.STORED):
+                    (self._stored if stored else self._removed)(by_topic, [o.key for o in run], L1_MEDIUM)
+            elif isinstance(e, TierStored):
+                self._stored(by_topic, e.keys, self._media.get(e.tier, e.kind.upper()))
+            elif isinstance(e, TierRemoved):
+                self._removed(by_topic, e.keys, self._media.get(e.tier, e.kind.upper()))
+            elif isinstance(e, Cleared) and e.tiers:
+                self._flush(by_topic)
+                by_topic = {}
+                for topic in {ns.model.encode() for ns in self._namespaces.values()} or {b""}:
+                    by_topic.setdefault(topic, []).append(AllBlocksCleared())
+                self._stored(by_topic, e.still_in_l1, L1_MEDIUM)
+        self._flush(by_topic)
+
+    def _learn(self, seen: NamespaceSeen) -> None:
+        if seen.namespace in self._namespaces:
+            return
+        if len(self._namespaces) >= MAX_NAMESPACES:
+            self._namespaces.pop(next(iter(self._namespaces)))
+        self._namespaces[seen.namespace] = seen
+
+    def _blocks(self, keys: Iterable[ObjectKey]) -> dict[bytes, tuple[NamespaceSeen, list[bytes]]]:
+        """Rank-0 keys grouped by namespace, in order."""
+        out: dict[bytes, tuple[NamespaceSeen, list[bytes]]] = {}
+        for key in keys:
+            ns_digest = bytes(key[:NAMESPACE_BYTES])
+            ns = self._namespaces.get(ns_digest)
+            if ns is None:
+                self.unknown_namespace += 1
+                continue
+            if ns.rank != 0:
+                continue
+            out.setdefault(ns_digest, (ns, []))[1].append(bytes(key[NAMESPACE_BYTES:]))
+        return out
+
+    def _stored(self, by_topic: dict[bytes, list], keys: Iterable[ObjectKey], medium: str) -> None:
+        for ns, hashes in self._blocks(keys).values():
+            extra = [(ns.salt,)] * len(hashes) if ns.salt else None
+            by_topic.setdefault(ns.model.encode(), []).append(BlockStored(hashes, None, [], ns.chunk_tokens, None, medium, None, extra))
+
+    def _removed(self, by_topic: dict[bytes, list], keys: Iterable[ObjectKey], medium: str) -> None:
+        for ns, hashes in self._blocks(keys).values():
+            by_topic.setdefault(ns.model.encode(), []).append(BlockRemoved(hashes, medium))
+
+    def _flush(self, by_topic: dict[bytes, list]) -> None:
+        for topic, events in by_topic.items():
+            if events:
+                self._send(topic, events)
+
+    def _send(self, topic: bytes, events: list) -> None:
+        if self._pub is None:
+            return
+        payload = self._encode(KVEventBatch(time.time(), events))
+        with self._buffer_lock:
+            self._seq += 1
+            seq = self._seq
+            self._buffer.append((seq, topic, payload))
+        self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
+        if self._metrics is not None:
+            self._metrics.kv_event_batches.inc()
+            for e in events:
+                self._metrics.kv_events.labels(type(e).__name__).inc()
+
+    # --- replay ------------------------------------------------------------------------------------
+
+    def _serve_replays(self) -> None:
+        sock = self._replay
+        assert sock is not None
+        while not self._stop.is_set():
+            try:
+                if not sock.poll(100):
+                    continue
+                frames = sock.recv_multipart()
+            except zmq.ZMQError:
+                return
+            if len(frames) != 3 or len(frames[2]) != 8:
+                log.warning("ignored a malformed KV-events replay request (%d frames)", len(frames))
+                continue
+            client, start = frames[0], int.from_bytes(frames[2], "big")
+            with self._buffer_lock:
+                kept = [entry for entry in self._buffer if entry[0] >= start]
+            try:
+                for seq, topic, payload in kept:
+                    sock.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
+                sock.send_multipart((client, b"", b"", END_OF_REPLAY, b""))
+            except zmq.ZMQError:
+                continue
+            if self._metrics is not None:
+                self._metrics.kv_event_replays.inc()
