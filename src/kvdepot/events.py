@@ -146,14 +146,12 @@ class TierRemoved:
     tier: str
     kind: str
     keys: tuple[ObjectKey, ...]
-    because: str  # "corrupt"
+    because: str  # "evicted" (the tier's own LRU), "corrupt"
 
 
 @dataclass(frozen=True, slots=True)
-class Cleared:
-    """CLEAR (or POST /cache/clear) ran: L1, the tiers, or both. ``still_in_l1`` lists what L1 holds
-    after a tiers-only clear, so a subscriber that must forget "everything" can re-learn L1."""
+class TierCleared:
+    """An L2 tier was emptied (CLEAR of the tiers). What it stores after this is announced after this."""
 
-    l1: bool
-    tiers: bool
-    still_in_l1: tuple[ObjectKey, ...] = ()
+    tier: str
+    kind: str

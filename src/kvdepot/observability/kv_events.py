@@ -23,10 +23,11 @@ What kvdepot puts in them:
   ``MEMORY``, ``PEER``), or by its name in capitals when two tiers share a kind.
 - A store is sent once the object is really in place: committed in L1, acknowledged by the tier. A
   removal for every way kvdepot sees an object leave: L1 eviction, clear, quota, discard (skip_l1
-  placement), a tier's corrupt object. A clear of everything is ``AllBlocksCleared``; a clear of the
-  tiers alone is ``AllBlocksCleared`` followed by a ``BlockStored`` (CPU) of what L1 still holds.
-  What a tier's own server drops by itself (a Valkey TTL or maxmemory eviction, an S3 lifecycle rule,
-  a peer pool's LRU) is not seen, so not sent: a router learns of it by a miss.
+  placement); a tier's own LRU (fs, memory), a tier's clear, a corrupt object found in a tier. A
+  tier's clear is a ``BlockRemoved`` of every block announced in that medium (the publisher keeps
+  what it announced per L2 medium: about 100 bytes a block). What a tier's own server drops by
+  itself (a Valkey TTL or maxmemory eviction, an S3 lifecycle rule, a peer pool's LRU) is not seen,
+  so not sent: a router learns of it by a miss.
 - Only rank 0's objects are sent: one block per tensor-parallel group, not one per rank.
 - Each server starts with an ``AllBlocksCleared`` (its L1 is empty; what its tiers kept from an
   earlier run is announced again as it is loaded back).
@@ -38,14 +39,14 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
 import zmq
 
-from kvdepot.events import Cleared, EventKind, L1Changed, NamespaceSeen, TierRemoved, TierStored
+from kvdepot.events import EventKind, L1Changed, NamespaceSeen, ObjectEvent, TierCleared, TierRemoved, TierStored
 from kvdepot.types import NAMESPACE_BYTES, ObjectKey
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,36 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 # --- the publisher --------------------------------------------------------------------------------
 
 
+class _Generations:
+    """Puts L1's batches back in order. Two threads' batches may reach the bus in either order (the
+    object table hands them out after its lock), so an object's removal can arrive before its store;
+    each event carries the object's generation, and an event older than what was seen for its key, or
+    a store whose removal was seen already, is dropped. Removals are remembered (bounded) for that."""
+
+    def __init__(self, removed_kept: int = 1 << 18) -> None:
+        self._present: dict[bytes, int] = {}  # key -> generation of the object L1 holds under it
+        self._removed: OrderedDict[tuple[bytes, int], None] = OrderedDict()
+        self._removed_kept = removed_kept
+
+    def newest(self, o: ObjectEvent) -> bool:
+        key = bytes(o.key)
+        current = self._present.get(key)
+        if o.kind is EventKind.STORED:
+            if (current is not None and current > o.generation) or (key, o.generation) in self._removed:
+                return False
+            self._present[key] = o.generation
+            return True
+        if current is not None and current > o.generation:
+            return False  # an older object's removal, after its successor's store
+        self._present.pop(key, None)
+        self._removed[(key, o.generation)] = None
+        if len(self._removed) > self._removed_kept:
+            self._removed.popitem(last=False)
+        return True
+
+
+
+
 def tier_media(tiers: Sequence[tuple[str, str]]) -> dict[str, str]:
     """Each tier's ``medium`` by tier name: its kind in capitals, or its name where kinds repeat."""
     kinds = [kind for _, kind in tiers]
@@ -107,6 +138,8 @@ class KVEventsPublisher:
         self._media: dict[str, str] = {}
         self._metrics = metrics
         self._namespaces: dict[bytes, NamespaceSeen] = {}
+        self._l1 = _Generations()
+        self._in_tier: dict[str, set[ObjectKey]] = {}  # medium -> what was announced there
         self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer)
         self._buffer_lock = threading.Lock()
         self._seq = time.time_ns() // 1000
@@ -141,6 +174,9 @@ class KVEventsPublisher:
         return pub, rep
 
     def start(self) -> None:
+        """Before the bus starts (this thread is the PUB socket's only user until then): the first batch,
+        on the empty topic so every subscriber gets it, says this server holds nothing yet."""
+        self._send(b"", [AllBlocksCleared()])
         if self._replay is not None:
             self._replay_thread = threading.Thread(target=self._serve_replays, name="kvdepot-kv-events-replay", daemon=True)
             self._replay_thread.start()
@@ -161,7 +197,7 @@ class KVEventsPublisher:
 
     # --- the bus's events -----------------------------------------------------------------------------
 
-    KINDS = (NamespaceSeen, L1Changed, TierStored, TierRemoved, Cleared)
+    KINDS = (NamespaceSeen, L1Changed, TierStored, TierRemoved, TierCleared)
 
     def handle(self, events: list) -> None:
         by_topic: dict[bytes, list] = {}
@@ -169,19 +205,24 @@ class KVEventsPublisher:
             if isinstance(e, NamespaceSeen):
                 self._learn(e)
             elif isinstance(e, L1Changed):
-                for stored, run in itertools.groupby(e.events, key=lambda o: o.kind is EventKind.STORED):
+                fresh = [o for o in e.events if self._l1.newest(o)]
+                for stored, run in itertools.groupby(fresh, key=lambda o: o.kind is EventKind.STORED):
                     (self._stored if stored else self._removed)(by_topic, [o.key for o in run], L1_MEDIUM)
             elif isinstance(e, TierStored):
-                self._stored(by_topic, e.keys, self._media.get(e.tier, e.kind.upper()))
+                medium = self._medium(e.tier, e.kind)
+                self._in_tier.setdefault(medium, set()).update(e.keys)
+                self._stored(by_topic, e.keys, medium)
             elif isinstance(e, TierRemoved):
-                self._removed(by_topic, e.keys, self._media.get(e.tier, e.kind.upper()))
-            elif isinstance(e, Cleared) and e.tiers:
-                self._flush(by_topic)
-                by_topic = {}
-                for topic in {ns.model.encode() for ns in self._namespaces.values()} or {b""}:
-                    by_topic.setdefault(topic, []).append(AllBlocksCleared())
-                self._stored(by_topic, e.still_in_l1, L1_MEDIUM)
+                medium = self._medium(e.tier, e.kind)
+                self._in_tier.get(medium, set()).difference_update(e.keys)
+                self._removed(by_topic, e.keys, medium)
+            elif isinstance(e, TierCleared):
+                medium = self._medium(e.tier, e.kind)
+                self._removed(by_topic, self._in_tier.pop(medium, set()), medium)
         self._flush(by_topic)
+
+    def _medium(self, tier: str, kind: str) -> str:
+        return self._media.get(tier, kind.upper())
 
     def _learn(self, seen: NamespaceSeen) -> None:
         if seen.namespace in self._namespaces:

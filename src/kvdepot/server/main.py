@@ -17,7 +17,7 @@ from kvdepot import __version__
 from kvdepot.admin.http import HttpServer
 from kvdepot.config import ServerConfig
 from kvdepot.errors import ConfigError, EndpointInUse
-from kvdepot.events import Cleared, L1Changed, NamespaceSeen
+from kvdepot.events import L1Changed, NamespaceSeen
 from kvdepot.observability.bus import EventBus
 from kvdepot.observability.kv_events import KVEventsPublisher
 from kvdepot.observability.metrics import Metrics
@@ -146,10 +146,9 @@ class KVDepotServer:
     def start(self) -> None:
         """Start every part; if one fails, close what was started (the arena is real memory)."""
         try:
-            self.bus.start()
             if self.kv_events is not None:
                 self.kv_events.start()
-                self.bus.publish(Cleared(l1=True, tiers=True))  # routers: this server holds nothing yet
+            self.bus.start()
             self.storage.start()
             if self.http is not None:
                 self.http.start()  # before RPC: a PING reply then means every part is up

@@ -590,11 +590,6 @@ class ObjectTable:
                     obj.doomed = True
             return removed
 
-    def ready_keys(self) -> list[ObjectKey]:
-        """Every object readers may find now (READY, not doomed by a clear)."""
-        with self._lock:
-            return [k for k, o in self._objects.items() if o.state is ObjectState.READY and not o.doomed]
-
     def stats(self) -> L1Stats:
         with self._lock:
             a = self._alloc.stats()

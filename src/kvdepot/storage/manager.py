@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from kvdepot.config import EvictionPolicyName, StorageConfig
 from kvdepot.errors import ConfigError
-from kvdepot.events import NO_EVENTS, Cleared, EventListener, EventSink
+from kvdepot.events import NO_EVENTS, EventListener, EventSink
 from kvdepot.shm import HEADER_BYTES, Prefaulter, SharedArena, liveness_offset
 from kvdepot.storage.allocator import ExtentAllocator
 from kvdepot.storage.controllers import (
@@ -166,7 +166,7 @@ class StorageManager:
         if self._tiers:
             self._driver = TierDriver(self._tiers)
             self._store = StoreController(
-                self._table, self._arena, self._tiers, self._driver.wake, config.l2_placement, config.l2_queue_limit, events
+                self._table, self._arena, self._tiers, self._driver.wake, config.l2_placement, config.l2_queue_limit
             )
             self._prefetcher = PrefetchController(self._table, self._arena, self._tiers, self._driver.wake)
             self._driver.add(self._store.step)
@@ -334,9 +334,6 @@ class StorageManager:
                     tiers[name] = result.value if result.ok else -1
                 except FutureTimeout:
                     tiers[name] = -1
-        cleared_tiers = scope in (ClearScope.TIERS, ClearScope.ALL) and bool(self._tiers)
-        still = tuple(self._table.ready_keys()) if cleared_tiers and scope is ClearScope.TIERS else ()
-        self._events.publish(Cleared(l1=scope in (ClearScope.L1, ClearScope.ALL), tiers=cleared_tiers, still_in_l1=still))
         return ClearResult(l1, tiers)
 
     def _clear_step(self, results: list[tuple[int, TaskResult]]) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvdepot.config import Placement
-from kvdepot.events import NO_EVENTS, EventKind, EventSink, ObjectEvent, TierStored
+from kvdepot.events import EventKind, ObjectEvent
 from kvdepot.shm import SharedArena
 from kvdepot.storage.controllers.owners import BACKGROUND_LEASE_TTL_S, PREFETCH_OWNER, STORE_OWNER
 from kvdepot.storage.l1 import ObjectTable
@@ -52,7 +52,6 @@ class StoreController:
         wake: Callable[[], None],
         placement: Placement = Placement.WRITE_THROUGH,
         queue_limit: int = 65536,
-        events: EventSink = NO_EVENTS,
         batch_size: int = 16,
         max_in_flight: int = 8,
     ) -> None:
@@ -68,7 +67,6 @@ class StoreController:
         self._lock = threading.Lock()
         self._batches: dict[tuple[int, int], _StoreBatch] = {}  # (tier index, task id) -> batch
         self._open = 0
-        self._events = events  # what each tier acknowledged: TierStored (KV events, metrics)
         self.stats = StoreStats()
 
     def on_events(self, events: list[ObjectEvent]) -> None:
@@ -129,9 +127,6 @@ class StoreController:
                 batch.stored_everywhere[i] &= bool(ok)
             stored = sum(1 for ok in result.value if ok)
             self.stats.stored += stored
-            if stored:
-                tier = self._tiers[tier_index]
-                self._events.publish(TierStored(tier.name, tier.kind, tuple(k for k, ok in zip(batch.keys, result.value) if ok)))
             self.stats.failed += len(result.value) - stored
             batch.pending -= 1
             finished = batch.pending == 0

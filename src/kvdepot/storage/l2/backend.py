@@ -18,10 +18,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from kvdepot.breaker import CircuitBreaker
-from kvdepot.events import TierRemoved
+from kvdepot.events import TierCleared, TierRemoved, TierStored
 from kvdepot.storage.l2.contract import L2Usage, LookupHints, TaskId, TaskKind, TaskResult, TierServices
 from kvdepot.storage.l2.envelope import CorruptObject, DestinationMismatch, RejectedObject
 from kvdepot.types import ObjectKey, leading_run
@@ -59,6 +60,8 @@ class BackendAdapter(ABC):
         self._pins: dict[ObjectKey, int] = {}
         self._usage_cache: tuple[int, int, int] = (0, 0, 0)
         self._usage_future: Future | None = None
+        self._announce_lock = threading.Lock()  # TierStored and TierCleared take turns (see _announce_stored)
+        self._clear_epoch = 0
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, {self._breaker!r})"
@@ -217,11 +220,13 @@ class BackendAdapter(ABC):
         except CorruptObject:
             self._count("corrupt")
             self._delete(key)
-            self._removed_corrupt(key)
+            self._tell_removed((key,), "corrupt")
             raise
 
-    def _removed_corrupt(self, key: ObjectKey) -> None:
-        self.services.sink.publish(TierRemoved(self.name, self.kind, (key,), "corrupt"))
+    def _tell_removed(self, keys: Sequence[ObjectKey], because: str) -> None:
+        """Objects that left this tier through kvdepot (its own LRU, a corrupt read): KV events, metrics."""
+        if keys:
+            self.services.sink.publish(TierRemoved(self.name, self.kind, tuple(keys), because))
 
     def contains_now(self, keys: list[ObjectKey]) -> list[bool]:
         return self._contains(keys)
@@ -291,6 +296,7 @@ class BackendAdapter(ABC):
         """Per-key outcome, counted once it is durable. A rejected object fails alone; when the backend
         fails midway, the objects stored before are still reported (and counted) as stored, so the
         tier's count and its store controller's always agree."""
+        epoch = self._clear_epoch
         out: list[bool] = []
         failure: Exception | None = None
         for key, payload in items:
@@ -311,12 +317,41 @@ class BackendAdapter(ABC):
             out = [False] * len(items)  # durable is unknown: report none of them
             failure = failure or exc
         self._count("stored", sum(out))
+        self._announce_stored([key for (key, _), ok in zip(items, out) if ok], epoch)
         if failure is not None:
             raise _PartlyDone(out, failure)
         return out
 
+    def _announce_stored(self, keys: list[ObjectKey], epoch: int) -> None:
+        """Objects now durable here (flushed): KV events, metrics. Announcements and clears take turns
+        (``_announce_lock``), so a store is never announced before a clear that wiped it: a batch that
+        began before a clear announces only what is still there. A tier that evicts on its own filters
+        under the lock its evictions take (``_still_here``), so a store is never announced after the
+        removal of the same object either."""
+        if not keys:
+            return
+        with self._announce_lock, self._eviction_lock():
+            keys = self._still_here(keys, recheck=epoch != self._clear_epoch)
+            if keys:
+                self.services.sink.publish(TierStored(self.name, self.kind, tuple(keys)))
+
+    def _eviction_lock(self) -> AbstractContextManager:
+        """The lock a tier that evicts on its own holds while it evicts (and announces the removal)."""
+        return nullcontext()
+
+    def _still_here(self, keys: list[ObjectKey], recheck: bool) -> list[ObjectKey]:
+        if not recheck:
+            return keys
+        try:
+            return [k for k, here in zip(keys, self._contains(keys)) if here]
+        except Exception:
+            return []  # unknown: announce nothing (a router then learns of them by a hit it did not expect)
+
     def _clear_counted(self) -> int:
-        n = self._clear()
+        with self._announce_lock:
+            n = self._clear()
+            self._clear_epoch += 1
+            self.services.sink.publish(TierCleared(self.name, self.kind))
         log.info("L2 %s (%s) cleared: %d objects", self.name, self.kind, n)
         return n
 
@@ -357,7 +392,7 @@ class BackendAdapter(ABC):
                 log.warning("L2 %s: corrupt object %s (%s): deleted, counted as a miss", self.name, key.hex()[:16], exc)
                 try:
                     self._delete(key)
-                    self._removed_corrupt(key)
+                    self._tell_removed((key,), "corrupt")
                 except Exception:
                     pass
                 ok = False

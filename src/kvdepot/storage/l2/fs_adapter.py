@@ -250,7 +250,14 @@ class FsAdapter(BackendAdapter):
                 self._index.move_to_end(key, last=False)
                 self._used += size
             raise RejectedObject("fs tier is full of pinned objects and writes in flight")
+        self._tell_removed([key for key, _ in victims], "evicted")  # under _mu: ordered with _announce_stored
         return [key for key, _ in victims]
+
+    def _eviction_lock(self) -> threading.Lock:
+        return self._mu
+
+    def _still_here(self, keys: list[ObjectKey], recheck: bool) -> list[ObjectKey]:
+        return [k for k in keys if k in self._index]  # under _mu: see BackendAdapter._announce_stored
 
     def _unlink_victims(self, victims: list[ObjectKey]) -> None:
         for key in victims:

@@ -47,6 +47,12 @@ class MemoryAdapter(BackendAdapter):
             self._objects[key] = blob
             self._used += size
 
+    def _eviction_lock(self) -> threading.Lock:
+        return self._mu
+
+    def _still_here(self, keys: list[ObjectKey], recheck: bool) -> list[ObjectKey]:
+        return [k for k in keys if k in self._objects]  # under _mu: see BackendAdapter._announce_stored
+
     def _make_room(self, need: int) -> None:
         if need > self._capacity:
             raise RejectedObject(f"object of {need} bytes exceeds the tier's {self._capacity}")
@@ -57,6 +63,7 @@ class MemoryAdapter(BackendAdapter):
                 continue
             head, body = self._objects.pop(victim)
             self._used -= len(head) + len(body)
+            self._tell_removed((victim,), "evicted")
         if self._used + need > self._capacity:
             raise RejectedObject("memory tier is full of pinned objects")
 

@@ -1,0 +1,190 @@
+"""KV events for routers: a subscriber that decodes the stream with vLLM's own event classes rebuilds,
+per medium, exactly the set of objects the server holds in L1 and in its fs tier, through evictions in
+both, salts, clears, and a subscriber restart that replays what it missed."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+import numpy as np
+import zmq
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+from kvdepot import ClientOptions, KVClient
+from kvdepot.bench.serverproc import free_port
+from kvdepot.keys import NamespaceSpec
+from kvdepot.types import NAMESPACE_BYTES
+from support.servers import CHUNK, LAYOUT
+
+END = (-1).to_bytes(8, "big", signed=True)
+SALTS = ("", "tenant-a")
+MODEL = "events-model"
+
+
+class Subscriber:
+    """A router's view: SUB for the live stream, ROUTER replay for what came before; each sequence
+    number applied once, in order."""
+
+    def __init__(self, pub: str, replay: str) -> None:
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.connect(pub)
+        self.sub.subscribe(b"")
+        self.replay_addr = replay
+        self.decode = msgspec.msgpack.Decoder(KVEventBatch).decode
+        self.media: dict[str, set[tuple[bytes, str]]] = {}
+        self.last_seq: int | None = None
+        self.batches = 0
+
+    def catch_up(self, start: int) -> int:
+        """Ask for every kept batch from ``start``; returns how many came."""
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.connect(self.replay_addr)
+        dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        n = 0
+        while True:
+            assert dealer.poll(10_000), "the replay socket did not answer"
+            _, topic, seq, payload = dealer.recv_multipart()
+            if seq == END:
+                break
+            self._apply(int.from_bytes(seq, "big"), payload)
+            n += 1
+        dealer.close(0)
+        return n
+
+    def drain(self, quiet_s: float = 1.5) -> None:
+        """Apply live batches until none came for ``quiet_s``."""
+        while self.sub.poll(int(quiet_s * 1000)):
+            _, seq, payload = self.sub.recv_multipart()
+            self._apply(int.from_bytes(seq, "big"), payload)
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        if self.last_seq is not None and seq <= self.last_seq:
+            return  # seen already (live and replayed overlap)
+        assert self.last_seq is None or seq == self.last_seq + 1, f"gap: {self.last_seq} -> {seq}"
+        self.last_seq = seq
+        self.batches += 1
+        for e in self.decode(payload).events:
+            if isinstance(e, AllBlocksCleared):
+                self.media.clear()
+            elif isinstance(e, BlockStored):
+                assert e.block_size == CHUNK and e.token_ids == [] and e.parent_block_hash is None
+                salts = [x[0] if x else "" for x in (e.extra_keys or [None] * len(e.block_hashes))]
+                self.media.setdefault(e.medium, set()).update(zip(e.block_hashes, salts))
+            elif isinstance(e, BlockRemoved):
+                held = self.media.setdefault(e.medium, set())
+                for h in e.block_hashes:
+                    held.difference_update({(h, s) for s in SALTS})
+            else:
+                raise AssertionError(f"unexpected event {e!r}")
+
+    def close(self) -> None:
+        self.sub.close(0)
+        self.ctx.term()
+
+
+def prompts(seed: int, first: int, count: int) -> list[tuple[list[int], str]]:
+    """One-chunk prompts (so a lookup tells whether that one object is held), alternating salts."""
+    return [([seed + 1_000_003 * i + t for t in range(CHUNK)], SALTS[i % 2]) for i in range(first, first + count)]
+
+
+def store(client: KVClient, batch: list[tuple[list[int], str]]) -> None:
+    kv = np.ones((2, LAYOUT.num_layers, CHUNK, LAYOUT.num_kv_heads, LAYOUT.head_dim), np.float16)
+    for tokens, salt in batch:
+        assert client.store(tokens, kv, cache_salt=salt or None) == CHUNK
+
+
+def held_in_l1(client: KVClient, everything: list[tuple[list[int], str]]) -> set[tuple[bytes, str]]:
+    """What L1 holds now (a session-less LOOKUP answers from L1 alone: it loads nothing from the tier)."""
+    out = set()
+    for tokens, salt in everything:
+        h = client.hashes(tokens)[0]
+        if client.link.lookup([h], salt, probe=True) == 1:
+            out.add((h, salt))
+    return out
+
+
+def held_in_fs(path: Path) -> set[tuple[bytes, str]]:
+    spec = NamespaceSpec(MODEL, 1, 0, LAYOUT.fingerprint(), CHUNK)
+    salt_of = {spec.digest(s): s for s in SALTS}
+    out = set()
+    for _, _, files in os.walk(path):
+        for name in files:
+            try:
+                key = bytes.fromhex(name)
+            except ValueError:
+                continue  # not an object (a temporary file)
+            if len(key) == NAMESPACE_BYTES + 32:
+                out.add((key[NAMESPACE_BYTES:], salt_of[key[:NAMESPACE_BYTES]]))
+    return out
+
+
+def settle(server) -> None:
+    """The L2 push has nothing queued or in flight (so every tier store was acknowledged)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        store_state = server.status()["l2_controllers"]["store"]
+        if store_state["queued"] == 0 and store_state["in_flight"] == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the L2 push did not settle: {store_state}")
+
+
+def test_a_subscriber_rebuilds_every_medium_exactly_also_after_a_restart_with_replay(make_server, tmp_path, seed):
+    pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    fs = tmp_path / "fs"
+    # L1 of 1 MiB (chunks of 8 KiB: evictions at ~120 objects); an fs tier of 0.6 MiB (evicts too).
+    server = make_server(
+        "--l1-size-gb", str(1 / 1024), "--l2", f"fs:path={fs},size_gb={0.6 / 1024}",
+        "--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay,
+    )
+    first = Subscriber(pub, replay)
+    time.sleep(0.3)  # let the SUB join, then replay from the start: nothing is missed either way
+    first.catch_up(0)
+    everything = []
+    with KVClient(server.ipc_url, MODEL, LAYOUT, options=ClientOptions(transport="inline")) as client:
+        batch = prompts(seed, 0, 200)
+        store(client, batch)
+        everything += batch
+        settle(server)
+        first.drain()
+        seen_by_first = first.last_seq
+        first.close()  # the router restarts; meanwhile the server goes on
+
+        batch = prompts(seed, 200, 100)
+        store(client, batch)
+        everything += batch
+        r = httpx.post(f"{server.http}/cache/clear", json={"scope": "l1"}, timeout=30)
+        assert r.status_code == 200, r.text
+        batch = prompts(seed, 300, 60)
+        store(client, batch)
+        everything += batch
+        assert client.clear("tiers") > 0  # AllBlocksCleared, then L1 announced again
+        batch = prompts(seed, 360, 40)
+        store(client, batch)
+        everything += batch
+        settle(server)
+
+        second = Subscriber(pub, replay)
+        second.media = {m: set(s) for m, s in first.media.items()}  # what the router kept from before
+        second.last_seq = seen_by_first
+        time.sleep(0.3)
+        assert second.catch_up(seen_by_first + 1) > 0
+        second.drain()
+        try:
+            l1 = held_in_l1(client, everything)
+            on_disk = held_in_fs(fs)
+            assert 0 < len(l1) < len(everything), "the workload must evict from L1 for this test to mean anything"
+            assert 0 < len(on_disk) < 100, "the workload must evict from the fs tier too"
+            assert second.media.get("CPU", set()) == l1
+            assert second.media.get("FS", set()) == on_disk
+            assert {s for _, s in l1} == set(SALTS)
+        finally:
+            second.close()
+    metrics = httpx.get(f"{server.http}/metrics", timeout=10).text
+    assert 'kvdepot_kv_events_total{event="BlockRemoved"}' in metrics
+    assert "kvdepot_kv_event_replays_total 2.0" in metrics
