@@ -15,9 +15,12 @@ from collections.abc import Sequence
 
 from kvdepot import __version__
 from kvdepot.admin.http import HttpServer
+from kvdepot.admin.prometheus import PrometheusServer
 from kvdepot.config import ServerConfig
 from kvdepot.errors import ConfigError, EndpointInUse
-from kvdepot.observability.metrics import Metrics
+from kvdepot.observability.metrics import Metrics, counts
+from kvdepot.observability.recent import ErrorReplyWatch, RecentEvents, RecentLogHandler, l1_events_to
+from kvdepot.observability.tenants import TenantTally
 from kvdepot.protocol.messages import RequestType
 from kvdepot.rpc.server import RpcServer
 from kvdepot.server.liveness import ClientWatch, LivenessTracker
@@ -25,7 +28,7 @@ from kvdepot.server.modules import ModuleFactory, ServerContext
 from kvdepot.server.modules.lookup import LookupModule
 from kvdepot.server.modules.management import ManagementModule
 from kvdepot.server.modules.transfer import TransferModule
-from kvdepot.server.status import degraded_reasons, status_document
+from kvdepot.server.status import degraded_reasons, status_document, tenants_document
 from kvdepot.storage.manager import QuotaControl, StorageManager
 from kvdepot.types import ClearScope, ClientId, NodeId
 
@@ -56,6 +59,12 @@ class KVDepotServer:
             metrics=metrics,
         )
         self.http = HttpServer(self, config.http) if config.http.port else None
+        h = config.http
+        self.prometheus = PrometheusServer(metrics.text, h.host, h.prometheus_port, h.allowed_hosts) if h.prometheus_port else None
+        self.recent = RecentEvents()  # what /events/recent and the dashboard show
+        self._error_replies = ErrorReplyWatch(self.recent)
+        self._log_to_recent = RecentLogHandler(self.recent)
+        self.tenants = TenantTally()
         self._stopped = threading.Event()
         self._bind()
         try:
@@ -66,6 +75,8 @@ class KVDepotServer:
         self.liveness = LivenessTracker(config.rpc.client_timeout_s, lock_held=self.storage.lock_held)
         self.ctx = ServerContext(config, self.storage, self.liveness, metrics=metrics)
         metrics.watch_storage(self.storage.snapshot)
+        self.storage.subscribe(l1_events_to(self.recent))
+        self.storage.subscribe(self.tenants.on_events)
         self._watch = ClientWatch(self.liveness, self.ctx.client_gone)
         self.rpc.observer = self.liveness
         for make in modules:
@@ -79,6 +90,7 @@ class KVDepotServer:
         for part, flag_in_use, flag_other in (
             (self.rpc, f"--port {rpc.port}", f"--host {rpc.host}"),
             (self.http, f"--http-port {http.port}", f"--http-host {http.host}"),
+            (self.prometheus, f"--prometheus-port {http.prometheus_port}", f"--http-host {http.host}"),
         ):
             if part is None:
                 continue
@@ -94,6 +106,8 @@ class KVDepotServer:
             raise ConfigError("; ".join(problems))
 
     def _unbind(self) -> None:
+        if self.prometheus is not None:
+            self.prometheus.close()
         if self.http is not None:
             self.http.close()
         self.rpc.close()
@@ -114,8 +128,11 @@ class KVDepotServer:
 
     def start(self) -> None:
         """Start every part; if one fails, close what was started (the arena is real memory)."""
+        logging.getLogger("kvdepot").addHandler(self._log_to_recent)
         try:
             self.storage.start()
+            if self.prometheus is not None:
+                self.prometheus.start()
             if self.http is not None:
                 self.http.start()  # before RPC: a PING reply then means every part is up
             self.rpc.start()
@@ -139,9 +156,12 @@ class KVDepotServer:
         self._stopped.set()
         if self.http is not None:
             self.http.close()
+        if self.prometheus is not None:
+            self.prometheus.close()
         self.rpc.close()
         self.liveness.close()  # the loop has stopped: its pidfds can go
         self.storage.close()
+        logging.getLogger("kvdepot").removeHandler(self._log_to_recent)
 
     def serve_forever(self) -> None:
         """Start, block until SIGINT/SIGTERM, then close."""
@@ -156,7 +176,7 @@ class KVDepotServer:
             log.info("shutting down")
             self.close()
 
-    # --- what the admin API asks (kvdepot.admin.http.AdminBackend) ---------------------------------
+    # --- what the admin API asks (kvdepot.admin.backend.AdminBackend) ---------------------------------
 
     def rpc_alive(self) -> bool:
         return self.rpc.alive
@@ -179,6 +199,18 @@ class KVDepotServer:
 
     def status(self) -> dict:
         """The /status document; asks each tier's backend (at most 0.5 s each), once."""
+        quotas = self.storage.quotas()
+        tenants = tenants_document(self.tenants.snapshot(), quotas.all() if quotas is not None else {})
         return status_document(
-            self.config, self.storage.snapshot(), self.liveness.snapshot(), self.ctx.metrics, len(self.ctx.contexts), len(self.ctx.sessions)
+            self.config,
+            self.storage.snapshot(),
+            self.liveness.snapshot(),
+            self.ctx.metrics,
+            len(self.ctx.contexts),
+            len(self.ctx.sessions),
+            tenants,
         )
+
+    def recent_events(self, n: int, kinds: tuple[str, ...] = (), after: int = 0) -> list[dict]:
+        self._error_replies.poll(counts(self.ctx.metrics.errors))  # error replies since the last read
+        return self.recent.latest(n, kinds, after)
