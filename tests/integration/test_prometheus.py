@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from support.servers import CHUNK, LAYOUT, make_kv, make_tokens
+from support.servers import CHUNK, LAYOUT, make_kv, make_tokens, wait_until
 
 from kvdepot.bench.serverproc import free_port
 
@@ -43,6 +43,7 @@ def test_the_prometheus_port_serves_the_same_registry(make_server, seed):
         t = make_tokens(3 * CHUNK, seed)
         assert c.store(t, make_kv(LAYOUT, len(t), seed)) == 3 * CHUNK
         assert c.lookup(t) == 3 * CHUNK
+    wait_until(lambda: srv.metric("kvdepot_disconnects_total", kind="goodbye") >= 1, what="the client's goodbye")  # then all is quiet
     after = httpx.get(url, timeout=10).text
     assert _value(after, "kvdepot_stored_chunks_total") - _value(before, "kvdepot_stored_chunks_total") == 3
     assert _value(after, "kvdepot_hit_tokens_total") - _value(before, "kvdepot_hit_tokens_total") == 3 * CHUNK
@@ -137,6 +138,7 @@ def test_the_grafana_dashboard_names_only_metrics_a_live_server_exports(make_ser
         assert c.store(t, make_kv(LAYOUT, len(t), seed)) == 2 * CHUNK
         assert c.lookup(t) == 2 * CHUNK and c.lookup(make_tokens(2 * CHUNK, seed + 1)) == 0
         assert c.retrieve(t).shape[2] == 2 * CHUNK
+    wait_until(lambda: srv.metric("kvdepot_disconnects_total", kind="goodbye") >= 1, what="the client's goodbye")
     exported = _samples(httpx.get(f"{srv.http}/metrics", timeout=10).text)
     exprs = _exprs(dashboard)
     assert len(exprs) >= 20
