@@ -150,6 +150,15 @@ class HttpConfig(ConfigStruct, frozen=True, kw_only=True):
             cli={"action": "comma"},
         ),
     ] = ()
+    # --- operate (issue 23): Prometheus on a port of its own ---
+    _flags: ClassVar[dict[str, str]] = {"prometheus_port": "--prometheus-port"}
+    prometheus_port: Annotated[
+        int, option("also serve /metrics alone on this port (on the HTTP API's address); 0 turns it off", ge=0, le=65535)
+    ] = 0
+
+    def _check_together(self) -> None:
+        if self.prometheus_port and self.prometheus_port == self.port:
+            raise ConfigError("--prometheus-port must differ from --http-port")
 
 
 class ObservabilityConfig(ConfigStruct, frozen=True, kw_only=True):
@@ -183,6 +192,8 @@ class ServerConfig(ConfigStruct, frozen=True, kw_only=True):
 
 
 def flag_of(cls: type, name: str) -> str:
+    if name in getattr(cls, "_flags", {}):  # a flag named otherwise than its prefix would make it
+        return cls._flags[name]
     if cls._flag_prefix is None:
         return name
     return f"--{cls._flag_prefix}{name.replace('_', '-')}"

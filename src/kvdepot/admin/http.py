@@ -1,12 +1,12 @@
-"""The HTTP API: ``GET /healthcheck``, ``GET /status``, ``GET /metrics`` (Prometheus), ``POST /cache/clear``
-(``{"scope": "l1" | "tiers" | "all"}``, default L1), and per-``cache_salt``
-quotas at ``GET|PUT|DELETE /quota/{cache_salt}`` (``GET /quota`` lists them; the salt-less tenant is
-``__default__``; a salt with ``/`` in it is written percent-encoded or as is). Quotas need
-``--eviction-policy isolated_lru``; otherwise they answer 409.
+"""The HTTP admin API: a FastAPI app whose endpoints come from the modules of ``kvdepot.admin.routes``
+(found at start-up; each says what it needs of the server in a Protocol of its own), all behind
+``AdminGuard``.
 
-Every request passes ``AdminGuard`` first (Host, and for mutating requests Content-Type and Origin:
-see ``guard.py``). No page is served that loads scripts from elsewhere: ``/docs`` and ``/redoc`` are
-off; the OpenAPI document itself is at ``/openapi.json``.
+Endpoints today: ``GET /`` (name, version), ``/healthcheck``, ``/status``, ``/metrics`` (Prometheus),
+``POST /cache/clear`` and its alias ``POST /clear-cache``, ``GET|PUT|DELETE /quota/{cache_salt}``,
+``GET /events/recent``, ``GET /dashboard``. Every request passes ``AdminGuard`` first (Host, and for
+mutating requests Content-Type and Origin: see ``guard.py``). No page is served that loads scripts from
+elsewhere: ``/docs`` and ``/redoc`` are off; the OpenAPI document itself is at ``/openapi.json``.
 
 It runs uvicorn on its own thread with its own event loop; handlers only read thread-safe snapshots
 or call the same storage methods the RPC handlers use.
@@ -19,54 +19,21 @@ import errno
 import logging
 import socket
 import threading
-from typing import Protocol
 
 import uvicorn
-from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from kvdepot import __version__
+from kvdepot.admin import routes
+from kvdepot.admin.backend import AdminBackend, Quotas
 from kvdepot.admin.guard import AdminGuard
 from kvdepot.config import HttpConfig
 from kvdepot.errors import EndpointInUse
-from kvdepot.types import ClearScope
 
-DEFAULT_SALT_NAME = "__default__"
-MAX_QUOTA_BYTES = 1 << 62
+__all__ = ["AdminBackend", "HttpServer", "Quotas", "build_app"]
 
 log = logging.getLogger(__name__)
-
-
-class Quotas(Protocol):
-    def get(self, salt: str) -> int | None: ...
-    def set(self, salt: str, quota_bytes: int | None) -> None: ...
-    def used(self, salt: str) -> int: ...
-    def all(self) -> dict[str, int]: ...
-
-
-class AdminBackend(Protocol):
-    """What the admin API needs of a server, and nothing more (the server implements it; this module
-    never imports the server)."""
-
-    def rpc_alive(self) -> bool: ...
-    def status(self) -> dict: ...
-    def degraded_reasons(self) -> list[str]: ...
-    def clear(self, scope: ClearScope) -> dict: ...
-    def quotas(self) -> Quotas | None: ...
-    def largest_chunk_bytes(self) -> int: ...
-    def metrics_text(self) -> bytes: ...
-
-
-class QuotaBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    quota_bytes: StrictInt = Field(ge=0, le=MAX_QUOTA_BYTES, description="bytes of L1 this cache_salt may hold")
-
-
-class ClearBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    scope: ClearScope = Field(ClearScope.L1, description="L1, every L2 tier, or both")
 
 
 def build_app(server: AdminBackend, guard: AdminGuard) -> FastAPI:
@@ -80,75 +47,8 @@ def build_app(server: AdminBackend, guard: AdminGuard) -> FastAPI:
             return JSONResponse({"detail": refusal.reason}, status_code=refusal.status)
         return await call_next(request)
 
-    @app.get("/healthcheck")
-    def healthcheck() -> JSONResponse:
-        """200 ``ok``; 200 ``degraded`` with reasons while the server serves but a tier is down (a
-        liveness probe must not restart it for that: L1 still serves); 503 when it cannot serve."""
-        if not server.rpc_alive():
-            return JSONResponse({"status": "unhealthy", "reason": "the RPC loop is not running"}, status_code=503)
-        reasons = server.degraded_reasons()
-        if reasons:
-            return JSONResponse({"status": "degraded", "reason": "; ".join(reasons), "reasons": reasons})
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/status")
-    def status() -> dict:
-        return server.status()
-
-    @app.get("/metrics")
-    def metrics() -> Response:
-        return Response(server.metrics_text(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.post("/cache/clear")
-    def clear(body: ClearBody | None = None) -> dict:
-        return server.clear((body or ClearBody()).scope)
-
-    def quota_policy() -> Quotas:
-        quotas = server.quotas()
-        if quotas is None:
-            raise HTTPException(409, "per-cache_salt quotas need --eviction-policy isolated_lru")
-        return quotas
-
-    def salt_of(name: str) -> str:
-        return "" if name == DEFAULT_SALT_NAME else name
-
-    def quota_doc(quotas: Quotas, salt: str) -> dict:
-        return {"cache_salt": salt or DEFAULT_SALT_NAME, "quota_bytes": quotas.get(salt), "used_bytes": quotas.used(salt)}
-
-    @app.get("/quota")
-    def list_quotas() -> dict:
-        quotas = quota_policy()
-        return {"quotas": [quota_doc(quotas, salt) for salt in sorted(quotas.all())]}
-
-    @app.get("/quota/{cache_salt:path}")
-    def get_quota(cache_salt: str) -> dict:
-        return quota_doc(quota_policy(), salt_of(cache_salt))
-
-    @app.put("/quota/{cache_salt:path}")
-    def put_quota(cache_salt: str, body: QuotaBody) -> dict:
-        quotas = quota_policy()
-        quotas.set(salt_of(cache_salt), body.quota_bytes)  # enforced at once
-        doc = quota_doc(quotas, salt_of(cache_salt))
-        chunk = server.largest_chunk_bytes()
-        if body.quota_bytes == 0:
-            doc["warning"] = "a quota of 0 bytes refuses every store for this cache_salt (OVER_QUOTA)"
-        elif body.quota_bytes < chunk:
-            doc["warning"] = (
-                f"a quota of {body.quota_bytes} bytes is below one chunk ({chunk} bytes for the largest registered "
-                f"context): stores for this cache_salt will be refused (OVER_QUOTA) until it is raised"
-            )
-        if "warning" in doc:
-            log.warning("quota for cache_salt %r: %s", cache_salt, doc["warning"])
-        return doc
-
-    @app.delete("/quota/{cache_salt:path}")
-    def delete_quota(cache_salt: str) -> dict:
-        quotas = quota_policy()
-        if quotas.get(salt_of(cache_salt)) is None:
-            raise HTTPException(404, f"no quota for cache_salt {cache_salt!r}")
-        quotas.set(salt_of(cache_salt), None)
-        return quota_doc(quotas, salt_of(cache_salt))
-
+    for router in routes.routers(server):
+        app.include_router(router)
     return app
 
 

@@ -58,11 +58,39 @@ def summary(doc: dict, url: str) -> str:
         f"  L1         {_bytes(used)} of {_bytes(cap)} used ({used / cap if cap else 0:.1%}), {_n(l1.get('objects', 0))} objects, "
         f"{_n(doc.get('leases', 0))} leases" + (f", {_bytes(quarantine)} quarantined" if quarantine else "")
     )
-    for t in doc.get("tiers", []):
+    tiers = doc.get("tiers", [])
+    if not tiers:
+        lines.append("  tiers      none (L1 only)")
+    for t in tiers:
         state = "up" if t.get("healthy") else f"DOWN ({t.get('last_error') or 'unknown error'})"
         lines.append(f"  tier       {t['name']} ({t['kind']}): {state}, {_bytes(t.get('used_bytes', 0))}, {_n(t.get('objects', 0))} objects")
+    lines.extend(_tenants(doc.get("tenants", [])))
+    lines.extend(_quarantine(doc.get("quarantine", {})))
     lines.append(f"  clients    {_n(doc.get('clients', 0))} clients, {_n(doc.get('contexts', 0))} contexts, {_n(doc.get('sessions', 0))} sessions")
     return "\n".join(lines)
+
+
+def _tenants(tenants: list[dict]) -> list[str]:
+    """One line per cache_salt: what it holds in L1, against its quota when it has one."""
+    if not tenants:
+        return ["  tenants    none in L1"]
+    lines = []
+    for t in tenants:
+        quota = t.get("quota_bytes")
+        limit = f" of {_bytes(quota)} quota ({t['used_bytes'] / quota:.0%})" if quota else (" (quota 0: refused)" if quota == 0 else ", no quota")
+        lines.append(f"  tenant     {t['cache_salt']}: {_bytes(t['used_bytes'])}{limit}, {_n(t['objects'])} objects")
+    return lines
+
+
+def _quarantine(q: dict) -> list[str]:
+    """Arena space held back from reuse, and which clients hold it."""
+    if not q.get("leases"):
+        return ["  quarantine none"]
+    lines = [f"  quarantine {_n(q['leases'])} leases, {_bytes(q.get('bytes', 0))} held back from reuse"]
+    for c in q.get("clients", []):
+        who = f"pid {c['pid']}" + (f" on {c['hostname']}" if c.get("hostname") else "") if c.get("pid") else "no pid"
+        lines.append(f"    client {c['client']} ({who}, {c['state']}): {_n(c['leases'])} leases, {_bytes(c['bytes'])}: {c['why']}")
+    return lines
 
 
 def _n(v: int) -> str:

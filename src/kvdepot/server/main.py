@@ -15,12 +15,15 @@ from collections.abc import Sequence
 
 from kvdepot import __version__
 from kvdepot.admin.http import HttpServer
+from kvdepot.admin.prometheus import PrometheusServer
 from kvdepot.config import ServerConfig
 from kvdepot.errors import ConfigError, EndpointInUse
 from kvdepot.events import L1Changed, NamespaceSeen
+from kvdepot.observability import recent
 from kvdepot.observability.bus import EventBus
 from kvdepot.observability.kv_events import KVEventsPublisher
 from kvdepot.observability.metrics import Metrics
+from kvdepot.observability.tenants import TenantTally
 from kvdepot.protocol.messages import RequestType
 from kvdepot.rpc.server import RpcServer
 from kvdepot.server.liveness import ClientWatch, LivenessTracker
@@ -29,7 +32,7 @@ from kvdepot.server.modules.lookup import LookupModule
 from kvdepot.server.modules.management import ManagementModule
 from kvdepot.server.modules.transfer import TransferModule
 from kvdepot.server.state import Context, ContextRegistry
-from kvdepot.server.status import degraded_reasons, status_document
+from kvdepot.server.status import degraded_reasons, status_document, tenants_document
 from kvdepot.storage.manager import QuotaControl, StorageManager
 from kvdepot.types import ClearScope, ClientId, NodeId
 
@@ -71,6 +74,13 @@ class KVDepotServer:
             events=self.bus,
         )
         self.http = HttpServer(self, config.http) if config.http.port else None
+        h = config.http
+        self.prometheus = PrometheusServer(metrics.text, h.host, h.prometheus_port, h.allowed_hosts) if h.prometheus_port else None
+        self.recent = recent.RecentEvents()  # what /events/recent and the dashboard show
+        self.bus.subscribe("recent", recent.bus_feed(self.recent), recent.BUS_KINDS)
+        self._log_to_recent = recent.RecentLogHandler(self.recent)
+        self.tenants = TenantTally()
+        self.bus.subscribe("tenants", lambda events: [self.tenants.on_events(list(e.events)) for e in events], (L1Changed,))
         self._stopped = threading.Event()
         self._bind()
         try:
@@ -104,6 +114,7 @@ class KVDepotServer:
         for part, flag_in_use, flag_other in (
             (self.rpc, f"--port {rpc.port}", f"--host {rpc.host}"),
             (self.http, f"--http-port {http.port}", f"--http-host {http.host}"),
+            (self.prometheus, f"--prometheus-port {http.prometheus_port}", f"--http-host {http.host}"),
         ):
             if part is None:
                 continue
@@ -119,6 +130,8 @@ class KVDepotServer:
             raise ConfigError("; ".join(problems))
 
     def _unbind(self) -> None:
+        if self.prometheus is not None:
+            self.prometheus.close()
         if self.http is not None:
             self.http.close()
         self.rpc.close()
@@ -145,11 +158,14 @@ class KVDepotServer:
 
     def start(self) -> None:
         """Start every part; if one fails, close what was started (the arena is real memory)."""
+        logging.getLogger("kvdepot").addHandler(self._log_to_recent)
         try:
             if self.kv_events is not None:
                 self.kv_events.start()
             self.bus.start()
             self.storage.start()
+            if self.prometheus is not None:
+                self.prometheus.start()
             if self.http is not None:
                 self.http.start()  # before RPC: a PING reply then means every part is up
             self.rpc.start()
@@ -173,12 +189,15 @@ class KVDepotServer:
         self._stopped.set()
         if self.http is not None:
             self.http.close()
+        if self.prometheus is not None:
+            self.prometheus.close()
         self.rpc.close()
         self.liveness.close()  # the loop has stopped: its pidfds can go
         self.storage.close()
         self.bus.close()  # after every producer: what they said last is still handed out
         if self.kv_events is not None:
             self.kv_events.close()
+        logging.getLogger("kvdepot").removeHandler(self._log_to_recent)
 
     def serve_forever(self) -> None:
         """Start, block until SIGINT/SIGTERM, then close."""
@@ -193,7 +212,7 @@ class KVDepotServer:
             log.info("shutting down")
             self.close()
 
-    # --- what the admin API asks (kvdepot.admin.http.AdminBackend) ---------------------------------
+    # --- what the admin API asks (kvdepot.admin.backend.AdminBackend) ---------------------------------
 
     def rpc_alive(self) -> bool:
         return self.rpc.alive
@@ -216,6 +235,17 @@ class KVDepotServer:
 
     def status(self) -> dict:
         """The /status document; asks each tier's backend (at most 0.5 s each), once."""
+        quotas = self.storage.quotas()
+        tenants = tenants_document(self.tenants.snapshot(), quotas.all() if quotas is not None else {})
         return status_document(
-            self.config, self.storage.snapshot(), self.liveness.snapshot(), self.ctx.metrics, len(self.ctx.contexts), len(self.ctx.sessions)
+            self.config,
+            self.storage.snapshot(),
+            self.liveness.snapshot(),
+            self.ctx.metrics,
+            len(self.ctx.contexts),
+            len(self.ctx.sessions),
+            tenants,
         )
+
+    def recent_events(self, n: int, kinds: tuple[str, ...] = (), after: int = 0) -> list[dict]:
+        return self.recent.latest(n, kinds, after)

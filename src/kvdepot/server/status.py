@@ -12,12 +12,19 @@ from dataclasses import asdict
 from kvdepot import __version__
 from kvdepot.config import ServerConfig
 from kvdepot.observability.metrics import Metrics, counts, labelled
+from kvdepot.observability.tenants import TenantUsage
 from kvdepot.server.liveness import LivenessSnapshot
 from kvdepot.storage.manager import StorageSnapshot
 
 
 def status_document(
-    config: ServerConfig, snap: StorageSnapshot, clients: LivenessSnapshot, metrics: Metrics, contexts: int, sessions: int
+    config: ServerConfig,
+    snap: StorageSnapshot,
+    clients: LivenessSnapshot,
+    metrics: Metrics,
+    contexts: int,
+    sessions: int,
+    tenants: list[dict] | None = None,
 ) -> dict:
     l1, pf = snap.l1, snap.prefault
     errors = {k: v for k, v in counts(metrics.errors).items() if v}
@@ -71,6 +78,7 @@ def status_document(
         "retrieves": transfers_document(metrics.retrieved_chunks, metrics.retrieved_bytes),
         "block_events": {"allocated": blocks.get("allocated", 0), "freed": blocks.get("freed", 0)},
         "tiers": [asdict(t) for t in snap.tiers],
+        "tenants": tenants or [],
         "l2_controllers": {"store": asdict(snap.store), "prefetch": asdict(snap.prefetch)} if snap.store and snap.prefetch else {},
     }
 
@@ -121,6 +129,27 @@ def transfers_document(chunks, nbytes) -> dict:
         "bytes": sum(m["bytes"] for m in by_model.values()),
         "by_model": by_model,
     }
+
+
+DEFAULT_SALT_NAME = "__default__"  # as the /quota endpoints name the salt-less tenant
+MAX_TENANTS_SHOWN = 64
+
+
+def tenants_document(usage: dict[str, TenantUsage], quotas: dict[str, int]) -> list[dict]:
+    """Each ``cache_salt`` that holds L1 objects or has a quota: what it holds, and its quota (None: none),
+    the largest first (at most ``MAX_TENANTS_SHOWN``)."""
+    salts = set(usage) | set(quotas)
+    rows = [
+        {
+            "cache_salt": salt or DEFAULT_SALT_NAME,
+            "objects": usage[salt].objects if salt in usage else 0,
+            "used_bytes": usage[salt].bytes if salt in usage else 0,
+            "quota_bytes": quotas.get(salt),
+        }
+        for salt in salts
+    ]
+    rows.sort(key=lambda r: (-r["used_bytes"], r["cache_salt"]))
+    return rows[:MAX_TENANTS_SHOWN]
 
 
 def quarantine_document(snap: StorageSnapshot, clients: LivenessSnapshot) -> dict:

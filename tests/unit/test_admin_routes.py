@@ -1,0 +1,82 @@
+"""The admin API's endpoints come from the modules of ``kvdepot.admin.routes``: each module declares what
+it needs of the server in a Protocol of its own, ``AdminBackend`` is their union, and a module added as a
+file is served without any other change."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import typing
+
+from fastapi.routing import APIRoute
+from fastapi.testclient import TestClient
+
+from kvdepot.admin import routes
+from kvdepot.admin.backend import AdminBackend
+from kvdepot.admin.guard import AdminGuard
+from kvdepot.admin.http import build_app
+
+
+def _protocol_members(proto: type) -> set[str]:
+    return {name for name in proto.__dict__ if not name.startswith("_")}
+
+
+def _paths(router) -> set[tuple[str, str]]:
+    return {(method, r.path) for r in router.routes if isinstance(r, APIRoute) for method in r.methods}
+
+
+def test_every_route_module_declares_what_it_needs_and_the_backend_is_their_union():
+    modules = routes.route_modules()
+    names = {m.__name__.rsplit(".", 1)[1] for m in modules}
+    assert {"cache", "dashboard", "events", "health", "metrics", "quota", "root", "status"} <= names
+    needed: set[str] = set()
+    for module in modules:
+        param = inspect.signature(module.routes).parameters["backend"].annotation
+        proto = typing.get_type_hints(module.routes)["backend"] if isinstance(param, str) else param
+        assert getattr(proto, "_is_protocol", False) and proto.__module__ == module.__name__, f"{module.__name__}: {proto!r}"
+        needed |= _protocol_members(proto)
+    assert needed == _protocol_members(AdminBackend), "AdminBackend must be exactly the union of the route modules' needs"
+
+
+def test_the_app_serves_exactly_the_discovered_routers():
+    app = build_app(object(), AdminGuard("127.0.0.1", 8080))
+    discovered = set().union(*(_paths(r) for r in routes.routers(object())))
+    assert _paths(app.router) == discovered
+    for want in [("GET", "/"), ("GET", "/healthcheck"), ("GET", "/status"), ("GET", "/metrics"), ("POST", "/cache/clear"),
+                 ("POST", "/clear-cache"), ("GET", "/quota"), ("PUT", "/quota/{cache_salt:path}"), ("GET", "/events/recent"),
+                 ("GET", "/dashboard")]:  # fmt: skip
+        assert want in discovered, want
+
+
+PLUGIN = '''
+from typing import Protocol
+from fastapi import APIRouter
+
+class Echo(Protocol):
+    def echo(self) -> str: ...
+
+def routes(backend: Echo) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/echo")
+    def echo() -> dict:
+        return {"echo": backend.echo()}
+
+    return router
+'''
+
+
+def test_a_module_added_as_a_file_is_served(tmp_path, monkeypatch):
+    (tmp_path / "zz_echo.py").write_text(PLUGIN)
+    (tmp_path / "_helper.py").write_text("raise AssertionError('modules starting with _ are not routes')\n")
+    monkeypatch.setattr(routes, "__path__", [*routes.__path__, str(tmp_path)])
+    monkeypatch.delitem(sys.modules, "kvdepot.admin.routes.zz_echo", raising=False)
+
+    class Backend:
+        def echo(self) -> str:
+            return "hello"
+
+    client = TestClient(build_app(Backend(), AdminGuard("127.0.0.1", 8080)), base_url="http://127.0.0.1:8080")
+    assert client.get("/echo").json() == {"echo": "hello"}
+    assert client.get("/echo", headers={"Host": "evil.example"}).status_code == 421, "an added route is guarded too"
+    sys.modules.pop("kvdepot.admin.routes.zz_echo", None)
