@@ -298,6 +298,7 @@ class RpcServer:
                     )
         except codec.ProtocolViolation as exc:
             self._errors[exc.code].inc()
+            self.events.publish(RequestDone("UNDECODED", exc.code.name, time.monotonic() - received))
             log.warning("rejected a request from %s: %s", ident.hex()[:12], exc)
             self._send_error(router, ident, exc.request_id, exc.code, exc.message)
             return
