@@ -29,6 +29,7 @@ class ErrorCode(IntEnum):
     CONNECTION = 16
     UNKNOWN_SESSION = 17
     LEASE_REVOKED = 18
+    INCOMPATIBLE = 19  # registration: this client's keys could never match what the server (or a live peer) holds
 
 
 class KVDepotError(Exception):

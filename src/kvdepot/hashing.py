@@ -18,6 +18,8 @@ import numpy as np
 
 from kvdepot.types import ChunkHash
 
+HASH_SCHEME = "kvdepot-chain-v1"  # how tokens become chunk keys (the chain above); named in the handshake
+
 
 class HashAlgorithm(str, Enum):
     SHA256 = "sha256"

@@ -276,15 +276,30 @@ def test_cache_salts_never_see_each_other(server, seed):
     ids=["model", "rank", "world_size", "dtype", "shape", "mla", "chunk_size"],
 )
 def test_other_model_rank_layout_never_see_objects(server, other, seed):
+    """Another model, rank, layout or chunk size never sees the owner's objects. While the owner is
+    connected, a client of the same model and rank that could never share with it (another layout or
+    chunk size) is refused at registration, naming both sides' values (the compatibility handshake);
+    once the owner is gone, it registers and still sees nothing of the owner's."""
+    from kvdepot.errors import ErrorCode, KVDepotError
+
     tokens = make_tokens(4 * CHUNK, seed)
     kv = make_kv(LAYOUT, len(tokens), seed)
+    refused_while_live = "model" not in other and "world_size" not in other
     with server.client() as owner:
         assert owner.store(tokens, kv) == 4 * CHUNK
+        hashes = owner.hashes(tokens)
         with server.client() as same:  # positive control: an identical context sees it
             assert same.lookup(tokens) == 4 * CHUNK
-        with server.client(**other) as stranger:
+        if refused_while_live:
+            with pytest.raises(KVDepotError) as refused:
+                server.client(**other)
+            assert refused.value.code is ErrorCode.INCOMPATIBLE
+            term, mine = ("chunk_size", str(2 * CHUNK)) if "chunk_size" in other else ("layout", other["layout"].fingerprint())
+            theirs = str(CHUNK) if term == "chunk_size" else LAYOUT.fingerprint()
+            assert f"{term}: this client {mine}, the live one {theirs}" in refused.value.message
+    with server.client(**other) as stranger:
             assert stranger.lookup(tokens) == 0
-            assert stranger.lookup_chunks(owner.hashes(tokens)) == 0  # the very same chunk hashes
+            assert stranger.lookup_chunks(hashes) == 0  # the very same chunk hashes
             assert stranger.retrieve(tokens).shape[2] == 0
             with stranger.prepare_retrieve(tokens) as views:
                 assert views == []
@@ -293,6 +308,7 @@ def test_other_model_rank_layout_never_see_objects(server, other, seed):
             raw = stranger.layout.storage_dtype.name != stranger.layout.dtype
             assert stranger.store(tokens, skv, raw=raw) == len(stranger.hashes(tokens)) * stranger.chunk_size
             assert_bytes_equal(stranger.retrieve(tokens), skv[:, :, : stranger.lookup(tokens)])
+    with server.client() as owner:
         assert_bytes_equal(owner.retrieve(tokens), kv)
 
 

@@ -40,6 +40,7 @@ def test_error_code_values_are_pinned():
         ("CONNECTION", 16),
         ("UNKNOWN_SESSION", 17),
         ("LEASE_REVOKED", 18),
+        ("INCOMPATIBLE", 19),
     ]
 
 
@@ -75,7 +76,7 @@ def test_known_codes_without_a_subclass_give_the_base_error_with_that_code(code)
     assert err.code is code
 
 
-@pytest.mark.parametrize("code", [999, -1, 19])
+@pytest.mark.parametrize("code", [999, -1, 99])
 def test_unknown_codes_give_a_generic_internal_error(code):
     err = error_from_code(code, "odd")
     assert type(err) is KVDepotError

@@ -226,7 +226,7 @@ class ContextLink:
 
     def _register(self, timeout_s: float | None = None) -> Registration:
         reply: m.RegisterContextReply = self.channel.call(
-            self.identity.request(self.options.chunk_size), timeout_s=timeout_s or self.options.timeout_s
+            self.identity.request(self.options.chunk_size, self.options.hash_algorithm, self.options.hash_scheme), timeout_s=timeout_s or self.options.timeout_s
         )
         reg = Registration.of(reply)
         self.path, self.transport_reason = choose_path(self.path, reg, self.options, self)

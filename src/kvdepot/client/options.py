@@ -11,6 +11,8 @@ import enum
 import os
 from dataclasses import dataclass
 
+from kvdepot.hashing import HASH_SCHEME
+
 NO_MALLOC_TUNING_ENV = "KVDEPOT_NO_MALLOC_TUNING"
 
 
@@ -31,6 +33,10 @@ class ClientOptions:
     heartbeat: bool = True  # ping when idle and renew held leases (off: the TTL ends them)
     prefault: bool = True  # populate this process's mapping of the arena in the background
     tune_malloc: bool = True  # keep freed multi-MiB buffers in the heap (inline receives)
+    # The compatibility handshake: the hash algorithm this client's keys need ("": the server's, which
+    # kvdepot's own hashing then uses), and how its keys are made from tokens.
+    hash_algorithm: str = ""
+    hash_scheme: str = HASH_SCHEME
 
     def __post_init__(self) -> None:
         try:

@@ -34,7 +34,7 @@ class ContextIdentity:
     rank: int = 0
     world_size: int = 1
 
-    def request(self, chunk_size: int) -> m.RegisterContextRequest:
+    def request(self, chunk_size: int, hash_algorithm: str = "", hash_scheme: str = "") -> m.RegisterContextRequest:
         lay = self.layout
         return m.RegisterContextRequest(
             protocol_version=m.PROTOCOL_VERSION,
@@ -46,6 +46,8 @@ class ContextIdentity:
             rank=self.rank,
             chunk_size=chunk_size,
             client=local_client_info(),
+            hash_algorithm=hash_algorithm,
+            hash_scheme=hash_scheme,
         )
 
 

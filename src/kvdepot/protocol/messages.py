@@ -16,8 +16,9 @@ import msgspec
 from kvdepot.hashing import HashAlgorithm
 from kvdepot.types import ClearScope, SlotStatus  # wire enums too: SlotStatus is re-exported here  # noqa: F401
 
-PROTOCOL_VERSION = 4  # 2: ShmInfo.liveness_lock, RENEW_LEASES, SlotStatus.OVER_QUOTA; 3: LookupRequest.probe, LookupReply.in_l1;
-# 4: LookupRequest.source_hint and prefill_tokens_per_s, the PEER_* requests
+PROTOCOL_VERSION = 5  # 2: ShmInfo.liveness_lock, RENEW_LEASES, SlotStatus.OVER_QUOTA; 3: LookupRequest.probe, LookupReply.in_l1;
+# 4: LookupRequest.source_hint and prefill_tokens_per_s, the PEER_* requests; 5: RegisterContextRequest.hash_algorithm and
+# hash_scheme (the compatibility handshake)
 
 
 class RequestType(IntEnum):
@@ -127,6 +128,12 @@ class RegisterContextRequest(_Body):
     rank: int = 0
     chunk_size: int = 0  # 0: the server's default
     client: ClientInfo = msgspec.field(default_factory=ClientInfo)
+    # The compatibility handshake: what the client's chunk keys are made with. ``hash_algorithm`` "" takes
+    # the server's (the client hashes with what the reply announces); a client whose keys come from its
+    # engine (SGLang's page keys) names the algorithm they need. ``hash_scheme`` names how tokens become
+    # keys (``kvdepot.hashing.HASH_SCHEME`` for kvdepot's chain; the engine's, when it makes the keys).
+    hash_algorithm: str = ""
+    hash_scheme: str = ""
 
 
 class RegisterContextReply(_Body):

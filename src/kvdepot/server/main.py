@@ -11,6 +11,7 @@ import logging
 import signal
 import socket
 import threading
+import time
 from collections.abc import Sequence
 
 from kvdepot import __version__
@@ -20,6 +21,7 @@ from kvdepot.config import ServerConfig
 from kvdepot.errors import ConfigError, EndpointInUse
 from kvdepot.events import L1Changed, NamespaceSeen
 from kvdepot.observability import recent
+from kvdepot.observability.alarm import SilentMissAlarm
 from kvdepot.observability.bus import EventBus
 from kvdepot.observability.kv_events import KVEventsPublisher
 from kvdepot.observability.metrics import Metrics
@@ -80,6 +82,9 @@ class KVDepotServer:
         self.bus.subscribe("recent", recent.bus_feed(self.recent), recent.BUS_KINDS)
         self._log_to_recent = recent.RecentLogHandler(self.recent)
         self.tenants = TenantTally()
+        self.alarm = SilentMissAlarm(obs.silent_miss_window_s, on_change=lambda model, firing: metrics.silent_miss.labels(model).set(int(firing)))
+        self.bus.subscribe("alarm", self.alarm.handle, SilentMissAlarm.KINDS)
+        self._next_alarm_check = 0.0
         self.bus.subscribe("tenants", lambda events: [self.tenants.on_events(list(e.events)) for e in events], (L1Changed,))
         self._stopped = threading.Event()
         self._bind()
@@ -152,6 +157,10 @@ class KVDepotServer:
         expired = self.storage.expire()
         if expired:
             log.info("%d leases expired (TTL %.1fs)", expired, self.config.storage.lease_ttl_s)
+        now = time.monotonic()
+        if now >= self._next_alarm_check:  # a window of silence ends without any event saying so
+            self._next_alarm_check = now + 1.0
+            self.alarm.check()
         released = self.storage.recheck_quarantine()
         if released:
             log.info("%d quarantined leases released: their holders are gone", released)
@@ -218,7 +227,7 @@ class KVDepotServer:
         return self.rpc.alive
 
     def degraded_reasons(self) -> list[str]:
-        return degraded_reasons(self.storage.snapshot())
+        return degraded_reasons(self.storage.snapshot()) + self.alarm.reasons()
 
     def largest_chunk_bytes(self) -> int:
         return self.ctx.contexts.largest_chunk_bytes()

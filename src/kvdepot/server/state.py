@@ -26,6 +26,12 @@ class Context:
     chunk_bytes: int
     _namespaces: dict[str, bytes]
     _seen: Callable[[Context, str, bytes], None] | None = None  # a namespace this context used the first time
+    hash_scheme: str = ""  # how its keys are made from tokens (the handshake)
+    pid: int = 0  # its client's process, named when another client cannot share with it
+
+    def terms(self) -> dict[str, str]:
+        """What must agree between two contexts of one model and rank for them to share KV."""
+        return {"layout": self.spec.layout_fingerprint, "chunk_size": str(self.spec.chunk_size), "hash_scheme": self.hash_scheme or "(unnamed)"}
 
     @property
     def chunk_size(self) -> int:
@@ -63,11 +69,27 @@ class ContextRegistry:
     def __len__(self) -> int:
         return len(self._contexts)
 
-    def add(self, owner: ClientId, layout: KVLayout, spec: NamespaceSpec) -> Context:
+    def add(self, owner: ClientId, layout: KVLayout, spec: NamespaceSpec, hash_scheme: str = "", pid: int = 0) -> Context:
         with self._lock:
-            ctx = Context(ContextId(next(self._ids)), owner, layout, spec, layout.chunk_bytes(spec.chunk_size), {}, self._on_namespace)
+            ctx = Context(ContextId(next(self._ids)), owner, layout, spec, layout.chunk_bytes(spec.chunk_size), {}, self._on_namespace,
+                          hash_scheme, pid)  # fmt: skip
             self._contexts[ctx.id] = ctx
             return ctx
+
+    def cannot_share_with(self, spec: NamespaceSpec, hash_scheme: str) -> tuple[Context, dict[str, str]] | None:
+        """A live context of the same model, world size and rank whose KV a context of ``spec`` could
+        never read or reuse (another layout, chunk size or hash scheme), and the terms that differ."""
+        mine = {"layout": spec.layout_fingerprint, "chunk_size": str(spec.chunk_size), "hash_scheme": hash_scheme or "(unnamed)"}
+        with self._lock:
+            for c in self._contexts.values():
+                s = c.spec
+                if (s.model, s.world_size, s.rank) != (spec.model, spec.world_size, spec.rank):
+                    continue
+                theirs = c.terms()
+                differ = {k: theirs[k] for k in mine if mine[k] != theirs[k] and not (k == "hash_scheme" and "(unnamed)" in (mine[k], theirs[k]))}
+                if differ:
+                    return c, differ
+        return None
 
     def get(self, context_id: int, owner: ClientId) -> Context:
         ctx = self._contexts.get(ContextId(context_id))

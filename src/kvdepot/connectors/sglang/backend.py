@@ -97,6 +97,7 @@ class KVDepotHiCacheStorage(HiCacheStorage):
             rank=self.rank,
             world_size=self.world_size,
             tally=self.tally,
+            hash_algorithm=HashAlgorithm.SHA256.value,  # SGLang's page keys: refused at registration by any other server
         )
         log.info(
             "kvdepot: SGLang storage backend for %s (rank %d/%d, %s, page %d, %s) on %s, %s interface; %s",

@@ -64,11 +64,12 @@ class ManagementModule:
         if chunk_bytes > self.ctx.storage.capacity:
             raise BadRequest(f"one chunk ({chunk_bytes} bytes) is larger than L1 ({self.ctx.storage.capacity})")
         spec = NamespaceSpec(body.model, body.world_size, body.rank, layout.fingerprint(), chunk_size)
+        self._check_compatible(body, spec)
         # A worker that maps the arena holds a liveness lock there, at an offset of its own, so the
         # server can tell whether it may still touch arena memory (see kvdepot/shm/segment.py).
         shm = self.ctx.storage.shm_offer(call.client)
         self.ctx.liveness.register(call.client, body.client, shm.liveness_lock)
-        context = self.ctx.contexts.add(call.client, layout, spec)
+        context = self.ctx.contexts.add(call.client, layout, spec, body.hash_scheme, body.client.pid)
         log.info(
             "context %d registered: model=%s rank=%d/%d layout=%s chunk=%d tokens (%d bytes)",
             context.id, body.model, body.rank, body.world_size, layout.fingerprint(), chunk_size, chunk_bytes,
@@ -86,6 +87,29 @@ class ManagementModule:
                 shm=m.ShmInfo(path=shm.path, size=shm.size, nonce=shm.nonce, liveness_lock=shm.liveness_lock),
                 l2_tiers=self.ctx.storage.tier_count,
             )
+        )
+
+    def _check_compatible(self, body: m.RegisterContextRequest, spec: NamespaceSpec) -> None:
+        """The compatibility handshake: refuse, naming both sides' values, a client whose keys could never
+        match what this server keys objects by, or what a live client of the same model and rank stores
+        (the "0 hits, no error" that otherwise shows up only as a cache that never hits)."""
+        server_alg = self.ctx.config.storage.hash_algorithm.value
+        if body.hash_algorithm and body.hash_algorithm != server_alg:
+            raise KVDepotError(
+                f"this client's keys are {body.hash_algorithm} hashes; this server keys objects by {server_alg} (--hash-algorithm): "
+                f"they can never match. Start the server with --hash-algorithm {body.hash_algorithm}, or let the client hash as the server does",
+                ErrorCode.INCOMPATIBLE,
+            )
+        conflict = self.ctx.contexts.cannot_share_with(spec, body.hash_scheme)
+        if conflict is None:
+            return
+        other, differ = conflict
+        mine = {"layout": spec.layout_fingerprint, "chunk_size": str(spec.chunk_size), "hash_scheme": body.hash_scheme or "(unnamed)"}
+        both = "; ".join(f"{k}: this client {mine[k]}, the live one {v}" for k, v in differ.items())
+        raise KVDepotError(
+            f"model {spec.model!r} rank {spec.rank}/{spec.world_size}: this client could never share KV with a live client of the same "
+            f"model and rank (pid {other.pid}, context {other.id}): {both}. Make them agree, or register this one under another model name",
+            ErrorCode.INCOMPATIBLE,
         )
 
     def unregister(self, call: Call) -> Reply:
