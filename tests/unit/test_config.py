@@ -50,7 +50,7 @@ def test_every_flag_reaches_its_field():
             "--l1-size-gb", "0.5", "--chunk-size", "64", "--hash-algorithm", "blake3",
             "--eviction-policy", "noop", "--high-watermark", "0.9", "--low-watermark", "0.5",
             "--lease-ttl-s", "30", "--no-prefault", "--shm-dir", "/tmp",
-            "--http-host", "127.0.0.2", "--http-port", "0", "--log-level", "debug",
+            "--http-host", "127.0.0.2", "--http-port", "0", "--log-level", "debug", "--insecure",
         )
     )
     assert config == ServerConfig(
@@ -60,6 +60,7 @@ def test_every_flag_reaches_its_field():
                               high_watermark=0.9, low_watermark=0.5, lease_ttl_s=30.0, prefault=False, shm_dir="/tmp"),
         http=HttpConfig(host="127.0.0.2", port=0),
         log_level="debug",
+        insecure=True,
     )
     assert config.storage.l1_size_bytes == GiB // 2
     assert config.rpc.max_frame_bytes == 4 << 20
@@ -130,7 +131,7 @@ def test_a_config_built_in_code_is_checked_too(make, flag):
 
 
 def test_http_host_defaults_to_the_rpc_host():
-    assert server_from_args(parse("--host", "10.0.0.1")).http.host == "10.0.0.1"
+    assert server_from_args(parse("--host", "10.0.0.1", "--insecure")).http.host == "10.0.0.1"
 
 
 def test_port_zero_with_ipc_only_has_one_endpoint():

@@ -11,6 +11,8 @@ import enum
 import os
 from dataclasses import dataclass
 
+from kvdepot.rpc.security import CurveClientKeys
+
 NO_MALLOC_TUNING_ENV = "KVDEPOT_NO_MALLOC_TUNING"
 
 
@@ -31,6 +33,7 @@ class ClientOptions:
     heartbeat: bool = True  # ping when idle and renew held leases (off: the TTL ends them)
     prefault: bool = True  # populate this process's mapping of the arena in the background
     tune_malloc: bool = True  # keep freed multi-MiB buffers in the heap (inline receives)
+    curve: CurveClientKeys | None = None  # CurveZMQ keys for a server that requires them (off loopback)
 
     def __post_init__(self) -> None:
         try:
@@ -39,6 +42,8 @@ class ClientOptions:
             raise ValueError(f"transport must be one of {[t.value for t in Transport]}, got {self.transport!r}") from None
         if not self.timeout_s > 0 or not self.connect_timeout_s > 0:
             raise ValueError("timeout_s and connect_timeout_s must be positive")
+        if self.curve is not None and not isinstance(self.curve, CurveClientKeys):
+            raise ValueError(f"curve must be a CurveClientKeys (CurveClientKeys.from_files(server_public, client_secret)), got {self.curve!r}")
         if self.chunk_size < 0:
             raise ValueError(f"chunk_size must be >= 0 (0: the server's), got {self.chunk_size}")
 
