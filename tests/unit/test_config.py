@@ -208,3 +208,42 @@ def test_every_subcommand_module_exists():
     assert importlib.util.find_spec("kvdepot.server.main") is not None
     args = build_parser().parse_args(["demo"])
     assert (args.command, args.port, args.l1_size_gb) == ("demo", 0, 1.0)
+
+
+# --- security off loopback ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost", "::1"])
+def test_loopback_needs_no_authentication(host):
+    assert server_from_args(parse("--host", host)).rpc.host == host
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "kv.example"])
+def test_off_loopback_the_zeromq_port_needs_curve_or_insecure(host, monkeypatch):
+    monkeypatch.delenv("KVDEPOT_ADMIN_TOKEN", raising=False)
+    with pytest.raises(ConfigError, match=r"is not loopback .*--curve-server-key and --curve-clients.*--insecure"):
+        server_from_args(parse("--host", host, "--http-port", "0"))
+    curve = ("--curve-server-key", "/k/server.key_secret", "--curve-clients", "/k/clients")
+    config = server_from_args(parse("--host", host, "--http-port", "0", *curve))
+    assert config.rpc.curve and config.rpc.curve_server_key == "/k/server.key_secret" and config.rpc.curve_clients == "/k/clients"
+    with pytest.raises(ConfigError, match="--admin-token"):
+        server_from_args(parse("--host", host, *curve))  # the HTTP port follows --host off loopback
+    assert server_from_args(parse("--host", host, *curve, "--http-host", "127.0.0.1")).http.admin_token == ""
+    assert server_from_args(parse("--host", host, "--insecure")).insecure
+
+
+def test_curve_needs_both_flags():
+    with pytest.raises(ConfigError, match="both --curve-server-key and --curve-clients"):
+        server_from_args(parse("--curve-server-key", "/k/server.key_secret"))
+    with pytest.raises(ConfigError, match="both --curve-server-key and --curve-clients"):
+        RpcConfig(curve_clients="/k/clients")
+
+
+def test_the_admin_token_comes_from_the_flag_or_the_environment_and_is_never_shown(monkeypatch):
+    monkeypatch.setenv("KVDEPOT_ADMIN_TOKEN", "from-env")
+    config = server_from_args(parse("--host", "0.0.0.0", "--port", "0", "--ipc-path", "/tmp/kv.sock"))
+    assert config.http.admin_token == "from-env" and config.http.host == "0.0.0.0"
+    config = server_from_args(parse("--http-host", "0.0.0.0", "--admin-token", "from-flag"))
+    assert config.http.admin_token == "from-flag"  # the flag wins
+    for shown in (repr(config), repr(config.http), str(config)):
+        assert "from-flag" not in shown and "admin_token=<set>" in shown
