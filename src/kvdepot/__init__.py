@@ -13,7 +13,11 @@ def __getattr__(name: str):
         from kvdepot.client.client import KVClient
 
         return KVClient
+    if name == "CurveClientKeys":
+        from kvdepot.rpc.security import CurveClientKeys
+
+        return CurveClientKeys
     raise AttributeError(name)
 
 
-__all__ = ["ClientOptions", "ErrorCode", "KVClient", "KVDepotError", "KVLayout", "Transport", "__version__"]
+__all__ = ["ClientOptions", "CurveClientKeys", "ErrorCode", "KVClient", "KVDepotError", "KVLayout", "Transport", "__version__"]

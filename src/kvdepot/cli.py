@@ -1,4 +1,4 @@
-"""The ``kvdepot`` command: ``server``, ``status``, ``demo``, ``bench``."""
+"""The ``kvdepot`` command: ``server``, ``status``, ``demo``, ``bench``, ``keygen``, ``peer``, ``make-model``."""
 
 from __future__ import annotations
 
@@ -113,6 +113,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 2
 
 
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from kvdepot.rpc.security import write_key_files
+
+    try:
+        files = write_key_files(args.dir)
+    except (OSError, FileExistsError) as exc:
+        print(f"kvdepot keygen: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote a CurveZMQ server and client key pair in {args.dir}")
+    print(f"  server:  kvdepot server --curve-server-key {files['server_secret']} --curve-clients {files['clients']} ...")
+    print(f"  clients: KVClient(..., curve=CurveClientKeys.from_files({str(files['server_public'])!r}, {str(files['client_secret'])!r}))")
+    print(f"           or the connectors' extra config: \"curve_server_key\": \"{files['server_public']}\", \"curve_client_key\": \"{files['client_secret']}\"")
+    print("  keep the .key_secret files private; admit more clients by adding their .key files to clients/")
+    return 0
+
+
 def cmd_peer(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
     from kvdepot.peer import cli as peer_cli
@@ -158,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_peer_args(pp)
     pp.set_defaults(func=cmd_peer)
+
+    kg = sub.add_parser("keygen", help="write a CurveZMQ server and client key pair to DIR (for --curve-server-key / --curve-clients)")
+    kg.add_argument("dir", help="directory to write server.key(_secret), client.key(_secret) and clients/ to (never overwrites)")
+    kg.set_defaults(func=cmd_keygen)
 
     mm = sub.add_parser("make-model", help="write a small random-weight Llama (the one the demo and tests use) to DIR")
     mm.add_argument("dir", help="directory to write it to (a Hugging Face model directory vLLM and SGLang load)")

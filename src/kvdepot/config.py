@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import enum
 import functools
+import ipaddress
 import math
+import os
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
@@ -82,16 +84,30 @@ class RpcConfig(ConfigStruct, frozen=True, kw_only=True):
     max_frame_mib: Annotated[int, option("largest payload frame in MiB", ge=1, le=256)] = MAX_FRAME_BYTES >> 20
     heartbeat_interval_s: Annotated[float, option("how often idle clients ping", gt=0)] = 1.0
     client_timeout_s: Annotated[float, option("a client silent this long is revoked and its leases end", gt=0)] = 10.0
+    # --- security (CurveZMQ; key files from `kvdepot keygen DIR`) ---
+    curve_server_key: Annotated[
+        str, option("CurveZMQ: the server's secret key file (server.key_secret); clients must then present an admitted key", cli={"metavar": "PATH"})
+    ] = ""
+    curve_clients: Annotated[
+        str,
+        option("CurveZMQ: the client keys admitted: a directory of public key files (*.key), or one shared client key file", cli={"metavar": "PATH"}),
+    ] = ""
 
     def _check_together(self) -> None:
         if self.port == 0 and not self.ipc_path:
             raise ConfigError("no endpoint: give --port or --ipc-path")
+        if bool(self.curve_server_key) != bool(self.curve_clients):
+            raise ConfigError("CurveZMQ needs both --curve-server-key and --curve-clients (make them with `kvdepot keygen DIR`)")
         if self.client_timeout_s <= self.heartbeat_interval_s:
             raise ConfigError("--client-timeout-s must be longer than --heartbeat-interval-s")
 
     @property
     def max_frame_bytes(self) -> int:
         return self.max_frame_mib << 20
+
+    @property
+    def curve(self) -> bool:
+        return bool(self.curve_server_key)
 
     @property
     def endpoints(self) -> list[str]:
@@ -137,6 +153,20 @@ class StorageConfig(ConfigStruct, frozen=True, kw_only=True):
         return int(self.l1_size_gb * GiB)
 
 
+ADMIN_TOKEN_ENV = "KVDEPOT_ADMIN_TOKEN"
+
+
+def is_loopback(host: str) -> bool:
+    """Does binding ``host`` keep a port to this machine? (a host name other than localhost counts as
+    not: it may resolve to anything)"""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 class HttpConfig(ConfigStruct, frozen=True, kw_only=True):
     _flag_prefix: ClassVar[str | None] = "http-"
 
@@ -150,11 +180,25 @@ class HttpConfig(ConfigStruct, frozen=True, kw_only=True):
             cli={"action": "comma"},
         ),
     ] = ()
-    # --- operate (issue 23): Prometheus on a port of its own ---
-    _flags: ClassVar[dict[str, str]] = {"prometheus_port": "--prometheus-port"}
+    admin_token: Annotated[
+        str,
+        option(
+            f"bearer token that POST/PUT/DELETE requests must send (Authorization: Bearer TOKEN); needed when the HTTP port "
+            f"is bound off loopback; GETs stay open. Also from ${ADMIN_TOKEN_ENV}",
+            cli={"metavar": "TOKEN", "shown": "none"},
+        ),
+    ] = ""
+
     prometheus_port: Annotated[
         int, option("also serve /metrics alone on this port (on the HTTP API's address); 0 turns it off", ge=0, le=65535)
     ] = 0
+    # Flags that are not --http-*: they are named for what they guard, not for the port they sit on.
+    _flags: ClassVar[dict[str, str]] = {"prometheus_port": "--prometheus-port", "admin_token": "--admin-token"}
+
+    def __repr__(self) -> str:  # the token never reaches a log line
+        token = "<set>" if self.admin_token else "''"
+        return (f"HttpConfig(host={self.host!r}, port={self.port}, allowed_hosts={self.allowed_hosts!r}, "
+                f"prometheus_port={self.prometheus_port}, admin_token={token})")
 
     def _check_together(self) -> None:
         if self.prometheus_port and self.prometheus_port == self.port:
@@ -186,6 +230,27 @@ class ServerConfig(ConfigStruct, frozen=True, kw_only=True):
     http: HttpConfig = msgspec.field(default_factory=HttpConfig)
     observability: ObservabilityConfig = msgspec.field(default_factory=ObservabilityConfig)
     log_level: Annotated[Literal["debug", "info", "warning", "error"], option("log level")] = "info"
+    insecure: Annotated[
+        bool,
+        option("serve off loopback without authentication (no CurveZMQ on --host, no --admin-token on --http-host): trusted networks only"),
+    ] = False
+
+    def _check_together(self) -> None:
+        """Off loopback, anyone who reaches a port could read and poison the cache: authentication, or
+        the operator's explicit --insecure."""
+        if self.insecure:
+            return
+        rpc, http = self.rpc, self.http
+        if rpc.port and not is_loopback(rpc.host) and not rpc.curve:
+            raise ConfigError(
+                f"--host {rpc.host} is not loopback and the ZeroMQ port has no authentication: give --curve-server-key and "
+                f"--curve-clients (make keys with `kvdepot keygen DIR`), or --insecure on a trusted network"
+            )
+        if http.port and not is_loopback(http.host) and not http.admin_token:
+            raise ConfigError(
+                f"--http-host {http.host} is not loopback and the admin API has no token: give --admin-token TOKEN "
+                f"(or ${ADMIN_TOKEN_ENV}), or --insecure on a trusted network"
+            )
 
 
 # --- constraints ---------------------------------------------------------------------------------
@@ -268,7 +333,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type[ConfigStruct], ti
         doc = (meta.extra_json_schema or {}).get("description", "") if meta is not None else ""
         doc += (extra_help or {}).get(f.name, "")
         default = getattr(defaults, f.name)
-        flag = flag_of(cls, f.name)
+        flag = cli.get("flag") or flag_of(cls, f.name)
         dest = f"{cls.__name__}.{f.name}"
         shown = cli.get("shown", "%(default)s")
         if isinstance(t, msgspec.inspect.BoolType):
@@ -277,7 +342,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type[ConfigStruct], ti
             else:
                 group.add_argument(flag, dest=dest, action="store_true", default=False, help=doc)
             continue
-        kw: dict[str, Any] = {"dest": dest, "default": cli.get("default", default), "metavar": f.name.upper()}
+        kw: dict[str, Any] = {"dest": dest, "default": cli.get("default", default), "metavar": cli.get("metavar", f.name.upper())}
         if default == "":
             shown = "off"
         if cli.get("action") == "append":
@@ -317,7 +382,7 @@ def add_server_args(p: argparse.ArgumentParser, tier_help: str = "") -> None:
     add_config_args(p, StorageConfig, "storage (L1 and L2 tiers)", {"l2": f". Types: {tier_help}".replace("%", "%%") if tier_help else ""})
     add_config_args(p, HttpConfig, "HTTP API")
     add_config_args(p, ObservabilityConfig, "observability (event bus, KV events, traces)")
-    add_config_args(p, ServerConfig, "logging")
+    add_config_args(p, ServerConfig, "logging and security")
 
 
 def server_from_args(a: argparse.Namespace) -> ServerConfig:
@@ -325,6 +390,8 @@ def server_from_args(a: argparse.Namespace) -> ServerConfig:
     rpc = _build(RpcConfig, _values_of(RpcConfig, a))
     http_values = _values_of(HttpConfig, a)
     http_values.setdefault("host", rpc.host)  # --http-host defaults to --host
+    if not http_values.get("admin_token") and os.environ.get(ADMIN_TOKEN_ENV):
+        http_values["admin_token"] = os.environ[ADMIN_TOKEN_ENV]
     storage_values = _values_of(StorageConfig, a)
     storage_values["l2"] = tuple(storage_values.get("l2", ()))
     return _build(

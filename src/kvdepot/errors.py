@@ -108,6 +108,11 @@ class ServerUnreachable(KVDepotError):
     code = ErrorCode.CONNECTION
 
 
+class HandshakeRefused(ServerUnreachable):
+    """The server is there but the connection's security handshake failed (CurveZMQ keys missing, not
+    admitted, or the wrong server key): no request could be sent. ZeroMQ itself only retries silently."""
+
+
 class TransportUnavailable(KVDepotError):
     code = ErrorCode.TRANSPORT_UNAVAILABLE
 

@@ -35,7 +35,7 @@ PEER = "port=31995,data_port=31996,metrics_port=0,heartbeat_interval_s=0.5,membe
 
 def peer_server(ns: str, address: str, log_dir, discovery: str = "") -> ServerProcess:
     spec = f"peer:name=peers,host={address},{PEER},secret={SECRET}" + (f",discovery={discovery}" if discovery else "")
-    return ServerProcess(args=["--chunk-size", str(BLOCK), "--l1-size-gb", "1", "--no-prefault", "--l2", spec], port=5555,
+    return ServerProcess(args=["--chunk-size", str(BLOCK), "--l1-size-gb", "1", "--no-prefault", "--insecure", "--l2", spec], port=5555,
                          http_port=8080, host=address, prefix=["ip", "netns", "exec", ns], log_path=str(log_dir / f"kvdepot-{ns}.log")).start(60)  # fmt: skip
 
 

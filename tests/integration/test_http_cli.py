@@ -299,7 +299,7 @@ def test_a_port_in_use_is_a_configuration_error_named_before_any_memory_is_reser
 
 
 def test_an_address_that_cannot_be_listened_on_is_named(tmp_path):
-    r = _cli("server", "--host", "192.0.2.1", "--http-port", "0", "--shm-dir", str(tmp_path), timeout=30)  # TEST-NET-1
+    r = _cli("server", "--host", "192.0.2.1", "--insecure", "--http-port", "0", "--shm-dir", str(tmp_path), timeout=30)  # TEST-NET-1
     assert r.returncode == 2 and "--host 192.0.2.1:" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 

@@ -211,3 +211,56 @@ def test_origins_follow_the_same_names_as_hosts():
     allowed = AdminGuard("127.0.0.1", PORT, allowed_hosts=("kv.example.com",))
     assert allowed.check("POST", headers("kv.example.com:8080", JSON, "https://KV.example.com:8080")) is None
     assert allowed.check("POST", headers("kv.example.com:8080", JSON, "https://kv.example.org:8080")).status == 403
+
+
+# --- the admin token (bearer) ----------------------------------------------------------------------------
+
+TOKEN = "tok-3f9a"
+
+
+def with_auth(authorization: str | None, ctype: str | None = JSON) -> Headers:
+    h = {"Host": "localhost:8080"}
+    if ctype is not None:
+        h["Content-Type"] = ctype
+    if authorization is not None:
+        h["Authorization"] = authorization
+    return Headers(headers=h)
+
+
+@pytest.fixture
+def tokened() -> AdminGuard:
+    return AdminGuard("127.0.0.1", PORT, admin_token=TOKEN)
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "PATCH", "DELETE"])
+@pytest.mark.parametrize("authorization", [None, "", "Bearer", "Bearer   ", f"Basic {TOKEN}", TOKEN])
+def test_a_mutating_request_without_a_bearer_token_is_refused_with_401(tokened, method, authorization):
+    refusal = tokened.check(method, with_auth(authorization))
+    assert refusal is not None and refusal.status == 401
+    assert refusal.headers["WWW-Authenticate"].startswith("Bearer")
+    assert TOKEN not in refusal.reason
+
+
+@pytest.mark.parametrize("wrong", ["tok-3f9b", "tok-3f9", "tok-3f9aa", "TOK-3F9A", "x"])
+def test_a_wrong_token_is_refused_with_403(tokened, wrong):
+    refusal = tokened.check("POST", with_auth(f"Bearer {wrong}"))
+    assert refusal is not None and refusal.status == 403
+    assert TOKEN not in refusal.reason and wrong not in refusal.reason
+
+
+@pytest.mark.parametrize("authorization", [f"Bearer {TOKEN}", f"bearer {TOKEN}", f"Bearer  {TOKEN} "])
+def test_the_right_token_passes(tokened, authorization):
+    assert tokened.check("DELETE", with_auth(authorization)) is None
+
+
+def test_the_token_comes_before_the_content_type_and_reads_need_none(tokened):
+    assert tokened.check("POST", with_auth(None, ctype="text/plain")).status == 401
+    assert tokened.check("POST", with_auth(f"Bearer {TOKEN}", ctype="text/plain")).status == 415
+    for method in ("GET", "HEAD", "OPTIONS"):
+        assert tokened.check(method, with_auth(None, ctype=None)) is None
+    assert tokened.check("GET", Headers(headers={"Host": "evil.example"})).status == 421  # the Host check still comes first
+
+
+def test_without_a_token_no_authorization_is_asked(loopback):
+    assert loopback.check("POST", with_auth(None)) is None
+    assert TOKEN not in repr(AdminGuard("127.0.0.1", PORT, admin_token=TOKEN))

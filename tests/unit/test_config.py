@@ -50,7 +50,7 @@ def test_every_flag_reaches_its_field():
             "--l1-size-gb", "0.5", "--chunk-size", "64", "--hash-algorithm", "blake3",
             "--eviction-policy", "noop", "--high-watermark", "0.9", "--low-watermark", "0.5",
             "--lease-ttl-s", "30", "--no-prefault", "--shm-dir", "/tmp",
-            "--http-host", "127.0.0.2", "--http-port", "0", "--log-level", "debug",
+            "--http-host", "127.0.0.2", "--http-port", "0", "--log-level", "debug", "--insecure",
         )
     )
     assert config == ServerConfig(
@@ -60,6 +60,7 @@ def test_every_flag_reaches_its_field():
                               high_watermark=0.9, low_watermark=0.5, lease_ttl_s=30.0, prefault=False, shm_dir="/tmp"),
         http=HttpConfig(host="127.0.0.2", port=0),
         log_level="debug",
+        insecure=True,
     )
     assert config.storage.l1_size_bytes == GiB // 2
     assert config.rpc.max_frame_bytes == 4 << 20
@@ -130,7 +131,7 @@ def test_a_config_built_in_code_is_checked_too(make, flag):
 
 
 def test_http_host_defaults_to_the_rpc_host():
-    assert server_from_args(parse("--host", "10.0.0.1")).http.host == "10.0.0.1"
+    assert server_from_args(parse("--host", "10.0.0.1", "--insecure")).http.host == "10.0.0.1"
 
 
 def test_port_zero_with_ipc_only_has_one_endpoint():
@@ -207,3 +208,42 @@ def test_every_subcommand_module_exists():
     assert importlib.util.find_spec("kvdepot.server.main") is not None
     args = build_parser().parse_args(["demo"])
     assert (args.command, args.port, args.l1_size_gb) == ("demo", 0, 1.0)
+
+
+# --- security off loopback ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost", "::1"])
+def test_loopback_needs_no_authentication(host):
+    assert server_from_args(parse("--host", host)).rpc.host == host
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "kv.example"])
+def test_off_loopback_the_zeromq_port_needs_curve_or_insecure(host, monkeypatch):
+    monkeypatch.delenv("KVDEPOT_ADMIN_TOKEN", raising=False)
+    with pytest.raises(ConfigError, match=r"is not loopback .*--curve-server-key and --curve-clients.*--insecure"):
+        server_from_args(parse("--host", host, "--http-port", "0"))
+    curve = ("--curve-server-key", "/k/server.key_secret", "--curve-clients", "/k/clients")
+    config = server_from_args(parse("--host", host, "--http-port", "0", *curve))
+    assert config.rpc.curve and config.rpc.curve_server_key == "/k/server.key_secret" and config.rpc.curve_clients == "/k/clients"
+    with pytest.raises(ConfigError, match="--admin-token"):
+        server_from_args(parse("--host", host, *curve))  # the HTTP port follows --host off loopback
+    assert server_from_args(parse("--host", host, *curve, "--http-host", "127.0.0.1")).http.admin_token == ""
+    assert server_from_args(parse("--host", host, "--insecure")).insecure
+
+
+def test_curve_needs_both_flags():
+    with pytest.raises(ConfigError, match="both --curve-server-key and --curve-clients"):
+        server_from_args(parse("--curve-server-key", "/k/server.key_secret"))
+    with pytest.raises(ConfigError, match="both --curve-server-key and --curve-clients"):
+        RpcConfig(curve_clients="/k/clients")
+
+
+def test_the_admin_token_comes_from_the_flag_or_the_environment_and_is_never_shown(monkeypatch):
+    monkeypatch.setenv("KVDEPOT_ADMIN_TOKEN", "from-env")
+    config = server_from_args(parse("--host", "0.0.0.0", "--port", "0", "--ipc-path", "/tmp/kv.sock"))
+    assert config.http.admin_token == "from-env" and config.http.host == "0.0.0.0"
+    config = server_from_args(parse("--http-host", "0.0.0.0", "--admin-token", "from-flag"))
+    assert config.http.admin_token == "from-flag"  # the flag wins
+    for shown in (repr(config), repr(config.http), str(config)):
+        assert "from-flag" not in shown and "admin_token=<set>" in shown

@@ -11,15 +11,21 @@ reaches 127.0.0.1 under its own host name. So:
   page can only send after a preflight this server never grants) (415) and, when it carries an
   ``Origin``, that origin must be this server itself (403).
 
-The operate issue's bearer token plugs in here as one more check.
+- With an admin token (``--admin-token`` or ``$KVDEPOT_ADMIN_TOKEN``; required when the port is bound
+  off loopback), a mutating request must carry ``Authorization: Bearer TOKEN``: 401 (with
+  ``WWW-Authenticate: Bearer``) without one, 403 with a wrong one, compared in constant time. Reads
+  (GET, HEAD) stay open: they change nothing, and monitoring (``/metrics``, ``/healthcheck``, the
+  dashboard) should not need a secret. Keep the port off untrusted networks if what ``/status``
+  shows (models, tenants' salts, clients) is itself sensitive.
 """
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import socket
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -31,6 +37,7 @@ WILDCARDS = frozenset({"0.0.0.0", "::", ""})
 class Refusal:
     status: int
     reason: str
+    headers: Mapping[str, str] = field(default_factory=dict)  # sent with the refusal (WWW-Authenticate)
 
 
 def _split_host(value: str) -> tuple[str, int | None]:
@@ -52,8 +59,9 @@ def _is_ip(name: str) -> bool:
 
 
 class AdminGuard:
-    def __init__(self, bind_host: str, port: int, allowed_hosts: Iterable[str] = ()) -> None:
+    def __init__(self, bind_host: str, port: int, allowed_hosts: Iterable[str] = (), admin_token: str = "") -> None:
         self.port = port
+        self._token = admin_token.encode() if admin_token else b""  # empty: mutating requests need none
         self.wildcard = bind_host in WILDCARDS
         names = set(LOOPBACK_NAMES) | {bind_host.lower()} | {h.lower() for h in allowed_hosts if h}
         for name in (socket.gethostname(), socket.getfqdn()):
@@ -62,7 +70,7 @@ class AdminGuard:
         self.names = frozenset(n for n in names if n not in WILDCARDS)
 
     def __repr__(self) -> str:
-        return f"AdminGuard(port={self.port}, names={sorted(self.names)}, wildcard={self.wildcard})"
+        return f"AdminGuard(port={self.port}, names={sorted(self.names)}, wildcard={self.wildcard}, token={'set' if self._token else 'none'})"
 
     def host_allowed(self, host: str) -> bool:
         return host in self.names or (self.wildcard and _is_ip(host))
@@ -74,12 +82,24 @@ class AdminGuard:
             return Refusal(421, f"Host {headers.get('host', '')!r} does not name this server; add it with --http-allowed-hosts")
         if method.upper() not in MUTATING:
             return None
+        if self._token:
+            refusal = self._check_token(method, headers.get("authorization", ""))
+            if refusal is not None:
+                return refusal
         ctype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
         if ctype != "application/json":
             return Refusal(415, f"{method} needs Content-Type: application/json (got {ctype or 'none'!r})")
         origin = headers.get("origin")
         if origin is not None and not self._own_origin(origin):
             return Refusal(403, f"cross-origin {method} from {origin!r} is not allowed")
+        return None
+
+    def _check_token(self, method: str, authorization: str) -> Refusal | None:
+        scheme, _, credentials = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer" or not credentials.strip():
+            return Refusal(401, f"{method} needs Authorization: Bearer <admin token>", {"WWW-Authenticate": 'Bearer realm="kvdepot"'})
+        if not hmac.compare_digest(credentials.strip().encode(), self._token):
+            return Refusal(403, "the admin token does not match", {"WWW-Authenticate": 'Bearer realm="kvdepot", error="invalid_token"'})
         return None
 
     def _own_origin(self, origin: str) -> bool:

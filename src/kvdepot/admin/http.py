@@ -44,7 +44,7 @@ def build_app(server: AdminBackend, guard: AdminGuard) -> FastAPI:
         refusal = guard.check(request.method, request.headers)
         if refusal is not None:
             log.warning("admin API refused %s %s: %s", request.method, request.url.path, refusal.reason)
-            return JSONResponse({"detail": refusal.reason}, status_code=refusal.status)
+            return JSONResponse({"detail": refusal.reason}, status_code=refusal.status, headers=dict(refusal.headers))
         return await call_next(request)
 
     for router in routes.routers(server):
@@ -55,7 +55,7 @@ def build_app(server: AdminBackend, guard: AdminGuard) -> FastAPI:
 class HttpServer:
     def __init__(self, server: AdminBackend, config: HttpConfig) -> None:
         self._config = config
-        guard = AdminGuard(config.host, config.port, config.allowed_hosts)
+        guard = AdminGuard(config.host, config.port, config.allowed_hosts, config.admin_token)
         self._uvicorn = uvicorn.Server(
             uvicorn.Config(build_app(server, guard), host=config.host, port=config.port, log_level="warning", lifespan="off")
         )

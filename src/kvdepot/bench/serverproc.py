@@ -53,6 +53,7 @@ class ServerProcess:
     log_path: str | None = None
     prefix: list[str] = field(default_factory=list)  # e.g. ["unshare", "--pid", "--fork"], ["ip", "netns", "exec", NS]
     host: str = "127.0.0.1"  # --host, and where start() looks for it
+    curve: object = None  # a CurveClientKeys for a server started with --curve-server-key (start() pings with it)
     proc: subprocess.Popen | None = None
     _log: object = None
 
@@ -93,6 +94,8 @@ class ServerProcess:
                 raise RuntimeError(f"kvdepot server exited with {self.proc.returncode} (see {self.log_path})")
             s = ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            if self.curve is not None:
+                self.curve.apply_client(s)
             s.connect(self.url)
             s.send_multipart(codec.encode_request(1, PingRequest()))
             ok = s.poll(200)

@@ -39,6 +39,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--l1-size-gb", type=float, default=2.0, help="server L1 size (default: %(default)s)")
     p.add_argument("--json", default=None, help="also write the results as JSON to this path")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run, not for quoting)")
+    p.add_argument(
+        "--curve",
+        choices=("off", "also", "only"),
+        default="off",
+        help="the inline path over TCP with CurveZMQ encryption on and off (two servers, interleaved runs): "
+        "also, or only that (default: %(default)s)",
+    )
 
 
 @dataclass
@@ -93,12 +100,19 @@ def main(args: argparse.Namespace) -> int:
     )
     rows: list[Row] = []
     raw: dict = {"load_start": load_start, "sizes_mib": sizes, "chunks": args.chunks, "reps": reps}
-    with server:
-        prefault_s = _wait_server_prefault(http_port)
-        print(f"# server arena ({args.l1_size_gb} GiB) pre-faulted in {prefault_s:.1f}s; load {load_start}", file=sys.stderr)
+    if args.curve != "only":
+        with server:
+            prefault_s = _wait_server_prefault(http_port)
+            print(f"# server arena ({args.l1_size_gb} GiB) pre-faulted in {prefault_s:.1f}s; load {load_start}", file=sys.stderr)
+            for size in sizes:
+                rows += _bench_size(server, size, args.chunks, transports, reps, warmup, raw)
+            rows += _bench_latency(server, reps, raw)
+    if args.curve != "off":
+        from kvdepot.bench.curve import bench_curve
+
         for size in sizes:
-            rows += _bench_size(server, size, args.chunks, transports, reps, warmup, raw)
-        rows += _bench_latency(server, reps, raw)
+            layout, cs = _layout_for(size)
+            rows += bench_curve(layout, cs, size, args.chunks, reps, warmup, args.l1_size_gb, raw)
     raw["load_end"] = loadavg()
     _print_table(rows, raw)
     if args.json:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 from typing import TypeVar
 
 import numpy as np
@@ -36,11 +37,12 @@ from kvdepot.errors import BadRequest, KVDepotError
 from kvdepot.hashing import HashAlgorithm, chunk_hashes
 from kvdepot.layout import KVLayout, kv_array
 from kvdepot.protocol import messages as m
+from kvdepot.rpc.security import CurveClientKeys
 from kvdepot.types import ChunkHash, ClearScope
 
 Tokens = Sequence[int] | np.ndarray
 T = TypeVar("T")
-__all__ = ["ClientOptions", "ClientSession", "KVClient", "StoreSlots", "Transport", "check_url"]
+__all__ = ["ClientOptions", "ClientSession", "CurveClientKeys", "KVClient", "StoreSlots", "Transport", "check_url"]
 
 
 class KVClient:
@@ -54,10 +56,15 @@ class KVClient:
         world_size: int = 1,
         options: ClientOptions | None = None,
         connect: bool = True,
+        curve: CurveClientKeys | None = None,
     ) -> None:
+        """``curve``: CurveZMQ keys for a server that requires them (``CurveClientKeys.from_files(
+        server_public, client_secret)``); the same as ``options.curve``."""
         check_url(url)
         self.url = url
         self.options = options or ClientOptions()
+        if curve is not None:
+            self.options = replace(self.options, curve=curve)
         self.link = ContextLink(url, ContextIdentity(model, layout, rank, world_size), self.options)
         self._closed = False
         if connect:

@@ -39,7 +39,7 @@ class ContextLink:
         self.url = url
         self.identity = identity
         self.options = options
-        self.channel = RpcChannel(url)
+        self.channel = RpcChannel(url, security=options.curve)
         self.renewer = LeaseRenewer(self)
         self.path: TransferPath | None = None
         self.transport_reason = ""  # why the path is what it is (what ``auto`` found)

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 from kvdepot.hashing import HASH_SCHEME
+from kvdepot.rpc.security import CurveClientKeys
 
 NO_MALLOC_TUNING_ENV = "KVDEPOT_NO_MALLOC_TUNING"
 
@@ -37,6 +38,7 @@ class ClientOptions:
     # kvdepot's own hashing then uses), and how its keys are made from tokens.
     hash_algorithm: str = ""
     hash_scheme: str = HASH_SCHEME
+    curve: CurveClientKeys | None = None  # CurveZMQ keys for a server that requires them (off loopback)
 
     def __post_init__(self) -> None:
         try:
@@ -45,6 +47,8 @@ class ClientOptions:
             raise ValueError(f"transport must be one of {[t.value for t in Transport]}, got {self.transport!r}") from None
         if not self.timeout_s > 0 or not self.connect_timeout_s > 0:
             raise ValueError("timeout_s and connect_timeout_s must be positive")
+        if self.curve is not None and not isinstance(self.curve, CurveClientKeys):
+            raise ValueError(f"curve must be a CurveClientKeys (CurveClientKeys.from_files(server_public, client_secret)), got {self.curve!r}")
         if self.chunk_size < 0:
             raise ValueError(f"chunk_size must be >= 0 (0: the server's), got {self.chunk_size}")
 

@@ -28,7 +28,7 @@ from typing import Annotated, Any, ClassVar, TypeVar
 import msgspec
 
 from kvdepot.breaker import CircuitBreaker
-from kvdepot.client.client import KVClient, check_url
+from kvdepot.client.client import CurveClientKeys, KVClient, check_url
 from kvdepot.client.options import ClientOptions, Transport
 from kvdepot.config import ConfigError, ConfigStruct, option
 from kvdepot.errors import ErrorCode, KVDepotError
@@ -74,12 +74,27 @@ class ClientSettings(ConfigStruct, frozen=True, kw_only=True):
     retry_after_s: Annotated[
         float, option("after a transport failure, how long the failing direction leaves the server alone", ge=0)
     ] = 5.0
+    curve_server_key: Annotated[str, option("CurveZMQ: the server's public key file (server.key from `kvdepot keygen`)")] = ""
+    curve_client_key: Annotated[str, option("CurveZMQ: this client's secret key file (client.key_secret), admitted by the server")] = ""
 
     def _check_together(self) -> None:
         try:
             check_url(self.url)
         except ValueError as exc:
             raise ConfigError(f"url: {exc}") from None
+        if bool(self.curve_server_key) != bool(self.curve_client_key):
+            raise ConfigError("CurveZMQ needs both curve_server_key and curve_client_key")
+        if self.curve_server_key:
+            self.curve()  # a key file that cannot be read fails the engine's start, naming the key
+
+    def curve(self) -> CurveClientKeys | None:
+        """The CurveZMQ keys the settings name (None: a plain connection)."""
+        if not self.curve_server_key:
+            return None
+        try:
+            return CurveClientKeys.from_files(self.curve_server_key, self.curve_client_key)
+        except ValueError as exc:
+            raise ConfigError(f"curve_server_key/curve_client_key: {exc}") from None
 
     @classmethod
     def from_extra(cls: type[S], extra: dict[str, Any] | None, what: str = "kvdepot connector option") -> S:
@@ -239,6 +254,7 @@ class ResilientClient:
                 # a missing server stalls no step for long
                 "connect_timeout_s": min(settings.timeout_s, connect_timeout_s),
                 "chunk_size": chunk_size,
+                "curve": settings.curve(),
                 **options,
             }
         )

@@ -40,7 +40,13 @@ class Metrics:
         )
         self.dropped_frames = Counter("kvdepot_dropped_messages", "Messages too malformed to answer by request id.", registry=r)
         self.disconnects = Counter(
-            "kvdepot_disconnects", "Connections closed: after a goodbye, or without one.", ["kind"], registry=r
+            "kvdepot_disconnects", "Connections closed: after a goodbye, without one, or refused in the handshake.", ["kind"], registry=r
+        )
+        self.handshake_failures = Counter(
+            "kvdepot_handshake_failures",
+            "Connections refused in the security handshake: auth (a CurveZMQ key not admitted) or protocol (no or wrong keys).",
+            ["reason"],
+            registry=r,
         )
         self.engine_blocks = Counter(
             "kvdepot_engine_blocks", "KV blocks engines reported allocating and freeing.", ["event"], registry=r

@@ -10,6 +10,10 @@ on is recognised by its id and dropped.
 Life cycle: ``RpcChannel(url)`` builds nothing; ``open`` connects the socket; ``close`` closes it. A
 ``Heartbeat`` runs a callback on its own thread, started and stopped explicitly.
 
+A failed security handshake (CurveZMQ keys missing, not admitted, or the wrong server key) is silent in
+ZeroMQ: the socket just retries. A monitor on the socket records it, and a request that gets no reply
+in time raises ``HandshakeRefused`` saying what failed instead of a bare timeout.
+
 ``answered`` (optional) is told the request type of every request the server answered, an error reply
 included: proof that the server is reachable for that kind of request (the connectors' circuit breakers
 close on it). It runs on the calling thread and must be quick.
@@ -25,23 +29,30 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from kvdepot.errors import ErrorCode, KVDepotError, KVDepotTimeout
+from kvdepot.errors import ErrorCode, HandshakeRefused, KVDepotError, KVDepotTimeout
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.messages import RequestType
-from kvdepot.rpc.security import CurveSecurity
+from kvdepot.rpc.security import SocketSecurity
 
 OnReply = Callable[[int, object, list], None]  # (request index, typed reply, payload frames)
 Answered = Callable[[RequestType], None]
 
+_HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED
+)
+
 
 class RpcChannel:
-    def __init__(self, url: str, context: zmq.Context | None = None, security: CurveSecurity | None = None) -> None:
+    def __init__(self, url: str, context: zmq.Context | None = None, security: SocketSecurity | None = None) -> None:
         self.url = url
         self._security = security
         self._zctx = context or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        self._handshake_failure: int | None = None  # the last failed handshake's event, until one succeeds
         self._ids = itertools.count(1)
         self._rcvtimeo = -1
         self._lock = threading.RLock()
@@ -60,6 +71,7 @@ class RpcChannel:
         sock.setsockopt(zmq.RCVHWM, 0)
         if self._security is not None:
             self._security.apply_client(sock)
+        self._monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
         sock.connect(self.url)
         self._sock = sock
         return self
@@ -68,6 +80,10 @@ class RpcChannel:
         with self._lock:
             self.closed = True
             if self._sock is not None:
+                if self._monitor is not None:
+                    self._sock.disable_monitor()
+                    self._monitor.close(linger=0)
+                    self._monitor = None
                 self._sock.close(linger=0)
 
     def held(self, timeout_s: float):
@@ -169,8 +185,28 @@ class RpcChannel:
             while sock.getsockopt(zmq.RCVMORE):
                 frames.append(sock.recv(copy=False))
         except zmq.Again:
+            self._raise_if_refused()
             raise KVDepotTimeout(f"{type(body).__name__} got no reply from {self.url} in time") from None
         return codec.decode_reply_header(reply_header), reply_body, frames
+
+    def _raise_if_refused(self) -> None:
+        """After a timeout: raise HandshakeRefused if the connection's last handshake failed."""
+        monitor = self._monitor
+        while monitor is not None:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                break
+            self._handshake_failure = None if event == zmq.EVENT_HANDSHAKE_SUCCEEDED else int(event)
+        if self._handshake_failure is None:
+            return
+        if self._handshake_failure == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            check = "this client's public key is not among those the server admits (its --curve-clients)"
+        elif self._security is None:
+            check = "the server requires CurveZMQ keys and this client has none (give curve= / the connector's curve_* keys)"
+        else:
+            check = "the server's public key this client was given (curve_server_key), and that the server uses CurveZMQ"
+        raise HandshakeRefused(f"the server at {self.url} refused the handshake (CurveZMQ): check {check}")
 
     def ping(self, timeout_s: float = 10.0) -> bool:
         return self.call(m.PingRequest(), timeout_s=timeout_s).ok

@@ -38,10 +38,13 @@ from kvdepot.protocol import codec
 from kvdepot.protocol.messages import RequestType
 from kvdepot.rpc.dispatch import Call, HandlerMode, HandlerSpec, Reply
 from kvdepot.rpc.endpoints import IpcClaim
-from kvdepot.rpc.security import CurveSecurity
+from kvdepot.rpc.security import SocketSecurity
 from kvdepot.types import ClientId
 
 log = logging.getLogger(__name__)
+
+
+_HANDSHAKE_FAILED_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 
 
 class RequestObserver(Protocol):
@@ -74,13 +77,13 @@ class RpcServer:
         housekeeping_interval_s: float = 0.1,
         goodbyes: Collection[RequestType] = (),
         metrics: Metrics | None = None,
-        security: CurveSecurity | None = None,
+        security: SocketSecurity | None = None,
         events: EventSink = NO_EVENTS,
     ) -> None:
         """``goodbyes``: request types after which a client closes its connection on purpose (its
         disconnect is then counted as a goodbye, not as a client that died)."""
         self._endpoints = endpoints
-        self._security = security  # None: plain sockets; else only holders of the cluster secret get in
+        self._security = security  # None: plain sockets; else only clients with admitted keys get in
         self._handlers: dict[RequestType, HandlerSpec] = {}
         self.observer: RequestObserver = observer or _NoObserver()
         self._goodbye_types = frozenset(goodbyes)
@@ -106,6 +109,8 @@ class RpcServer:
         self._tracker_lock = threading.Lock()
         self._claims = [IpcClaim(ep.removeprefix("ipc://")) for ep in endpoints if ep.startswith("ipc://")]
         self._goodbyes = 0  # clean UNREGISTERs whose disconnect has not been seen yet (loop thread)
+        self._refusals = 0  # failed handshakes whose disconnect has not been seen yet (loop thread)
+        self._refusal_logged: dict[str, float] = {}  # reason -> when last logged (a refused client retries every 0.1 s)
         self.add_handlers(handlers)
 
     # --- life cycle ----------------------------------------------------------------------------------
@@ -191,7 +196,7 @@ class RpcServer:
                 raise EndpointInUse(ep, f"{ep} is in use (another process listens there)") from None
             raise OSError(exc.errno, f"cannot listen on {ep}: {exc.strerror}") from None
         router.bind(self._reply_addr)  # the workers' replies come in here too
-        monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED_EVENTS)
         return router, monitor
 
     def _run(self) -> None:
@@ -233,9 +238,14 @@ class RpcServer:
                 event = recv_monitor_message(monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                endpoint = event.get("endpoint", b"").decode(errors="replace")
-                if self._goodbyes:
+            endpoint = event.get("endpoint", b"").decode(errors="replace")
+            if event["event"] & _HANDSHAKE_FAILED_EVENTS:
+                self._refused(event["event"], endpoint)
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                if self._refusals:
+                    self._refusals -= 1  # the refused connection closing: counted as refused already
+                    self.metrics.disconnects.labels("refused").inc()
+                elif self._goodbyes:
                     self._goodbyes -= 1  # a client that said goodbye closed its socket: all is well
                     self.metrics.disconnects.labels("goodbye").inc()
                     log.debug("a client closed its connection after its goodbye (%s)", endpoint)
@@ -247,6 +257,22 @@ class RpcServer:
                         endpoint,
                         4 * max(self._max_frame, codec.MAX_BODY_BYTES) + (1 << 20),
                     )
+
+    def _refused(self, event: int, endpoint: str) -> None:
+        """A connection failed its security handshake: count it, and log it at most every 10 s per
+        reason (ZeroMQ clients retry every 0.1 s)."""
+        reason = "auth" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else "protocol"
+        self._refusals += 1
+        self.metrics.handshake_failures.labels(reason).inc()
+        now = time.monotonic()
+        if now - self._refusal_logged.get(reason, -1e9) >= 10.0:
+            self._refusal_logged[reason] = now
+            why = (
+                "its CurveZMQ public key is not admitted (--curve-clients)"
+                if reason == "auth"
+                else "it has no keys, the wrong server key, or a different security mechanism"
+            )
+            log.warning("refused a connection in the security handshake (%s): %s", endpoint, why)
 
     def _receive(self, router: zmq.Socket) -> None:
         """Handle the next message (blocking up to RCVTIMEO), then any already queued."""

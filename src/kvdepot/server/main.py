@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from kvdepot import __version__
 from kvdepot.admin.http import HttpServer
 from kvdepot.admin.prometheus import PrometheusServer
-from kvdepot.config import ServerConfig
+from kvdepot.config import RpcConfig, ServerConfig, is_loopback
 from kvdepot.errors import ConfigError, EndpointInUse
 from kvdepot.events import L1Changed, NamespaceSeen
 from kvdepot.observability import recent
@@ -27,6 +27,7 @@ from kvdepot.observability.kv_events import KVEventsPublisher
 from kvdepot.observability.metrics import Metrics
 from kvdepot.observability.tenants import TenantTally
 from kvdepot.protocol.messages import RequestType
+from kvdepot.rpc.security import CurveServerKeys, load_key_pair
 from kvdepot.rpc.server import RpcServer
 from kvdepot.server.liveness import ClientWatch, LivenessTracker
 from kvdepot.server.modules import ModuleFactory, ServerContext
@@ -41,6 +42,21 @@ from kvdepot.types import ClearScope, ClientId, NodeId
 log = logging.getLogger(__name__)
 
 DEFAULT_MODULES: tuple[ModuleFactory, ...] = (ManagementModule, LookupModule, TransferModule)
+
+
+def rpc_security(config: RpcConfig) -> CurveServerKeys | None:
+    """The ZeroMQ port's CurveZMQ keys, if configured; a key file that cannot be used is a ConfigError
+    naming its flag."""
+    if not config.curve:
+        return None
+    try:
+        load_key_pair(config.curve_server_key)
+    except ValueError as exc:
+        raise ConfigError(f"--curve-server-key: {exc}") from None
+    try:
+        return CurveServerKeys(config.curve_server_key, config.curve_clients)
+    except ValueError as exc:
+        raise ConfigError(f"--curve-clients: {exc}") from None
 
 
 def node_id(config: ServerConfig) -> NodeId:
@@ -74,6 +90,7 @@ class KVDepotServer:
             goodbyes=(RequestType.UNREGISTER_CONTEXT,),
             metrics=metrics,
             events=self.bus,
+            security=rpc_security(config.rpc),
         )
         self.http = HttpServer(self, config.http) if config.http.port else None
         h = config.http
@@ -182,15 +199,18 @@ class KVDepotServer:
             self.close()
             raise
         log.info(
-            "kvdepot %s serving on %s (L1 %.2f GiB at %s, chunk %d tokens, hash %s, http %s)",
+            "kvdepot %s serving on %s%s (L1 %.2f GiB at %s, chunk %d tokens, hash %s, http %s)",
             __version__,
             ", ".join(self.config.rpc.endpoints),
+            " with CurveZMQ" if self.config.rpc.curve else "",
             self.config.storage.l1_size_gb,
             self.storage.shm_offer(ClientId(b"")).path,
             self.config.storage.chunk_size,
             self.config.storage.hash_algorithm.value,
             f"{self.config.http.host}:{self.config.http.port}" if self.http else "off",
         )
+        if self.config.insecure and not (is_loopback(self.config.rpc.host) and is_loopback(self.config.http.host)):
+            log.warning("--insecure: serving off loopback without authentication; anyone who reaches these ports can read and write the cache")
 
     def close(self) -> None:
         if self._stopped.is_set():

@@ -1,0 +1,68 @@
+"""The CurveZMQ key files (``kvdepot.rpc.security``): what ``kvdepot keygen`` writes, and a clear
+ValueError for every key file that cannot be used (the server turns it into a ConfigError naming its
+flag, the connectors into one naming their key)."""
+
+from __future__ import annotations
+
+import pytest
+import zmq
+
+from kvdepot.rpc.security import CurveClientKeys, CurveServerKeys, load_key_pair, load_public_key, write_key_files
+
+
+@pytest.fixture
+def keys(tmp_path):
+    return write_key_files(tmp_path / "keys")
+
+
+def test_keygen_writes_two_key_pairs_and_admits_its_client(keys):
+    server_public, server_secret = load_key_pair(keys["server_secret"])
+    assert load_public_key(keys["server_public"]) == server_public and len(server_secret) == 40
+    client_public, _ = load_key_pair(keys["client_secret"])
+    assert load_public_key(keys["clients"] / "client.key") == client_public != server_public
+    for name in ("server_secret", "client_secret"):
+        assert keys[name].stat().st_mode & 0o777 == 0o600
+    with pytest.raises(FileExistsError, match="never overwritten"):
+        write_key_files(keys["server_secret"].parent)
+
+
+def test_unusable_key_files_are_named(keys, tmp_path):
+    with pytest.raises(ValueError, match="no such key file"):
+        load_public_key(tmp_path / "nope.key")
+    with pytest.raises(ValueError, match="holds no secret key"):
+        load_key_pair(keys["server_public"])
+    junk = tmp_path / "junk.key"
+    junk.write_text("hello\n")
+    with pytest.raises(ValueError, match="not a CurveZMQ certificate"):
+        load_public_key(junk)
+    empty = tmp_path / "empty-clients"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="holds no client certificate"):
+        CurveServerKeys(keys["server_secret"], empty)
+    with pytest.raises(ValueError, match="40-character Z85"):
+        CurveClientKeys(b"short", b"x" * 40, b"y" * 40)
+
+
+def test_each_kind_plays_its_own_role_and_hides_its_secret(keys):
+    client = CurveClientKeys.from_files(keys["server_public"], keys["client_secret"])
+    server = CurveServerKeys(keys["server_secret"], keys["clients"])
+    assert client.secret_key.decode() not in repr(client)
+    assert server._secret_key.decode() not in repr(server)
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        with pytest.raises(TypeError):
+            client.apply_server(ctx, sock)
+        with pytest.raises(TypeError):
+            server.apply_client(sock)
+        client.apply_client(sock)  # (ZeroMQ's Curve keys are write-only: the integration tests show they work)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_shared_client_key_file_admits_exactly_that_key(keys, tmp_path):
+    other = write_key_files(tmp_path / "other")
+    server = CurveServerKeys(keys["server_secret"], keys["clients"] / "client.key")
+    assert server.clients_dir is None
+    assert server.callback("kvdepot", load_public_key(keys["clients"] / "client.key"))
+    assert not server.callback("kvdepot", load_public_key(other["client_public"]))
