@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from kvdepot import __version__
 from kvdepot.admin.guard import AdminGuard
+from kvdepot.admin.routes import lifecycle
 from kvdepot.config import HttpConfig
 from kvdepot.errors import EndpointInUse
 from kvdepot.types import ClearScope
@@ -149,6 +150,7 @@ def build_app(server: AdminBackend, guard: AdminGuard) -> FastAPI:
         quotas.set(salt_of(cache_salt), None)
         return quota_doc(quotas, salt_of(cache_salt))
 
+    app.include_router(lifecycle.routes(server))
     return app
 
 

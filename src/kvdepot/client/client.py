@@ -167,19 +167,27 @@ class KVClient:
         """Chunk hashes of every complete chunk of ``tokens`` (the keys the server stores them under)."""
         return chunk_hashes(tokens, self.chunk_size, self.registration.algorithm)
 
-    def lookup(self, tokens: Tokens, cache_salt: str | None = None) -> int:
-        """How many leading tokens are stored (a multiple of chunk_size). Takes no lock."""
-        return self.stored_chunks(self.hashes(tokens), cache_salt or "") * self.chunk_size
+    def lookup(self, tokens: Tokens, cache_salt: str | None = None, agent_session: str = "") -> int:
+        """How many leading tokens are stored (a multiple of chunk_size). Takes no lock.
 
-    def store(self, tokens: Tokens, kv, cache_salt: str | None = None, raw: bool = False) -> int:
+        ``agent_session``: this lookup is a turn of that conversation (of ``cache_salt``): the server
+        opens or renews it and keeps these tokens' chunks from eviction until the session's deadline
+        (``--agent-session-ttl-s`` after its last turn). The answer is then L1's (no wait for L2)."""
+        hashes = self.hashes(tokens)
+        if agent_session:
+            return (self.link.lookup_reply(hashes, cache_salt or "", agent_session=agent_session).hits or 0) * self.chunk_size
+        return self.stored_chunks(hashes, cache_salt or "") * self.chunk_size
+
+    def store(self, tokens: Tokens, kv, cache_salt: str | None = None, raw: bool = False, agent_session: str = "") -> int:
         """Store the complete chunks of ``kv`` ``[K, L, len(tokens), H, D]``; returns the leading tokens
         now stored. ``kv``'s dtype must be the layout's exactly (a torch tensor, or a numpy array; for
         bfloat16 and fp8 an ml_dtypes array); ``raw=True`` also accepts the same-width unsigned integers
-        holding those bits (which is what kvdepot hands back for them)."""
+        holding those bits (which is what kvdepot hands back for them). ``agent_session``: a turn of
+        that conversation (see ``lookup``); its protection covers these chunks before they are reserved."""
         n_tokens = len(tokens)
         hashes = self.hashes(tokens)
         kv = self._check_kv(kv, n_tokens, raw, exact=True)
-        return self._on_path(lambda path: path.store(hashes, kv, cache_salt or "")) * self.chunk_size
+        return self._on_path(lambda path: path.store(hashes, kv, cache_salt or "", agent_session)) * self.chunk_size
 
     def retrieve(self, tokens: Tokens, cache_salt: str | None = None, out: np.ndarray | None = None, raw: bool = False) -> np.ndarray:
         """The KV of the leading stored chunks of ``tokens``: ``[K, L, n, H, D]``, as an array of the

@@ -20,6 +20,13 @@ PROTOCOL_VERSION = 4  # 2: ShmInfo.liveness_lock, RENEW_LEASES, SlotStatus.OVER_
 # 4: LookupRequest.source_hint and prefill_tokens_per_s, the PEER_* requests
 
 
+# AGENT_SESSION_NOTE: ``agent_session`` (LOOKUP, PREPARE_STORE, STORE_INLINE) names a conversation of
+# ``cache_salt``: the request opens or renews it and moves its protection from eviction to the request's
+# keys (the whole chain from chunk 0), until the server's --agent-session-ttl-s passes without a turn.
+# Appended with a default, and these three bodies omit defaults on the wire, so a client that does not
+# use it sends exactly what protocol 4 sent and PROTOCOL_VERSION stays 4.
+
+
 class RequestType(IntEnum):
     PING = 1
     REGISTER_CONTEXT = 2
@@ -154,7 +161,7 @@ class ChunkSizeReply(_Body):
     chunk_size: int
 
 
-class LookupRequest(_Body):
+class LookupRequest(_Body, omit_defaults=True):
     """With ``session_id``: the hits are tracked for that session, read-locked (``lock``) until it
     retrieves, frees them or ends, and chunks missing from L1 are fetched from L2 (``prefetch``): the
     reply then says ``hits=None`` and QUERY_PREFETCH_STATUS tells the final count. A session that does
@@ -169,6 +176,7 @@ class LookupRequest(_Body):
     probe: bool = False  # a store's check of what is stored already: not counted as a lookup
     source_hint: str = ""  # a router's HOST[:PORT] of where the prompt's KV was computed (the peer tier asks it first)
     prefill_tokens_per_s: float = 0.0  # the engine's measured prefill rate (0: unknown): a pull slower than recomputing is skipped
+    agent_session: str = ""  # a conversation's name: its prefix is kept across turns (see AGENT_SESSION_NOTE)
 
 
 class LookupReply(_Body):
@@ -193,10 +201,11 @@ class FreeLookupLocksReply(_Body):
     released: int
 
 
-class PrepareStoreRequest(_Body):
+class PrepareStoreRequest(_Body, omit_defaults=True):
     context_id: int
     keys: list[bytes]
     cache_salt: str = ""
+    agent_session: str = ""  # see AGENT_SESSION_NOTE
 
 
 class PrepareStoreReply(_Body):
@@ -237,7 +246,7 @@ class CommitRetrieveRequest(_Body):
     lease_id: int
 
 
-class StoreInlineRequest(_Body):
+class StoreInlineRequest(_Body, omit_defaults=True):
     """Followed by payload frames: the chunks ``keys[first:first+count]`` (``count`` 0: to the end) in
     order, each split into frames of ``rows_per_frame`` rows (see ``codec``). ``keys`` is the whole chain
     from chunk 0: the chunks before ``first`` are the prefix this store extends, and making room for the
@@ -249,6 +258,7 @@ class StoreInlineRequest(_Body):
     cache_salt: str = ""
     first: int = 0
     count: int = 0
+    agent_session: str = ""  # see AGENT_SESSION_NOTE
 
 
 class StoreInlineReply(_Body):

@@ -20,6 +20,7 @@ from kvdepot.errors import ConfigError, EndpointInUse
 from kvdepot.observability.metrics import Metrics
 from kvdepot.protocol.messages import RequestType
 from kvdepot.rpc.server import RpcServer
+from kvdepot.server.lifecycle import Lifecycle
 from kvdepot.server.liveness import ClientWatch, LivenessTracker
 from kvdepot.server.modules import ModuleFactory, ServerContext
 from kvdepot.server.modules.lookup import LookupModule
@@ -65,6 +66,7 @@ class KVDepotServer:
             raise
         self.liveness = LivenessTracker(config.rpc.client_timeout_s, lock_held=self.storage.lock_held)
         self.ctx = ServerContext(config, self.storage, self.liveness, metrics=metrics)
+        self._lifecycle = Lifecycle(self.storage, self.ctx.contexts)
         metrics.watch_storage(self.storage.snapshot)
         self._watch = ClientWatch(self.liveness, self.ctx.client_gone)
         self.rpc.observer = self.liveness
@@ -108,6 +110,9 @@ class KVDepotServer:
         expired = self.storage.expire()
         if expired:
             log.info("%d leases expired (TTL %.1fs)", expired, self.config.storage.lease_ttl_s)
+        pins, sessions = self.storage.expire_protections()
+        if pins or sessions:
+            log.info("%d soft pins and %d agent sessions reached their deadline: their prefixes are evictable again", pins, sessions)
         released = self.storage.recheck_quarantine()
         if released:
             log.info("%d quarantined leases released: their holders are gone", released)
@@ -173,6 +178,9 @@ class KVDepotServer:
 
     def quotas(self) -> QuotaControl | None:
         return self.storage.quotas()
+
+    def lifecycle(self) -> Lifecycle:
+        return self._lifecycle
 
     def metrics_text(self) -> bytes:
         return self.ctx.metrics.text()
