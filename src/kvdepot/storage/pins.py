@@ -70,7 +70,7 @@ class PinRefused(KVDepotError):
 
 
 class UnknownPin(KVDepotError):
-    code = ErrorCode.BAD_REQUEST
+    code = ErrorCode.UNKNOWN_LEASE  # a pin is a lease an operator holds
 
 
 class UnknownAgentSession(KVDepotError):
