@@ -8,11 +8,10 @@ from __future__ import annotations
 import httpx
 import numpy as np
 import pytest
-
-from kvdepot import KVLayout
-
 from support.servers import CHUNK, assert_bytes_equal, make_kv, make_tokens, wait_until
 from support.tiers import assert_served_whole, fs_spec, make_prompt, start_tier_server, store_full, tier_of, wait_store_idle
+
+from kvdepot import KVLayout
 
 BIG = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64)  # 64 KiB a chunk of 16 tokens
 L1_GB = "0.015625"  # 16 MiB = 256 chunks
