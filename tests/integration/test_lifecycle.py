@@ -12,6 +12,7 @@ from support.servers import CHUNK, assert_bytes_equal, make_kv, make_tokens, wai
 from support.tiers import assert_served_whole, fs_spec, make_prompt, start_tier_server, store_full, tier_of, wait_store_idle
 
 from kvdepot import KVLayout
+from kvdepot.errors import BadRequest, IllegalTransition
 
 BIG = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64)  # 64 KiB a chunk of 16 tokens
 L1_GB = "0.015625"  # 16 MiB = 256 chunks
@@ -111,6 +112,29 @@ def test_pinned_bytes_count_against_the_salt_quota(make_server, seed):
         assert c.lookup(pinned_t, cache_salt="t") == len(pinned_t)
         unpinned = sum(c.lookup(t, cache_salt="t") for t, _ in [(more_t, more_kv), *others]) // CHUNK
         assert unpinned <= 16 - 12, f"{unpinned} unpinned chunks of t kept: the pinned 12 did not count against the quota"
+
+
+def test_a_client_pins_unpins_and_closes_its_agent_session_over_rpc(make_server, seed):
+    srv = small_server(make_server)
+    (pt, pkv), (st, skv) = prompt(6, seed), prompt(6, seed + 1)
+    with srv.client(layout=BIG) as c:
+        assert c.store(pt, pkv) == len(pt)
+        assert c.store(st, skv, agent_session="conv") == len(st)
+        reply = c.pin(pt)
+        assert (reply.pinned, reply.state, reply.expires_in_s) == (6, "hard", -1.0)
+        assert c.pin(make_tokens(3 * CHUNK, seed + 5), ttl_s=30).pinned == 0  # nothing of it in L1
+        flood(srv, seed)
+        assert c.lookup(pt) == len(pt) and c.lookup(st) == len(st)
+        assert c.unpin(reply.pin_id).state == "released"
+        with pytest.raises(IllegalTransition, match="released"):
+            c.unpin(reply.pin_id)
+        c.close_agent_session("conv")
+        with pytest.raises(IllegalTransition, match="closed"):
+            c.close_agent_session("conv")
+        flood(srv, seed + 1)
+        assert c.lookup(pt) == 0 and c.lookup(st) == 0
+        with pytest.raises(BadRequest):
+            c.pin(pt, ttl_s=-1)
 
 
 # --- agent-session leases ------------------------------------------------------------------------------

@@ -277,6 +277,25 @@ class KVClient:
         returns how many leases were renewed (ended ones are skipped, not an error)."""
         return self.link.renew(sessions, lease_ids)
 
+    # --- lifecycle controls --------------------------------------------------------------------------
+
+    def pin(self, tokens: Tokens | list[ChunkHash], cache_salt: str | None = None, ttl_s: float | None = None) -> m.PinReply:
+        """Keep the stored prefix of ``tokens`` (or chunk hashes) from eviction: until ``unpin`` (a hard
+        pin), or for ``ttl_s`` seconds (a soft pin). Only what is in L1 now is pinned: ``pinned`` in the
+        reply says how many chunks. Pinned bytes count against the salt's quota; a pin over it raises
+        (NO_SPACE). A pin is the server's, not this client's: it outlives the client."""
+        body = m.PinPrefixRequest(context_id=0, keys=self._as_hashes(tokens), cache_salt=cache_salt or "", ttl_s=ttl_s or 0.0)
+        return self.link.request(body)
+
+    def unpin(self, pin_id: int) -> m.PinReply:
+        """End a pin (IllegalTransition if it ended already)."""
+        return self.link.channel.call(m.UnpinRequest(pin_id=pin_id), timeout_s=self.timeout_s)
+
+    def close_agent_session(self, name: str, cache_salt: str | None = None) -> None:
+        """End the agent session ``name`` (opened by a ``lookup``/``store`` with ``agent_session=name``):
+        its prefix is evicted normally from now on. IllegalTransition if it ended already."""
+        self.link.channel.call(m.CloseAgentSessionRequest(name=name, cache_salt=cache_salt or ""), timeout_s=self.timeout_s)
+
     # --- internals -----------------------------------------------------------------------------------
 
     def _on_path(self, use: Callable[[TransferPath], T]) -> T:

@@ -45,6 +45,10 @@ class RequestType(IntEnum):
     CLEAR = 15
     REPORT_BLOCK_ALLOCATION = 16
     RENEW_LEASES = 17
+    # lifecycle controls (storage/pins.py): an old server answers UNKNOWN_REQUEST_TYPE, so no version bump
+    PIN_PREFIX = 18
+    UNPIN = 19
+    CLOSE_AGENT_SESSION = 20
     # the peer tier's control plane (node to node; kvdepot.peer)
     PEER_JOIN = 32
     PEER_HEARTBEAT = 33
@@ -319,6 +323,38 @@ class RenewLeasesReply(_Body):
     renewed: int
 
 
+# --- lifecycle controls ---------------------------------------------------------------------------
+
+
+class PinPrefixRequest(_Body):
+    """Keep the leading run of ``keys`` that is in L1 now from eviction: until UNPIN (``ttl_s`` 0, a
+    hard pin) or for ``ttl_s`` seconds (a soft pin). Counted against the salt's quota (NO_SPACE when the
+    salt's pinned bytes would exceed it). A pin belongs to the server, not the client: it outlives it."""
+
+    context_id: int
+    keys: list[bytes]
+    cache_salt: str = ""
+    ttl_s: float = 0.0
+
+
+class UnpinRequest(_Body):
+    pin_id: int
+
+
+class PinReply(_Body):
+    pin_id: int
+    pinned: int  # objects the pin protects (0: none of the prefix was in L1)
+    state: str  # hard, soft, released, expired
+    expires_in_s: float = -1.0  # -1: no deadline (hard, or ended)
+
+
+class CloseAgentSessionRequest(_Body):
+    """End an agent session (see AGENT_SESSION_NOTE): its prefix is evicted normally from now on."""
+
+    name: str
+    cache_salt: str = ""
+
+
 # --- the peer tier (node to node) -------------------------------------------------------------------
 
 
@@ -431,6 +467,9 @@ REGISTRY: dict[RequestType, tuple[type[_Body], type[_Body]]] = {
     RequestType.CLEAR: (ClearRequest, ClearReply),
     RequestType.REPORT_BLOCK_ALLOCATION: (ReportBlockAllocationRequest, Ack),
     RequestType.RENEW_LEASES: (RenewLeasesRequest, RenewLeasesReply),
+    RequestType.PIN_PREFIX: (PinPrefixRequest, PinReply),
+    RequestType.UNPIN: (UnpinRequest, PinReply),
+    RequestType.CLOSE_AGENT_SESSION: (CloseAgentSessionRequest, Ack),
     RequestType.PEER_JOIN: (PeerJoinRequest, PeerMembershipReply),
     RequestType.PEER_HEARTBEAT: (PeerHeartbeatRequest, PeerMembershipReply),
     RequestType.PEER_PUBLISH: (PeerPublishRequest, PeerCountReply),

@@ -23,6 +23,7 @@ from kvdepot.rpc.server import RpcServer
 from kvdepot.server.lifecycle import Lifecycle
 from kvdepot.server.liveness import ClientWatch, LivenessTracker
 from kvdepot.server.modules import ModuleFactory, ServerContext
+from kvdepot.server.modules.lifecycle import LifecycleModule
 from kvdepot.server.modules.lookup import LookupModule
 from kvdepot.server.modules.management import ManagementModule
 from kvdepot.server.modules.transfer import TransferModule
@@ -32,7 +33,7 @@ from kvdepot.types import ClearScope, ClientId, NodeId
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODULES: tuple[ModuleFactory, ...] = (ManagementModule, LookupModule, TransferModule)
+DEFAULT_MODULES: tuple[ModuleFactory, ...] = (ManagementModule, LookupModule, TransferModule, LifecycleModule)
 
 
 def node_id(config: ServerConfig) -> NodeId:
