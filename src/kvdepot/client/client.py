@@ -252,13 +252,16 @@ class KVClient:
         return self.link.lookup(hashes, cache_salt or "", session_id)
 
     def lookup_reply(self, hashes: list[ChunkHash], cache_salt: str | None = None, session_id: str = "", *, source_hint: str = "",
-                     prefill_tokens_per_s: float = 0.0) -> m.LookupReply:  # fmt: skip
+                     prefill_tokens_per_s: float = 0.0, agent_session: str = "") -> m.LookupReply:  # fmt: skip
         """``lookup_chunks`` with the server's whole reply: ``hits`` (None while prefetching), whether
         they are locked, and ``in_l1``, how many were in L1 at the lookup (the rest come from L2).
         ``source_hint``: a router's ``HOST[:PORT]`` of where this prompt's KV was computed (the peer
         tier asks that node first); ``prefill_tokens_per_s``: the engine's prefill rate, so the peer
-        tier skips a pull that would be slower than recomputing."""
-        return self.link.lookup_reply(hashes, cache_salt or "", session_id, source_hint=source_hint, prefill_tokens_per_s=prefill_tokens_per_s)
+        tier skips a pull that would be slower than recomputing; ``agent_session``: this lookup is a
+        turn of that conversation (see ``lookup``)."""
+        return self.link.lookup_reply(
+            hashes, cache_salt or "", session_id, source_hint=source_hint, prefill_tokens_per_s=prefill_tokens_per_s, agent_session=agent_session
+        )
 
     def query_prefetch_status(self, session_id: str) -> int | None:
         return self.session(session_id).status()
