@@ -233,3 +233,14 @@ def test_remove_deletes_pinned_objects_and_dooms_locked_ones(prot):
     t.release_read(lock.lease_id, OWNER)
     assert t.get(key(3)) is None
     t.check_invariants()
+
+
+def test_an_eviction_scan_moves_pinned_keys_out_of_the_way_of_the_next(prot):
+    t = table(prot)
+    for i in (1, 2, 3, 4):
+        store(t, [i])
+    t.with_ready_prefix(keys(1, 2), lambda found: prot.pin("", [(k, size) for k, size, _ in found]))
+    assert list(t.policy.candidates()) == keys(1, 2, 3, 4)  # oldest first
+    store(t, [5])  # makes room: walks past 1 and 2, evicts 3, and moves 1 and 2 to the recent end
+    assert list(t.policy.candidates()) == keys(4, 1, 2, 5)
+    t.check_invariants()

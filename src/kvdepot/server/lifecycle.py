@@ -81,8 +81,8 @@ class Lifecycle:
 
     # --- the controls --------------------------------------------------------------------------------
 
-    def pin(self, targets: list[Target], ttl_s: float | None) -> dict:
-        pins = [self._storage.pin(t.keys, ttl_s) for t in targets]
+    def pin(self, targets: list[Target], cache_salt: str, ttl_s: float | None) -> dict:
+        pins = [self._storage.pin(t.keys, cache_salt, ttl_s) for t in targets]
         return {
             "requested": sum(len(t.keys) for t in targets),
             "pinned": sum(p.pinned for p in pins),

@@ -707,12 +707,19 @@ class ObjectTable:
         while not enough():
             # Collect a batch first (the policy must not change while we iterate it), then remove.
             batch: list[L1Object] = []
+            protected: list[ObjectKey] = []
             for key in self._policy.candidates():
                 if key in keep or not self._evictable_locked(key):
+                    if self._protected(key):
+                        protected.append(key)
                     continue
                 batch.append(self._objects[key])
                 if len(batch) >= 32:
                     break
+            # Pinned prefixes sit at the old end of the order (nobody needs to read them to keep them):
+            # move them to the recent end, so later scans do not walk them again and again.
+            for key in protected:
+                self._policy.on_access(key)
             if not batch:
                 break
             for obj in batch:

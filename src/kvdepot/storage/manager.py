@@ -375,12 +375,11 @@ class StorageManager:
 
     # --- lifecycle: pins and agent sessions (storage/pins.py) -----------------------------------------
 
-    def pin(self, keys: Sequence[ObjectKey], ttl_s: float | None = None) -> PinInfo:
-        """Pin the leading run of ``keys`` that is in L1 now (``ttl_s``: a soft pin; None: hard). Keys
-        not in L1 are not pinned: the result says how many were."""
+    def pin(self, keys: Sequence[ObjectKey], salt: str, ttl_s: float | None = None) -> PinInfo:
+        """Pin the leading run of ``keys`` (of ``cache_salt`` ``salt``) that is in L1 now (``ttl_s``: a
+        soft pin; None: hard). Keys not in L1 are not pinned: the result says how many were."""
 
         def protect(found: list[tuple[ObjectKey, int, str]]) -> PinInfo:
-            salt = found[0][2] if found else ""
             return self._protections.pin(salt, [(key, size) for key, size, _ in found], ttl_s)
 
         return self._table.with_ready_prefix(keys, protect)

@@ -47,6 +47,7 @@ from kvdepot.errors import ErrorCode, IllegalTransition, KVDepotError
 from kvdepot.types import NAMESPACE_BYTES, ObjectKey
 
 MAX_SESSIONS = 65536  # open agent sessions; beyond it a new one is refused (names can be per request)
+MAX_PINS = 65536  # live pins; beyond it a new one is refused (any client may pin)
 REMEMBER_ENDED = 4096  # ended pins / sessions kept for their error message
 
 
@@ -157,6 +158,8 @@ class Protections:
         if ttl_s is not None and not ttl_s > 0:
             raise IllegalTransition(f"a soft pin needs a positive ttl_s, got {ttl_s}")
         with self._lock:
+            if len(self._pins) >= MAX_PINS:
+                raise KVDepotError(f"{MAX_PINS} pins are held; unpin some first", ErrorCode.NO_SPACE)
             sizes = dict(present)
             quota = self._quota_of(salt)
             if quota is not None:

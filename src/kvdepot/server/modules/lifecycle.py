@@ -37,7 +37,7 @@ class LifecycleModule:
         if not 0 <= body.ttl_s <= MAX_PIN_TTL_S:  # also refuses NaN
             raise BadRequest(f"ttl_s must lie in [0, {MAX_PIN_TTL_S:g}] (0: a hard pin), got {body.ttl_s}")
         _, keys = context_and_keys(self.ctx, call)
-        return _reply(self.storage.pin(keys, body.ttl_s or None))
+        return _reply(self.storage.pin(keys, body.cache_salt, body.ttl_s or None))
 
     def unpin(self, call: Call) -> Reply:
         return _reply(self.storage.unpin(call.body.pin_id))
