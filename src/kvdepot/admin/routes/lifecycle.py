@@ -33,6 +33,8 @@ from kvdepot.types import ClearScope
 T = TypeVar("T")
 MAX_TTL_S = 30 * 24 * 3600.0
 TokenId = Annotated[StrictInt, Field(ge=0, le=(1 << 32) - 1)]
+MAX_TOKENS = 1 << 22  # a prompt this long is far past any context window; bounds the hashing one request costs
+MAX_HASHES = 1 << 16  # as many chunks as one RPC request may name (limits.MAX_KEYS)
 
 
 class LifecycleControl(Protocol):
@@ -62,8 +64,8 @@ class _Strict(BaseModel):
 class PrefixBody(_Strict):
     model: str | None = Field(None, description="the model (optional while every registered engine serves one)")
     cache_salt: str = Field("", max_length=4096)
-    chunk_hashes: list[str] | None = Field(None, description="hex chunk hashes from chunk 0 on")
-    token_ids: list[TokenId] | None = Field(None, description="the prefix's token ids (only complete chunks count)")
+    chunk_hashes: list[str] | None = Field(None, max_length=MAX_HASHES, description="hex chunk hashes from chunk 0 on")
+    token_ids: list[TokenId] | None = Field(None, max_length=MAX_TOKENS, description="the prefix's token ids (only complete chunks count)")
 
 
 class PinBody(PrefixBody):
@@ -89,8 +91,8 @@ class SessionRenewBody(SessionName):
 
 class SessionOpenBody(SessionRenewBody):
     model: str | None = None
-    chunk_hashes: list[str] | None = None
-    token_ids: list[TokenId] | None = None
+    chunk_hashes: list[str] | None = Field(None, max_length=MAX_HASHES)
+    token_ids: list[TokenId] | None = Field(None, max_length=MAX_TOKENS)
 
 
 class ExtendBody(_Strict):
