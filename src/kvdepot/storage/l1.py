@@ -7,7 +7,8 @@ Objects::
 
     absent ──reserve_write──► WRITING ──commit_write──► READY ◄──release_read── READ-LOCKED(n)
                │   (one writer, invisible)   │            │ ──acquire_read──►
-               └──abort / lease end──────────┴─► absent   READY & unlocked: evictable
+               └──abort / lease end──────────┴─► absent   READY & unlocked: evictable unless
+                                                          pinned or an agent session's (pins.py)
                                                           clear while locked: DOOMED (removed when
                                                           the last lock goes; invisible meanwhile)
 
