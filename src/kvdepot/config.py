@@ -143,6 +143,10 @@ class StorageConfig(ConfigStruct, frozen=True, kw_only=True):
         option("write_through keeps objects in L1 and every tier; skip_l1 drops them from L1 once every tier has them"),
     ] = Placement.WRITE_THROUGH
     l2_queue_limit: Annotated[int, option("objects waiting for L2; beyond it new ones are not pushed (counted)", ge=1)] = 65536
+    # lifecycle controls (storage/pins.py)
+    agent_session_ttl_s: Annotated[
+        float, option("an agent session (a conversation's prefix kept across tool-call gaps) ends this long after its last turn", gt=0)
+    ] = 300.0
 
     def _check_together(self) -> None:
         if self.low_watermark > self.high_watermark:

@@ -32,6 +32,7 @@ class RemovedBecause(Enum):
     CLEARED = "cleared"
     DISCARDED = "discarded"  # pushed to every tier and dropped from L1 (skip_l1 placement)
     OVER_QUOTA = "over_quota"
+    DELETED = "deleted"  # an operator deleted its prefix (DELETE /cache/prefix)
 
 
 @dataclass(frozen=True, slots=True)

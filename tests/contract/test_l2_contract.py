@@ -325,3 +325,16 @@ def test_clear_removes_everything_of_this_tier_and_nothing_else(make_adapter, rn
     assert store(mine, [(keys[0], payloads[0])]).value == [True]
     dest = np.zeros_like(payloads[0])
     assert load(mine, [keys[0]], [dest]) == [True] and np.array_equal(dest, payloads[0])
+
+
+def test_delete_removes_the_named_objects_and_says_how_many_were_there(adapter, rng) -> None:
+    keys = make_keys(4)
+    payloads = [make_payload(rng, 2000 + i) for i in range(4)]
+    assert store(adapter, list(zip(keys, payloads))).value == [True] * 4
+    absent = make_keys(1)[0]
+    r = wait(adapter, adapter.submit_delete([keys[1], keys[3], absent]))
+    assert r.kind is TaskKind.DELETE and r.ok and r.value == 2, r
+    assert [present(adapter, k) for k in keys] == [True, False, True, False]
+    assert wait(adapter, adapter.submit_delete([keys[1]])).value == 0  # gone already: not an error
+    dest = np.zeros_like(payloads[0])
+    assert load(adapter, [keys[0]], [dest]) == [True] and np.array_equal(dest, payloads[0])

@@ -296,6 +296,26 @@ def test_cache_salt_separates_requests(server):
     s.shutdown()
 
 
+def test_a_lookup_is_a_turn_of_the_agent_session_its_request_names(server):
+    """vLLM passes ``kv_transfer_params`` through untouched: a request naming ``kvdepot_agent_session``
+    opens (or renews) that session on the server, protecting the whole prompt's chunks."""
+    import httpx
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    toks = tokens(3 * CS + 1)
+    store(server.url, toks, 2, salt="t")
+    s = scheduler(server.url)
+    params = SamplingParams(max_tokens=8, extra_args={"kv_transfer_params": {"kvdepot_agent_session": "conv-1"}})
+    req = Request("turn-1", toks, params, None, cache_salt="t")
+    assert s.get_num_new_matched_tokens(req, 0) == (2 * CS, False)
+    sessions = httpx.get(f"{server.http}/cache/sessions", timeout=10).json()["sessions"]
+    assert [(x["cache_salt"], x["name"], x["state"], x["keys"]) for x in sessions] == [("t", "conv-1", "open", 3)]
+    assert s.get_num_new_matched_tokens(request("plain", toks, salt="t"), 0) == (2 * CS, False)
+    assert len(httpx.get(f"{server.http}/cache/sessions", timeout=10).json()["sessions"]) == 1  # no name, no session
+    s.shutdown()
+
+
 def test_config_rejects_unknown_options():
     from kvdepot.connectors.vllm.config import ConnectorConfig
 

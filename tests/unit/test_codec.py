@@ -59,6 +59,9 @@ REQUESTS: dict[RequestType, msgspec.Struct] = {
     RequestType.CLEAR: m.ClearRequest(scope="all"),
     RequestType.REPORT_BLOCK_ALLOCATION: m.ReportBlockAllocationRequest(context_id=7, allocated_blocks=3, freed_blocks=1),
     RequestType.RENEW_LEASES: m.RenewLeasesRequest(context_id=7, lease_ids=[5, 6], sessions=["req-1"]),
+    RequestType.PIN_PREFIX: m.PinPrefixRequest(context_id=7, keys=[b"a" * 32], cache_salt="t", ttl_s=30.0),
+    RequestType.UNPIN: m.UnpinRequest(pin_id=3),
+    RequestType.CLOSE_AGENT_SESSION: m.CloseAgentSessionRequest(name="conv", cache_salt="t"),
     RequestType.PEER_JOIN: m.PeerJoinRequest(node=_NODE),
     RequestType.PEER_HEARTBEAT: m.PeerHeartbeatRequest(node=_NODE),
     RequestType.PEER_PUBLISH: m.PeerPublishRequest(records=[_LOC]),
@@ -96,6 +99,9 @@ REPLIES: dict[RequestType, msgspec.Struct] = {
     RequestType.CLEAR: m.ClearReply(removed=12, tiers_removed={"disk": 3}),
     RequestType.REPORT_BLOCK_ALLOCATION: m.Ack(),
     RequestType.RENEW_LEASES: m.RenewLeasesReply(renewed=2),
+    RequestType.PIN_PREFIX: m.PinReply(pin_id=3, pinned=1, state="soft", expires_in_s=30.0),
+    RequestType.UNPIN: m.PinReply(pin_id=3, pinned=1, state="released"),
+    RequestType.CLOSE_AGENT_SESSION: m.Ack(),
     RequestType.PEER_JOIN: m.PeerMembershipReply(members=[_NODE], masters=[_NODE.id], head=_NODE.id, silent_ms=[12]),
     RequestType.PEER_HEARTBEAT: m.PeerMembershipReply(members=[_NODE], masters=[_NODE.id]),
     RequestType.PEER_PUBLISH: m.PeerCountReply(count=1),
@@ -133,6 +139,9 @@ def test_request_type_values_are_pinned():
         "CLEAR": 15,
         "REPORT_BLOCK_ALLOCATION": 16,
         "RENEW_LEASES": 17,
+        "PIN_PREFIX": 18,
+        "UNPIN": 19,
+        "CLOSE_AGENT_SESSION": 20,
         "PEER_JOIN": 32,
         "PEER_HEARTBEAT": 33,
         "PEER_PUBLISH": 34,
@@ -380,3 +389,21 @@ def test_check_payload_rejects_an_impossible_split_as_payload_mismatch():
 def test_default_limits():
     assert MAX_FRAME_BYTES == 16 << 20 and RpcConfig().max_frame_bytes == MAX_FRAME_BYTES  # one source
     assert codec.MAX_BODY_BYTES == 8 << 20
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        m.LookupRequest(context_id=1, keys=KEYS),
+        m.PrepareStoreRequest(context_id=1, keys=KEYS),
+        m.StoreInlineRequest(context_id=1, keys=KEYS, rows_per_frame=4),
+    ],
+    ids=lambda b: type(b).__name__,
+)
+def test_agent_session_is_left_off_the_wire_when_unused(body):
+    """Protocol 4 servers refuse unknown fields: a client that names no agent session must send exactly
+    the fields they know, so the field's addition needs no version bump."""
+    plain = msgspec.msgpack.decode(msgspec.msgpack.encode(body))
+    assert "agent_session" not in plain
+    body.agent_session = "conv"
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(body))["agent_session"] == "conv"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvdepot.connectors.vllm.hints import MIN_PREFILL_TOKENS, PrefillRate, source_hint
+from kvdepot.connectors.vllm.hints import MIN_PREFILL_TOKENS, PrefillRate, agent_session, source_hint
 
 
 @pytest.mark.parametrize(
@@ -21,6 +21,20 @@ from kvdepot.connectors.vllm.hints import MIN_PREFILL_TOKENS, PrefillRate, sourc
 )
 def test_source_hint_from_kv_transfer_params(params, want):
     assert source_hint(params) == want
+
+
+@pytest.mark.parametrize(
+    ("params", "want"),
+    [
+        (None, ""),
+        ({}, ""),
+        ({"kvdepot_agent_session": "conv-42"}, "conv-42"),
+        ({"kvdepot_agent_session": 42}, ""),  # not a name: no session rather than a failed lookup
+        ({"kvdepot_agent_session": "x" * 257}, ""),  # longer than the server accepts
+    ],
+)
+def test_agent_session_from_kv_transfer_params(params, want):
+    assert agent_session(params) == want
 
 
 def test_prefill_rate_is_learned_from_prefill_steps_only():

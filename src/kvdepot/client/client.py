@@ -174,19 +174,27 @@ class KVClient:
         """Chunk hashes of every complete chunk of ``tokens`` (the keys the server stores them under)."""
         return chunk_hashes(tokens, self.chunk_size, self.registration.algorithm)
 
-    def lookup(self, tokens: Tokens, cache_salt: str | None = None) -> int:
-        """How many leading tokens are stored (a multiple of chunk_size). Takes no lock."""
-        return self.stored_chunks(self.hashes(tokens), cache_salt or "") * self.chunk_size
+    def lookup(self, tokens: Tokens, cache_salt: str | None = None, agent_session: str = "") -> int:
+        """How many leading tokens are stored (a multiple of chunk_size). Takes no lock.
 
-    def store(self, tokens: Tokens, kv, cache_salt: str | None = None, raw: bool = False) -> int:
+        ``agent_session``: this lookup is a turn of that conversation (of ``cache_salt``): the server
+        opens or renews it and keeps these tokens' chunks from eviction until the session's deadline
+        (``--agent-session-ttl-s`` after its last turn). The answer is then L1's (no wait for L2)."""
+        hashes = self.hashes(tokens)
+        if agent_session:
+            return (self.link.lookup_reply(hashes, cache_salt or "", agent_session=agent_session).hits or 0) * self.chunk_size
+        return self.stored_chunks(hashes, cache_salt or "") * self.chunk_size
+
+    def store(self, tokens: Tokens, kv, cache_salt: str | None = None, raw: bool = False, agent_session: str = "") -> int:
         """Store the complete chunks of ``kv`` ``[K, L, len(tokens), H, D]``; returns the leading tokens
         now stored. ``kv``'s dtype must be the layout's exactly (a torch tensor, or a numpy array; for
         bfloat16 and fp8 an ml_dtypes array); ``raw=True`` also accepts the same-width unsigned integers
-        holding those bits (which is what kvdepot hands back for them)."""
+        holding those bits (which is what kvdepot hands back for them). ``agent_session``: a turn of
+        that conversation (see ``lookup``); its protection covers these chunks before they are reserved."""
         n_tokens = len(tokens)
         hashes = self.hashes(tokens)
         kv = self._check_kv(kv, n_tokens, raw, exact=True)
-        return self._on_path(lambda path: path.store(hashes, kv, cache_salt or "")) * self.chunk_size
+        return self._on_path(lambda path: path.store(hashes, kv, cache_salt or "", agent_session)) * self.chunk_size
 
     def retrieve(self, tokens: Tokens, cache_salt: str | None = None, out: np.ndarray | None = None, raw: bool = False) -> np.ndarray:
         """The KV of the leading stored chunks of ``tokens``: ``[K, L, n, H, D]``, as an array of the
@@ -251,13 +259,16 @@ class KVClient:
         return self.link.lookup(hashes, cache_salt or "", session_id)
 
     def lookup_reply(self, hashes: list[ChunkHash], cache_salt: str | None = None, session_id: str = "", *, source_hint: str = "",
-                     prefill_tokens_per_s: float = 0.0) -> m.LookupReply:  # fmt: skip
+                     prefill_tokens_per_s: float = 0.0, agent_session: str = "") -> m.LookupReply:  # fmt: skip
         """``lookup_chunks`` with the server's whole reply: ``hits`` (None while prefetching), whether
         they are locked, and ``in_l1``, how many were in L1 at the lookup (the rest come from L2).
         ``source_hint``: a router's ``HOST[:PORT]`` of where this prompt's KV was computed (the peer
         tier asks that node first); ``prefill_tokens_per_s``: the engine's prefill rate, so the peer
-        tier skips a pull that would be slower than recomputing."""
-        return self.link.lookup_reply(hashes, cache_salt or "", session_id, source_hint=source_hint, prefill_tokens_per_s=prefill_tokens_per_s)
+        tier skips a pull that would be slower than recomputing; ``agent_session``: this lookup is a
+        turn of that conversation (see ``lookup``)."""
+        return self.link.lookup_reply(
+            hashes, cache_salt or "", session_id, source_hint=source_hint, prefill_tokens_per_s=prefill_tokens_per_s, agent_session=agent_session
+        )
 
     def query_prefetch_status(self, session_id: str) -> int | None:
         return self.session(session_id).status()
@@ -275,6 +286,25 @@ class KVClient:
         """Push the TTL of these sessions' locks and of these leases (this client's own) to now + TTL;
         returns how many leases were renewed (ended ones are skipped, not an error)."""
         return self.link.renew(sessions, lease_ids)
+
+    # --- lifecycle controls --------------------------------------------------------------------------
+
+    def pin(self, tokens: Tokens | list[ChunkHash], cache_salt: str | None = None, ttl_s: float | None = None) -> m.PinReply:
+        """Keep the stored prefix of ``tokens`` (or chunk hashes) from eviction: until ``unpin`` (a hard
+        pin), or for ``ttl_s`` seconds (a soft pin). Only what is in L1 now is pinned: ``pinned`` in the
+        reply says how many chunks. Pinned bytes count against the salt's quota; a pin over it raises
+        (NO_SPACE). A pin is the server's, not this client's: it outlives the client."""
+        body = m.PinPrefixRequest(context_id=0, keys=self._as_hashes(tokens), cache_salt=cache_salt or "", ttl_s=ttl_s or 0.0)
+        return self.link.request(body)
+
+    def unpin(self, pin_id: int) -> m.PinReply:
+        """End a pin (IllegalTransition if it ended already)."""
+        return self.link.channel.call(m.UnpinRequest(pin_id=pin_id), timeout_s=self.timeout_s)
+
+    def close_agent_session(self, name: str, cache_salt: str | None = None) -> None:
+        """End the agent session ``name`` (opened by a ``lookup``/``store`` with ``agent_session=name``):
+        its prefix is evicted normally from now on. IllegalTransition if it ended already."""
+        self.link.channel.call(m.CloseAgentSessionRequest(name=name, cache_salt=cache_salt or ""), timeout_s=self.timeout_s)
 
     # --- internals -----------------------------------------------------------------------------------
 

@@ -168,15 +168,16 @@ class ContextLink:
 
     def lookup_reply(
         self, hashes: list[ChunkHash], salt: str, session_id: str = "", lock: bool = True, prefetch: bool = True, probe: bool = False,
-        source_hint: str = "", prefill_tokens_per_s: float = 0.0,
+        source_hint: str = "", prefill_tokens_per_s: float = 0.0, agent_session: str = "",
     ) -> m.LookupReply:
         """``lookup`` with the whole reply (``in_l1``: how many of the hits were in L1 at the lookup).
-        ``source_hint`` and ``prefill_tokens_per_s`` reach the tiers' lookups (see ``LookupRequest``)."""
+        ``source_hint`` and ``prefill_tokens_per_s`` reach the tiers' lookups (see ``LookupRequest``);
+        ``agent_session`` makes it a turn of that conversation (its prefix is kept between turns)."""
         if not hashes:
             return m.LookupReply(hits=0)
         req = m.LookupRequest(
             context_id=0, keys=list(hashes), cache_salt=salt, session_id=session_id, lock=lock, prefetch=prefetch, probe=probe,
-            source_hint=source_hint, prefill_tokens_per_s=prefill_tokens_per_s,
+            source_hint=source_hint, prefill_tokens_per_s=prefill_tokens_per_s, agent_session=agent_session,
         )
         return self.request(req)
 

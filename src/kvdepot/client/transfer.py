@@ -60,9 +60,9 @@ class PathHost(Protocol):
 class TransferPath(Protocol):
     name: Transport
 
-    def prepare_store(self, hashes: list[ChunkHash], salt: str) -> AbstractContextManager[StoreSlots]: ...
+    def prepare_store(self, hashes: list[ChunkHash], salt: str, agent_session: str = "") -> AbstractContextManager[StoreSlots]: ...
     def prepare_retrieve(self, hashes: list[ChunkHash], salt: str, session_id: str, start: int) -> AbstractContextManager[list[np.ndarray]]: ...
-    def store(self, hashes: list[ChunkHash], kv: np.ndarray, salt: str) -> int: ...
+    def store(self, hashes: list[ChunkHash], kv: np.ndarray, salt: str, agent_session: str = "") -> int: ...
     def retrieve_into(self, hashes: list[ChunkHash], salt: str, out: np.ndarray | None) -> np.ndarray: ...
     def close(self) -> None: ...
 
@@ -76,11 +76,12 @@ def leading_stored(statuses: list[SlotStatus]) -> int:
     return leading_run(s.holds for s in statuses)
 
 
-def _lookup(host: PathHost, hashes: list[ChunkHash], salt: str) -> int:
-    """Leading chunks in L1 now (no lock, no prefetch)."""
+def _lookup(host: PathHost, hashes: list[ChunkHash], salt: str, agent_session: str = "") -> int:
+    """Leading chunks in L1 now (no lock, no prefetch); a turn of ``agent_session`` when named."""
     if not hashes:
         return 0
-    return host.request(m.LookupRequest(context_id=0, keys=list(hashes), cache_salt=salt, probe=True)).hits or 0
+    body = m.LookupRequest(context_id=0, keys=list(hashes), cache_salt=salt, probe=True, agent_session=agent_session)
+    return host.request(body).hits or 0
 
 
 def _copy_chunks(slots: StoreSlots, kv: np.ndarray, cs: int) -> None:
@@ -123,10 +124,11 @@ class ShmPath:
         return self._host.layout.view_chunk(view, reg.chunk_size, writable=writable)
 
     @contextmanager
-    def prepare_store(self, hashes: list[ChunkHash], salt: str) -> Iterator[StoreSlots]:
+    def prepare_store(self, hashes: list[ChunkHash], salt: str, agent_session: str = "") -> Iterator[StoreSlots]:
         h = self._host
         self._usable()
-        reply = h.request(m.PrepareStoreRequest(context_id=0, keys=list(hashes), cache_salt=salt), path=self)
+        body = m.PrepareStoreRequest(context_id=0, keys=list(hashes), cache_salt=salt, agent_session=agent_session)
+        reply = h.request(body, path=self)
         reg = h.registration
         context_id = reg.context_id
         slots = StoreSlots(
@@ -168,8 +170,8 @@ class ShmPath:
                     # LeaseExpired here means the bytes may have been reused while read: it propagates.
                     h.finish(m.CommitRetrieveRequest(context_id=context_id, lease_id=reply.lease_id))
 
-    def store(self, hashes: list[ChunkHash], kv: np.ndarray, salt: str) -> int:
-        with self.prepare_store(hashes, salt) as slots:
+    def store(self, hashes: list[ChunkHash], kv: np.ndarray, salt: str, agent_session: str = "") -> int:
+        with self.prepare_store(hashes, salt, agent_session) as slots:
             _copy_chunks(slots, kv, self._host.registration.chunk_size)
         return leading_stored(slots.statuses)
 
@@ -205,7 +207,8 @@ class InlinePath:
         lay = self._host.layout
         return lay.kv_factor * lay.num_layers
 
-    def _send_store(self, hashes: list[ChunkHash], salt: str, first: int, chunk_frames: list[list], rpf: int) -> list[SlotStatus]:
+    def _send_store(self, hashes: list[ChunkHash], salt: str, first: int, chunk_frames: list[list], rpf: int,
+                    agent_session: str = "") -> list[SlotStatus]:  # fmt: skip
         """Store chunks ``hashes[first:]`` whose frames are ``chunk_frames`` as pipelined messages of
         about INLINE_BATCH_BYTES each: bounded memory on both ends, and the server copies one batch
         into L1 while the next is still on the wire."""
@@ -216,17 +219,18 @@ class InlinePath:
         for i in range(first, len(hashes), per_batch):
             j = min(i + per_batch, len(hashes))
             body = m.StoreInlineRequest(
-                context_id=reg.context_id, keys=list(hashes[:j]), cache_salt=salt, rows_per_frame=rpf, first=i, count=j - i
+                context_id=reg.context_id, keys=list(hashes[:j]), cache_salt=salt, rows_per_frame=rpf, first=i, count=j - i,
+                agent_session=agent_session,
             )
             requests.append((body, [f for frames in chunk_frames[i - first : j - first] for f in frames]))
         replies = h.pipeline(requests)
         return [SlotStatus(s) for r in replies for s in r.statuses]
 
     @contextmanager
-    def prepare_store(self, hashes: list[ChunkHash], salt: str) -> Iterator[StoreSlots]:
+    def prepare_store(self, hashes: list[ChunkHash], salt: str, agent_session: str = "") -> Iterator[StoreSlots]:
         h = self._host
         reg = h.registration
-        first = _lookup(h, hashes, salt)  # skip sending what is already there
+        first = _lookup(h, hashes, salt, agent_session)  # skip sending what is already there
         n_new = len(hashes) - first
         buffer = self._staging.acquire(n_new * reg.chunk_bytes)  # this block's alone
         staging = buffer[: n_new * reg.chunk_bytes].reshape(n_new, reg.chunk_bytes)
@@ -245,10 +249,10 @@ class InlinePath:
         rpf = codec.rows_per_frame_for(reg.chunk_bytes, self._rows, max_frame)
         frames = [codec.split_object(row, self._rows, rpf, max_frame) for row in staging]
         # On failure the buffer is dropped, not pooled: ZeroMQ may still be sending from it.
-        slots.statuses[first:] = self._send_store(hashes, salt, first, frames, rpf)
+        slots.statuses[first:] = self._send_store(hashes, salt, first, frames, rpf, agent_session)
         self._staging.release(buffer)
 
-    def store(self, hashes: list[ChunkHash], kv: np.ndarray, salt: str) -> int:
+    def store(self, hashes: list[ChunkHash], kv: np.ndarray, salt: str, agent_session: str = "") -> int:
         """A C-contiguous ``kv`` goes without staging: each (k, layer) row of a chunk is contiguous in
         it, so it is sent as its own frame, straight from the caller's memory."""
         h = self._host
@@ -257,17 +261,17 @@ class InlinePath:
         row_bytes = reg.chunk_bytes // self._rows
         if not kv.flags.c_contiguous or row_bytes > reg.max_frame_bytes or row_bytes < (64 << 10):
             # Strided, rows too big for a frame, or so small that ZeroMQ would copy them anyway: stage.
-            with self.prepare_store(hashes, salt) as slots:
+            with self.prepare_store(hashes, salt, agent_session) as slots:
                 _copy_chunks(slots, kv, cs)
             return leading_stored(slots.statuses)
-        first = _lookup(h, hashes, salt)
+        first = _lookup(h, hashes, salt, agent_session)
         if first == len(hashes):
             return len(hashes)
         frames = []
         for i in range(first, len(hashes)):
             rows = np.reshape(kv[:, :, i * cs : (i + 1) * cs], (self._rows, -1), copy=False)
             frames.append([memoryview(r).cast("B") for r in rows])
-        statuses = [SlotStatus.EXISTS] * first + self._send_store(hashes, salt, first, frames, 1)
+        statuses = [SlotStatus.EXISTS] * first + self._send_store(hashes, salt, first, frames, 1, agent_session)
         return leading_stored(statuses)
 
     def _fetch(self, hashes: list[ChunkHash], salt: str, session_id: str, start: int, consume, n_found: int | None = None) -> int:

@@ -21,6 +21,13 @@ PROTOCOL_VERSION = 5  # 2: ShmInfo.liveness_lock, RENEW_LEASES, SlotStatus.OVER_
 # hash_scheme (the compatibility handshake)
 
 
+# AGENT_SESSION_NOTE: ``agent_session`` (LOOKUP, PREPARE_STORE, STORE_INLINE) names a conversation of
+# ``cache_salt``: the request opens or renews it and moves its protection from eviction to the request's
+# keys (the whole chain from chunk 0), until the server's --agent-session-ttl-s passes without a turn.
+# Appended with a default, and these three bodies omit defaults on the wire, so a client that does not
+# use it sends exactly what protocol 4 sent and PROTOCOL_VERSION stays 4.
+
+
 class RequestType(IntEnum):
     PING = 1
     REGISTER_CONTEXT = 2
@@ -39,6 +46,10 @@ class RequestType(IntEnum):
     CLEAR = 15
     REPORT_BLOCK_ALLOCATION = 16
     RENEW_LEASES = 17
+    # lifecycle controls (storage/pins.py): an old server answers UNKNOWN_REQUEST_TYPE, so no version bump
+    PIN_PREFIX = 18
+    UNPIN = 19
+    CLOSE_AGENT_SESSION = 20
     # the peer tier's control plane (node to node; kvdepot.peer)
     PEER_JOIN = 32
     PEER_HEARTBEAT = 33
@@ -161,7 +172,7 @@ class ChunkSizeReply(_Body):
     chunk_size: int
 
 
-class LookupRequest(_Body):
+class LookupRequest(_Body, omit_defaults=True):
     """With ``session_id``: the hits are tracked for that session, read-locked (``lock``) until it
     retrieves, frees them or ends, and chunks missing from L1 are fetched from L2 (``prefetch``): the
     reply then says ``hits=None`` and QUERY_PREFETCH_STATUS tells the final count. A session that does
@@ -176,6 +187,7 @@ class LookupRequest(_Body):
     probe: bool = False  # a store's check of what is stored already: not counted as a lookup
     source_hint: str = ""  # a router's HOST[:PORT] of where the prompt's KV was computed (the peer tier asks it first)
     prefill_tokens_per_s: float = 0.0  # the engine's measured prefill rate (0: unknown): a pull slower than recomputing is skipped
+    agent_session: str = ""  # a conversation's name: its prefix is kept across turns (see AGENT_SESSION_NOTE)
 
 
 class LookupReply(_Body):
@@ -200,10 +212,11 @@ class FreeLookupLocksReply(_Body):
     released: int
 
 
-class PrepareStoreRequest(_Body):
+class PrepareStoreRequest(_Body, omit_defaults=True):
     context_id: int
     keys: list[bytes]
     cache_salt: str = ""
+    agent_session: str = ""  # see AGENT_SESSION_NOTE
 
 
 class PrepareStoreReply(_Body):
@@ -244,7 +257,7 @@ class CommitRetrieveRequest(_Body):
     lease_id: int
 
 
-class StoreInlineRequest(_Body):
+class StoreInlineRequest(_Body, omit_defaults=True):
     """Followed by payload frames: the chunks ``keys[first:first+count]`` (``count`` 0: to the end) in
     order, each split into frames of ``rows_per_frame`` rows (see ``codec``). ``keys`` is the whole chain
     from chunk 0: the chunks before ``first`` are the prefix this store extends, and making room for the
@@ -256,6 +269,7 @@ class StoreInlineRequest(_Body):
     cache_salt: str = ""
     first: int = 0
     count: int = 0
+    agent_session: str = ""  # see AGENT_SESSION_NOTE
 
 
 class StoreInlineReply(_Body):
@@ -314,6 +328,38 @@ class RenewLeasesRequest(_Body):
 
 class RenewLeasesReply(_Body):
     renewed: int
+
+
+# --- lifecycle controls ---------------------------------------------------------------------------
+
+
+class PinPrefixRequest(_Body):
+    """Keep the leading run of ``keys`` that is in L1 now from eviction: until UNPIN (``ttl_s`` 0, a
+    hard pin) or for ``ttl_s`` seconds (a soft pin). Counted against the salt's quota (NO_SPACE when the
+    salt's pinned bytes would exceed it). A pin belongs to the server, not the client: it outlives it."""
+
+    context_id: int
+    keys: list[bytes]
+    cache_salt: str = ""
+    ttl_s: float = 0.0
+
+
+class UnpinRequest(_Body):
+    pin_id: int
+
+
+class PinReply(_Body):
+    pin_id: int
+    pinned: int  # objects the pin protects (0: none of the prefix was in L1)
+    state: str  # hard, soft, released, expired
+    expires_in_s: float = -1.0  # -1: no deadline (hard, or ended)
+
+
+class CloseAgentSessionRequest(_Body):
+    """End an agent session (see AGENT_SESSION_NOTE): its prefix is evicted normally from now on."""
+
+    name: str
+    cache_salt: str = ""
 
 
 # --- the peer tier (node to node) -------------------------------------------------------------------
@@ -428,6 +474,9 @@ REGISTRY: dict[RequestType, tuple[type[_Body], type[_Body]]] = {
     RequestType.CLEAR: (ClearRequest, ClearReply),
     RequestType.REPORT_BLOCK_ALLOCATION: (ReportBlockAllocationRequest, Ack),
     RequestType.RENEW_LEASES: (RenewLeasesRequest, RenewLeasesReply),
+    RequestType.PIN_PREFIX: (PinPrefixRequest, PinReply),
+    RequestType.UNPIN: (UnpinRequest, PinReply),
+    RequestType.CLOSE_AGENT_SESSION: (CloseAgentSessionRequest, Ack),
     RequestType.PEER_JOIN: (PeerJoinRequest, PeerMembershipReply),
     RequestType.PEER_HEARTBEAT: (PeerHeartbeatRequest, PeerMembershipReply),
     RequestType.PEER_PUBLISH: (PeerPublishRequest, PeerCountReply),

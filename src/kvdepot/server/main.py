@@ -29,8 +29,10 @@ from kvdepot.observability.tenants import TenantTally
 from kvdepot.protocol.messages import RequestType
 from kvdepot.rpc.security import CurveServerKeys, load_key_pair
 from kvdepot.rpc.server import RpcServer
+from kvdepot.server.lifecycle import Lifecycle
 from kvdepot.server.liveness import ClientWatch, LivenessTracker
 from kvdepot.server.modules import ModuleFactory, ServerContext
+from kvdepot.server.modules.lifecycle import LifecycleModule
 from kvdepot.server.modules.lookup import LookupModule
 from kvdepot.server.modules.management import ManagementModule
 from kvdepot.server.modules.transfer import TransferModule
@@ -41,7 +43,7 @@ from kvdepot.types import ClearScope, ClientId, NodeId
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODULES: tuple[ModuleFactory, ...] = (ManagementModule, LookupModule, TransferModule)
+DEFAULT_MODULES: tuple[ModuleFactory, ...] = (ManagementModule, LookupModule, TransferModule, LifecycleModule)
 
 
 def rpc_security(config: RpcConfig) -> CurveServerKeys | None:
@@ -113,6 +115,7 @@ class KVDepotServer:
         self.liveness = LivenessTracker(config.rpc.client_timeout_s, lock_held=self.storage.lock_held)
         self.ctx = ServerContext(config, self.storage, self.liveness, metrics=metrics, events=self.bus)
         self.ctx.contexts = ContextRegistry(on_namespace=self._namespace_seen)
+        self._lifecycle = Lifecycle(self.storage, self.ctx.contexts)
         self.storage.subscribe(lambda batch: self.bus.publish(L1Changed(tuple(batch))))
         if self.kv_events is not None:
             self.kv_events.name_tiers(self.storage.tier_names())
@@ -174,6 +177,9 @@ class KVDepotServer:
         expired = self.storage.expire()
         if expired:
             log.info("%d leases expired (TTL %.1fs)", expired, self.config.storage.lease_ttl_s)
+        pins, sessions = self.storage.expire_protections()
+        if pins or sessions:
+            log.info("%d soft pins and %d agent sessions reached their deadline: their prefixes are evictable again", pins, sessions)
         now = time.monotonic()
         if now >= self._next_alarm_check:  # a window of silence ends without any event saying so
             self._next_alarm_check = now + 1.0
@@ -258,6 +264,9 @@ class KVDepotServer:
 
     def quotas(self) -> QuotaControl | None:
         return self.storage.quotas()
+
+    def lifecycle(self) -> Lifecycle:
+        return self._lifecycle
 
     def metrics_text(self) -> bytes:
         return self.ctx.metrics.text()

@@ -107,6 +107,14 @@ class ContextRegistry:
         with self._lock:
             return max((c.chunk_bytes for c in self._contexts.values()), default=0)
 
+    def namespaces(self) -> list[tuple[NamespaceSpec, int]]:
+        """Each distinct namespace registered now, with its chunk's bytes (for naming objects over HTTP)."""
+        with self._lock:
+            seen: dict[NamespaceSpec, int] = {}
+            for c in self._contexts.values():
+                seen.setdefault(c.spec, c.chunk_bytes)
+            return list(seen.items())
+
     def owned_by(self, owner: ClientId) -> int:
         return sum(1 for c in self._contexts.values() if c.owner == owner)
 

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from kvdepot.config import EvictionPolicyName
 from kvdepot.types import ObjectKey
+
+
+def _any(key: ObjectKey) -> bool:
+    return True
 
 
 class EvictionPolicy(Protocol):
@@ -31,8 +35,10 @@ class EvictionPolicy(Protocol):
         """Keys in eviction order, first victim first. The table skips the ones it cannot evict, and
         must not call the other hooks while it iterates (it collects victims first, then removes)."""
 
-    def quota_excess(self) -> Iterator[ObjectKey]:
-        """Keys to evict now, regardless of free space, to bring salts back under their quotas."""
+    def quota_excess(self, evictable: Callable[[ObjectKey], bool] = _any) -> Iterator[ObjectKey]:
+        """Keys to evict now, regardless of free space, to bring salts back under their quotas. Keys
+        ``evictable`` refuses (locked, pinned) are skipped and still count as used: the salt's other
+        objects go instead."""
 
     def refuses(self, salt: str, size: int) -> bool:
         """Can an object of ``size`` bytes of ``salt`` never be kept? (then it is refused, not stored
@@ -62,7 +68,7 @@ class LRUPolicy:
     def candidates(self) -> Iterator[ObjectKey]:
         return iter(self._order)
 
-    def quota_excess(self) -> Iterator[ObjectKey]:
+    def quota_excess(self, evictable: Callable[[ObjectKey], bool] = _any) -> Iterator[ObjectKey]:
         return iter(())
 
     def refuses(self, salt: str, size: int) -> bool:
@@ -86,7 +92,7 @@ class NoopPolicy:
     def candidates(self) -> Iterator[ObjectKey]:
         return iter(())
 
-    def quota_excess(self) -> Iterator[ObjectKey]:
+    def quota_excess(self, evictable: Callable[[ObjectKey], bool] = _any) -> Iterator[ObjectKey]:
         return iter(())
 
     def refuses(self, salt: str, size: int) -> bool:
@@ -159,11 +165,11 @@ class IsolatedLRUPolicy(LRUPolicy):
             yield from (k for k in self._order if self._salt.get(k) in over)
         yield from (k for k in self._order if self._salt.get(k) not in over)
 
-    def quota_excess(self) -> Iterator[ObjectKey]:
+    def quota_excess(self, evictable: Callable[[ObjectKey], bool] = _any) -> Iterator[ObjectKey]:
         over = self._excess()
         for key in self._order:
             salt = self._salt.get(key)
-            if over.get(salt, 0) > 0:
+            if over.get(salt, 0) > 0 and evictable(key):
                 over[salt] -= self._size[key]
                 yield key
 

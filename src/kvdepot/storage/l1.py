@@ -7,7 +7,8 @@ Objects::
 
     absent ──reserve_write──► WRITING ──commit_write──► READY ◄──release_read── READ-LOCKED(n)
                │   (one writer, invisible)   │            │ ──acquire_read──►
-               └──abort / lease end──────────┴─► absent   READY & unlocked: evictable
+               └──abort / lease end──────────┴─► absent   READY & unlocked: evictable unless
+                                                          pinned or an agent session's (pins.py)
                                                           clear while locked: DOOMED (removed when
                                                           the last lock goes; invisible meanwhile)
 
@@ -51,6 +52,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TypeVar
 
 from kvdepot.errors import IllegalTransition, LeaseExpired, LeaseRevoked, UnknownLease
 from kvdepot.events import EventKind, EventListener, ObjectEvent, RemovedBecause
@@ -59,6 +61,7 @@ from kvdepot.storage.eviction import EvictionPolicy
 from kvdepot.types import NO_LEASE, ClientId, LeaseId, ObjectKey, SlotStatus
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 
@@ -178,10 +181,15 @@ class _Counters:
 
 
 HolderAlive = Callable[[ClientId], bool]  # may this client's process still touch arena memory?
+Protected = Callable[[ObjectKey], bool]  # is this key pinned or held by an agent session? (storage/pins.py)
 
 
 def _always_alive(owner: ClientId) -> bool:
     return True
+
+
+def _never_protected(key: ObjectKey) -> bool:
+    return False
 
 
 class ObjectTable:
@@ -192,8 +200,10 @@ class ObjectTable:
         lease_ttl_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
         holder_alive: HolderAlive = _always_alive,
+        protected: Protected = _never_protected,
     ) -> None:
         self._alloc = allocator
+        self._protected = protected  # called under the lock: it must not call back into the table
         self._policy = policy
         self._ttl = lease_ttl_s
         self._clock = clock
@@ -409,7 +419,7 @@ class ObjectTable:
             n = 0
             for key in keys:
                 obj = self._objects.get(key)
-                if obj is not None and obj.state is ObjectState.READY and obj.readers == 0:
+                if obj is not None and obj.state is ObjectState.READY and obj.readers == 0 and not self._protected(key):
                     self._remove_locked(obj, RemovedBecause.DISCARDED)
                     n += 1
             return n
@@ -565,10 +575,8 @@ class ObjectTable:
         """Evict what the policy says is over a per-salt quota (unlocked READY objects only)."""
         with self._locked():
             victims = []
-            for key in self._policy.quota_excess():
-                obj = self._objects.get(key)
-                if obj is not None and obj.state is ObjectState.READY and not obj.readers:
-                    victims.append(obj)
+            for key in self._policy.quota_excess(self._evictable_locked):
+                victims.append(self._objects[key])
             for obj in victims:
                 self._remove_locked(obj, RemovedBecause.OVER_QUOTA)
             self._counters.evicted += len(victims)
@@ -589,6 +597,36 @@ class ObjectTable:
                 else:
                     obj.doomed = True
             return removed
+
+    def with_ready_prefix(self, keys: Sequence[ObjectKey], act: Callable[[list[tuple[ObjectKey, int, str]]], T]) -> T:
+        """Call ``act`` with (key, size, salt) of the leading READY keys while the lock is held, so none
+        of them can be evicted before ``act`` protects them (a pin). ``act`` must not call the table."""
+        with self._lock:
+            found: list[tuple[ObjectKey, int, str]] = []
+            for key in keys:
+                obj = self._objects.get(key)
+                if obj is None or obj.state is not ObjectState.READY or obj.doomed:
+                    break
+                found.append((key, obj.size, obj.salt))
+            return act(found)
+
+    def remove(self, keys: Sequence[ObjectKey]) -> tuple[int, int]:
+        """Delete these objects (an operator's DELETE of a prefix, pinned or not): READY unlocked ones go
+        now; locked or half-written ones are doomed, as a clear dooms them (they go when their last lease
+        does, invisible meanwhile, so a reader is never changed under it). Returns (removed, doomed)."""
+        removed = doomed = 0
+        with self._locked():
+            for key in keys:
+                obj = self._objects.get(key)
+                if obj is None or obj.doomed:
+                    continue
+                if obj.state is ObjectState.READY and obj.readers == 0:
+                    self._remove_locked(obj, RemovedBecause.DELETED)
+                    removed += 1
+                else:
+                    obj.doomed = True
+                    doomed += 1
+        return removed, doomed
 
     def stats(self) -> L1Stats:
         with self._lock:
@@ -670,13 +708,19 @@ class ObjectTable:
         while not enough():
             # Collect a batch first (the policy must not change while we iterate it), then remove.
             batch: list[L1Object] = []
+            protected: list[ObjectKey] = []
             for key in self._policy.candidates():
-                obj = self._objects.get(key)
-                if obj is None or obj.state is not ObjectState.READY or obj.readers or key in keep:
+                if key in keep or not self._evictable_locked(key):
+                    if self._protected(key):
+                        protected.append(key)
                     continue
-                batch.append(obj)
+                batch.append(self._objects[key])
                 if len(batch) >= 32:
                     break
+            # Pinned prefixes sit at the old end of the order (nobody needs to read them to keep them):
+            # move them to the recent end, so later scans do not walk them again and again.
+            for key in protected:
+                self._policy.on_access(key)
             if not batch:
                 break
             for obj in batch:
@@ -686,6 +730,11 @@ class ObjectTable:
                 evicted += 1
         self._counters.evicted += evicted
         return evicted
+
+    def _evictable_locked(self, key: ObjectKey) -> bool:
+        """READY, unlocked and neither pinned nor held by an agent session."""
+        obj = self._objects.get(key)
+        return obj is not None and obj.state is ObjectState.READY and not obj.readers and not obj.doomed and not self._protected(key)
 
     def _remove_locked(self, obj: L1Object, because: RemovedBecause = RemovedBecause.EVICTED) -> None:
         del self._objects[obj.key]

@@ -48,19 +48,25 @@ from kvdepot.storage.l1 import (
 )
 from kvdepot.storage.l2 import registry
 from kvdepot.storage.l2.contract import L2Usage, LookupHints, TaskKind, TaskResult, TierServices
+from kvdepot.storage.pins import PinInfo, PinState, Protections, SessionInfo, SessionState
 from kvdepot.types import ClearScope, ClientId, LeaseId, NodeId, ObjectKey
 
 # The value types handlers and /status hold (a read lock's offsets, who touches a lease, the snapshot's
 # parts) come from here too, so that the server imports storage through this module alone.
 __all__ = [
     "ClearResult",
+    "DeleteResult",
     "L1Stats",
     "L2Usage",
+    "PinInfo",
+    "PinState",
     "PrefaultStatus",
     "Prefetched",
     "PrefetchStats",
     "QuarantineEntry",
     "QuotaControl",
+    "SessionInfo",
+    "SessionState",
     "ReadLock",
     "StorageManager",
     "StorageSnapshot",
@@ -77,6 +83,13 @@ TIER_CLEAR_WAIT_S = 30.0
 @dataclass(frozen=True)
 class ClearResult:
     l1_removed: int = 0
+    tiers_removed: dict[str, int] = field(default_factory=dict)  # tier name -> objects; -1: failed / timed out
+
+
+@dataclass(frozen=True)
+class DeleteResult:
+    l1_removed: int = 0
+    l1_doomed: int = 0  # locked or being written: they go when their lease ends, invisible meanwhile
     tiers_removed: dict[str, int] = field(default_factory=dict)  # tier name -> objects; -1: failed / timed out
 
 
@@ -149,7 +162,12 @@ class StorageManager:
         )
         allocator = ExtentAllocator(config.l1_size_bytes, alignment=ALIGNMENT, base=HEADER_BYTES)
         extra = {} if holder_alive is None else {"holder_alive": holder_alive}
-        self._table = ObjectTable(allocator, make_policy(config.eviction_policy), lease_ttl_s=config.lease_ttl_s, **extra)
+        policy = make_policy(config.eviction_policy)
+        quota_of = policy.quota if isinstance(policy, IsolatedLRUPolicy) else (lambda salt: None)
+        self._protections = Protections(config.agent_session_ttl_s, quota_of)
+        self._table = ObjectTable(
+            allocator, policy, lease_ttl_s=config.lease_ttl_s, protected=self._protections.is_protected, **extra
+        )
         services = TierServices(node=node, arena=self._arena, events=self._table, sink=events)
         try:
             self._tiers = [registry.build(spec, services) for spec in specs]
@@ -320,30 +338,99 @@ class StorageManager:
         is waited for at most TIER_CLEAR_WAIT_S (-1 in the result when it failed or took longer)."""
         l1 = self._table.clear() if scope in (ClearScope.L1, ClearScope.ALL) else 0
         tiers: dict[str, int] = {}
-        if scope in (ClearScope.TIERS, ClearScope.ALL) and self._driver is not None:
-            futures = []
-            for i, tier in enumerate(self._tiers):
-                fut: Future = Future()
-                with self._clears_lock:
-                    self._clears[(i, tier.submit_clear())] = fut
-                futures.append((tier.name, fut))
-            self._driver.wake()
-            for name, fut in futures:
-                try:
-                    result: TaskResult = fut.result(timeout=TIER_CLEAR_WAIT_S)
-                    tiers[name] = result.value if result.ok else -1
-                except FutureTimeout:
-                    tiers[name] = -1
+        if scope in (ClearScope.TIERS, ClearScope.ALL):
+            tiers = self._on_every_tier(lambda tier: tier.submit_clear())
         return ClearResult(l1, tiers)
+
+    def delete(self, keys: Sequence[ObjectKey], scope: ClearScope = ClearScope.ALL) -> DeleteResult:
+        """Delete these objects from L1, the tiers, or both (pinned or not: deleting is not evicting).
+        Locked L1 objects are doomed (see ObjectTable.remove); tiers are waited for as a clear is."""
+        removed, doomed = self._table.remove(keys) if scope in (ClearScope.L1, ClearScope.ALL) else (0, 0)
+        tiers: dict[str, int] = {}
+        if scope in (ClearScope.TIERS, ClearScope.ALL) and keys:
+            tiers = self._on_every_tier(lambda tier: tier.submit_delete(keys))
+        return DeleteResult(removed, doomed, tiers)
+
+    def _on_every_tier(self, submit: Callable) -> dict[str, int]:
+        """Submit one task to every tier and wait for each at most TIER_CLEAR_WAIT_S: tier name -> its
+        count, -1 when it failed or took longer."""
+        if self._driver is None:
+            return {}
+        futures = []
+        for i, tier in enumerate(self._tiers):
+            fut: Future = Future()
+            with self._clears_lock:
+                self._clears[(i, submit(tier))] = fut
+            futures.append((tier.name, fut))
+        self._driver.wake()
+        tiers: dict[str, int] = {}
+        for name, fut in futures:
+            try:
+                result: TaskResult = fut.result(timeout=TIER_CLEAR_WAIT_S)
+                tiers[name] = result.value if result.ok else -1
+            except FutureTimeout:
+                tiers[name] = -1
+        return tiers
 
     def _clear_step(self, results: list[tuple[int, TaskResult]]) -> None:
         for tier_index, result in results:
-            if result.kind is not TaskKind.CLEAR:
+            if result.kind not in (TaskKind.CLEAR, TaskKind.DELETE):
                 continue
             with self._clears_lock:
                 fut = self._clears.pop((tier_index, result.task_id), None)
             if fut is not None:
                 fut.set_result(result)
+
+    # --- lifecycle: pins and agent sessions (storage/pins.py) -----------------------------------------
+
+    def pin(self, keys: Sequence[ObjectKey], salt: str, ttl_s: float | None = None) -> PinInfo:
+        """Pin the leading run of ``keys`` (of ``cache_salt`` ``salt``) that is in L1 now (``ttl_s``: a
+        soft pin; None: hard). Keys not in L1 are not pinned: the result says how many were."""
+
+        def protect(found: list[tuple[ObjectKey, int, str]]) -> PinInfo:
+            return self._protections.pin(salt, [(key, size) for key, size, _ in found], ttl_s)
+
+        return self._table.with_ready_prefix(keys, protect)
+
+    def unpin(self, pin_id: int) -> PinInfo:
+        info = self._protections.unpin(pin_id)
+        self._eviction.kick()  # a salt may be over its watermark or quota only because of it
+        return info
+
+    def extend_pin(self, pin_id: int, ttl_s: float) -> PinInfo:
+        return self._protections.extend(pin_id, ttl_s)
+
+    def pins(self) -> list[PinInfo]:
+        return self._protections.pins()
+
+    def pinned_bytes(self, salt: str) -> int:
+        return self._protections.pinned_bytes(salt)
+
+    def touch_agent_session(self, salt: str, name: str, keys: Sequence[ObjectKey], ttl_s: float | None = None) -> SessionInfo:
+        """A turn of an agent session: open or renew it and move its protection to ``keys``."""
+        return self._protections.touch(salt, name, keys, ttl_s)
+
+    def renew_agent_session(self, salt: str, name: str, ttl_s: float | None = None) -> SessionInfo:
+        return self._protections.renew(salt, name, ttl_s)
+
+    def close_agent_session(self, salt: str, name: str) -> SessionInfo:
+        info = self._protections.close(salt, name)
+        self._eviction.kick()
+        return info
+
+    def agent_sessions(self) -> list[SessionInfo]:
+        return self._protections.sessions()
+
+    def agent_session_state(self, salt: str, name: str) -> SessionState | None:
+        return self._protections.session_state(salt, name)
+
+    def expire_protections(self) -> tuple[int, int]:
+        """End soft pins and agent sessions past their deadline (the server's housekeeping calls this);
+        returns (pins, sessions) ended."""
+        ended = self._protections.expire()
+        if any(ended):
+            self._eviction.kick()
+        return ended
 
     def quotas(self) -> QuotaControl | None:
         """None unless the eviction policy keeps quotas (``isolated_lru``)."""

@@ -4,6 +4,9 @@ KV was computed, and the engine's measured prefill rate (for the peer tier's pul
 - The hint comes with the request, in vLLM's per-request ``kv_transfer_params``: ``kv_cache_source``
   (``HOST[:PORT]``, what llm-d passes as the ``x-kv-cache-source-host-port`` header), or the
   ``remote_host``/``remote_port`` pair that prefill/decode routers set for the decode side.
+- An agent session (a conversation whose prefix kvdepot keeps across tool-call gaps) is named in the same
+  ``kv_transfer_params`` as ``kvdepot_agent_session``: the agent framework sets it per conversation, vLLM
+  passes it through untouched, and the lookup carries it to the server (which renews the session).
 - The prefill rate is measured on the scheduler: tokens scheduled in a step over the time until the
   next step is scheduled, for steps that are mostly prefill (``MIN_PREFILL_TOKENS`` or more), as a moving
   average. It is 0 (unknown) until such a step was seen.
@@ -28,6 +31,15 @@ def source_hint(kv_transfer_params: dict[str, Any] | None) -> str:
     if host:
         return f"{host}:{port}" if port else str(host)
     return ""
+
+
+MAX_AGENT_SESSION_NAME = 256  # the server refuses longer names (a bad request would fail the lookup)
+
+
+def agent_session(kv_transfer_params: dict[str, Any] | None) -> str:
+    """The request's agent session name, or "" (none, not a string, or too long to be one)."""
+    name = (kv_transfer_params or {}).get("kvdepot_agent_session")
+    return name if isinstance(name, str) and len(name) <= MAX_AGENT_SESSION_NAME else ""
 
 
 class PrefillRate:

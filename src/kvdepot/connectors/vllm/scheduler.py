@@ -27,7 +27,7 @@ from kvdepot.client.client import KVClient
 from kvdepot.client.options import Transport
 from kvdepot.connectors.common import Breakers, Direction, FailureTally, ResilientClient, is_transport_failure
 from kvdepot.connectors.vllm.config import ConnectorConfig
-from kvdepot.connectors.vllm.hints import PrefillRate, source_hint
+from kvdepot.connectors.vllm.hints import PrefillRate, agent_session, source_hint
 from kvdepot.connectors.vllm.metadata import KVDepotConnectorMetadata, KVDepotWorkerMetadata, LoadOp, SaveOp
 from kvdepot.connectors.vllm.request_state import Locks, Phase, RequestState
 from kvdepot.errors import KVDepotError
@@ -230,8 +230,9 @@ class SchedulerSide:
         st = self.states.get(request.request_id)
         if st is None or st.request is not request:
             eligible = not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
-            hint = source_hint(getattr(request, "kv_transfer_params", None))
-            st = RequestState(request.request_id, request, request.cache_salt or "", bool(eligible), hint)
+            params = getattr(request, "kv_transfer_params", None)
+            st = RequestState(request.request_id, request, request.cache_salt or "", bool(eligible), source_hint(params),
+                              agent_session(params))  # fmt: skip
             self.states[request.request_id] = st
         elif st.phase is Phase.ADMITTED:
             self._preempted(st)  # admitted again without our seeing the preemption: look up afresh
@@ -260,7 +261,11 @@ class SchedulerSide:
         self._open_session(st)
         try:
             rate = self.prefill_rate.tokens_per_s
-            replies = [c.lookup_reply(hashes, st.salt, session_id=st.req_id, source_hint=st.source_hint, prefill_tokens_per_s=rate) for c in clients]
+            replies = [
+                c.lookup_reply(hashes, st.salt, session_id=st.req_id, source_hint=st.source_hint, prefill_tokens_per_s=rate,
+                               agent_session=st.agent_session)  # fmt: skip
+                for c in clients
+            ]
             st.rank_hits, st.rank_in_l1 = [r.hits for r in replies], [r.in_l1 for r in replies]
         except KVDepotError as exc:
             self._lookup_failed(st, exc)

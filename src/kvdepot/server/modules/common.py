@@ -22,3 +22,17 @@ def context_and_keys(ctx: ServerContext, call: Call) -> tuple[Context, list[Obje
         if len(h) != size:
             raise BadRequest(f"chunk hashes must be {size} bytes ({ctx.config.storage.hash_algorithm}), got {len(h)}")
     return context, context.keys(hashes, body.cache_salt)
+
+
+MAX_AGENT_SESSION_NAME = 256
+
+
+def touch_agent_session(ctx: ServerContext, call: Call, keys: list[ObjectKey]) -> None:
+    """A LOOKUP or STORE naming an agent session is one of its turns: open or renew it and keep ``keys``
+    (the request's whole chain) from eviction until its deadline (storage/pins.py)."""
+    name = call.body.agent_session
+    if not name:
+        return
+    if len(name) > MAX_AGENT_SESSION_NAME:
+        raise BadRequest(f"agent_session names are at most {MAX_AGENT_SESSION_NAME} characters, got {len(name)}")
+    ctx.storage.touch_agent_session(call.body.cache_salt, name, keys)

@@ -13,7 +13,7 @@ from kvdepot.observability.metrics import L1
 from kvdepot.protocol import messages as m
 from kvdepot.rpc.dispatch import Call, HandlerMode, HandlerSpec, Reply
 from kvdepot.server.modules import ServerContext
-from kvdepot.server.modules.common import context_and_keys
+from kvdepot.server.modules.common import context_and_keys, touch_agent_session
 from kvdepot.server.sessions import Key, Session
 from kvdepot.server.state import Context
 from kvdepot.storage.manager import LookupHints, Prefetched, Toucher
@@ -39,6 +39,7 @@ class LookupModule:
     def lookup(self, call: Call) -> Reply:
         body: m.LookupRequest = call.body
         context, keys = context_and_keys(self.ctx, call)
+        touch_agent_session(self.ctx, call, keys)
         counted = not body.probe and bool(keys)  # an engine's lookup: its hits and misses are counted
         if counted:
             self.ctx.metrics.lookup_asked(context.spec.model, len(keys) * context.chunk_size)

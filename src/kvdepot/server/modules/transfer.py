@@ -14,7 +14,7 @@ from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 from kvdepot.rpc.dispatch import Call, HandlerMode, HandlerSpec, Reply
 from kvdepot.server.modules import ServerContext
-from kvdepot.server.modules.common import context_and_keys
+from kvdepot.server.modules.common import context_and_keys, touch_agent_session
 from kvdepot.server.state import Context
 from kvdepot.storage.manager import ReadLock, Toucher
 from kvdepot.types import LeaseId
@@ -52,6 +52,7 @@ class TransferModule:
     def prepare_store(self, call: Call) -> Reply:
         context, keys = context_and_keys(self.ctx, call)
         self._require_watchable(call)
+        touch_agent_session(self.ctx, call, keys)  # before the reservation: its make-room eviction spares them
         res = self.storage.reserve(keys, context.chunk_bytes, call.client, call.body.cache_salt, toucher=Toucher.CLIENT)
         allocated = sum(1 for s in res.statuses if s == m.SlotStatus.ALLOCATED)
         self.ctx.chunk_request_done("store", call, context, call.body.keys, allocated)
@@ -85,6 +86,7 @@ class TransferModule:
         context, keys = context_and_keys(self.ctx, call)
         if not 0 <= body.first <= len(keys) or body.count < 0:
             raise BadRequest(f"first={body.first}, count={body.count} do not fit the {len(keys)} keys")
+        touch_agent_session(self.ctx, call, keys)
         sent = keys[body.first : body.first + body.count] if body.count else keys[body.first :]
         size = context.chunk_bytes
         max_frame = self.ctx.config.rpc.max_frame_bytes

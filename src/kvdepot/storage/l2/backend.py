@@ -95,6 +95,12 @@ class BackendAdapter(ABC):
         """Remove every object of this tier (its prefix or directory: never anything else)."""
         return self._submit(TaskKind.CLEAR, self._clear_counted, 0)
 
+    def submit_delete(self, keys: Sequence[ObjectKey]) -> TaskId:
+        """Remove these objects (an operator's DELETE of a prefix). A load already reading one either
+        got it whole or gets a miss: every backend's delete is atomic against its reads."""
+        keys = list(keys)
+        return self._submit(TaskKind.DELETE, lambda: self._delete_present(keys), 0)
+
     def completed(self) -> list[TaskResult]:
         if self._efd < 0:
             return []  # closed
@@ -354,6 +360,12 @@ class BackendAdapter(ABC):
             self.services.sink.publish(TierCleared(self.name, self.kind))
         log.info("L2 %s (%s) cleared: %d objects", self.name, self.kind, n)
         return n
+
+    def _delete_present(self, keys: list[ObjectKey]) -> int:
+        present = [k for k, there in zip(keys, self._contains(keys)) if there]
+        for key in present:
+            self._delete(key)
+        return len(present)
 
     def _lookup_and_pin(self, keys: list[ObjectKey], hints: LookupHints | None = None) -> int:
         # Pin first, then look: an object seen present can no longer be evicted before its load.

@@ -43,12 +43,14 @@ class TaskKind(Enum):
     LOAD = "load"
     UNLOCK = "unlock"
     CLEAR = "clear"
+    DELETE = "delete"
 
 
 @dataclass(frozen=True, slots=True)
 class TaskResult:
     """``value`` per kind: STORE list[bool] (stored per key); LOOKUP int (leading keys present and
-    pinned); LOAD list[bool] (loaded and verified per key); UNLOCK None; CLEAR int (objects removed)."""
+    pinned); LOAD list[bool] (loaded and verified per key); UNLOCK None; CLEAR int (objects removed);
+    DELETE int (of the keys named, how many were present and are gone)."""
 
     task_id: TaskId
     kind: TaskKind
@@ -136,6 +138,8 @@ class L2Adapter(Protocol):
     def submit_unlock(self, keys: Sequence[ObjectKey]) -> TaskId: ...
 
     def submit_clear(self) -> TaskId: ...
+
+    def submit_delete(self, keys: Sequence[ObjectKey]) -> TaskId: ...
 
     def completed(self) -> list[TaskResult]: ...
 
