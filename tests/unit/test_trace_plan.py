@@ -96,6 +96,8 @@ def test_the_text_output_has_a_table_and_a_plot(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "hit ratio" in r.stdout and "50.00%" in r.stdout and "(holds the whole trace)" in r.stdout
     assert "█" in r.stdout and "L1 size" in r.stdout.splitlines()[-1]
+    # sizes 4, 8, 20 bytes (1, 2, 5 blocks of 4 B): only the whole trace's 5 blocks hit at all
+    assert "50% of the best hit ratio (50.00%) needs at most 20 B of L1" in r.stdout
 
 
 def test_png_draws_or_says_why_not(tmp_path):

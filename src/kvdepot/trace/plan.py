@@ -1,6 +1,7 @@
 """``kvdepot plan TRACE``: how much of a trace's prompts an L1 of each size would serve, from an LRU
 simulation (``simulate.py``), without a server. An operator sizes L1 (and L2 behind it) from the curve
-before buying memory.
+before buying memory. With write-through L2 tiers (which hold all L1 holds), read the curve at L1 + L2's
+size for the share served from either tier, and at L1's size for the share served from memory.
 
 Bytes per block: ``--bytes-per-token``, or a model's KV shape (``--num-layers`` ...), or what a kvdepot
 recording says, or by default a Llama-3-8B-like model in fp16 (32 layers, 8 KV heads of 128: 128 KiB a
@@ -107,6 +108,10 @@ def main(args: argparse.Namespace) -> int:
     for s, p in zip(sizes, points):
         note = "  (holds the whole trace)" if p.capacity_blocks >= total else ""
         print(f"{format_size(s):>12} {p.capacity_blocks:>10} {p.ratio * 100:>9.2f}% {p.ratio / best * 100 if best else 0:>7.1f}%{note}")
+    for share in (0.5, 0.9):
+        enough = next(((sz, p) for sz, p in zip(sizes, points) if best and p.ratio >= share * best), None)
+        if enough is not None:
+            print(f"{share:.0%} of the best hit ratio ({enough[1].ratio * 100:.2f}%) needs at most {format_size(enough[0])} of L1")
     if args.plot == "always" or (args.plot == "auto" and sys.stdout.isatty()):
         print()
         print(ascii_bars([format_size(s).replace(" ", "") for s in sizes], [p.ratio for p in points]))
