@@ -31,10 +31,12 @@ def _layout_args() -> list[str]:
 
 @pytest.fixture(scope="module")
 def small_trace(tmp_path_factory) -> Path:
-    """150 requests of a public trace; in blocks of CHUNK tokens their 2k distinct blocks (8 KiB each)
-    fit the test server's 64 MiB L1 well under its watermark: nothing is evicted."""
+    """150 requests of a public trace, and one prompt shorter than a block; in blocks of CHUNK tokens
+    their 2k distinct blocks (8 KiB each) fit the test server's 64 MiB L1 well under its watermark:
+    nothing is evicted."""
     path = tmp_path_factory.mktemp("trace") / "conv150.jsonl"
-    path.write_text("\n".join(REAL_TRACE.read_text().splitlines()[:150]) + "\n")
+    short = json.dumps({"timestamp": 10**7, "input_length": CHUNK - 1, "output_length": 1, "hash_ids": [0]})
+    path.write_text("\n".join(REAL_TRACE.read_text().splitlines()[:150] + [short]) + "\n")
     return path
 
 
@@ -48,7 +50,7 @@ def test_replay_hits_what_the_simulation_predicts(make_server, small_trace, tran
                          *_layout_args(), "--json"))  # fmt: skip
     want = plan["points"][0]
     assert got["errors"] == {} and got["transports"] == [transport]
-    assert got["ops"] == plan["ops"] == 150
+    assert got["ops"] == plan["ops"] == 151
     assert (got["hit_tokens"], got["asked_tokens"]) == (want["hit_tokens"], want["asked_tokens"])
     assert got["hit_ratio"] == pytest.approx(plan["max_hit_ratio"]) and got["hit_ratio"] > 0
     chunk_bytes = LAYOUT.chunk_bytes(CHUNK)

@@ -118,6 +118,9 @@ class Replayer:
         salt = op.salt or self.default_salt
         r = self.result
         r.ops += 1
+        if not hashes:  # a prompt shorter than one block: nothing to ask the server, nothing it could hit
+            r.asked_tokens += op.prompt_tokens if op.asks else 0
+            return
         try:
             if op.kind in (OpKind.REQUEST, OpKind.LOOKUP):
                 hit = self._timed("lookup", lambda: client.stored_chunks(hashes, salt))
