@@ -40,7 +40,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=0, help="replay only the first N requests or ops (default: all)")
     p.add_argument("--model", default="kvdepot-replay", help="model name for a Mooncake trace's requests (default: %(default)s)")
     p.add_argument("--cache-salt", default="", help="cache salt for a Mooncake trace's requests (default: none)")
-    p.add_argument("--transport", choices=[t.value for t in Transport], default="auto", help="(default: %(default)s)")
+    p.add_argument("--transport", choices=[t.value for t in Transport], default="auto", help="how KV moves: shm (same host), inline, or auto: shm where possible (default: %(default)s)")  # fmt: skip
     p.add_argument("--timeout-s", type=float, default=30.0, help="deadline of one request (default: %(default)s)")
     lay = p.add_argument_group(f"synthetic KV layout (default: {REPLAY_LAYOUT.bytes_per_token} B a token)")
     lay.add_argument("--num-layers", type=int, default=REPLAY_LAYOUT.num_layers, help="(default: %(default)s)")
