@@ -132,3 +132,25 @@ def test_an_unwritable_trace_record_path_stops_the_start_clearly(tmp_path):
                      "--l1-size-gb", "0.0625", "--trace-record", str(path), timeout=60)  # fmt: skip
         assert r.returncode == 2, r.stderr
         assert f"--trace-record {path}: cannot write there" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_trace_record_without_the_event_bus_is_refused(tmp_path):
+    path = tmp_path / "t.kvdtrace"
+    r = _kvdepot("server", "--port", "0", "--ipc-path", str(tmp_path / "s.ipc"), "--http-port", "0", "--l1-size-gb", "0.0625",
+                 "--event-queue-size", "0", "--trace-record", str(path), timeout=60)  # fmt: skip
+    assert r.returncode == 2 and "--trace-record needs the event bus" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not path.exists()
+
+
+def test_a_server_that_cannot_bind_leaves_an_older_recording_as_it_was(tmp_path):
+    import socket
+
+    path = tmp_path / "old.kvdtrace"
+    path.write_bytes(b"an older recording")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = _kvdepot("server", "--port", str(port), "--http-port", "0", "--l1-size-gb", "0.0625", "--trace-record", str(path), timeout=60)
+    assert r.returncode == 2 and f"--port {port}" in r.stderr, r.stderr
+    assert path.read_bytes() == b"an older recording"
