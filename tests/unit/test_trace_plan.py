@@ -213,3 +213,12 @@ def test_a_full_disk_stops_the_recording_not_the_caller(small_tmpfs):
     rec.handle([_event("lookup", 3.0, [1], 0)])  # ignored once stopped
     rec.close()
     assert rec.records == 1
+
+
+def test_a_recording_is_readable_by_its_owner_only(tmp_path):
+    fresh, old = tmp_path / "rec.kvdtrace", tmp_path / "old.kvdtrace"
+    old.write_bytes(b"x")
+    old.chmod(0o644)
+    for path in (fresh, old):
+        TraceRecorder(str(path)).close()
+        assert path.stat().st_mode & 0o777 == 0o600  # it names every tenant's salt
