@@ -134,6 +134,8 @@ def test_a_missing_trace_and_bad_sizes_are_clear_errors(tmp_path):
     path = _write_mooncake(tmp_path / "hand.jsonl", HAND)
     r = _plan(str(path), "--sizes", "12 parsecs")
     assert r.returncode == 2 and "is not a size like" in r.stderr and "Traceback" not in r.stderr
+    r = _plan(str(path), "--num-layers", "-3")
+    assert r.returncode == 2 and "num_layers must be a positive int" in r.stderr and "Traceback" not in r.stderr
 
 
 # --- the recording format ---------------------------------------------------------------------------

@@ -68,7 +68,7 @@ def block_bytes(args: argparse.Namespace, trace: Trace, block_tokens: int) -> Bl
 
 def main(args: argparse.Namespace) -> int:
     if args.bytes_per_token < 0 or args.block_tokens <= 0 or args.points <= 0 or args.limit < 0:
-        print("kvdepot plan: --bytes-per-token, --block-tokens, --points and --limit must be positive", file=sys.stderr)
+        print("kvdepot plan: --block-tokens and --points must be positive, --bytes-per-token and --limit not negative", file=sys.stderr)
         return 2
     try:
         trace = load_trace(args.trace, args.block_tokens, args.limit)
@@ -85,7 +85,11 @@ def main(args: argparse.Namespace) -> int:
     if len(tokens) > 1:
         print(f"kvdepot plan: the trace mixes chunk sizes {sorted(tokens)}; plan each context on its own", file=sys.stderr)
         return 2
-    per_block = block_bytes(args, trace, tokens.pop())
+    try:
+        per_block = block_bytes(args, trace, tokens.pop())
+    except ValueError as exc:  # a model shape KVLayout refuses
+        print(f"kvdepot plan: {exc}", file=sys.stderr)
+        return 2
     if sizes:
         capacities = [max(1, s // per_block.bytes) for s in sizes]
     else:
