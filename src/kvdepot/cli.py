@@ -129,6 +129,19 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from kvdepot.trace import plan
+
+    return plan.main(args)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    _setup_logging("warning")
+    from kvdepot.trace import replay
+
+    return replay.main(args)
+
+
 def cmd_peer(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
     from kvdepot.peer import cli as peer_cli
@@ -182,6 +195,18 @@ def build_parser() -> argparse.ArgumentParser:
     mm = sub.add_parser("make-model", help="write a small random-weight Llama (the one the demo and tests use) to DIR")
     mm.add_argument("dir", help="directory to write it to (a Hugging Face model directory vLLM and SGLang load)")
     mm.set_defaults(func=cmd_make_model)
+
+    pl = sub.add_parser("plan", help="hit ratio vs L1 size for a trace, from an LRU simulation (no server): size L1 before buying memory")  # fmt: skip
+    from kvdepot.trace.plan import add_args as add_plan_args
+
+    add_plan_args(pl)
+    pl.set_defaults(func=cmd_plan)
+
+    rp = sub.add_parser("replay", help="replay a Mooncake-format trace or a kvdepot recording against a running server")
+    from kvdepot.trace.replay import add_args as add_replay_args
+
+    add_replay_args(rp)
+    rp.set_defaults(func=cmd_replay)
 
     b = sub.add_parser("bench", help="run a benchmark workload")
     bsub = b.add_subparsers(dest="workload", required=True)

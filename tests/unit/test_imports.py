@@ -64,7 +64,10 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     # observability is fed events and snapshots; it reaches into nothing
     "kvdepot.observability": (
         "kvdepot.server", "kvdepot.storage", "kvdepot.client", "kvdepot.admin", "kvdepot.connectors", "kvdepot.rpc", "kvdepot.bench",
+        "kvdepot.trace",
     ),
+    # trace tools (plan, replay) are a server's clients: they read recordings, never the server's insides
+    "kvdepot.trace": ("kvdepot.server", "kvdepot.storage", "kvdepot.admin", "kvdepot.connectors", "kvdepot.peer"),
     # the server serves: it never calls out through the client or the connectors
     "kvdepot.server": ("kvdepot.client", "kvdepot.connectors", "kvdepot.bench", "kvdepot.rpc.channel"),
     # the peer tier is a tier and a node: it calls other nodes over the rpc layer, never through the

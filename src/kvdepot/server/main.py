@@ -19,13 +19,14 @@ from kvdepot.admin.http import HttpServer
 from kvdepot.admin.prometheus import PrometheusServer
 from kvdepot.config import RpcConfig, ServerConfig, is_loopback
 from kvdepot.errors import ConfigError, EndpointInUse
-from kvdepot.events import L1Changed, NamespaceSeen
+from kvdepot.events import ChunkRequestDone, L1Changed, NamespaceSeen
 from kvdepot.observability import recent
 from kvdepot.observability.alarm import SilentMissAlarm
 from kvdepot.observability.bus import EventBus
 from kvdepot.observability.kv_events import KVEventsPublisher
 from kvdepot.observability.metrics import Metrics
 from kvdepot.observability.tenants import TenantTally
+from kvdepot.observability.trace import TraceRecorder
 from kvdepot.protocol.messages import RequestType
 from kvdepot.rpc.security import CurveServerKeys, load_key_pair
 from kvdepot.rpc.server import RpcServer
@@ -84,6 +85,9 @@ class KVDepotServer:
         )
         if obs.kv_events_endpoint and not self.bus.enabled:
             raise ConfigError("--kv-events-endpoint needs the event bus: --event-queue-size must be > 0")
+        if obs.trace_record and not self.bus.enabled:
+            raise ConfigError("--trace-record needs the event bus: --event-queue-size must be > 0")
+        self.recorder: TraceRecorder | None = None
         self.rpc = RpcServer(
             config.rpc.endpoints,
             workers=config.rpc.workers,
@@ -108,8 +112,13 @@ class KVDepotServer:
         self._stopped = threading.Event()
         self._bind()
         try:
+            if obs.trace_record:  # opened once the ports are ours: a server that cannot start leaves an old recording be
+                self.recorder = TraceRecorder(obs.trace_record, __version__)
+                self.bus.subscribe("tracing", self.recorder.handle, (ChunkRequestDone,))
             self.storage = StorageManager(config.storage, holder_alive=self._holder_alive, node=node_id(config), events=self.bus)
         except BaseException:
+            if self.recorder is not None:
+                self.recorder.close()
             self._unbind()
             raise
         self.liveness = LivenessTracker(config.rpc.client_timeout_s, lock_held=self.storage.lock_held)
@@ -232,6 +241,8 @@ class KVDepotServer:
         self.bus.close()  # after every producer: what they said last is still handed out
         if self.kv_events is not None:
             self.kv_events.close()
+        if self.recorder is not None:
+            self.recorder.close()
         logging.getLogger("kvdepot").removeHandler(self._log_to_recent)
 
     def serve_forever(self) -> None:
