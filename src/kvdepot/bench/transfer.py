@@ -46,6 +46,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="the inline path over TCP with CurveZMQ encryption on and off (two servers, interleaved runs): "
         "also, or only that (default: %(default)s)",
     )
+    p.add_argument(
+        "--bus",
+        choices=("off", "also", "only"),
+        default="off",
+        help="PING and LOOKUP with the event bus on and off (two servers, interleaved rounds): also, or only that (default: %(default)s)",
+    )
 
 
 @dataclass
@@ -100,14 +106,18 @@ def main(args: argparse.Namespace) -> int:
     )
     rows: list[Row] = []
     raw: dict = {"load_start": load_start, "sizes_mib": sizes, "chunks": args.chunks, "reps": reps}
-    if args.curve != "only":
+    if args.curve != "only" and args.bus != "only":
         with server:
             prefault_s = _wait_server_prefault(http_port)
             print(f"# server arena ({args.l1_size_gb} GiB) pre-faulted in {prefault_s:.1f}s; load {load_start}", file=sys.stderr)
             for size in sizes:
                 rows += _bench_size(server, size, args.chunks, transports, reps, warmup, raw)
             rows += _bench_latency(server, reps, raw)
-    if args.curve != "off":
+    if args.bus != "off":
+        from kvdepot.bench.bus import bench_bus
+
+        rows += bench_bus(3 if args.quick else max(reps, 5), raw)
+    if args.curve != "off" and args.bus != "only":
         from kvdepot.bench.curve import bench_curve
 
         for size in sizes:
