@@ -223,6 +223,9 @@ class ObservabilityConfig(ConfigStruct, frozen=True, kw_only=True):
     ] = ""
     kv_events_buffer: Annotated[int, option("KV-event batches kept for replay", ge=1, le=1 << 22)] = 10000
     trace_record: Annotated[str, option("record every LOOKUP/STORE/RETRIEVE to this file (replay it with `kvdepot replay`)")] = ""
+    lookup_log: Annotated[str, option("write one JSON line per engine lookup to this file (rotated)")] = ""
+    lookup_log_max_mb: Annotated[int, option("rotate the lookup log at this size in MiB", ge=1, le=1 << 20)] = 100
+    lookup_log_backups: Annotated[int, option("rotated lookup logs kept", ge=0, le=1000)] = 5
     silent_miss_window_s: Annotated[
         float, option("warn (log, metric, /healthcheck) when a model with stored objects had lookups but no hit for this long", gt=0)
     ] = 600.0

@@ -62,6 +62,11 @@ class Metrics:
         self.stored_bytes = Counter("kvdepot_stored_bytes", "Bytes engines stored (committed), by model.", ["model"], registry=r)
         self.retrieved_chunks = Counter("kvdepot_retrieved_chunks", "Chunks engines read back, by model.", ["model"], registry=r)
         self.retrieved_bytes = Counter("kvdepot_retrieved_bytes", "Bytes engines read back, by model.", ["model"], registry=r)
+        self.transfer_bytes = Counter("kvdepot_transfer_bytes", "Bytes moved by transfer path (shm, inline) and direction (store, retrieve).",
+                                      ["path", "direction"], registry=r)  # fmt: skip
+        for path in ("shm", "inline"):
+            for direction in ("store", "retrieve"):
+                self.transfer_bytes.labels(path, direction)
         # Fed by the event bus (``subscribe_to``), off the request path.
         self.request_seconds = Histogram(
             "kvdepot_request_seconds", "Time from receipt to reply, by request type and outcome (ok or the error code).", ["type", "outcome"],
@@ -97,14 +102,16 @@ class Metrics:
                 self.hit_tokens.labels(m, where).inc(tokens)
         self.missed_tokens.labels(m).inc(missed)
 
-    def stored(self, model: str, chunks: int, nbytes: int) -> None:
+    def stored(self, model: str, chunks: int, nbytes: int, path: str) -> None:
         if chunks:
+            self.transfer_bytes.labels(path, "store").inc(nbytes)
             m = self._model(model)
             self.stored_chunks.labels(m).inc(chunks)
             self.stored_bytes.labels(m).inc(nbytes)
 
-    def retrieved(self, model: str, chunks: int, nbytes: int) -> None:
+    def retrieved(self, model: str, chunks: int, nbytes: int, path: str) -> None:
         if chunks:
+            self.transfer_bytes.labels(path, "retrieve").inc(nbytes)
             m = self._model(model)
             self.retrieved_chunks.labels(m).inc(chunks)
             self.retrieved_bytes.labels(m).inc(nbytes)
@@ -137,6 +144,11 @@ class Metrics:
                 self.tier_events.labels(e.kind, "stored").inc(len(e.keys))
             else:
                 self.tier_events.labels(e.kind, e.because).inc(len(e.keys))
+
+    def watch_tenants(self, usage: Callable[[], Mapping[str, Any]]) -> None:
+        """Per-``cache_salt`` L1 use at each scrape (``usage()``: salt -> objects, bytes), the largest
+        ``MAX_TENANT_LABELS`` only: salts can be per user, and a label per user would flood Prometheus."""
+        self.registry.register(_TenantCollector(usage))
 
     def watch_storage(self, snapshot: Callable[[], object]) -> None:
         """Export the storage snapshot's states and counters at each scrape."""
@@ -225,6 +237,28 @@ class _StorageCollector:
             for name, doc, field in counters:
                 yield CounterMetricFamily(name, doc, value=getattr(part, field))
         yield from _tier_metrics(s.tiers)
+
+
+MAX_TENANT_LABELS = 32
+
+
+class _TenantCollector:
+    def __init__(self, usage: Callable[[], Mapping[str, Any]]) -> None:
+        self._usage = usage
+
+    def describe(self) -> Iterable:
+        return []
+
+    def collect(self) -> Iterable:
+        used = GaugeMetricFamily("kvdepot_tenant_used_bytes", f"L1 bytes per cache_salt (the {MAX_TENANT_LABELS} largest; '' is none).",
+                                 labels=["cache_salt"])  # fmt: skip
+        objects = GaugeMetricFamily("kvdepot_tenant_objects", f"L1 objects per cache_salt (the {MAX_TENANT_LABELS} largest).", labels=["cache_salt"])
+        top = sorted(self._usage().items(), key=lambda kv: -kv[1].bytes)[:MAX_TENANT_LABELS]
+        for salt, u in top:
+            used.add_metric([salt], u.bytes)
+            objects.add_metric([salt], u.objects)
+        yield used
+        yield objects
 
 
 class _BusCollector:

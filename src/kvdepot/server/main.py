@@ -24,6 +24,7 @@ from kvdepot.observability import recent
 from kvdepot.observability.alarm import SilentMissAlarm
 from kvdepot.observability.bus import EventBus
 from kvdepot.observability.kv_events import KVEventsPublisher
+from kvdepot.observability.lookup_log import LookupLog
 from kvdepot.observability.metrics import Metrics
 from kvdepot.observability.tenants import TenantTally
 from kvdepot.observability.trace import TraceRecorder
@@ -88,6 +89,9 @@ class KVDepotServer:
         if obs.trace_record and not self.bus.enabled:
             raise ConfigError("--trace-record needs the event bus: --event-queue-size must be > 0")
         self.recorder: TraceRecorder | None = None
+        self.lookup_log: LookupLog | None = None
+        if obs.lookup_log and not self.bus.enabled:
+            raise ConfigError("--lookup-log needs the event bus: --event-queue-size must be > 0")
         self.rpc = RpcServer(
             config.rpc.endpoints,
             workers=config.rpc.workers,
@@ -115,10 +119,17 @@ class KVDepotServer:
             if obs.trace_record:  # opened once the ports are ours: a server that cannot start leaves an old recording be
                 self.recorder = TraceRecorder(obs.trace_record, __version__)
                 self.bus.subscribe("tracing", self.recorder.handle, (ChunkRequestDone,))
+            if obs.lookup_log:
+                try:
+                    self.lookup_log = LookupLog(obs.lookup_log, obs.lookup_log_max_mb, obs.lookup_log_backups)
+                except OSError as exc:
+                    raise ConfigError(f"--lookup-log {obs.lookup_log}: {exc.strerror or exc}") from None
+                self.bus.subscribe("lookup_log", self.lookup_log.handle, LookupLog.KINDS)
             self.storage = StorageManager(config.storage, holder_alive=self._holder_alive, node=node_id(config), events=self.bus)
         except BaseException:
-            if self.recorder is not None:
-                self.recorder.close()
+            for log_file in (self.recorder, self.lookup_log):
+                if log_file is not None:
+                    log_file.close()
             self._unbind()
             raise
         self.liveness = LivenessTracker(config.rpc.client_timeout_s, lock_held=self.storage.lock_held)
@@ -130,6 +141,7 @@ class KVDepotServer:
             self.kv_events.name_tiers(self.storage.tier_names())
             self.bus.subscribe("kv_events", self.kv_events.handle, KVEventsPublisher.KINDS)
         metrics.watch_storage(self.storage.snapshot)
+        metrics.watch_tenants(self.tenants.snapshot)
         self._watch = ClientWatch(self.liveness, self.ctx.client_gone)
         self.rpc.observer = self.liveness
         for make in modules:
@@ -241,8 +253,9 @@ class KVDepotServer:
         self.bus.close()  # after every producer: what they said last is still handed out
         if self.kv_events is not None:
             self.kv_events.close()
-        if self.recorder is not None:
-            self.recorder.close()
+        for log_file in (self.recorder, self.lookup_log):
+            if log_file is not None:
+                log_file.close()
         logging.getLogger("kvdepot").removeHandler(self._log_to_recent)
 
     def serve_forever(self) -> None:

@@ -78,7 +78,7 @@ class TransferModule:
             self.storage.abort(lease, call.client)
             return Reply(m.CommitStoreReply(committed=0))
         committed = self.storage.commit(lease, call.client)
-        self.ctx.metrics.stored(context.spec.model, committed, committed * context.chunk_bytes)
+        self.ctx.metrics.stored(context.spec.model, committed, committed * context.chunk_bytes, "shm")
         return Reply(m.CommitStoreReply(committed=committed))
 
     def store_inline(self, call: Call) -> Reply:
@@ -101,7 +101,7 @@ class TransferModule:
             self.storage.abort(res.lease_id, call.client)
             raise
         committed = self.storage.commit(res.lease_id, call.client)
-        self.ctx.metrics.stored(context.spec.model, committed, committed * size)
+        self.ctx.metrics.stored(context.spec.model, committed, committed * size, "inline")
         self.ctx.chunk_request_done("store", call, context, body.keys, committed)
         return Reply(m.StoreInlineReply(statuses=[int(s) for s in res.statuses]))
 
@@ -148,7 +148,7 @@ class TransferModule:
 
     def prepare_retrieve(self, call: Call) -> Reply:
         context, lock = self._lock_for_retrieve(call, Toucher.CLIENT)
-        self.ctx.metrics.retrieved(context.spec.model, len(lock.offsets), len(lock.offsets) * context.chunk_bytes)
+        self.ctx.metrics.retrieved(context.spec.model, len(lock.offsets), len(lock.offsets) * context.chunk_bytes, "shm")
         self.ctx.chunk_request_done("retrieve", call, context, call.body.keys, len(lock.offsets))
         return Reply(m.PrepareRetrieveReply(lease_id=lock.lease_id, offsets=lock.offsets))
 
@@ -175,7 +175,7 @@ class TransferModule:
         for offset in lock.offsets:
             payload.extend(codec.split_object(self.storage.payload(offset, size), context.rows, rpf, max_frame))
         owner, lease = call.client, lock.lease_id
-        self.ctx.metrics.retrieved(context.spec.model, len(lock.offsets), len(lock.offsets) * size)
+        self.ctx.metrics.retrieved(context.spec.model, len(lock.offsets), len(lock.offsets) * size, "inline")
         self.ctx.chunk_request_done("retrieve", call, context, call.body.keys, len(lock.offsets))
 
         def release() -> None:  # once ZeroMQ no longer reads the arena
