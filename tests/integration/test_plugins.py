@@ -256,3 +256,17 @@ def test_secrets_are_withheld_from_the_plugin_config():
     assert mask_tier_spec("valkey:url=redis://user:VPW789@cache:6379/0,prefix=kv:") == f"valkey:url=redis://user:{WITHHELD}@cache:6379/0,prefix=kv:"
     assert public_config(ServerConfig()).http.admin_token == ""  # no token: nothing to withhold
     assert mask_tier_spec("fs:path=/var/cache/kv,size_gb=10") == "fs:path=/var/cache/kv,size_gb=10"
+
+
+def test_the_state_drawing_is_enforced():
+    from kvdepot.server.plugins import Plugin, PluginState
+
+    p = Plugin("probe", "probe", (), {})
+    with pytest.raises(RuntimeError, match="stopped -> running is not a state change"):
+        p._move(PluginState.RUNNING)  # never started: it cannot be running
+    p._move(PluginState.STARTING)
+    p._move(PluginState.RUNNING)
+    with pytest.raises(RuntimeError, match="running -> starting"):
+        p._move(PluginState.STARTING)  # a running plugin is not started twice
+    p.signal(signal.SIGTERM)  # no process: only the state moves
+    assert p.snapshot()["state"] == "stopping" and p.join(0.1)
