@@ -20,6 +20,8 @@ import functools
 import ipaddress
 import math
 import os
+import re
+import shlex
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
@@ -231,11 +233,51 @@ class ObservabilityConfig(ConfigStruct, frozen=True, kw_only=True):
     ] = 600.0
 
 
+# --- runtime plugins (kvdepot.server.plugins runs them; kvdepot.plugins is what a plugin reads) -----
+
+_MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\Z")
+
+
+def split_plugin_spec(spec: str) -> tuple[str, tuple[str, ...]]:
+    """``MODULE[:ARGS]`` -> (module, ARGS split as a shell would); ValueError saying what is wrong."""
+    module, _, args = spec.partition(":")
+    module = module.strip()
+    if not _MODULE_NAME.match(module):
+        raise ValueError(f"{module!r} is not a Python module name (MODULE[:ARGS], e.g. kvdepot.plugins.usage_log:/var/log/kvdepot-usage.jsonl)")
+    try:
+        return module, tuple(shlex.split(args))
+    except ValueError as exc:  # an unclosed quote
+        raise ValueError(f"the arguments {args!r} do not parse: {exc}") from None
+
+
+class PluginConfig(ConfigStruct, frozen=True, kw_only=True):
+    """Programs the server runs beside itself (``python -m MODULE ARGS``), restarted when they exit."""
+
+    specs: Annotated[
+        tuple[str, ...],
+        option(
+            "run a plugin process: 'MODULE[:ARGS]' (python -m MODULE ARGS, ARGS split like a shell), with the server's config in its "
+            "environment; restarted with backoff when it exits, stopped at shutdown (repeatable)",
+            cli={"action": "append", "metavar": "MODULE[:ARGS]"},
+        ),
+    ] = ()
+    grace_s: Annotated[float, option("at shutdown a plugin gets SIGTERM, then SIGKILL after this long", gt=0, le=600)] = 5.0
+    _flags: ClassVar[dict[str, str]] = {"specs": "--plugin", "grace_s": "--plugin-grace-s"}
+
+    def _check_together(self) -> None:
+        for spec in self.specs:
+            try:
+                split_plugin_spec(spec)
+            except ValueError as exc:
+                raise ConfigError(f"--plugin {spec!r}: {exc}") from None
+
+
 class ServerConfig(ConfigStruct, frozen=True, kw_only=True):
     rpc: RpcConfig = msgspec.field(default_factory=RpcConfig)
     storage: StorageConfig = msgspec.field(default_factory=StorageConfig)
     http: HttpConfig = msgspec.field(default_factory=HttpConfig)
     observability: ObservabilityConfig = msgspec.field(default_factory=ObservabilityConfig)
+    plugins: PluginConfig = msgspec.field(default_factory=PluginConfig)
     log_level: Annotated[Literal["debug", "info", "warning", "error"], option("log level")] = "info"
     insecure: Annotated[
         bool,
@@ -389,6 +431,7 @@ def add_server_args(p: argparse.ArgumentParser, tier_help: str = "") -> None:
     add_config_args(p, StorageConfig, "storage (L1 and L2 tiers)", {"l2": f". Types: {tier_help}".replace("%", "%%") if tier_help else ""})
     add_config_args(p, HttpConfig, "HTTP API")
     add_config_args(p, ObservabilityConfig, "observability (event bus, KV events, traces)")
+    add_config_args(p, PluginConfig, "runtime plugins")
     add_config_args(p, ServerConfig, "logging and security")
 
 
@@ -408,6 +451,7 @@ def server_from_args(a: argparse.Namespace) -> ServerConfig:
             "storage": _build(StorageConfig, storage_values),
             "http": _build(HttpConfig, http_values),
             "observability": _build(ObservabilityConfig, _values_of(ObservabilityConfig, a)),
+            "plugins": _build(PluginConfig, {**(pv := _values_of(PluginConfig, a)), "specs": tuple(pv.get("specs", ()))}),
             **_values_of(ServerConfig, a),
         },
     )

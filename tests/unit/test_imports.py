@@ -70,6 +70,8 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "kvdepot.trace": ("kvdepot.server", "kvdepot.storage", "kvdepot.admin", "kvdepot.connectors", "kvdepot.peer"),
     # the server serves: it never calls out through the client or the connectors
     "kvdepot.server": ("kvdepot.client", "kvdepot.connectors", "kvdepot.bench", "kvdepot.rpc.channel"),
+    # a runtime plugin is a separate process: it reaches the server only through its ports
+    "kvdepot.plugins": ("kvdepot.server", "kvdepot.storage", "kvdepot.admin", "kvdepot.rpc.server", "kvdepot.rpc.dispatch", "kvdepot.bench"),
     # the peer tier is a tier and a node: it calls other nodes over the rpc layer, never through the
     # client, and knows no engine, server or admin API (an engine's connector may run a node)
     "kvdepot.peer": ("kvdepot.client", "kvdepot.connectors", "kvdepot.server", "kvdepot.admin", "kvdepot.bench"),

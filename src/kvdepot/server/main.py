@@ -38,6 +38,7 @@ from kvdepot.server.modules.lifecycle import LifecycleModule
 from kvdepot.server.modules.lookup import LookupModule
 from kvdepot.server.modules.management import ManagementModule
 from kvdepot.server.modules.transfer import TransferModule
+from kvdepot.server.plugins import PluginSupervisor
 from kvdepot.server.state import Context, ContextRegistry
 from kvdepot.server.status import degraded_reasons, status_document, tenants_document
 from kvdepot.storage.manager import QuotaControl, StorageManager
@@ -114,6 +115,7 @@ class KVDepotServer:
         self._next_alarm_check = 0.0
         self.bus.subscribe("tenants", lambda events: [self.tenants.on_events(list(e.events)) for e in events], (L1Changed,))
         self._stopped = threading.Event()
+        self.plugins = PluginSupervisor(config)  # a plugin module that is not there fails here, before any port is taken
         self._bind()
         try:
             if obs.trace_record:  # opened once the ports are ours: a server that cannot start leaves an old recording be
@@ -222,6 +224,7 @@ class KVDepotServer:
             if self.http is not None:
                 self.http.start()  # before RPC: a PING reply then means every part is up
             self.rpc.start()
+            self.plugins.start()  # last: a plugin that reads the ports at once finds them serving
         except BaseException:
             self.close()
             raise
@@ -243,6 +246,7 @@ class KVDepotServer:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        self.plugins.stop()  # first: they may still read the server while they stop
         if self.http is not None:
             self.http.close()
         if self.prometheus is not None:
@@ -307,6 +311,7 @@ class KVDepotServer:
             len(self.ctx.contexts),
             len(self.ctx.sessions),
             tenants,
+            self.plugins.snapshot(),
         )
 
     def recent_events(self, n: int, kinds: tuple[str, ...] = (), after: int = 0) -> list[dict]:

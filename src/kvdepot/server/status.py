@@ -25,6 +25,7 @@ def status_document(
     contexts: int,
     sessions: int,
     tenants: list[dict] | None = None,
+    plugins: list[dict] | None = None,
 ) -> dict:
     l1, pf = snap.l1, snap.prefault
     errors = {k: v for k, v in counts(metrics.errors).items() if v}
@@ -80,6 +81,7 @@ def status_document(
         "tiers": [asdict(t) for t in snap.tiers],
         "tenants": tenants or [],
         "l2_controllers": {"store": asdict(snap.store), "prefetch": asdict(snap.prefetch)} if snap.store and snap.prefetch else {},
+        "plugins": plugins or [],  # name, module, state, pid, restarts, last_exit_code, restart_delays_s
     }
 
 

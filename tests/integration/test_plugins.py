@@ -1,0 +1,272 @@
+"""Runtime plugins (``--plugin MODULE[:ARGS]``): real plugin processes beside a real server.
+
+The shipped ``usage_log`` plugin fills its file with what ``/status`` says; probe plugins (small modules
+written per test, found through PYTHONPATH) report their environment, crash at once, or ignore SIGTERM
+and start a child of their own. Process checks read ``/proc``: a pid that is gone or a zombie is dead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import msgspec
+import pytest
+from support.servers import CHUNK, LAYOUT, SMALL_L1, Server, make_kv, make_tokens, stop_server, wait_until
+
+from kvdepot.bench.serverproc import ServerProcess, free_port
+from kvdepot.config import HttpConfig, ServerConfig, StorageConfig
+from kvdepot.plugins import WITHHELD, PluginEnvironment
+from kvdepot.server.plugins import mask_tier_spec, public_config
+
+TOKEN = "tok-3f9a0c1d-never-in-a-plugin"
+
+PROBES = {
+    # writes its whole environment and its pid, then runs until SIGTERM or its server is gone
+    "kvd_probe_env": """
+        import json, os, signal, sys, time
+        from kvdepot.plugins import PluginEnvironment
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        with open(sys.argv[1] + ".tmp", "w") as f:
+            json.dump({"pid": os.getpid(), "env": dict(os.environ)}, f)
+        os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+        print("probe env written", flush=True)
+        while PluginEnvironment.from_environ().server_alive():
+            time.sleep(0.1)
+    """,
+    # notes each start, then fails at once
+    "kvd_probe_crash": """
+        import os, sys
+        with open(sys.argv[1], "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        print("probe crash: failing on purpose", file=sys.stderr, flush=True)
+        sys.exit(3)
+    """,
+    # ignores SIGTERM and starts a child of its own: only SIGKILL to its process group ends both
+    "kvd_probe_stubborn": """
+        import json, os, signal, subprocess, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        child = subprocess.Popen(["sleep", "300"])
+        with open(sys.argv[1] + ".tmp", "w") as f:
+            json.dump({"pid": os.getpid(), "child": child.pid}, f)
+        os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+        while True:
+            time.sleep(0.1)
+    """,
+}
+
+
+@pytest.fixture
+def plugin_server(tmp_path):
+    """``start(*args, env=None)``: a server whose plugins can be the probes; all stopped in teardown."""
+    probes = tmp_path / "probes"
+    probes.mkdir()
+    for name, source in PROBES.items():
+        (probes / f"{name}.py").write_text(textwrap.dedent(source))
+    started: list[Server] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> Server:
+        path = os.pathsep.join(p for p in (str(probes), os.environ.get("PYTHONPATH", "")) if p)
+        ipc_dir = tempfile.mkdtemp(prefix="kvd-")  # short: ipc paths are limited to ~107 bytes
+        proc = ServerProcess(
+            args=["--chunk-size", str(CHUNK), "--l1-size-gb", SMALL_L1, *args],
+            http_port=free_port(),
+            ipc_path=os.path.join(ipc_dir, "s.ipc"),
+            env={"PYTHONPATH": path, **(env or {})},
+            log_path=str(tmp_path / f"server{len(started)}.log"),
+        )
+        srv = Server(proc, Path(proc.log_path), ipc_dir)
+        started.append(srv)
+        proc.start()
+        return srv
+
+    yield start
+    for s in started:
+        stop_server(s)
+
+
+def plugins_of(srv: Server) -> dict[str, dict]:
+    return {p["name"]: p for p in srv.status()["plugins"]}
+
+
+def dead(pid: int) -> bool:
+    """Gone, or a zombie nobody has reaped yet (it runs no more either way)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def read_json(path: Path):
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def usage_lines(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines()]  # every line whole JSON
+
+
+# --- the shipped plugin and the environment ------------------------------------------------------
+
+
+def test_usage_log_writes_what_status_says_and_plugins_get_the_config_without_secrets(plugin_server, tmp_path, seed):
+    usage, envfile = tmp_path / "usage.jsonl", tmp_path / "env.json"
+    srv = plugin_server(
+        "--plugin", f"kvdepot.plugins.usage_log:{usage} --every-s 0.2",
+        "--plugin", f"kvd_probe_env:{envfile}",
+        env={"KVDEPOT_ADMIN_TOKEN": TOKEN},  # the server reads its token from here; a plugin must not
+    )
+    with srv.client() as c:
+        tokens = make_tokens(6 * CHUNK, seed)
+        assert c.store(tokens, make_kv(LAYOUT, len(tokens), seed)) == 6 * CHUNK
+        assert c.lookup_chunks(c.hashes(tokens)) == 6
+        st = srv.status()
+        assert st["l1"]["objects"] == 6 and st["lookups"]["hit_tokens"] == 6 * CHUNK
+
+        def line_matching():
+            return [r for r in usage_lines(usage) if r["l1_objects"] == 6 and r["hit_tokens"] == st["lookups"]["hit_tokens"]]
+
+        [row, *_] = wait_until(line_matching, what="a usage line with the stored objects and hit tokens")
+        assert row["l1_used_bytes"] == st["l1"]["used_bytes"] == 6 * LAYOUT.chunk_bytes(CHUNK)
+        assert row["l1_capacity_bytes"] == st["l1"]["capacity_bytes"]
+        assert row["requested_tokens"] == st["lookups"]["requested_tokens"] and row["clients"] == st["clients"] and row["contexts"] == st["contexts"] == 1
+        assert all(set(r) == set(row) for r in usage_lines(usage))
+
+    probe = wait_until(lambda: read_json(envfile), what="the env probe's report")
+    env = probe["env"]
+    plugin_env = PluginEnvironment.from_environ(env)
+    assert plugin_env.name == "kvd_probe_env"
+    assert plugin_env.http_url == srv.http and plugin_env.rpc_url == srv.url
+    assert plugin_env.server_pid == srv.proc.proc.pid
+    config = plugin_env.config()  # the server's resolved config, as a ServerConfig
+    assert isinstance(config, ServerConfig)
+    assert config.storage.chunk_size == CHUNK and config.storage.l1_size_gb == float(SMALL_L1) and config.http.port == srv.http_port
+    assert config.plugins.specs == (f"kvdepot.plugins.usage_log:{usage} --every-s 0.2", f"kvd_probe_env:{envfile}")
+    assert config.http.admin_token == WITHHELD  # "a token is set", not the token
+    assert "KVDEPOT_ADMIN_TOKEN" not in env
+    assert not [k for k, v in env.items() if TOKEN in v], "the admin token reached a plugin in clear"
+
+    shown = plugins_of(srv)
+    assert set(shown) == {"kvdepot.plugins.usage_log", "kvd_probe_env"}
+    assert shown["kvd_probe_env"]["pid"] == probe["pid"]
+    assert all(p["state"] == "running" and p["restarts"] == 0 for p in shown.values()), shown
+    assert "[kvd_probe_env] probe env written" in srv.log_text()  # its output is in the server's log, under its name
+
+
+# --- restarts ------------------------------------------------------------------------------------
+
+
+def test_a_killed_plugin_is_restarted_and_a_crashing_one_backs_off(plugin_server, tmp_path):
+    usage, starts = tmp_path / "usage.jsonl", tmp_path / "starts.txt"
+    srv = plugin_server("--plugin", f"kvdepot.plugins.usage_log:{usage} --every-s 0.2", "--plugin", f"kvd_probe_crash:{starts}")
+    name = "kvdepot.plugins.usage_log"
+    first = wait_until(lambda: (p := plugins_of(srv)[name])["state"] == "running" and p["pid"] and p, what="usage_log running")
+    wait_until(lambda: usage_lines(usage), what="a first usage line")
+    os.kill(first["pid"], signal.SIGKILL)
+    again = wait_until(lambda: (p := plugins_of(srv)[name])["restarts"] == 1 and p["state"] == "running" and p, what="usage_log restarted")
+    assert again["pid"] not in (0, first["pid"]) and dead(first["pid"])
+    assert again["last_exit_code"] == -signal.SIGKILL
+    assert again["restart_delays_s"] == [0.5]  # it had run less than a minute: the first delay
+    n = len(usage_lines(usage))
+    wait_until(lambda: len(usage_lines(usage)) > n + 1, what="the restarted plugin writing on")
+
+    crash = wait_until(lambda: (p := plugins_of(srv)["kvd_probe_crash"])["restarts"] >= 3 and p, timeout_s=40, what="3 restarts")
+    delays = crash["restart_delays_s"]
+    assert len(delays) >= 3 and all(b >= a for a, b in zip(delays, delays[1:])) and delays[-1] > delays[0], delays
+    assert delays[:3] == [0.5, 1.0, 2.0]
+    assert crash["last_exit_code"] == 3
+    assert len(starts.read_text().split()) >= crash["restarts"] + (crash["state"] == "running")  # each start was a real process
+    assert srv.alive()
+    assert "[kvd_probe_crash] probe crash: failing on purpose" in srv.log_text()
+
+
+# --- shutdown ------------------------------------------------------------------------------------
+
+
+def test_shutdown_leaves_no_plugin_process(plugin_server, tmp_path):
+    usage, stubborn, envfile = tmp_path / "usage.jsonl", tmp_path / "stubborn.json", tmp_path / "env.json"
+    srv = plugin_server(
+        "--plugin-grace-s", "1",
+        "--plugin", f"kvdepot.plugins.usage_log:{usage} --every-s 0.2",
+        "--plugin", f"kvd_probe_stubborn:{stubborn}",
+        "--plugin", f"kvd_probe_env:{envfile}",
+    )
+    st = wait_until(lambda: (st := srv.status()) and all(p["state"] == "running" and p["pid"] for p in st["plugins"]) and st, what="all running")
+    pids = [p["pid"] for p in st["plugins"]]
+    stub = wait_until(lambda: read_json(stubborn), what="the stubborn probe's report")
+    assert stub["pid"] in pids and not dead(stub["child"])
+    assert not any(dead(pid) for pid in pids)
+    assert srv.stop() == 0, "the server must exit cleanly on SIGTERM"
+    wait_until(lambda: all(dead(pid) for pid in [*pids, stub["child"]]), timeout_s=10, what="every plugin process (and the one a plugin started) gone")
+    log = srv.log_text()
+    assert "plugin kvd_probe_stubborn did not stop within 1.0 s of SIGTERM: killing it" in log
+    assert "did not stop" not in log.replace("plugin kvd_probe_stubborn did not stop", "")  # the others stopped on SIGTERM
+
+
+# --- refused at start-up -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec, says",
+    [
+        ("kvd_no_such_plugin_module", "no module named kvd_no_such_plugin_module"),
+        ("kvd_no_such_package.sub:--x 1", "cannot find module kvd_no_such_package.sub"),
+        ("kvdepot.plugins", "kvdepot.plugins is a package without a __main__ module"),
+        ("not-a-module:x", "is not a Python module name"),
+        ("kvdepot.plugins.usage_log:'/tmp/x", "do not parse"),
+    ],
+)
+def test_a_plugin_that_cannot_run_refuses_start_up(spec, says, tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "kvdepot.cli", "server", "--port", "0", "--ipc-path", str(tmp_path / "s.ipc"), "--http-port", "0", "--plugin", spec],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 2, r.stderr
+    assert f"--plugin {spec!r}" in r.stderr and says in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+# --- what a plugin may read ----------------------------------------------------------------------
+
+
+def test_secrets_are_withheld_from_the_plugin_config():
+    config = ServerConfig(
+        http=HttpConfig(admin_token=TOKEN),
+        storage=StorageConfig(
+            l2=(
+                "s3:bucket=kv,access_key_id=AK,secret_access_key=SK123,endpoint_url=http://minio:9000",
+                '{"type": "peer", "secret": "PS456", "port": 31995}',
+                "valkey:url=redis://user:VPW789@cache:6379/0,prefix=kv:",
+            )
+        ),
+    )
+    public = msgspec.json.encode(public_config(config)).decode()
+    for secret in (TOKEN, "SK123", "PS456", "VPW789"):
+        assert secret not in public, secret
+    assert public_config(config).storage.l2[0] == f"s3:bucket=kv,access_key_id={WITHHELD},secret_access_key={WITHHELD},endpoint_url=http://minio:9000"
+    assert json.loads(public_config(config).storage.l2[1]) == {"type": "peer", "secret": WITHHELD, "port": 31995}
+    assert mask_tier_spec("valkey:url=redis://user:VPW789@cache:6379/0,prefix=kv:") == f"valkey:url=redis://user:{WITHHELD}@cache:6379/0,prefix=kv:"
+    assert public_config(ServerConfig()).http.admin_token == ""  # no token: nothing to withhold
+    assert mask_tier_spec("fs:path=/var/cache/kv,size_gb=10") == "fs:path=/var/cache/kv,size_gb=10"
+
+
+def test_the_state_drawing_is_enforced():
+    from kvdepot.server.plugins import Plugin, PluginState
+
+    p = Plugin("probe", "probe", (), {})
+    with pytest.raises(RuntimeError, match="stopped -> running is not a state change"):
+        p._move(PluginState.RUNNING)  # never started: it cannot be running
+    p._move(PluginState.STARTING)
+    p._move(PluginState.RUNNING)
+    with pytest.raises(RuntimeError, match="running -> starting"):
+        p._move(PluginState.STARTING)  # a running plugin is not started twice
+    p.signal(signal.SIGTERM)  # no process: only the state moves
+    assert p.snapshot()["state"] == "stopping" and p.join(0.1)
