@@ -21,6 +21,9 @@ is logged by OpenTelemetry's exporter and the spans are dropped: tracing never f
 
 from __future__ import annotations
 
+import logging
+import threading
+
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
@@ -31,8 +34,11 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from kvdepot.events import ChunkRequestDone, RequestDone
 
+log = logging.getLogger(__name__)
+
 TRACER = "kvdepot"
-EXPORT_TIMEOUT_S = 5.0  # one export's budget, retries included; also bounds the flush at close
+EXPORT_TIMEOUT_S = 5.0  # one export's budget, retries included
+CLOSE_TIMEOUT_S = 5.0  # the flush at close: a collector that hangs never holds a shutdown up longer
 PREFETCH_SPAN = "kvdepot/L2_PREFETCH"
 
 
@@ -108,7 +114,7 @@ class RequestSpans:
 class OtlpExport:
     """The spans' way out: ``start`` attaches a BatchSpanProcessor exporting to ``endpoint`` over
     OTLP/HTTP (its thread starts there, never in the constructor); ``close`` flushes what is queued
-    (bounded by ``EXPORT_TIMEOUT_S``) and stops it. The composition root closes it after the bus."""
+    (within ``CLOSE_TIMEOUT_S``) and stops it. The composition root closes it after the bus."""
 
     def __init__(self, endpoint: str, service_name: str, sample_ratio: float, version: str = "") -> None:
         self.endpoint = endpoint
@@ -123,7 +129,16 @@ class OtlpExport:
         exporter = OTLPSpanExporter(endpoint=self.endpoint, timeout=EXPORT_TIMEOUT_S)
         self.provider.add_span_processor(BatchSpanProcessor(exporter, export_timeout_millis=EXPORT_TIMEOUT_S * 1000))
 
-    def close(self) -> None:
-        if self._started and not self._closed:
-            self.provider.shutdown()
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        if self._closed:
+            return
         self._closed = True
+        if not self._started:
+            return
+        # The SDK's shutdown takes no deadline (an export in flight, then the last one, each up to
+        # EXPORT_TIMEOUT_S): it runs on a thread of its own, and what it has not sent in time is dropped.
+        flush = threading.Thread(target=self.provider.shutdown, name="kvdepot-otlp-close", daemon=True)
+        flush.start()
+        flush.join(timeout_s)
+        if flush.is_alive():
+            log.warning("spans not exported to %s within %.0f s at shutdown were dropped", self.endpoint, timeout_s)
