@@ -231,6 +231,19 @@ class ObservabilityConfig(ConfigStruct, frozen=True, kw_only=True):
     silent_miss_window_s: Annotated[
         float, option("warn (log, metric, /healthcheck) when a model with stored objects had lookups but no hit for this long", gt=0)
     ] = 600.0
+    # --- OpenTelemetry traces (the optional extra kvdepot[otel]) ---
+    otlp_endpoint: Annotated[
+        str,
+        option("export a span per request to this OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces (needs kvdepot[otel])", cli={"metavar": "URL"}),
+    ] = ""
+    otlp_service_name: Annotated[str, option("the service.name the spans carry", min_length=1, cli={"metavar": "NAME"})] = "kvdepot"
+    otlp_sample_ratio: Annotated[
+        float, option("the fraction of requests traced (each decided on its own)", ge=0, le=1, cli={"metavar": "RATIO"})
+    ] = 1.0
+
+    def _check_together(self) -> None:
+        if self.otlp_endpoint and not self.otlp_endpoint.startswith(("http://", "https://")):
+            raise ConfigError(f"--otlp-endpoint {self.otlp_endpoint}: give an OTLP/HTTP URL, e.g. http://collector:4318/v1/traces")
 
 
 # --- runtime plugins (kvdepot.server.plugins runs them; kvdepot.plugins is what a plugin reads) -----

@@ -93,6 +93,8 @@ class RequestDone:
     rtype: str
     outcome: str
     duration_s: float  # from receipt to the reply being built
+    t_end: float = 0.0  # time.time() when the reply was built (a span ends here and began duration_s before)
+    described: bool = False  # a ChunkRequestDone tells more of this request (now or, prefetching, later)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +111,9 @@ class ChunkRequestDone:
     chunk_bytes: int
     found: int  # lookup: leading chunks found (after L2); store: chunks stored; retrieve: chunks returned
     outcome: str  # "ok" or an error code's name
+    rtype: str = ""  # the request type's name (LOOKUP, STORE_INLINE, PREPARE_RETRIEVE, ...)
+    prefetch_s: float = 0.0  # a LOOKUP that prefetched from L2: the last prefetch_s of duration_s were that
+    prefetched: int = 0  # ... and the chunks it brought into L1
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,7 @@ class Call:
     payload: list[zmq.Frame]
     deadline: float  # monotonic; inf when the client set none
     received: float = 0.0  # monotonic
+    described: bool = False  # a handler published a richer record of this call (its RequestDone says so)
 
 
 @dataclass(slots=True)

@@ -324,7 +324,7 @@ class RpcServer:
                     )
         except codec.ProtocolViolation as exc:
             self._errors[exc.code].inc()
-            self.events.publish(RequestDone("UNDECODED", exc.code.name, time.monotonic() - received))
+            self.events.publish(RequestDone("UNDECODED", exc.code.name, time.monotonic() - received, time.time()))
             log.warning("rejected a request from %s: %s", ident.hex()[:12], exc)
             self._send_error(router, ident, exc.request_id, exc.code, exc.message)
             return
@@ -357,7 +357,7 @@ class RpcServer:
         try:
             reply = spec.fn(call)
             frames = codec.encode_reply(call.request_id, reply.body)  # encoding can fail too
-            self.events.publish(RequestDone(call.rtype.name, "ok", time.monotonic() - call.received))
+            self.events.publish(RequestDone(call.rtype.name, "ok", time.monotonic() - call.received, time.time(), call.described))
             return frames, reply
         except KVDepotError as exc:
             return self._error_frames(call, exc.code, exc.message)
@@ -369,7 +369,7 @@ class RpcServer:
 
     def _error_frames(self, call: Call, code: ErrorCode, message: str) -> list[Any]:
         self._errors[code].inc()
-        self.events.publish(RequestDone(call.rtype.name, code.name, time.monotonic() - call.received))
+        self.events.publish(RequestDone(call.rtype.name, code.name, time.monotonic() - call.received, time.time()))
         return codec.encode_error(call.request_id, code, message)
 
     def _send(self, sock: zmq.Socket, ident: bytes, call: Call, result) -> None:

@@ -13,11 +13,12 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvdepot import __version__
 from kvdepot.admin.http import HttpServer
 from kvdepot.admin.prometheus import PrometheusServer
-from kvdepot.config import RpcConfig, ServerConfig, is_loopback
+from kvdepot.config import ObservabilityConfig, RpcConfig, ServerConfig, is_loopback
 from kvdepot.errors import ConfigError, EndpointInUse
 from kvdepot.events import ChunkRequestDone, L1Changed, NamespaceSeen
 from kvdepot.observability import recent
@@ -44,6 +45,9 @@ from kvdepot.server.status import degraded_reasons, status_document, tenants_doc
 from kvdepot.storage.manager import QuotaControl, StorageManager
 from kvdepot.types import ClearScope, ClientId, NodeId
 
+if TYPE_CHECKING:
+    from kvdepot.observability.tracing import OtlpExport  # imports OpenTelemetry: only when --otlp-endpoint is given
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODULES: tuple[ModuleFactory, ...] = (ManagementModule, LookupModule, TransferModule, LifecycleModule)
@@ -62,6 +66,20 @@ def rpc_security(config: RpcConfig) -> CurveServerKeys | None:
         return CurveServerKeys(config.curve_server_key, config.curve_clients)
     except ValueError as exc:
         raise ConfigError(f"--curve-clients: {exc}") from None
+
+
+def otlp_export(config: ObservabilityConfig) -> OtlpExport | None:
+    """The OpenTelemetry exporter for ``--otlp-endpoint`` (an ``OtlpExport``), or None. OpenTelemetry is
+    an optional extra: it is imported here only, and only when the flag is given."""
+    if not config.otlp_endpoint:
+        return None
+    try:
+        from kvdepot.observability.tracing import OtlpExport
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith("opentelemetry"):
+            raise
+        raise ConfigError(f"--otlp-endpoint needs OpenTelemetry ({exc.name} is not installed): pip install kvdepot[otel]") from None
+    return OtlpExport(config.otlp_endpoint, config.otlp_service_name, config.otlp_sample_ratio, __version__)
 
 
 def node_id(config: ServerConfig) -> NodeId:
@@ -89,6 +107,11 @@ class KVDepotServer:
             raise ConfigError("--kv-events-endpoint needs the event bus: --event-queue-size must be > 0")
         if obs.trace_record and not self.bus.enabled:
             raise ConfigError("--trace-record needs the event bus: --event-queue-size must be > 0")
+        if obs.otlp_endpoint and not self.bus.enabled:
+            raise ConfigError("--otlp-endpoint needs the event bus: --event-queue-size must be > 0")
+        self.otlp = otlp_export(obs)  # spans from the bus's request records; exported from start() on
+        if self.otlp is not None:
+            self.bus.subscribe("otlp", self.otlp.spans.handle, self.otlp.spans.KINDS)
         self.recorder: TraceRecorder | None = None
         self.lookup_log: LookupLog | None = None
         if obs.lookup_log and not self.bus.enabled:
@@ -217,6 +240,8 @@ class KVDepotServer:
         try:
             if self.kv_events is not None:
                 self.kv_events.start()
+            if self.otlp is not None:
+                self.otlp.start()
             self.bus.start()
             self.storage.start()
             if self.prometheus is not None:
@@ -260,6 +285,8 @@ class KVDepotServer:
         for log_file in (self.recorder, self.lookup_log):
             if log_file is not None:
                 log_file.close()
+        if self.otlp is not None:
+            self.otlp.close()  # after the bus: the last requests' spans are made, then flushed
         logging.getLogger("kvdepot").removeHandler(self._log_to_recent)
 
     def serve_forever(self) -> None:

@@ -55,18 +55,29 @@ class ServerContext:
     def digest_size(self) -> int:
         return self.config.storage.hash_algorithm.digest_size
 
-    def chunk_request_done(self, op: str, call: Call, context: Context, hashes: list[bytes], found: int) -> None:
-        """Tell the bus a LOOKUP/STORE/RETRIEVE was answered (the trace recorder and the alarm read it);
-        nothing is built when nobody subscribes."""
+    def chunk_request_done(
+        self, op: str, call: Call, context: Context, hashes: list[bytes], found: int,
+        prefetch_started: float | None = None, prefetched: int = 0,
+    ) -> None:  # fmt: skip
+        """Tell the bus a LOOKUP/STORE/RETRIEVE was answered (the trace recorder, the alarm and tracing
+        read it); nothing is built when nobody subscribes. ``prefetch_started``: the monotonic time a
+        LOOKUP's prefetch from L2 began (it then ends now, having brought ``prefetched`` chunks)."""
         if not self.events.wants(ChunkRequestDone):
             return
+        call.described = True
         now = time.monotonic()
         self.events.publish(
             ChunkRequestDone(
                 op, time.time() - (now - call.received), now - call.received, context.spec.model, call.body.cache_salt,
-                tuple(hashes), context.chunk_size, context.chunk_bytes, found, "ok",
+                tuple(hashes), context.chunk_size, context.chunk_bytes, found, "ok", call.rtype.name,
+                now - prefetch_started if prefetch_started is not None else 0.0, prefetched,
             )
         )
+
+    def chunk_request_pending(self, call: Call) -> None:
+        """This call's ChunkRequestDone comes later (a LOOKUP prefetching from L2): its RequestDone,
+        published first, says so."""
+        call.described = self.events.wants(ChunkRequestDone)
 
     def release_quietly(self, lease: LeaseId, owner: ClientId) -> None:
         """Release a lease that may have ended already (TTL, revocation): freeing is idempotent."""

@@ -7,6 +7,8 @@ Sessions follow the state machine in ``server/sessions.py``.
 
 from __future__ import annotations
 
+import time
+
 from kvdepot.errors import BadRequest, ErrorCode, KVDepotError, LeaseExpired, UnknownLease
 from kvdepot.limits import MAX_KEYS
 from kvdepot.observability.metrics import L1
@@ -67,11 +69,14 @@ class LookupModule:
         if not prefetch:
             return Reply(m.LookupReply(hits=hits, locked=lease != NO_LEASE, in_l1=hits))
         client = call.client
+        if counted:
+            self.ctx.chunk_request_pending(call)
+        started = time.monotonic()
 
         def done(p: Prefetched) -> None:
             if counted:
                 self._answered(context, len(keys), {L1: hits, **p.by_tier})
-                self.ctx.chunk_request_done("lookup", call, context, body.keys, hits + p.chunks)
+                self.ctx.chunk_request_done("lookup", call, context, body.keys, hits + p.chunks, started, p.chunks)
             self._prefetched(key, session, client, hits + p.chunks)
 
         hints = LookupHints(body.source_hint, context.chunk_size, body.prefill_tokens_per_s)
