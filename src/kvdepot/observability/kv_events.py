@@ -186,6 +186,9 @@ class KVEventsPublisher:
         self._media = tier_media(tiers)
 
     def close(self) -> None:
+        """Idempotent: a server that fails while starting closes what it bound, then everything."""
+        if self._ctx.closed:
+            return
         self._stop.set()
         if self._replay_thread is not None:
             self._replay_thread.join(timeout=2)

@@ -11,24 +11,14 @@ import logging
 import signal
 import socket
 import threading
-import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from kvdepot import __version__
 from kvdepot.admin.http import HttpServer
 from kvdepot.admin.prometheus import PrometheusServer
-from kvdepot.config import ObservabilityConfig, RpcConfig, ServerConfig, is_loopback
+from kvdepot.config import RpcConfig, ServerConfig, is_loopback
 from kvdepot.errors import ConfigError, EndpointInUse
-from kvdepot.events import ChunkRequestDone, L1Changed, NamespaceSeen
-from kvdepot.observability import recent
-from kvdepot.observability.alarm import SilentMissAlarm
-from kvdepot.observability.bus import EventBus
-from kvdepot.observability.kv_events import KVEventsPublisher
-from kvdepot.observability.lookup_log import LookupLog
 from kvdepot.observability.metrics import Metrics
-from kvdepot.observability.tenants import TenantTally
-from kvdepot.observability.trace import TraceRecorder
 from kvdepot.protocol.messages import RequestType
 from kvdepot.rpc.security import CurveServerKeys, load_key_pair
 from kvdepot.rpc.server import RpcServer
@@ -39,14 +29,12 @@ from kvdepot.server.modules.lifecycle import LifecycleModule
 from kvdepot.server.modules.lookup import LookupModule
 from kvdepot.server.modules.management import ManagementModule
 from kvdepot.server.modules.transfer import TransferModule
+from kvdepot.server.observers import Observers
 from kvdepot.server.plugins import PluginSupervisor
-from kvdepot.server.state import Context, ContextRegistry
+from kvdepot.server.state import ContextRegistry
 from kvdepot.server.status import degraded_reasons, status_document, tenants_document
 from kvdepot.storage.manager import QuotaControl, StorageManager
 from kvdepot.types import ClearScope, ClientId, NodeId
-
-if TYPE_CHECKING:
-    from kvdepot.observability.tracing import OtlpExport  # imports OpenTelemetry: only when --otlp-endpoint is given
 
 log = logging.getLogger(__name__)
 
@@ -68,20 +56,6 @@ def rpc_security(config: RpcConfig) -> CurveServerKeys | None:
         raise ConfigError(f"--curve-clients: {exc}") from None
 
 
-def otlp_export(config: ObservabilityConfig) -> OtlpExport | None:
-    """The OpenTelemetry exporter for ``--otlp-endpoint`` (an ``OtlpExport``), or None. OpenTelemetry is
-    an optional extra: it is imported here only, and only when the flag is given."""
-    if not config.otlp_endpoint:
-        return None
-    try:
-        from kvdepot.observability.tracing import OtlpExport
-    except ModuleNotFoundError as exc:
-        if not (exc.name or "").startswith("opentelemetry"):
-            raise
-        raise ConfigError(f"--otlp-endpoint needs OpenTelemetry ({exc.name} is not installed): pip install kvdepot[otel]") from None
-    return OtlpExport(config.otlp_endpoint, config.otlp_service_name, config.otlp_sample_ratio, __version__)
-
-
 def node_id(config: ServerConfig) -> NodeId:
     """This server's name in a fleet: host name and the port (or ipc path) it serves."""
     return NodeId(f"{socket.gethostname()}:{config.rpc.port or config.rpc.ipc_path}")
@@ -95,27 +69,7 @@ class KVDepotServer:
     def __init__(self, config: ServerConfig, modules: Sequence[ModuleFactory] = DEFAULT_MODULES) -> None:
         self.config = config
         metrics = Metrics()
-        obs = config.observability
-        self.bus = EventBus(obs.event_queue_size)
-        metrics.subscribe_to(self.bus)
-        self.kv_events = (
-            KVEventsPublisher(obs.kv_events_endpoint, obs.kv_events_replay_endpoint, obs.kv_events_buffer, metrics)
-            if obs.kv_events_endpoint and self.bus.enabled
-            else None
-        )
-        if obs.kv_events_endpoint and not self.bus.enabled:
-            raise ConfigError("--kv-events-endpoint needs the event bus: --event-queue-size must be > 0")
-        if obs.trace_record and not self.bus.enabled:
-            raise ConfigError("--trace-record needs the event bus: --event-queue-size must be > 0")
-        if obs.otlp_endpoint and not self.bus.enabled:
-            raise ConfigError("--otlp-endpoint needs the event bus: --event-queue-size must be > 0")
-        self.otlp = otlp_export(obs)  # spans from the bus's request records; exported from start() on
-        if self.otlp is not None:
-            self.bus.subscribe("otlp", self.otlp.spans.handle, self.otlp.spans.KINDS)
-        self.recorder: TraceRecorder | None = None
-        self.lookup_log: LookupLog | None = None
-        if obs.lookup_log and not self.bus.enabled:
-            raise ConfigError("--lookup-log needs the event bus: --event-queue-size must be > 0")
+        self.observers = obs = Observers(config.observability, metrics)
         self.rpc = RpcServer(
             config.rpc.endpoints,
             workers=config.rpc.workers,
@@ -123,50 +77,28 @@ class KVDepotServer:
             housekeeping=self._housekeeping,
             goodbyes=(RequestType.UNREGISTER_CONTEXT,),
             metrics=metrics,
-            events=self.bus,
+            events=obs.bus,
             security=rpc_security(config.rpc),
         )
         self.http = HttpServer(self, config.http) if config.http.port else None
         h = config.http
         self.prometheus = PrometheusServer(metrics.text, h.host, h.prometheus_port, h.allowed_hosts) if h.prometheus_port else None
-        self.recent = recent.RecentEvents()  # what /events/recent and the dashboard show
-        self.bus.subscribe("recent", recent.bus_feed(self.recent), recent.BUS_KINDS)
-        self._log_to_recent = recent.RecentLogHandler(self.recent)
-        self.tenants = TenantTally()
-        self.alarm = SilentMissAlarm(obs.silent_miss_window_s, on_change=lambda model, firing: metrics.silent_miss.labels(model).set(int(firing)))
-        self.bus.subscribe("alarm", self.alarm.handle, SilentMissAlarm.KINDS)
-        self._next_alarm_check = 0.0
-        self.bus.subscribe("tenants", lambda events: [self.tenants.on_events(list(e.events)) for e in events], (L1Changed,))
         self._stopped = threading.Event()
         self.plugins = PluginSupervisor(config)  # a plugin module that is not there fails here, before any port is taken
         self._bind()
         try:
-            if obs.trace_record:  # opened once the ports are ours: a server that cannot start leaves an old recording be
-                self.recorder = TraceRecorder(obs.trace_record, __version__)
-                self.bus.subscribe("tracing", self.recorder.handle, (ChunkRequestDone,))
-            if obs.lookup_log:
-                try:
-                    self.lookup_log = LookupLog(obs.lookup_log, obs.lookup_log_max_mb, obs.lookup_log_backups)
-                except OSError as exc:
-                    raise ConfigError(f"--lookup-log {obs.lookup_log}: {exc.strerror or exc}") from None
-                self.bus.subscribe("lookup_log", self.lookup_log.handle, LookupLog.KINDS)
-            self.storage = StorageManager(config.storage, holder_alive=self._holder_alive, node=node_id(config), events=self.bus)
+            obs.open_files()
+            self.storage = StorageManager(config.storage, holder_alive=self._holder_alive, node=node_id(config), events=obs.bus)
         except BaseException:
-            for log_file in (self.recorder, self.lookup_log):
-                if log_file is not None:
-                    log_file.close()
+            obs.close()
             self._unbind()
             raise
         self.liveness = LivenessTracker(config.rpc.client_timeout_s, lock_held=self.storage.lock_held)
-        self.ctx = ServerContext(config, self.storage, self.liveness, metrics=metrics, events=self.bus)
-        self.ctx.contexts = ContextRegistry(on_namespace=self._namespace_seen)
+        self.ctx = ServerContext(config, self.storage, self.liveness, metrics=metrics, events=obs.bus)
+        self.ctx.contexts = ContextRegistry(on_namespace=obs.namespace_seen)
         self._lifecycle = Lifecycle(self.storage, self.ctx.contexts)
-        self.storage.subscribe(lambda batch: self.bus.publish(L1Changed(tuple(batch))))
-        if self.kv_events is not None:
-            self.kv_events.name_tiers(self.storage.tier_names())
-            self.bus.subscribe("kv_events", self.kv_events.handle, KVEventsPublisher.KINDS)
+        obs.attach(self.storage)
         metrics.watch_storage(self.storage.snapshot)
-        metrics.watch_tenants(self.tenants.snapshot)
         self._watch = ClientWatch(self.liveness, self.ctx.client_gone)
         self.rpc.observer = self.liveness
         for make in modules:
@@ -175,13 +107,9 @@ class KVDepotServer:
     def _bind(self) -> None:
         """Bind the ZeroMQ endpoints and the HTTP port; every one that cannot be had is named, with its
         flag, in one ConfigError (both ports when both are taken)."""
-        rpc, http, obs = self.config.rpc, self.config.http, self.config.observability
-        problems = []
-        if self.kv_events is not None:
-            try:
-                self.kv_events.bind()
-            except OSError as exc:
-                problems.append(f"--kv-events-endpoint {obs.kv_events_endpoint} / --kv-events-replay-endpoint {obs.kv_events_replay_endpoint}: {exc}")
+        rpc, http = self.config.rpc, self.config.http
+        problem = self.observers.bind()
+        problems = [problem] if problem else []
         for part, flag_in_use, flag_other in (
             (self.rpc, f"--port {rpc.port}", f"--host {rpc.host}"),
             (self.http, f"--http-port {http.port}", f"--http-host {http.host}"),
@@ -206,12 +134,7 @@ class KVDepotServer:
         if self.http is not None:
             self.http.close()
         self.rpc.close()
-        if self.kv_events is not None:
-            self.kv_events.close()
-
-    def _namespace_seen(self, context: Context, salt: str, digest: bytes) -> None:
-        spec = context.spec
-        self.bus.publish(NamespaceSeen(digest, spec.model, spec.world_size, spec.rank, salt, spec.chunk_size))
+        self.observers.unbind()
 
     def _holder_alive(self, client) -> bool:
         """For the object table: may this client still touch arena memory? (loop thread only)"""
@@ -226,23 +149,15 @@ class KVDepotServer:
         pins, sessions = self.storage.expire_protections()
         if pins or sessions:
             log.info("%d soft pins and %d agent sessions reached their deadline: their prefixes are evictable again", pins, sessions)
-        now = time.monotonic()
-        if now >= self._next_alarm_check:  # a window of silence ends without any event saying so
-            self._next_alarm_check = now + 1.0
-            self.alarm.check()
+        self.observers.housekeeping()
         released = self.storage.recheck_quarantine()
         if released:
             log.info("%d quarantined leases released: their holders are gone", released)
 
     def start(self) -> None:
         """Start every part; if one fails, close what was started (the arena is real memory)."""
-        logging.getLogger("kvdepot").addHandler(self._log_to_recent)
         try:
-            if self.kv_events is not None:
-                self.kv_events.start()
-            if self.otlp is not None:
-                self.otlp.start()
-            self.bus.start()
+            self.observers.start()
             self.storage.start()
             if self.prometheus is not None:
                 self.prometheus.start()
@@ -279,15 +194,7 @@ class KVDepotServer:
         self.rpc.close()
         self.liveness.close()  # the loop has stopped: its pidfds can go
         self.storage.close()
-        self.bus.close()  # after every producer: what they said last is still handed out
-        if self.kv_events is not None:
-            self.kv_events.close()
-        for log_file in (self.recorder, self.lookup_log):
-            if log_file is not None:
-                log_file.close()
-        if self.otlp is not None:
-            self.otlp.close()  # after the bus: the last requests' spans are made, then flushed
-        logging.getLogger("kvdepot").removeHandler(self._log_to_recent)
+        self.observers.close()  # after every producer: what they said last is still handed out
 
     def serve_forever(self) -> None:
         """Start, block until SIGINT/SIGTERM, then close."""
@@ -308,7 +215,7 @@ class KVDepotServer:
         return self.rpc.alive
 
     def degraded_reasons(self) -> list[str]:
-        return degraded_reasons(self.storage.snapshot()) + self.alarm.reasons()
+        return degraded_reasons(self.storage.snapshot()) + self.observers.reasons()
 
     def largest_chunk_bytes(self) -> int:
         return self.ctx.contexts.largest_chunk_bytes()
@@ -329,7 +236,7 @@ class KVDepotServer:
     def status(self) -> dict:
         """The /status document; asks each tier's backend (at most 0.5 s each), once."""
         quotas = self.storage.quotas()
-        tenants = tenants_document(self.tenants.snapshot(), quotas.all() if quotas is not None else {})
+        tenants = tenants_document(self.observers.tenants.snapshot(), quotas.all() if quotas is not None else {})
         return status_document(
             self.config,
             self.storage.snapshot(),
@@ -342,4 +249,4 @@ class KVDepotServer:
         )
 
     def recent_events(self, n: int, kinds: tuple[str, ...] = (), after: int = 0) -> list[dict]:
-        return self.recent.latest(n, kinds, after)
+        return self.observers.recent.latest(n, kinds, after)
