@@ -116,7 +116,7 @@ def main(args: argparse.Namespace) -> int:
     if args.bus != "off":
         from kvdepot.bench.bus import bench_bus
 
-        rows += bench_bus(3 if args.quick else max(reps, 5), raw)
+        rows += bench_bus(8 if args.quick else 8 * max(reps, 5), raw)
     if args.curve != "off" and args.bus != "only":
         from kvdepot.bench.curve import bench_curve
 
