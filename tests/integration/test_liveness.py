@@ -102,6 +102,9 @@ def test_killed_writer_gives_its_space_back(make_server, spawn, how, endpoint, s
     assert after["l1"]["objects"] == 0
     assert after["l1"]["used_bytes"] == 0
     assert after["contexts"] == 0, "the dead client's context must be dropped"
+    if how == "pidfd":  # the server saw the process exit (without a pidfd it can only declare it gone)
+        assert srv.metric("kvdepot_clients_gone_total", how="exited") == 1
+        assert srv.metric("kvdepot_leases_ended_client_gone_total", how="exited") == 1
 
     with srv.client(url) as c:
         assert c.lookup(tokens) == 0  # the zeros it wrote never became visible

@@ -112,6 +112,8 @@ def test_a_paused_writer_never_writes_into_the_next_owner_of_its_slots(make_serv
     assert writer.line() == {"ready": True, "transport": "shm", "n": N}
     writer.stop()  # inside prepare_store, slots in hand
     wait_until(lambda: srv.status()["contexts"] == 0, what="the paused writer to be declared gone")
+    assert srv.metric("kvdepot_clients_gone_total", how="revoked") == 1 and srv.metric("kvdepot_clients_gone_total", how="exited") == 0
+    assert srv.metric("kvdepot_leases_ended_client_gone_total", how="revoked") == 1
 
     with srv.client() as other:  # the keys are free again: another client stores its own bytes
         assert other.store(tokens, fill(5, len(tokens))) == N * CHUNK

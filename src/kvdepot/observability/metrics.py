@@ -48,6 +48,16 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.clients_gone = Counter(
+            "kvdepot_clients_gone", "Clients whose leases the server ended: exited (its process is gone) or revoked (went silent; may still run).",
+            ["how"], registry=r,
+        )
+        self.leases_ended_by_client_gone = Counter(
+            "kvdepot_leases_ended_client_gone", "Leases ended because their client exited or was revoked.", ["how"], registry=r
+        )
+        for how in ("exited", "revoked"):
+            self.clients_gone.labels(how)
+            self.leases_ended_by_client_gone.labels(how)
         self.engine_blocks = Counter(
             "kvdepot_engine_blocks", "KV blocks engines reported allocating and freeing.", ["event"], registry=r
         )

@@ -96,6 +96,9 @@ class ServerContext:
         for c in contexts:
             self.sessions.end_context(c.id)  # their locks are the client's: released just below
         released = self.storage.release_owner(client, why, revoked=not exited)
+        how = "exited" if exited else "revoked"
+        self.metrics.clients_gone.labels(how).inc()
+        self.metrics.leases_ended_by_client_gone.labels(how).inc(released)
         if exited:
             self.storage.recheck_quarantine()  # what it held in quarantine is safe to reuse now
         held = [q for q in self.storage.quarantine() if q.owner == client]
