@@ -161,3 +161,13 @@ class TierCleared:
 
     tier: str
     kind: str
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkTokens:
+    """A store's chunks and their token ids (sent by a client that opted in), before they are committed:
+    KV events put them in the blocks' ``token_ids``."""
+
+    keys: tuple[ObjectKey, ...]
+    token_ids: bytes  # uint32 little-endian, ``chunk_tokens`` per key, in key order
+    chunk_tokens: int

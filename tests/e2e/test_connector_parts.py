@@ -185,6 +185,21 @@ def test_load_plan_skips_what_vllm_holds_and_locks_follow_the_load(parts_server,
     s.shutdown()
 
 
+def test_saves_carry_their_token_ids_only_when_the_connector_opts_in(server):
+    toks = tokens(600)
+    for opted in (False, True):
+        s = scheduler(server.url, kv_events_token_ids=opted)
+        req = request(f"tokens-{opted}", toks)
+        assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+        s.update_state_after_alloc(req, blocks([5, 6]), 0)
+        m1 = s.build_connector_meta(step(new=[(req, [5, 6], 0)], scheduled={f"tokens-{opted}": 256}))
+        m2 = s.build_connector_meta(step(cached=[(req, [7, 8, 9], 256)], scheduled={f"tokens-{opted}": 256}))
+        got = [op.token_ids for op in m1.saves + m2.saves]
+        assert got == ([toks[: 2 * CS], toks[2 * CS : 4 * CS]] if opted else [[], []])
+        s.request_finished(req)
+        s.shutdown()
+
+
 def test_saves_follow_chunked_prefill_and_decode(server):
     toks = tokens(600)
     s = scheduler(server.url)

@@ -168,7 +168,10 @@ class Fuzzer:
         if rtype is R.FREE_LOOKUP_LOCKS:
             return m.FreeLookupLocksRequest(context_id=self.ctx(), session_id=self.session(), start=self.rint(), end=self.rint()), []
         if rtype is R.PREPARE_STORE:
-            return m.PrepareStoreRequest(context_id=self.ctx(), keys=self.keys(), cache_salt=r.choice(["", "a"])), []
+            keys = self.keys()
+            tokens = r.choice([[], [], list(range(len(keys) * CHUNK)), [1, 2, 3], [-1] * (len(keys) * CHUNK), [1 << 40] * (len(keys) * CHUNK)])
+            return m.PrepareStoreRequest(context_id=self.ctx(), keys=keys, cache_salt=r.choice(["", "a"]), token_ids=tokens,
+                                         agent_session=r.choice(["", "", "conv"])), []  # fmt: skip
         if rtype is R.COMMIT_STORE:
             return m.CommitStoreRequest(context_id=self.ctx(), lease_id=self.lease(), abort=r.random() < 0.5), []
         if rtype is R.PREPARE_RETRIEVE:
@@ -199,6 +202,12 @@ class Fuzzer:
             leases = [self.lease() for _ in range(r.choice([0, 1, 3]))]
             sessions = [self.session() for _ in range(r.choice([0, 1, 2]))]
             return m.RenewLeasesRequest(context_id=self.ctx(), lease_ids=leases, sessions=sessions), []
+        if rtype is R.PIN_PREFIX:
+            return m.PinPrefixRequest(context_id=self.ctx(), keys=self.keys(), cache_salt=r.choice(["", "a"]), ttl_s=r.choice([0.0, 5.0, -1.0, 1e12])), []
+        if rtype is R.UNPIN:
+            return m.UnpinRequest(pin_id=self.rint()), []
+        if rtype is R.CLOSE_AGENT_SESSION:
+            return m.CloseAgentSessionRequest(name=r.choice(["", "conv", "x" * 5000]), cache_salt=r.choice(["", "a"])), []
         if rtype.name.startswith("PEER_"):  # node-to-node requests: a kvdepot server answers them with an error
             node = m.PeerNodeInfo(id="10.0.0.9:31995", host="10.0.0.9", control_port=31995, data_port=31996)
             keys = self.keys()

@@ -188,3 +188,58 @@ def test_a_subscriber_rebuilds_every_medium_exactly_also_after_a_restart_with_re
     metrics = httpx.get(f"{server.http}/metrics", timeout=10).text
     assert 'kvdepot_kv_events_total{event="BlockRemoved"}' in metrics
     assert "kvdepot_kv_event_replays_total 2.0" in metrics
+
+
+def test_a_client_that_opts_in_names_its_blocks_tokens_on_both_transports(make_server, seed):
+    pub = f"tcp://127.0.0.1:{free_port()}"
+    server = make_server("--kv-events-endpoint", pub)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(pub)
+    sub.subscribe(MODEL.encode())
+    time.sleep(0.3)  # the SUB joins before anything is stored
+    decode = msgspec.msgpack.Decoder(KVEventBatch).decode
+    kv = np.ones((2, LAYOUT.num_layers, 3 * CHUNK, LAYOUT.num_kv_heads, LAYOUT.head_dim), np.float16)
+    sent = {}
+    try:
+        for i, (url, transport) in enumerate(((server.ipc_url, "shm"), (server.url, "inline"))):
+            opts = ClientOptions(transport=transport, send_token_ids=True)
+            with KVClient(url, MODEL, LAYOUT, options=opts) as client:
+                tokens = [seed + 7919 * i + t for t in range(3 * CHUNK)]  # a plain list, as engines hand them
+                assert client.store(tokens, kv) == 3 * CHUNK
+                sent[transport] = dict(zip(client.hashes(tokens), (tokens[k * CHUNK : (k + 1) * CHUNK] for k in range(3))))
+        # Without opting in, the same store names no tokens.
+        with KVClient(server.url, MODEL, LAYOUT, options=ClientOptions(transport="inline")) as plain:
+            quiet = [seed + 31 + t for t in range(CHUNK)]
+            assert plain.store(quiet, kv[:, :, :CHUNK]) == CHUNK
+            quiet_hash = plain.hashes(quiet)[0]
+        named: dict[bytes, list[int]] = {}
+        unnamed = set()
+        while sub.poll(1500):
+            _, _, payload = sub.recv_multipart()
+            for e in decode(payload).events:
+                if isinstance(e, BlockStored) and e.medium == "CPU":
+                    if e.token_ids:
+                        assert len(e.token_ids) == len(e.block_hashes) * CHUNK
+                        for k, h in enumerate(e.block_hashes):
+                            named[h] = e.token_ids[k * CHUNK : (k + 1) * CHUNK]
+                    else:
+                        unnamed.update(e.block_hashes)
+        assert named == {**sent["shm"], **sent["inline"]}
+        assert quiet_hash in unnamed and quiet_hash not in named
+    finally:
+        sub.close(0)
+        ctx.term()
+    # Tokens that do not cover the chunks are refused, and nothing is stored.
+    from kvdepot.errors import BadRequest
+    from kvdepot.protocol import messages as m
+
+    with KVClient(server.url, MODEL, LAYOUT, options=ClientOptions(transport="inline")) as c:
+        h = c.hashes([seed + 5 + t for t in range(CHUNK)])
+        before = server.status()["l1"]["objects"]
+        try:
+            c.link.request(m.PrepareStoreRequest(context_id=0, keys=h, token_ids=[1, 2, 3]))
+            raise AssertionError("a PREPARE_STORE with 3 tokens for a 16-token chunk was accepted")
+        except BadRequest as exc:
+            assert "token_ids has 3 tokens for 1 chunks" in str(exc)
+        assert server.status()["l1"]["objects"] == before

@@ -194,7 +194,8 @@ class KVClient:
         n_tokens = len(tokens)
         hashes = self.hashes(tokens)
         kv = self._check_kv(kv, n_tokens, raw, exact=True)
-        return self._on_path(lambda path: path.store(hashes, kv, cache_salt or "", agent_session)) * self.chunk_size
+        tokens_sent = tokens if self.options.send_token_ids else ()
+        return self._on_path(lambda path: path.store(hashes, kv, cache_salt or "", agent_session, tokens_sent)) * self.chunk_size
 
     def retrieve(self, tokens: Tokens, cache_salt: str | None = None, out: np.ndarray | None = None, raw: bool = False) -> np.ndarray:
         """The KV of the leading stored chunks of ``tokens``: ``[K, L, n, H, D]``, as an array of the
@@ -225,15 +226,17 @@ class KVClient:
     # --- zero-copy API -------------------------------------------------------------------------------
 
     @contextmanager
-    def prepare_store(self, tokens: Tokens | list[ChunkHash], cache_salt: str | None = None) -> Iterator[StoreSlots]:
+    def prepare_store(self, tokens: Tokens | list[ChunkHash], cache_salt: str | None = None, token_ids: Sequence[int] = ()) -> Iterator[StoreSlots]:
         """Writable slots, one per complete chunk; committed on a clean exit, dropped on an exception.
 
         ``tokens`` may also be the chunk hashes from ``hashes()``. On the shm path the slots are the
         server's arena itself; never use them after the block.
         """
         hashes = self._as_hashes(tokens)
+        if not len(token_ids) and hashes is not tokens and self.options.send_token_ids:
+            token_ids = tokens  # given tokens, and asked to send them
         with ExitStack() as stack:
-            yield self._on_path(lambda path: stack.enter_context(path.prepare_store(hashes, cache_salt or "")))
+            yield self._on_path(lambda path: stack.enter_context(path.prepare_store(hashes, cache_salt or "", token_ids=token_ids)))
 
     @contextmanager
     def prepare_retrieve(

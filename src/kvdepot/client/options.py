@@ -38,6 +38,7 @@ class ClientOptions:
     # kvdepot's own hashing then uses), and how its keys are made from tokens.
     hash_algorithm: str = ""
     hash_scheme: str = HASH_SCHEME
+    send_token_ids: bool = False  # stores carry their chunks' token ids, for KV events (protocol.messages.TOKEN_IDS_NOTE)
     curve: CurveClientKeys | None = None  # CurveZMQ keys for a server that requires them (off loopback)
 
     def __post_init__(self) -> None:

@@ -60,9 +60,10 @@ class PathHost(Protocol):
 class TransferPath(Protocol):
     name: Transport
 
-    def prepare_store(self, hashes: list[ChunkHash], salt: str, agent_session: str = "") -> AbstractContextManager[StoreSlots]: ...
+    def prepare_store(self, hashes: list[ChunkHash], salt: str, agent_session: str = "", token_ids: Sequence[int] = ()
+                      ) -> AbstractContextManager[StoreSlots]: ...  # fmt: skip
     def prepare_retrieve(self, hashes: list[ChunkHash], salt: str, session_id: str, start: int) -> AbstractContextManager[list[np.ndarray]]: ...
-    def store(self, hashes: list[ChunkHash], kv: np.ndarray, salt: str, agent_session: str = "") -> int: ...
+    def store(self, hashes: list[ChunkHash], kv: np.ndarray, salt: str, agent_session: str = "", token_ids: Sequence[int] = ()) -> int: ...
     def retrieve_into(self, hashes: list[ChunkHash], salt: str, out: np.ndarray | None) -> np.ndarray: ...
     def close(self) -> None: ...
 
@@ -124,10 +125,13 @@ class ShmPath:
         return self._host.layout.view_chunk(view, reg.chunk_size, writable=writable)
 
     @contextmanager
-    def prepare_store(self, hashes: list[ChunkHash], salt: str, agent_session: str = "") -> Iterator[StoreSlots]:
+    def prepare_store(self, hashes: list[ChunkHash], salt: str, agent_session: str = "", token_ids: Sequence[int] = ()) -> Iterator[StoreSlots]:
         h = self._host
         self._usable()
-        body = m.PrepareStoreRequest(context_id=0, keys=list(hashes), cache_salt=salt, agent_session=agent_session)
+        body = m.PrepareStoreRequest(
+            context_id=0, keys=list(hashes), cache_salt=salt, agent_session=agent_session,
+            token_ids=_tokens_of(token_ids, 0, len(hashes), h.registration.chunk_size),
+        )  # fmt: skip
         reply = h.request(body, path=self)
         reg = h.registration
         context_id = reg.context_id
@@ -170,8 +174,8 @@ class ShmPath:
                     # LeaseExpired here means the bytes may have been reused while read: it propagates.
                     h.finish(m.CommitRetrieveRequest(context_id=context_id, lease_id=reply.lease_id))
 
-    def store(self, hashes: list[ChunkHash], kv: np.ndarray, salt: str, agent_session: str = "") -> int:
-        with self.prepare_store(hashes, salt, agent_session) as slots:
+    def store(self, hashes: list[ChunkHash], kv: np.ndarray, salt: str, agent_session: str = "", token_ids: Sequence[int] = ()) -> int:
+        with self.prepare_store(hashes, salt, agent_session, token_ids) as slots:
             _copy_chunks(slots, kv, self._host.registration.chunk_size)
         return leading_stored(slots.statuses)
 
@@ -208,7 +212,7 @@ class InlinePath:
         return lay.kv_factor * lay.num_layers
 
     def _send_store(self, hashes: list[ChunkHash], salt: str, first: int, chunk_frames: list[list], rpf: int,
-                    agent_session: str = "") -> list[SlotStatus]:  # fmt: skip
+                    agent_session: str = "", token_ids: Sequence[int] = ()) -> list[SlotStatus]:  # fmt: skip
         """Store chunks ``hashes[first:]`` whose frames are ``chunk_frames`` as pipelined messages of
         about INLINE_BATCH_BYTES each: bounded memory on both ends, and the server copies one batch
         into L1 while the next is still on the wire."""
@@ -220,14 +224,14 @@ class InlinePath:
             j = min(i + per_batch, len(hashes))
             body = m.StoreInlineRequest(
                 context_id=reg.context_id, keys=list(hashes[:j]), cache_salt=salt, rows_per_frame=rpf, first=i, count=j - i,
-                agent_session=agent_session,
+                agent_session=agent_session, token_ids=_tokens_of(token_ids, i, j, reg.chunk_size),
             )
             requests.append((body, [f for frames in chunk_frames[i - first : j - first] for f in frames]))
         replies = h.pipeline(requests)
         return [SlotStatus(s) for r in replies for s in r.statuses]
 
     @contextmanager
-    def prepare_store(self, hashes: list[ChunkHash], salt: str, agent_session: str = "") -> Iterator[StoreSlots]:
+    def prepare_store(self, hashes: list[ChunkHash], salt: str, agent_session: str = "", token_ids: Sequence[int] = ()) -> Iterator[StoreSlots]:
         h = self._host
         reg = h.registration
         first = _lookup(h, hashes, salt, agent_session)  # skip sending what is already there
@@ -249,10 +253,10 @@ class InlinePath:
         rpf = codec.rows_per_frame_for(reg.chunk_bytes, self._rows, max_frame)
         frames = [codec.split_object(row, self._rows, rpf, max_frame) for row in staging]
         # On failure the buffer is dropped, not pooled: ZeroMQ may still be sending from it.
-        slots.statuses[first:] = self._send_store(hashes, salt, first, frames, rpf, agent_session)
+        slots.statuses[first:] = self._send_store(hashes, salt, first, frames, rpf, agent_session, token_ids)
         self._staging.release(buffer)
 
-    def store(self, hashes: list[ChunkHash], kv: np.ndarray, salt: str, agent_session: str = "") -> int:
+    def store(self, hashes: list[ChunkHash], kv: np.ndarray, salt: str, agent_session: str = "", token_ids: Sequence[int] = ()) -> int:
         """A C-contiguous ``kv`` goes without staging: each (k, layer) row of a chunk is contiguous in
         it, so it is sent as its own frame, straight from the caller's memory."""
         h = self._host
@@ -261,7 +265,7 @@ class InlinePath:
         row_bytes = reg.chunk_bytes // self._rows
         if not kv.flags.c_contiguous or row_bytes > reg.max_frame_bytes or row_bytes < (64 << 10):
             # Strided, rows too big for a frame, or so small that ZeroMQ would copy them anyway: stage.
-            with self.prepare_store(hashes, salt, agent_session) as slots:
+            with self.prepare_store(hashes, salt, agent_session, token_ids) as slots:
                 _copy_chunks(slots, kv, cs)
             return leading_stored(slots.statuses)
         first = _lookup(h, hashes, salt, agent_session)
@@ -271,7 +275,7 @@ class InlinePath:
         for i in range(first, len(hashes)):
             rows = np.reshape(kv[:, :, i * cs : (i + 1) * cs], (self._rows, -1), copy=False)
             frames.append([memoryview(r).cast("B") for r in rows])
-        statuses = [SlotStatus.EXISTS] * first + self._send_store(hashes, salt, first, frames, 1, agent_session)
+        statuses = [SlotStatus.EXISTS] * first + self._send_store(hashes, salt, first, frames, 1, agent_session, token_ids)
         return leading_stored(statuses)
 
     def _fetch(self, hashes: list[ChunkHash], salt: str, session_id: str, start: int, consume, n_found: int | None = None) -> int:
@@ -392,3 +396,10 @@ def _check_room(out: np.ndarray, n_tokens: int) -> np.ndarray:
     if out.shape[2] < n_tokens:
         raise BadRequest(f"out holds {out.shape[2]} tokens, need at least {n_tokens}")
     return out
+
+
+def _tokens_of(token_ids: Sequence[int], first: int, end: int, chunk_size: int) -> list[int]:
+    """The tokens of chunks ``[first, end)`` as the wire carries them (``TOKEN_IDS_NOTE``), or none."""
+    if not len(token_ids):
+        return []
+    return [int(t) for t in token_ids[first * chunk_size : end * chunk_size]]

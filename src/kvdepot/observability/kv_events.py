@@ -17,7 +17,9 @@ What kvdepot puts in them:
   starts at the server's start time in microseconds, so a restarted server never reuses a number.
 - ``block_hashes`` are kvdepot's chunk hashes (the chain the client computed: sha256 by default, so
   equal to SGLang HiCache's page keys when a chunk is a page), ``block_size`` the chunk's tokens,
-  ``parent_block_hash`` None and ``token_ids`` empty: the server never sees token ids (clients hash).
+  ``parent_block_hash`` None. ``token_ids`` are the blocks' tokens when the client that stored them
+  opted in to sending them (``ClientOptions.send_token_ids``; the vLLM connector's
+  ``kv_events_token_ids``), else empty: the server needs only the hashes (clients hash).
   ``extra_keys`` carries the ``cache_salt`` as ``(salt,)`` per block when there is one.
 - ``medium``: ``CPU`` for L1; each L2 tier by its kind in capitals (``FS``, ``VALKEY``, ``S3``,
   ``MEMORY``, ``PEER``), or by its name in capitals when two tiers share a kind.
@@ -35,6 +37,7 @@ What kvdepot puts in them:
 
 from __future__ import annotations
 
+import array
 import itertools
 import logging
 import threading
@@ -46,7 +49,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from kvdepot.events import EventKind, L1Changed, NamespaceSeen, ObjectEvent, TierCleared, TierRemoved, TierStored
+from kvdepot.events import ChunkTokens, EventKind, L1Changed, NamespaceSeen, ObjectEvent, TierCleared, TierRemoved, TierStored
 from kvdepot.types import NAMESPACE_BYTES, ObjectKey
 
 log = logging.getLogger(__name__)
@@ -54,6 +57,7 @@ log = logging.getLogger(__name__)
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 L1_MEDIUM = "CPU"
 MAX_NAMESPACES = 65536
+MAX_TOKEN_CHUNKS = 8192  # chunks whose token ids are kept for their BlockStored (1 KiB each at 256 tokens)
 
 
 # --- the wire format (vLLM's field names and order; our own structs) ---------------------------------
@@ -140,6 +144,7 @@ class KVEventsPublisher:
         self._namespaces: dict[bytes, NamespaceSeen] = {}
         self._l1 = _Generations()
         self._in_tier: dict[str, set[ObjectKey]] = {}  # medium -> what was announced there
+        self._tokens: OrderedDict[bytes, bytes] = OrderedDict()  # key -> its chunk's token ids (uint32), newest last
         self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer)
         self._buffer_lock = threading.Lock()
         self._seq = time.time_ns() // 1000
@@ -200,13 +205,15 @@ class KVEventsPublisher:
 
     # --- the bus's events -----------------------------------------------------------------------------
 
-    KINDS = (NamespaceSeen, L1Changed, TierStored, TierRemoved, TierCleared)
+    KINDS = (NamespaceSeen, ChunkTokens, L1Changed, TierStored, TierRemoved, TierCleared)
 
     def handle(self, events: list) -> None:
         by_topic: dict[bytes, list] = {}
         for e in events:
             if isinstance(e, NamespaceSeen):
                 self._learn(e)
+            elif isinstance(e, ChunkTokens):
+                self._remember_tokens(e)
             elif isinstance(e, L1Changed):
                 fresh = [o for o in e.events if self._l1.newest(o)]
                 for stored, run in itertools.groupby(fresh, key=lambda o: o.kind is EventKind.STORED):
@@ -248,10 +255,27 @@ class KVEventsPublisher:
             out.setdefault(ns_digest, (ns, []))[1].append(bytes(key[NAMESPACE_BYTES:]))
         return out
 
+    def _remember_tokens(self, e: ChunkTokens) -> None:
+        step = e.chunk_tokens * 4
+        for i, key in enumerate(e.keys):
+            self._tokens[bytes(key)] = e.token_ids[i * step : (i + 1) * step]
+            self._tokens.move_to_end(bytes(key))
+        while len(self._tokens) > MAX_TOKEN_CHUNKS:
+            self._tokens.popitem(last=False)
+
+    def _token_ids(self, ns_digest: bytes, hashes: list[bytes]) -> list[int]:
+        """The blocks' tokens, in order, if every one of them is known; else none (all or nothing, as
+        vLLM's ``token_ids`` cover every block of the event)."""
+        parts = [self._tokens.get(ns_digest + h) for h in hashes]
+        if not all(parts):
+            return []
+        return array.array("I", b"".join(parts)).tolist()
+
     def _stored(self, by_topic: dict[bytes, list], keys: Iterable[ObjectKey], medium: str) -> None:
-        for ns, hashes in self._blocks(keys).values():
+        for ns_digest, (ns, hashes) in self._blocks(keys).items():
             extra = [(ns.salt,)] * len(hashes) if ns.salt else None
-            by_topic.setdefault(ns.model.encode(), []).append(BlockStored(hashes, None, [], ns.chunk_tokens, None, medium, None, extra))
+            tokens = self._token_ids(ns_digest, hashes)
+            by_topic.setdefault(ns.model.encode(), []).append(BlockStored(hashes, None, tokens, ns.chunk_tokens, None, medium, None, extra))
 
     def _removed(self, by_topic: dict[bytes, list], keys: Iterable[ObjectKey], medium: str) -> None:
         for ns, hashes in self._blocks(keys).values():

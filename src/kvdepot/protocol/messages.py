@@ -212,11 +212,17 @@ class FreeLookupLocksReply(_Body):
     released: int
 
 
+TOKEN_IDS_NOTE = """A store may carry its chunks' token ids (a client opts in: ``ClientOptions.send_token_ids``):
+the server never needs them, but KV events then name each stored block's tokens, as vLLM's own do, so a
+router that hashes tokens its own way can index kvdepot's blocks."""
+
+
 class PrepareStoreRequest(_Body, omit_defaults=True):
     context_id: int
     keys: list[bytes]
     cache_salt: str = ""
     agent_session: str = ""  # see AGENT_SESSION_NOTE
+    token_ids: list[int] = []  # see TOKEN_IDS_NOTE: the tokens of every chunk in ``keys``, or none
 
 
 class PrepareStoreReply(_Body):
@@ -270,6 +276,7 @@ class StoreInlineRequest(_Body, omit_defaults=True):
     first: int = 0
     count: int = 0
     agent_session: str = ""  # see AGENT_SESSION_NOTE
+    token_ids: list[int] = []  # see TOKEN_IDS_NOTE: the tokens of the chunks this request sends, or none
 
 
 class StoreInlineReply(_Body):

@@ -21,6 +21,9 @@ class ConnectorConfig(ClientSettings, frozen=True, kw_only=True):
         bool, option("synchronous loads go layer by layer on a helper thread: layer N+1 loads while layer N computes")
     ] = False
     save_decode: Annotated[bool, option("also store chunks that generated tokens complete, not only prompt chunks")] = True
+    kv_events_token_ids: Annotated[
+        bool, option("send each saved chunk's token ids, so the server's KV events name them (for routers that hash tokens themselves)")
+    ] = False
     prefetch_timeout_s: Annotated[
         float, option("how long a request may wait for the server's L2 prefetch before it is served without the hit", gt=0)
     ] = 30.0

@@ -33,6 +33,7 @@ class SaveOp:
     hashes: list[bytes]
     cache_salt: str
     block_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)  # the chunks' tokens, with kv_events_token_ids; else none
 
 
 @dataclass

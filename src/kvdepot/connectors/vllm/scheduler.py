@@ -349,7 +349,9 @@ class SchedulerSide:
         if full <= st.stored_chunks:
             return
         first = st.stored_chunks
-        meta.saves.append(SaveOp(st.req_id, list(hashes[first:full]), st.salt, st.block_ids[first * bpc : full * bpc]))
+        cs = self.chunk_size
+        tokens = list(request.all_token_ids[first * cs : full * cs]) if self.config.kv_events_token_ids else []
+        meta.saves.append(SaveOp(st.req_id, list(hashes[first:full]), st.salt, st.block_ids[first * bpc : full * bpc], tokens))
         st.stored_chunks = full
 
     # --- locks and sessions --------------------------------------------------------------------------

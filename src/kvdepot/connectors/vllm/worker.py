@@ -261,7 +261,7 @@ class WorkerSide:
             return  # the server failed us a moment ago: do not stall every step on it
         bpc = self.blocks_per_chunk
         try:
-            with client.prepare_store(op.hashes, op.cache_salt) as slots:
+            with client.prepare_store(op.hashes, op.cache_salt, token_ids=op.token_ids) as slots:
                 for i, slot in enumerate(slots):
                     if slot is not None:
                         self.paged.gather(op.block_ids[i * bpc : (i + 1) * bpc], slot)

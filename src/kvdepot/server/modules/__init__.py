@@ -7,6 +7,7 @@ requests, GPU transfers) plugs in as one more factory.
 
 from __future__ import annotations
 
+import array
 import logging
 import time
 from collections.abc import Callable
@@ -14,15 +15,15 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvdepot.config import ServerConfig
-from kvdepot.errors import KVDepotError, LeaseRevoked, UnknownContext
-from kvdepot.events import NO_EVENTS, ChunkRequestDone, EventSink
+from kvdepot.errors import BadRequest, KVDepotError, LeaseRevoked, UnknownContext
+from kvdepot.events import NO_EVENTS, ChunkRequestDone, ChunkTokens, EventSink
 from kvdepot.observability.metrics import Metrics
 from kvdepot.rpc.dispatch import Call, HandlerSpec
 from kvdepot.server.liveness import LivenessTracker
 from kvdepot.server.sessions import SessionTable
 from kvdepot.server.state import Context, ContextRegistry
 from kvdepot.storage.manager import StorageManager
-from kvdepot.types import ClientId, LeaseId
+from kvdepot.types import ClientId, LeaseId, ObjectKey
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,21 @@ class ServerContext:
     @property
     def digest_size(self) -> int:
         return self.config.storage.hash_algorithm.digest_size
+
+    def chunk_tokens(self, context: Context, keys: list[ObjectKey], token_ids: list[int]) -> None:
+        """A store that carries its chunks' token ids (the client opted in): checked, then handed to KV
+        events before the chunks are committed. Tokens that do not cover exactly these chunks, or are not
+        uint32, refuse the request: nothing is stored."""
+        if not token_ids:
+            return
+        if len(token_ids) != len(keys) * context.chunk_size:
+            raise BadRequest(f"token_ids has {len(token_ids)} tokens for {len(keys)} chunks of {context.chunk_size}")
+        try:
+            packed = array.array("I", token_ids).tobytes()
+        except OverflowError:
+            raise BadRequest("token_ids must be uint32") from None
+        if self.events.wants(ChunkTokens):
+            self.events.publish(ChunkTokens(tuple(keys), packed, context.chunk_size))
 
     def chunk_request_done(
         self, op: str, call: Call, context: Context, hashes: list[bytes], found: int,

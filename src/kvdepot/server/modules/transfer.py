@@ -52,6 +52,7 @@ class TransferModule:
     def prepare_store(self, call: Call) -> Reply:
         context, keys = context_and_keys(self.ctx, call)
         self._require_watchable(call)
+        self.ctx.chunk_tokens(context, keys, call.body.token_ids)
         touch_agent_session(self.ctx, call, keys)  # before the reservation: its make-room eviction spares them
         res = self.storage.reserve(keys, context.chunk_bytes, call.client, call.body.cache_salt, toucher=Toucher.CLIENT)
         allocated = sum(1 for s in res.statuses if s == m.SlotStatus.ALLOCATED)
@@ -88,6 +89,7 @@ class TransferModule:
             raise BadRequest(f"first={body.first}, count={body.count} do not fit the {len(keys)} keys")
         touch_agent_session(self.ctx, call, keys)
         sent = keys[body.first : body.first + body.count] if body.count else keys[body.first :]
+        self.ctx.chunk_tokens(context, sent, body.token_ids)
         size = context.chunk_bytes
         max_frame = self.ctx.config.rpc.max_frame_bytes
         per = codec.check_payload(call.payload, len(sent), size, context.rows, body.rows_per_frame, max_frame, call.request_id)
