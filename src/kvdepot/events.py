@@ -171,3 +171,14 @@ class ChunkTokens:
     keys: tuple[ObjectKey, ...]
     token_ids: bytes  # uint32 little-endian, ``chunk_tokens`` per key, in key order
     chunk_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class TierTaskDone:
+    """One task of an L2 tier ran against its backend: how long, and whether it failed (metrics)."""
+
+    tier: str
+    kind: str
+    task: str  # store, lookup, load, clear, delete, ...
+    seconds: float
+    ok: bool

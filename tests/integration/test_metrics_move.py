@@ -1,6 +1,6 @@
 """Metrics move as a workload runs: a scrape before and after a known workload, and the deltas are what
 the workload did (bytes per transfer path, latency observations per request type, removals by reason,
-per-tenant use), and the lookup log has one exact line per engine lookup."""
+per-tenant use, each tier's task latency), and the lookup log has one exact line per engine lookup."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from support.servers import CHUNK, LAYOUT, make_kv, make_tokens, wait_until
 
 def test_a_workload_moves_each_metric_by_what_it_did(make_server, tmp_path, seed):
     log = tmp_path / "lookups.jsonl"
-    server = make_server("--lookup-log", str(log))
+    server = make_server("--lookup-log", str(log), "--l2", "memory:name=mem,size_gb=0.01")
     chunk_bytes = LAYOUT.chunk_bytes(CHUNK)
     m = server.metric
     before = {
@@ -41,6 +41,9 @@ def test_a_workload_moves_each_metric_by_what_it_did(make_server, tmp_path, seed
     # Each client's store and retrieve look up first (probes, not counted as engine lookups, but answered
     # LOOKUP requests all the same), then the two engine lookups: the histogram saw every one.
     wait_until(lambda: m("kvdepot_request_seconds_count", type="LOOKUP", outcome="ok") - lookups_before >= 2, what="LOOKUP latencies")
+    # The tier's writes were timed, each one's outcome named.
+    wait_until(lambda: m("kvdepot_l2_task_seconds_count", tier="mem", task="store", outcome="ok") >= 1, what="the tier's store latencies")
+    assert m("kvdepot_l2_task_seconds_count", tier="mem", task="store", outcome="failed") == 0
     assert server.clear()["removed"] == 5
     wait_until(lambda: m("kvdepot_l1_removed_objects_total", reason="cleared") - cleared_before == 5, what="5 removals, cleared")
 

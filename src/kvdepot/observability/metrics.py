@@ -17,7 +17,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvdepot.events import L1Changed, RequestDone, TierRemoved, TierStored
+from kvdepot.events import L1Changed, RequestDone, TierRemoved, TierStored, TierTaskDone
 
 REQUEST_FAILURE_CLASSES = ("lease_expired_frees", "short_retrieves")
 MAX_MODELS = 64  # distinct model labels kept; clients name models, so a flood of names shares one label
@@ -90,6 +90,10 @@ class Metrics:
                                  ["event"], registry=r)  # fmt: skip
         self.kv_event_batches = Counter("kvdepot_kv_event_batches", "KV-event batches published (one sequence number each).", registry=r)
         self.kv_event_replays = Counter("kvdepot_kv_event_replays", "Replay requests answered.", registry=r)
+        self.tier_task_seconds = Histogram(
+            "kvdepot_l2_task_seconds", "Time an L2 tier's task took against its backend, by tier, task (store, lookup, load, clear, delete) "
+            "and outcome (ok, failed).", ["tier", "task", "outcome"], registry=r, buckets=REQUEST_BUCKETS,
+        )
         self.silent_miss = Gauge("kvdepot_silent_miss_alarm", "1 while a model with stored objects gets lookups and no hit (see /healthcheck).",
                                  ["model"], registry=r)  # fmt: skip
         for cls in REQUEST_FAILURE_CLASSES:
@@ -139,7 +143,7 @@ class Metrics:
 
     def subscribe_to(self, bus: Any) -> None:
         """Feed the bus-driven metrics, and export the bus's own counters at each scrape."""
-        bus.subscribe("metrics", self._on_events, (RequestDone, L1Changed, TierStored, TierRemoved))
+        bus.subscribe("metrics", self._on_events, (RequestDone, L1Changed, TierStored, TierRemoved, TierTaskDone))
         self.registry.register(_BusCollector(bus.stats))
 
     def _on_events(self, events: list) -> None:
@@ -150,6 +154,8 @@ class Metrics:
                 for o in e.events:
                     if o.because is not None:
                         self.l1_removed.labels(o.because.value).inc()
+            elif isinstance(e, TierTaskDone):
+                self.tier_task_seconds.labels(e.tier, e.task, "ok" if e.ok else "failed").observe(e.seconds)
             elif isinstance(e, TierStored):
                 self.tier_events.labels(e.kind, "stored").inc(len(e.keys))
             else:

@@ -13,6 +13,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -22,7 +23,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from kvdepot.breaker import CircuitBreaker
-from kvdepot.events import TierCleared, TierRemoved, TierStored
+from kvdepot.events import TierCleared, TierRemoved, TierStored, TierTaskDone
 from kvdepot.storage.l2.contract import L2Usage, LookupHints, TaskId, TaskKind, TaskResult, TierServices
 from kvdepot.storage.l2.envelope import CorruptObject, DestinationMismatch, RejectedObject
 from kvdepot.types import ObjectKey, leading_run
@@ -257,19 +258,28 @@ class BackendAdapter(ABC):
         return task_id
 
     def _run(self, task_id: TaskId, kind: TaskKind, work: Callable[[], Any], miss: Any) -> None:
+        started = time.monotonic()
         try:
             value = work()
         except _PartlyDone as part:  # the backend failed midway: report what did get done
+            self._timed(kind, started, ok=False)
             self._mark_down(part.cause)
             self._finish(TaskResult(task_id, kind, part.value, ok=False, error=f"{type(part.cause).__name__}: {part.cause}"))
             return
         except Exception as exc:
+            self._timed(kind, started, ok=False)
             self._mark_down(exc)
             self._finish(TaskResult(task_id, kind, miss, ok=False, error=f"{type(exc).__name__}: {exc}"))
             return
+        self._timed(kind, started, ok=True)
         if kind is not TaskKind.UNLOCK:  # an unlock never touches the backend: it proves nothing
             self._mark_up()
         self._finish(TaskResult(task_id, kind, value))
+
+    def _timed(self, kind: TaskKind, started: float, ok: bool) -> None:
+        """Each task's time against the backend, for the per-tier latency metrics (an unlock has none)."""
+        if kind is not TaskKind.UNLOCK:
+            self.services.sink.publish(TierTaskDone(self.name, self.kind, kind.name.lower(), time.monotonic() - started, ok))
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
