@@ -139,6 +139,9 @@ def test_the_grafana_dashboard_names_only_metrics_a_live_server_exports(make_ser
         assert c.lookup(t) == 2 * CHUNK and c.lookup(make_tokens(2 * CHUNK, seed + 1)) == 0
         assert c.retrieve(t).shape[2] == 2 * CHUNK
     wait_until(lambda: srv.metric("kvdepot_disconnects_total", kind="goodbye") >= 1, what="the client's goodbye")
+    # What the event bus feeds arrives on its drain thread's next tick: the tier's write and the lookups.
+    wait_until(lambda: srv.metric("kvdepot_l2_task_seconds_count", tier="mem", task="store", outcome="ok") >= 1, what="the tier's write, timed")
+    wait_until(lambda: srv.metric("kvdepot_request_seconds_count", type="LOOKUP", outcome="ok") >= 2, what="the lookups, timed")
     exported = _samples(httpx.get(f"{srv.http}/metrics", timeout=10).text)
     exprs = _exprs(dashboard)
     assert len(exprs) >= 20
