@@ -14,7 +14,7 @@ import pytest
 
 from kvdepot.errors import KVDepotTimeout
 
-from support.servers import CHUNK, LAYOUT, make_kv, make_tokens
+from support.servers import CHUNK, LAYOUT, make_kv, make_tokens, pause
 
 TIMEOUT_S = 20.0  # the client's own per-request timeout
 DEADLINE_S = 0.5  # what the caller allows: a request must end well before TIMEOUT_S
@@ -25,7 +25,7 @@ def test_a_silent_server_costs_the_caller_its_deadline_not_the_timeout(make_serv
     tokens = make_tokens(2 * CHUNK, seed)
     with srv.client(timeout_s=TIMEOUT_S, heartbeat=False) as c:
         assert c.store(tokens, make_kv(LAYOUT, len(tokens), seed)) == 2 * CHUNK
-        srv.proc.proc.send_signal(signal.SIGSTOP)
+        pause(srv.proc.proc.pid)
         try:
             t0 = time.monotonic()
             with pytest.raises(KVDepotTimeout), c.deadline(DEADLINE_S):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Callable
@@ -48,6 +49,26 @@ def wait_until(predicate: Callable[[], object], timeout_s: float = 20.0, interva
             return last
         time.sleep(interval_s)
     pytest.fail(f"timed out after {timeout_s}s waiting for {what or predicate} (last value {last!r})")
+
+
+def pause(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every one of its threads is stopped. The kernel stops a process's
+    threads one by one, as each next leaves the kernel: right after ``kill`` returns, a thread of a busy
+    process may still answer one more request (a flake on a loaded machine otherwise)."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def all_stopped() -> bool:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+            states = []
+            for t in tasks:
+                with open(f"/proc/{pid}/task/{t}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except FileNotFoundError:
+            return True  # gone: nothing of it runs
+        return all(st in ("T", "t") for st in states)
+
+    wait_until(all_stopped, timeout_s=timeout_s, interval_s=0.005, what=f"every thread of {pid} to stop")
 
 
 def never(predicate: Callable[[], object], within_s: float, interval_s: float = 0.05, what: str = "") -> None:
