@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from support.addresses import non_loopback_ipv4
-from support.servers import CHUNK, LAYOUT, MODEL, SMALL_L1, assert_bytes_equal, make_kv, make_tokens
+from support.servers import CHUNK, LAYOUT, MODEL, SMALL_L1, assert_bytes_equal, make_kv, make_tokens, scrape_metric
 
 from kvdepot import ClientOptions, CurveClientKeys, KVClient
 from kvdepot.bench.serverproc import ServerProcess, free_port
@@ -111,18 +111,6 @@ def _client(url: str, *, curve: CurveClientKeys | None = None, **options) -> KVC
     return KVClient(url, MODEL, LAYOUT, options=ClientOptions(**options), curve=curve)
 
 
-def _metric(http_url: str, name: str, **labels: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    r = httpx.get(f"{http_url}/metrics", timeout=10)
-    assert r.status_code == 200, r.text
-    for family in text_string_to_metric_families(r.text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    return 0.0
-
-
 # --- refusing to start ---------------------------------------------------------------------------------
 
 
@@ -199,8 +187,8 @@ def test_clients_without_admitted_keys_are_refused_clearly_and_the_server_goes_o
         after = httpx.get(f"{curve_server.http_url}/status", timeout=10).json()
         assert after["l1"]["objects"] == before["l1"]["objects"] + 3, "only the admitted client's 3 chunks were stored"
         assert after["clients"] == before["clients"], "a refused client was registered"
-        assert _metric(curve_server.http_url, "kvdepot_handshake_failures_total", reason="auth") >= 1
-        assert _metric(curve_server.http_url, "kvdepot_handshake_failures_total", reason="protocol") >= 2
+        assert scrape_metric(curve_server.http_url, "kvdepot_handshake_failures_total", reason="auth") >= 1
+        assert scrape_metric(curve_server.http_url, "kvdepot_handshake_failures_total", reason="protocol") >= 2
         assert curve_server.proc.poll() is None
     finally:
         good.close()

@@ -51,6 +51,19 @@ def wait_until(predicate: Callable[[], object], timeout_s: float = 20.0, interva
     pytest.fail(f"timed out after {timeout_s}s waiting for {what or predicate} (last value {last!r})")
 
 
+def scrape_metric(http_url: str, name: str, **labels: str) -> float:
+    """One sample of ``/metrics`` at ``http_url`` whose labels include ``labels`` (0 when it is not there yet)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(f"{http_url}/metrics", timeout=10)
+    assert r.status_code == 200, r.text
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
 def pause(pid: int, timeout_s: float = 10.0) -> None:
     """SIGSTOP ``pid`` and return once every one of its threads is stopped. The kernel stops a process's
     threads one by one, as each next leaves the kernel: right after ``kill`` returns, a thread of a busy
@@ -154,15 +167,7 @@ class Server:
 
     def metric(self, name: str, **labels: str) -> float:
         """One sample of the server's ``/metrics`` (0 when it is not there yet)."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        r = httpx.get(f"{self.http}/metrics", timeout=10)
-        assert r.status_code == 200, r.text
-        for family in text_string_to_metric_families(r.text):
-            for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                    return sample.value
-        return 0.0
+        return scrape_metric(self.http, name, **labels)
 
     def leases(self) -> int:
         return self.status()["leases"]
