@@ -24,18 +24,23 @@ if ! command -v g++ >/dev/null || [ ! -f /usr/include/openssl/sha.h ]; then
 fi
 
 if [ -f "$stamp" ] && [ "$stamp" -nt "$here/requirements.txt" ] && [ "$stamp" -nt scripts/install-sglang.sh ] \
-    && [ "$stamp" -nt pyproject.toml ] && [ -z "$(find "$here/shim" -newer "$stamp" -type f | head -1)" ]; then
+    && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt scripts/share_packages.py ] && [ -z "$(find "$here/shim" -newer "$stamp" -type f | head -1)" ]; then
     exit 0
 fi
 
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 pip=("$VENV/bin/python" -m pip)
 "${pip[@]}" install -q --upgrade pip >/dev/null
+sp=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+# torch, triton and ~90 other pins are the very versions .venv holds: hard-link them rather than hold
+# ~1.9 GB twice (a CI machine's disk ran out here). pip then sees them installed and skips them.
+if [ -x .venv/bin/python ]; then
+    .venv/bin/python scripts/share_packages.py "$sp" "$here/requirements.txt" 'torch==2.13.0'
+fi
 "${pip[@]}" install -q 'torch==2.13.0'
 "$VENV/bin/python" -c 'import sys, torch; sys.exit(f"torch {torch.__version__} is a CUDA build; a CPU build is needed" if torch.version.cuda else 0)'
 "${pip[@]}" install -q --no-deps -r "$here/requirements.txt"
 
-sp=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 rm -rf "$sp/kvdepot_sglang_cpu_shim"
 cp -r "$here/shim" "$sp/kvdepot_sglang_cpu_shim"
 printf '%s\n' "$sp/kvdepot_sglang_cpu_shim" "import _tv_cpu_shim, sglang_cpu_hooks" >"$sp/kvdepot_sglang_cpu_shim.pth"

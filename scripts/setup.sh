@@ -30,6 +30,10 @@ step() {
     fi
 }
 
+# No wheel cache: on a fresh machine it only holds a second copy of every download (GBs: torch, triton,
+# vLLM) on a disk that may be small. Left as it is when the caller set it.
+export PIP_NO_CACHE_DIR=${PIP_NO_CACHE_DIR:-1}
+
 PY=${PYTHON:-python3}
 if ! "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)'; then
     echo "kvdepot needs Python >= 3.11 (found: $("$PY" --version 2>&1))" >&2
