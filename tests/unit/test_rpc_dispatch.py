@@ -432,3 +432,31 @@ def test_a_second_server_on_the_same_ipc_path_is_refused(serve, url, channel, cl
     again = RpcChannel(url).open()
     closing.append(again)
     assert again.ping() is True
+
+
+# --- request records for the event bus ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("subscribed", [True, False])
+def test_a_request_record_is_built_only_when_someone_reads_it(serve, channel, subscribed):
+    """Every answered request (a success or an error) is one RequestDone on the bus when a subscriber
+    wants them; with none (only other kinds subscribed), the loop publishes nothing at all."""
+    from kvdepot.events import ChunkRequestDone, RequestDone
+    from kvdepot.observability.bus import EventBus
+
+    bus = EventBus(1024)
+    got: list = []
+    bus.subscribe("test", got.extend, (RequestDone,) if subscribed else (ChunkRequestDone,))
+    bus.start()
+    try:
+        serve(ping_handler(), raising(RequestType.LOOKUP, KVDepotError("arena full", ErrorCode.NO_SPACE), SYNC), events=bus)
+        assert channel.ping() is True
+        with pytest.raises(KVDepotError):
+            channel.call(m.LookupRequest(context_id=1, keys=[]))
+        bus.flush()
+        if subscribed:
+            assert [(e.rtype, e.outcome) for e in got] == [("PING", "ok"), ("LOOKUP", "NO_SPACE")]
+        else:
+            assert got == [] and bus.stats().published == 0
+    finally:
+        bus.close()

@@ -93,6 +93,7 @@ class RpcServer:
         self._hk_interval = housekeeping_interval_s
         self.metrics = metrics or Metrics()
         self.events = events  # each answered request: a RequestDone (latency histograms, traces)
+        self._report = True  # settled at start(), once the subscribers are known: build no record nobody reads
         # Children made once: a labelled counter's lookup would cost more than the increment.
         self._requests = {t: self.metrics.requests.labels(t.name) for t in RequestType}
         self._errors = {c: self.metrics.errors.labels(c.name) for c in ErrorCode}
@@ -145,6 +146,7 @@ class RpcServer:
             raise
 
     def start(self) -> None:
+        self._report = self.events.wants(RequestDone)
         self.bind()
         self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="kvdepot-worker")
         self._thread = threading.Thread(target=self._run, name="kvdepot-rpc", daemon=True)
@@ -324,7 +326,8 @@ class RpcServer:
                     )
         except codec.ProtocolViolation as exc:
             self._errors[exc.code].inc()
-            self.events.publish(RequestDone("UNDECODED", exc.code.name, time.monotonic() - received, time.time()))
+            if self._report:
+                self.events.publish(RequestDone("UNDECODED", exc.code.name, time.monotonic() - received, time.time()))
             log.warning("rejected a request from %s: %s", ident.hex()[:12], exc)
             self._send_error(router, ident, exc.request_id, exc.code, exc.message)
             return
@@ -357,7 +360,8 @@ class RpcServer:
         try:
             reply = spec.fn(call)
             frames = codec.encode_reply(call.request_id, reply.body)  # encoding can fail too
-            self.events.publish(RequestDone(call.rtype.name, "ok", time.monotonic() - call.received, time.time(), call.described))
+            if self._report:
+                self.events.publish(RequestDone(call.rtype.name, "ok", time.monotonic() - call.received, time.time(), call.described))
             return frames, reply
         except KVDepotError as exc:
             return self._error_frames(call, exc.code, exc.message)
@@ -369,7 +373,8 @@ class RpcServer:
 
     def _error_frames(self, call: Call, code: ErrorCode, message: str) -> list[Any]:
         self._errors[code].inc()
-        self.events.publish(RequestDone(call.rtype.name, code.name, time.monotonic() - call.received, time.time()))
+        if self._report:
+            self.events.publish(RequestDone(call.rtype.name, code.name, time.monotonic() - call.received, time.time()))
         return codec.encode_error(call.request_id, code, message)
 
     def _send(self, sock: zmq.Socket, ident: bytes, call: Call, result) -> None:
