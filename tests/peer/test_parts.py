@@ -200,3 +200,51 @@ def test_a_view_without_timings_is_never_adopted():
     view.silent_ms = []
     t.adopt(view)
     assert [n.id for n in t.view().members] == [node(1).id]
+
+
+# --- data plane reader --------------------------------------------------------------------------------
+
+
+def _stalling_owner(secret: bytes, send: bytes) -> tuple[socket.socket, threading.Event]:
+    """An owner that passes the handshake, reads the request, sends ``send`` and then nothing more."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            serve_handshake(conn, secret)
+            conn.recv(65536)
+            conn.sendall(send)
+            done.wait(30)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener, done
+
+
+@pytest.mark.parametrize("sent", ["nothing", "half a page"])
+def test_a_reader_blocked_mid_page_gives_up_at_its_deadline(sent):
+    """Readers' sockets are blocking with kernel timeouts, so a page arrives in one call: that call
+    must still end at the deadline when the owner stops sending (before the reply or halfway through
+    the page), as a miss, and the connection is dropped rather than reused."""
+    import struct
+    import time
+
+    from kvdepot.peer.dataplane import PageOutcome, PageRead, TcpTransport
+
+    size = 1 << 20
+    reply = struct.pack("<B7xQ", 0, size) + b"x" * (size // 2) if sent == "half a page" else b""
+    listener, done = _stalling_owner(b"s", reply)
+    transport = TcpTransport(b"s")
+    dest = memoryview(bytearray(size))
+    try:
+        t0 = time.monotonic()
+        got = transport.read("127.0.0.1", listener.getsockname()[1], [PageRead(b"k", 1, 0, size, b"\0" * 16, dest)], t0 + 0.5)
+        took = time.monotonic() - t0
+        assert got == [PageOutcome.MISS]
+        assert 0.4 < took < 3.0, f"the read took {took:.2f} s against a 0.5 s deadline"
+        assert transport.dropped == 1
+    finally:
+        done.set()
+        transport.close()
+        listener.close()

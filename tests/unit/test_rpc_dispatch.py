@@ -460,3 +460,37 @@ def test_a_request_record_is_built_only_when_someone_reads_it(serve, channel, su
             assert got == [] and bus.stats().published == 0
     finally:
         bus.close()
+
+
+# --- two-phase calls (begin, then collect) -------------------------------------------------------------
+
+
+def test_begun_calls_to_two_servers_are_in_flight_at_once_and_each_reply_reaches_its_caller(serve, tmp_path, closing):
+    """``begin`` sends at once and holds the channel until ``result``: two slow servers asked through
+    two channels answer in about one handler's time, not two; a second collect is refused; an abandoned
+    call frees the channel and its late reply is dropped by the next call."""
+    slow = HandlerSpec(RequestType.PING, lambda c: (time.sleep(0.3), Reply(m.PingReply(ok=True)))[1], BLOCKING)
+    urls = [f"ipc://{tmp_path}/a.sock", f"ipc://{tmp_path}/b.sock"]
+    channels = []
+    for url in urls:
+        server = RpcServer([url], [slow])
+        closing.append(server)
+        server.start()
+        channels.append(RpcChannel(url).open())
+        closing.append(channels[-1])
+    t0 = time.monotonic()
+    pending = [ch.begin(m.PingRequest(), timeout_s=5) for ch in channels]
+    assert [p.result().ok for p in pending] == [True, True]
+    assert time.monotonic() - t0 < 0.55, "the two requests were not in flight together"
+    with pytest.raises(RuntimeError, match="already collected"):
+        pending[0].result()
+
+    held = channels[0].begin(m.PingRequest(), timeout_s=5)
+    other = threading.Thread(target=lambda: results.append(channels[0].call(m.PingRequest(), timeout_s=5).ok))
+    results: list = []
+    other.start()
+    time.sleep(0.1)
+    assert results == []  # the channel is held by the begun call
+    held.abandon()
+    other.join(5)
+    assert results == [True]  # the abandoned call's late reply went to nobody

@@ -89,27 +89,45 @@ def bulk_gbps(endpoint: str, total_bytes: int, frame_bytes: int, message_bytes: 
 def round_trips(endpoint: str, n: int) -> list[float]:
     """Seconds per request/reply of a tiny message to a bare ROUTER echo in another process: the
     floor under any PING."""
-    proc = subprocess.Popen([sys.executable, "-m", "kvdepot.bench.rawzmq", endpoint])
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    try:
-        sock.send_multipart([b"ping"])
-        if not sock.poll(10000):
+    with RawEcho(endpoint) as echo:
+        return echo.round_trips(n, warmup=200)
+
+
+class RawEcho:
+    """The bare ROUTER echo, kept running, so a benchmark can take round trips in rounds interleaved
+    with the figure they bound (drift on a shared host then moves both alike)."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvdepot.bench.rawzmq", endpoint])
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.sock.send_multipart([b"ping"])
+        if not self.sock.poll(10000):
+            self.close()
             raise RuntimeError("raw ZeroMQ echo did not start")
-        sock.recv_multipart()
+        self.sock.recv_multipart()
+
+    def __enter__(self) -> RawEcho:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def round_trips(self, n: int, warmup: int = 0) -> list[float]:
         out = []
-        for i in range(n + 200):
+        for i in range(n + warmup):
             t0 = time.perf_counter()
-            sock.send_multipart([b"ping"])
-            sock.recv_multipart()
-            if i >= 200:
+            self.sock.send_multipart([b"ping"])
+            self.sock.recv_multipart()
+            if i >= warmup:
                 out.append(time.perf_counter() - t0)
         return out
-    finally:
-        sock.close(0)
-        proc.kill()
-        proc.wait()
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.proc.kill()
+        self.proc.wait()
 
 
 if __name__ == "__main__":

@@ -204,6 +204,25 @@ class DataServer:
 # --- the reader's side --------------------------------------------------------------------------------
 
 
+_TIMEVAL = struct.Struct("@ll")
+
+
+def _arm(conn: socket.socket, deadline: float) -> None:
+    """Bound the next blocking send and receive calls on ``conn`` by what is left of ``deadline``.
+
+    Readers' sockets are blocking with kernel timeouts (SO_RCVTIMEO/SO_SNDTIMEO) rather than Python's
+    own timeout mode, which turns every call into poll + a non-blocking call: a page then arrives in
+    one ``recv_into(MSG_WAITALL)`` instead of dozens of slices, each taking the GIL that the other
+    reader threads want. A call past its timeout raises BlockingIOError (an OSError): the read fails."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError("deadline passed")
+    seconds = int(remaining)
+    timeval = _TIMEVAL.pack(seconds, max(1, int((remaining - seconds) * 1e6)))
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+
 class _PeerChannels:
     """Idle connections to one peer, and a cap on how many exist."""
 
@@ -271,6 +290,7 @@ class TcpTransport:
             conn = socket.create_connection((host, port), timeout=min(remaining, self._connect_timeout))
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             client_handshake(conn, self._secret)
+            conn.settimeout(None)  # blocking from now on; deadlines are the kernel's (_arm)
             return conn
         except HandshakeFailed as exc:
             log.warning("peer %s:%d: %s", host, port, exc)
@@ -287,10 +307,10 @@ class TcpTransport:
         for p in pages:
             parts.append(_ITEM.pack(len(p.key), p.generation, p.offset, p.length))
             parts.append(p.key)
-        self._settimeout(conn, deadline)
+        _arm(conn, deadline)
         conn.sendall(b"".join(parts))
         for i, p in enumerate(pages):
-            self._settimeout(conn, deadline)
+            _arm(conn, deadline)
             status, length = _REPLY.unpack(recv_exact(conn, _REPLY.size))
             if status == MISSING:
                 continue
@@ -300,11 +320,14 @@ class TcpTransport:
             view = p.dest
             got = 0
             while got < length:
-                self._settimeout(conn, deadline)
-                k = conn.recv_into(view[got:])
+                # The whole page in one call, the GIL released throughout; it returns short only when
+                # the armed timeout fires (then the deadline has passed) or a signal interrupts it.
+                k = conn.recv_into(view[got:], length - got, socket.MSG_WAITALL)
                 if k == 0:
                     raise ConnectionError("peer closed the connection mid-page")
                 got += k
+                if got < length:
+                    _arm(conn, deadline)
             if xxhash.xxh3_128_digest(view) != p.checksum:
                 self.garbage += 1
                 out[i] = PageOutcome.CORRUPT
@@ -312,13 +335,6 @@ class TcpTransport:
                 return False
             out[i] = PageOutcome.HIT
         return True
-
-    @staticmethod
-    def _settimeout(conn: socket.socket, deadline: float) -> None:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("deadline passed")
-        conn.settimeout(remaining)
 
     def forget(self, host: str, port: int) -> None:
         with self._lock:

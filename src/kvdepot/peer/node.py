@@ -41,7 +41,7 @@ from kvdepot.peer.pool import PoolEntry, PublishedPool
 from kvdepot.peer.ring import HashRing
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.messages import PeerLocation, PeerMembershipReply, PeerNodeInfo, RequestType
-from kvdepot.rpc.channel import Heartbeat, RpcChannel
+from kvdepot.rpc.channel import Heartbeat, PendingCall, RpcChannel
 from kvdepot.rpc.dispatch import Call, HandlerMode, HandlerSpec, Reply
 from kvdepot.rpc.security import CurveSecurity
 from kvdepot.rpc.server import RpcServer
@@ -332,10 +332,7 @@ class PeerNode:
             for i in pending:
                 if replica < len(owners[i]):
                     by_owner.setdefault(owners[i][replica], []).append(i)
-            still: list[int] = []
-            for owner, idx in by_owner.items():
-                still += self._ask(owner, idx, keys, found, usable, deadline)
-            pending = still
+            pending = self._ask_many(by_owner, keys, found, usable, deadline)
             if not pending or time.monotonic() >= deadline:
                 break
         hit = sum(loc is not None for loc in found)
@@ -352,23 +349,90 @@ class PeerNode:
         for node in nodes:
             if node not in usable or not pending:
                 continue
-            pending = self._ask(node, pending, keys, found, usable, deadline, own_pages=True)
+            pending = self._ask_many({node: pending}, keys, found, usable, deadline, own_pages=True)
         self.metrics.hinted(len(keys) - len(pending), len(pending))
         return pending
 
-    def _ask(self, node: str, idx: list[int], keys: Sequence[bytes], found: list[PeerLocation | None], usable: set[str], deadline: float,
-             own_pages: bool = False) -> list[int]:  # fmt: skip
-        """One resolve at ``node`` for ``keys[i]`` of ``idx`` (its shard, or with ``own_pages`` its own
-        pages): fills ``found`` with the best usable location of each; returns the indices still unknown."""
-        reply = self._call_shard(node, m.PeerResolveRequest(keys=[keys[i] for i in idx], own_pages=own_pages), deadline)
+    def _ask_many(self, by_owner: dict[str, list[int]], keys: Sequence[bytes], found: list[PeerLocation | None], usable: set[str],
+                  deadline: float, own_pages: bool = False) -> list[int]:  # fmt: skip
+        """One resolve at each owner for ``keys[i]`` of its indices (its shard, or with ``own_pages`` its
+        own pages), all in flight at once: the remote ones are sent first and this node's own shard is
+        served while they answer, so a lookup across N owners costs one round trip, not N. Fills
+        ``found`` with the best usable location of each; returns the indices still unknown, in order."""
+        assert self.info is not None
+        still: list[int] = []
+        local: list[int] | None = None
+        started: list[tuple[str, list[int], RpcChannel, PendingCall, float]] = []
+        try:
+            for owner, idx in by_owner.items():
+                if owner == self.info.id:
+                    local = idx
+                    continue
+                begun = self._begin(owner, m.PeerResolveRequest(keys=[keys[i] for i in idx], own_pages=own_pages), deadline)
+                if begun is None:
+                    still += idx
+                else:
+                    started.append((owner, idx, *begun))
+            if local is not None:
+                body = m.PeerResolveRequest(keys=[keys[i] for i in local], own_pages=own_pages)
+                still += self._fill(local, self._serve_shard(body), found, usable)
+            while started:
+                owner, idx, ch, pending, t0 = started.pop(0)
+                still += self._fill(idx, self._collect(owner, ch, pending, t0), found, usable)
+        finally:
+            for owner, _, ch, pending, _ in started:  # only on an exception: their replies are never read
+                pending.abandon()
+                self._return_channel(owner, ch, False)
+        still.sort()
+        return still
+
+    def _fill(self, idx: list[int], reply: m.PeerResolveReply | None, found: list[PeerLocation | None], usable: set[str]) -> list[int]:
+        """``found[i]`` from one resolve reply (None: that owner failed); returns the indices it did not place."""
+        locations = reply.locations if reply is not None else ()
         still = []
         for j, i in enumerate(idx):
-            loc = self._best(reply.locations[j], usable) if reply is not None and j < len(reply.locations) else None
+            loc = self._best(locations[j], usable) if j < len(locations) else None
             if loc is None:
                 still.append(i)
             else:
                 found[i] = loc
         return still
+
+    def _begin(self, owner: str, body, deadline: float) -> tuple[RpcChannel, PendingCall, float] | None:
+        """A directory request sent to ``owner`` on a leased channel, its reply not yet read (None: the
+        owner is suspect, the deadline has passed, or the send failed)."""
+        now = time.monotonic()
+        if self._suspects.get(owner, 0.0) > now:
+            return None
+        timeout = min(self.config.control_timeout_s, deadline - now)
+        if timeout <= 0:
+            return None
+        ch = self._lease_channel(owner)
+        try:
+            return ch, ch.begin(body, timeout), time.perf_counter()
+        except KVDepotError as exc:
+            self._return_channel(owner, ch, False)
+            self._suspect(owner, body, exc)
+            return None
+
+    def _collect(self, owner: str, ch: RpcChannel, pending: PendingCall, t0: float):
+        """The reply to a request ``_begin`` sent (None when it failed or timed out); the channel goes back."""
+        ok = False
+        try:
+            reply = pending.result()
+            self.planner.call_measured(owner, time.perf_counter() - t0)  # may include our local work meanwhile: tens of µs
+            ok = True
+            return reply
+        except KVDepotError as exc:
+            self._suspect(owner, pending.body, exc)
+            return None
+        finally:
+            self._return_channel(owner, ch, ok)
+
+    def _suspect(self, owner: str, what, exc: Exception) -> None:
+        assert self.info is not None
+        self._suspects[owner] = time.monotonic() + SUSPECT_S
+        log.info("peer %s: %s to %s failed (%s): its replica is asked instead", self.info.id, type(what).__name__, owner, exc)
 
     def own_records(self, keys: Sequence[bytes]) -> list[list[PeerLocation]]:
         """This node's own pages of ``keys`` (in its pool, or non-resident on its disk)."""
@@ -624,8 +688,7 @@ class PeerNode:
         try:
             return self._call(owner, body, timeout)
         except KVDepotError as exc:
-            self._suspects[owner] = time.monotonic() + SUSPECT_S
-            log.info("peer %s: %s to %s failed (%s): its replica is asked instead", self.info.id, type(body).__name__, owner, exc)
+            self._suspect(owner, body, exc)
             return None
 
     # --- the control plane, server side --------------------------------------------------------------

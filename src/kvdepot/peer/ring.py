@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import xxhash
 
 DEFAULT_VNODES = 160
+_WHERE_CACHED = 1 << 16  # keys whose ring position is remembered (~10 MB at most)
 
 
 def _point(data: bytes) -> int:
@@ -33,6 +34,7 @@ class HashRing:
         self._owners = [n for _, n in points]
         self._replicas = replicas
         self._successors = [self._walk(i, replicas) for i in range(len(self._points))]
+        self._where: dict[bytes, int] = {}  # key -> its point's index: a lookup asks for the same keys again and again
 
     def __repr__(self) -> str:
         return f"HashRing({len(self.nodes)} nodes x {self.vnodes} vnodes)"
@@ -44,7 +46,12 @@ class HashRing:
         """The first ``n`` distinct nodes clockwise from ``key`` (fewer if the ring has fewer)."""
         if not self._points:
             return []
-        i = bisect.bisect(self._points, _point(key)) % len(self._points)
+        i = self._where.get(key)
+        if i is None:
+            i = bisect.bisect(self._points, _point(key)) % len(self._points)
+            if len(self._where) >= _WHERE_CACHED:
+                self._where.clear()  # bounded; a ring is rebuilt (and this emptied) at every membership change anyway
+            self._where[key] = i
         if n <= self._replicas:
             return self._successors[i][:n]
         return self._walk(i, n)

@@ -98,15 +98,33 @@ class RpcChannel:
         deadline = time.monotonic() + timeout_s
         with self._exclusive(body, timeout_s):
             rid = self._send(body, payload, deadline - time.monotonic(), closing)
-            while True:
-                header, reply_body, frames = self._recv(body, deadline)
-                if header.request_id != rid:
-                    continue  # a late reply to a request given up on
-                rtype = codec.request_type_of(body)
-                if self.answered is not None:
-                    self.answered(rtype)
-                result = codec.decode_reply_body(rtype, header, reply_body)
-                return (result, frames) if want_payload else result
+            return self._reply_to(body, rid, deadline, want_payload)
+
+    def begin(self, body, timeout_s: float = 10.0) -> PendingCall:
+        """Send one request now and collect its reply later (``PendingCall.result``), so that a caller
+        can ask several servers at once, or work while this one answers. The channel stays held from
+        here until the reply is collected or ``abandon``ed: other threads wait as for a call."""
+        deadline = time.monotonic() + timeout_s
+        if not self._lock.acquire(timeout=max(timeout_s, 0.0)):
+            raise KVDepotTimeout(f"{type(body).__name__} waited {timeout_s:.3g} s for the channel another thread holds")
+        try:
+            rid = self._send(body, (), deadline - time.monotonic())
+        except BaseException:
+            self._lock.release()
+            raise
+        return PendingCall(self, body, rid, deadline)
+
+    def _reply_to(self, body, rid: int, deadline: float, want_payload: bool = False):
+        """Receive until the reply to ``rid`` comes; decode it. Called with the lock held."""
+        while True:
+            header, reply_body, frames = self._recv(body, deadline)
+            if header.request_id != rid:
+                continue  # a late reply to a request given up on
+            rtype = codec.request_type_of(body)
+            if self.answered is not None:
+                self.answered(rtype)
+            result = codec.decode_reply_body(rtype, header, reply_body)
+            return (result, frames) if want_payload else result
 
     def pipeline(self, requests: list[tuple[object, Sequence]], on_reply: OnReply | None = None, timeout_s: float = 10.0, window: int = 4) -> list:
         """Send ``requests`` with up to ``window`` in flight and collect every reply (in request order).
@@ -171,10 +189,9 @@ class RpcChannel:
         """Receive the next reply (any request id) before ``deadline``. Called with the lock held."""
         sock = self._sock
         assert sock is not None
-        # A blocking recv with RCVTIMEO saves a poll() syscall per request.
-        remaining_ms = int((deadline - time.monotonic()) * 1000)
-        if remaining_ms <= 0:
-            raise KVDepotTimeout(f"{type(body).__name__} got no reply from {self.url} in time")
+        # A blocking recv with RCVTIMEO saves a poll() syscall per request. Past the deadline it is 0: a
+        # reply that is already here is still taken (a begun call collected after a slower one's).
+        remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
         if remaining_ms != self._rcvtimeo:
             sock.setsockopt(zmq.RCVTIMEO, remaining_ms)
             self._rcvtimeo = remaining_ms
@@ -210,6 +227,34 @@ class RpcChannel:
 
     def ping(self, timeout_s: float = 10.0) -> bool:
         return self.call(m.PingRequest(), timeout_s=timeout_s).ok
+
+
+class PendingCall:
+    """A request ``RpcChannel.begin`` sent, whose reply is not collected yet.
+
+    States: SENT (holds the channel) -> DONE by ``result`` (the reply, or its error raised) or by
+    ``abandon`` (a reply that comes later is dropped as stale by the next call). Either releases the
+    channel; a second ``result`` or ``abandon`` is refused."""
+
+    def __init__(self, channel: RpcChannel, body, rid: int, deadline: float) -> None:
+        self._channel, self.body, self._rid, self._deadline = channel, body, rid, deadline
+        self._done = False
+
+    def result(self):
+        self._finish()
+        try:
+            return self._channel._reply_to(self.body, self._rid, self._deadline)
+        finally:
+            self._channel._lock.release()
+
+    def abandon(self) -> None:
+        self._finish()
+        self._channel._lock.release()
+
+    def _finish(self) -> None:
+        if self._done:
+            raise RuntimeError("this call's reply was already collected or abandoned")
+        self._done = True
 
 
 class _TryLock:
