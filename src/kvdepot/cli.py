@@ -105,6 +105,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return transfer.main(args)
     if args.workload == "tiers":
         return tiers.main(args)
+    if args.workload == "load":
+        from kvdepot.bench import load
+
+        return load.main(args)
     if args.workload == "peer":
         from kvdepot.bench import peer
 
@@ -222,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     btp = bsub.add_parser("peer", help="the peer tier: remote get/set GB/s and batch_exists vs raw loopback sockets")
     add_peer_bench_args(btp)
+    from kvdepot.bench.load import add_args as add_load_args
+
+    btl = bsub.add_parser("load", help="many client processes on one server: aggregate GB/s, LOOKUP/PREPARE/PING p50 and p99 as clients are added")
+    add_load_args(btl)
     b.set_defaults(func=cmd_bench)
     return p
 

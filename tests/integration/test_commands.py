@@ -47,6 +47,20 @@ def test_bench_transfer_reports_every_row_against_its_limit(tmp_path):
             assert float(row["ratio"]) > 0, (name, row)  # every figure stands next to its limit
 
 
+def test_bench_load_runs_every_client_count_and_path(tmp_path):
+    """Several client processes against one server, both paths, own and shared prompts: every run
+    completed rounds in its window and moved bytes (a client that reads wrong counts raises)."""
+    out_json = tmp_path / "load.json"
+    out = run("bench", "load", "--quick", "--tokens", "1024", "--l1-size-gb", "0.25", "--json", str(out_json), cwd=tmp_path)
+    results = json.loads(out_json.read_text())["results"]
+    runs = {(r["transport"], r["prompts"], r["clients"]) for r in results}
+    assert runs == {(t, p, n) for t in ("shm", "inline") for p in ("own", "shared") for n in (1, 4)}, runs
+    for r in results:
+        assert r["rounds"] >= r["clients"] and r["gbps"] > 0, r
+        assert 0 < r["lookup_p50_us"] <= r["lookup_p99_us"] and 0 < r["paced_lookup_p50_us"] <= r["paced_lookup_p99_us"], r
+    assert "| shm | shared | 4 |" in out
+
+
 def test_bench_tiers_reports_every_adapter(tmp_path, valkey_server, s3_server):
     # The command starts its own backends (as a user runs it); the fixtures only make sure the binaries
     # are there and fail with the install step if not.
