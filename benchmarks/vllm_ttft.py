@@ -27,7 +27,12 @@ can cost no less than vLLM's own; the table gives their ratio, the connector's l
 lines: the server's answer, the copy into vLLM's blocks) and the load's effective bandwidth next to a
 memcpy of the same bytes measured in the same run.
 
-    .venv/bin/python benchmarks/vllm_ttft.py [--quick] [--configs none,kvdepot,lmcache] [--floor N] [--json out.json]
+The miss path (``--miss N``): two engines side by side, one with no connector and one through kvdepot,
+each fresh prompt (never seen by either) sent to both, alternating which goes first, until the 95 %
+interval of the median per-prompt ratio is within ``--miss-target`` each side: what a miss costs
+(the lookup, then the save of the prompt's KV) against not having a connector at all.
+
+    .venv/bin/python benchmarks/vllm_ttft.py [--quick] [--configs none,kvdepot,lmcache] [--floor N] [--miss N] [--json out.json]
 
 Needs vLLM (scripts/install-vllm.sh). Times are those of a shared CPU machine: the load average at the
 start and the end is printed with the table.
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import re
@@ -214,6 +220,7 @@ def run_workloads(engine: Engine, s: Scale, rep: int = 0) -> list[Record]:
     return recs
 
 
+SAVE_LINE = re.compile(r"kvdepot: \S+ saved \d+ chunks \([\d.]+ MiB\) in ([\d.]+) ms")
 LOAD_LINE = re.compile(  # the vLLM worker's INFO line for each load
     r"kvdepot: \S+ loaded (\d+) chunks \(([\d.]+) MiB\) in ([\d.]+) ms: retrieve ([\d.]+) ms, copy into blocks ([\d.]+) ms"
 )
@@ -305,6 +312,118 @@ def report_floor(recs: list[FloorRecord]) -> dict:
     return {"cold_s": cold, "own_s": own, "kvdepot_s": kvd, "ratio": kvd / own, "memcpy_s": floor, **load}
 
 
+@dataclass
+class MissPair:
+    pair: int
+    prompt_len: int
+    first: str  # which engine served this prompt first
+    none_s: float  # TTFT without a connector
+    kvdepot_s: float  # TTFT of the same prompt, a miss through kvdepot (lookup, then the save of its KV)
+    kvdepot_cached: int
+    control_s: float = 0.0  # a second engine without a connector (A/A): how far two alike engines differ
+    save_ms: float = 0.0  # the connector's own save of this prompt, from its INFO line
+
+
+def median_interval(xs: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free interval for the median: the order statistics x(k), x(n-k+1) with
+    P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2. The whole range when n is too small for one."""
+    xs = sorted(xs)
+    n = len(xs)
+    tail, k = 0.0, 0
+    while k < n // 2:
+        nxt = tail + math.comb(n, k) / 2**n
+        if nxt > (1 - confidence) / 2:
+            break
+        tail, k = nxt, k + 1
+    return (xs[k - 1], xs[n - k]) if k else (xs[0], xs[-1])
+
+
+def run_miss(model: TinyModel, s: Scale, work: Path, min_pairs: int, max_pairs: int, target: float, dtype: str, control: bool = True) -> list[MissPair]:
+    """The miss path against no connector: engines alive side by side (one without a connector, one
+    through kvdepot and, with ``control``, a second without a connector), each fresh prompt sent to
+    every one in a rotating order, until the 95 % interval of the median per-prompt ratio is narrower
+    than ``target`` each side (or ``max_pairs``). The control says how far two alike engine processes
+    differ: the resolution of the comparison on this host."""
+    wd = work / "miss"
+    wd.mkdir(parents=True, exist_ok=True)
+    server = ServerProcess(
+        args=["--chunk-size", str(CHUNK), "--l1-size-gb", "2", "--log-level", "warning"],
+        http_port=free_port(), env={"OMP_NUM_THREADS": "1"}, log_path=str(wd / "kvdepot-server.log"),
+    ).start()  # fmt: skip
+    # OMP_WAIT_POLICY=PASSIVE: a finished forward pass's OpenMP threads sleep rather than spin, so the
+    # idle engine takes nothing from the one being timed (the same for both).
+    env = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    configs = [("none", None), ("kvdepot", connector_config(server.url, chunk_size=CHUNK, model_name=MODEL_NAME)), ("control", None)]
+    engines = {
+        name: Engine(model, kv, wd, name=f"engine-miss-{name}", dtype=dtype, max_model_len=s.max_model_len,
+                     llm_kwargs={"max_num_batched_tokens": s.max_model_len}, kvcache_gb=2, env_extra=env)
+        for name, kv in configs[: 3 if control else 2]
+    }  # fmt: skip
+    names = list(engines)
+    pairs: list[MissPair] = []
+    try:
+        for engine in engines.values():
+            engine.start(timeout_s=600)
+            warm_up(engine, s)
+        rng = random.Random(9191)
+        while len(pairs) < max_pairs:
+            prompt = words(rng, s.doc_lengths[0]) + words(rng, s.question_len)
+            k = len(pairs)
+            order = names[k % len(names):] + names[: k % len(names)]  # each engine first in turn
+            if (k // len(names)) % 2:
+                order.reverse()  # and each engine before and after each other one
+            start = engines["kvdepot"].log_path.stat().st_size if engines["kvdepot"].log_path.exists() else 0
+            got = {name: engines[name].one(prompt, MAX_TOKENS) for name in order}
+            ttft = {name: o["ttft_s"] or o["seconds"] for name, o in got.items()}
+            time.sleep(0.05)  # the worker's log line is written before the step returns; let it reach the file
+            with open(engines["kvdepot"].log_path, "rb") as f:
+                f.seek(start)
+                save_ms = sum(float(m[1]) for m in SAVE_LINE.finditer(f.read().decode(errors="replace")))
+            pairs.append(MissPair(k, len(prompt), order[0], ttft["none"], ttft["kvdepot"], got["kvdepot"]["num_cached_tokens"],
+                                  ttft.get("control", 0.0), save_ms))  # fmt: skip
+            if len(pairs) >= min_pairs:
+                lo, hi = median_interval([p.kvdepot_s / p.none_s for p in pairs])
+                print(f"  miss pair {len(pairs)}: ratio interval [{lo:.3f}, {hi:.3f}]", flush=True)
+                if hi - lo <= 2 * target:
+                    break
+    finally:
+        for engine in engines.values():
+            engine.close()
+        server.stop()
+    return pairs
+
+
+def report_miss(pairs: list[MissPair], target: float, dtype: str) -> dict:
+    ratios = [p.kvdepot_s / p.none_s for p in pairs]
+    med = statistics.median(ratios)
+    lo, hi = median_interval(ratios)
+    none_s, kvd_s = statistics.median(p.none_s for p in pairs), statistics.median(p.kvdepot_s for p in pairs)
+    print(f"### the miss path: kvdepot against no connector, request by request ({len(pairs)} fresh prompts of "
+          f"{pairs[0].prompt_len} tokens, {dtype}, the engines side by side, each prompt to each, rotating order)\n")  # fmt: skip
+    print("| engine | TTFT p50 (ms) |")
+    print("|---|---:|")
+    print(f"| no connector | {none_s * 1e3:.0f} |")
+    print(f"| kvdepot (a miss: lookup, then the save) | {kvd_s * 1e3:.0f} |")
+    if all(p.control_s for p in pairs):
+        print(f"| control: a second engine, no connector | {statistics.median(p.control_s for p in pairs) * 1e3:.0f} |")
+    print()
+    print(f"- per-prompt ratio kvdepot / none: median {med:.3f} = {100 * (med - 1):+.1f} % (target <= +{100 * target:.0f} %); "
+          f"95 % interval of the median [{lo:.3f}, {hi:.3f}], spread {100 * (hi - lo) / 2:.1f} % each side; "
+          f"quartiles {statistics.quantiles(ratios, n=4)[0]:.3f} / {statistics.quantiles(ratios, n=4)[2]:.3f}" if len(ratios) > 1 else "")  # fmt: skip
+    if all(p.control_s for p in pairs):
+        control = [p.control_s / p.none_s for p in pairs]
+        clo, chi = median_interval(control)
+        print(f"- control (a second engine without a connector) / none: median {statistics.median(control):.3f} "
+              f"[{clo:.3f}, {chi:.3f}]: two alike engines differ this much here, so the kvdepot figure resolves no finer")  # fmt: skip
+    saves = [p.save_ms for p in pairs if p.save_ms]
+    if saves:
+        print(f"- the connector's own save of each prompt (its INFO line, inside the kvdepot TTFT): median {statistics.median(saves):.1f} ms "
+              f"= {statistics.median(saves) / 1e3 / kvd_s:.2%} of the kvdepot TTFT")  # fmt: skip
+    found = sum(p.kvdepot_cached > 0 for p in pairs)
+    print(f"- prompts where kvdepot found something (must be 0: every prompt is fresh): {found}\n")
+    return {"median_ratio": med, "interval": [lo, hi], "none_s": none_s, "kvdepot_s": kvd_s, "pairs": len(pairs), "target": target}
+
+
 def run_config(name: str, model: TinyModel, s: Scale, work: Path, repeats: int) -> list[Record]:
     wd = work / name
     wd.mkdir(parents=True, exist_ok=True)
@@ -388,6 +507,11 @@ def main() -> None:
     ap.add_argument("--configs", default="none,kvdepot,lmcache")
     ap.add_argument("--repeats", type=int, default=1, help="run the workloads this many times, with fresh prompts each time")
     ap.add_argument("--floor", type=int, default=4, help="documents for the kvdepot-hit vs vLLM's-own-hit comparison (0: none)")
+    ap.add_argument("--miss", type=int, default=0, metavar="N",
+                    help="the miss path against no connector, request by request: at least N fresh prompts (0: none)")
+    ap.add_argument("--miss-max", type=int, default=60, help="at most this many prompts for --miss (default: %(default)s)")
+    ap.add_argument("--miss-target", type=float, default=0.02, help="--miss stops once the median's 95%% interval is within this each side")
+    ap.add_argument("--miss-dtype", default="bfloat16", help="the dtype of the --miss engines (default: %(default)s, as users serve)")
     ap.add_argument("--json", help="write every request's record here")
     ap.add_argument("--workdir", help="keep logs here (default: a fresh temporary dir)")
     args = ap.parse_args()
@@ -406,6 +530,13 @@ def main() -> None:
         for r in floor:
             print(f"  doc{r.doc} {r.kind:7} len={r.prompt_len:5} cached={r.cached:5} ttft={1000 * r.ttft_s:7.0f} ms "
                   f"load={r.load_ms:6.1f} ms", flush=True)  # fmt: skip
+    miss: list[MissPair] = []
+    if args.miss:
+        print(f"[{time.monotonic() - t_start:6.0f}s] miss ...", flush=True)
+        miss = run_miss(model, s, work, args.miss, max(args.miss, args.miss_max), args.miss_target, args.miss_dtype)
+        for r in miss:
+            print(f"  pair{r.pair} first={r.first:7} none={1000 * r.none_s:7.0f} ms kvdepot={1000 * r.kvdepot_s:7.0f} ms "
+                  f"({100 * (r.kvdepot_s / r.none_s - 1):+.1f} %) control={1000 * r.control_s:7.0f} ms save={r.save_ms:.1f} ms", flush=True)  # fmt: skip
     results: dict[str, list[Record] | str] = {}
     for name in [c for c in args.configs.split(",") if c]:
         print(f"[{time.monotonic() - t_start:6.0f}s] {name} ...", flush=True)
@@ -442,6 +573,7 @@ def main() -> None:
         )
     print()
     floor_summary = report_floor(floor) if floor else None
+    miss_summary = report_miss(miss, args.miss_target, args.miss_dtype) if miss else None
 
     # --- targets
     first_len = s.doc_lengths[0]
@@ -478,6 +610,7 @@ def main() -> None:
             json.dumps(
                 {n: (r if isinstance(r, str) else [vars(x) for x in r]) for n, r in results.items()}
                 | {"summary": sums, "floor": [vars(r) for r in floor], "floor_summary": floor_summary}
+                | {"miss": [vars(r) for r in miss], "miss_summary": miss_summary}
                 | {"load_start": load_start, "load_end": load_end, "quick": args.quick},
                 indent=1,
             )

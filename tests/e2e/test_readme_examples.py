@@ -150,6 +150,7 @@ def test_the_vllm_and_sglang_examples_run_as_printed_and_hit(shell):
     out = shell.run("vllm-requests", blocks["vllm-requests"][0])
     assert out.splitlines() == ["0 of 2000 prompt tokens from cache", "1792 of 2000 prompt tokens from cache"], out
     assert "1792 of its 1792 cacheable tokens found (1792 in L1, 0 from L2), 1792 loaded" in shell.log("vllm-server")
+    assert re.search(r"saved 7 chunks \([\d.]+ MiB\) in [\d.]+ ms: slots [\d.]+ ms, copy out of blocks [\d.]+ ms", shell.log("vllm-server"))
 
     out = shell.run("status", blocks["status"][0])
     assert "hit rate" in out and "kvdepot" in out, out

@@ -255,21 +255,36 @@ class WorkerSide:
             self.save(op)
 
     def save(self, op: SaveOp) -> None:
+        """Gather the blocks of ``op`` into the slots the server gives. Logged at INFO with its time:
+        the server's answer (slots), the gather out of the blocks and the commit, apart; the forward
+        pass waits for all of it (saves are synchronous)."""
         assert self.paged is not None
         client = self._resilient.get(Direction.SAVE) if self._resilient is not None else None
         if client is None:
             return  # the server failed us a moment ago: do not stall every step on it
         bpc = self.blocks_per_chunk
+        t0 = time.perf_counter()
+        t1 = t2 = t0
+        copied = saved = 0
         try:
             with client.prepare_store(op.hashes, op.cache_salt, token_ids=op.token_ids) as slots:
+                t1 = time.perf_counter()
                 for i, slot in enumerate(slots):
                     if slot is not None:
                         self.paged.gather(op.block_ids[i * bpc : (i + 1) * bpc], slot)
+                        copied += slot.nbytes
+                        saved += 1
                         if self.config.debug_dump_dir:
                             self._dump("saved", op.hashes[i], slot)
+                t2 = time.perf_counter()
         except KVDepotError as exc:
             self._failed(Direction.SAVE, exc, f"the save for {op.req_id} (a future miss)")
             return
+        if copied:
+            t3 = time.perf_counter()
+            log.info("kvdepot: %s saved %d chunks (%.1f MiB) in %.1f ms: slots %.1f ms, copy out of blocks %.1f ms, commit %.1f ms",
+                     op.req_id, saved, copied / 2**20, (t3 - t0) * 1e3, (t1 - t0) * 1e3,
+                     (t2 - t1) * 1e3, (t3 - t2) * 1e3)  # fmt: skip
         refused = [s for s in slots.statuses if s in (SlotStatus.NO_SPACE, SlotStatus.OVER_QUOTA)]
         if refused:  # L1 full of locked objects, or the tenant's quota: a future miss, nothing more
             code = ErrorCode.NO_SPACE if refused[0] is SlotStatus.NO_SPACE else ErrorCode.BAD_REQUEST
