@@ -182,6 +182,14 @@ class Record:
     out: list[int]
 
 
+def kvdepot_server(wd: Path) -> ServerProcess:
+    """A started kvdepot server for one configuration: the benchmark's chunk size, a 2 GiB L1, its log in ``wd``."""
+    return ServerProcess(
+        args=["--chunk-size", str(CHUNK), "--l1-size-gb", "2", "--log-level", "warning"],
+        http_port=free_port(), env={"OMP_NUM_THREADS": "1"}, log_path=str(wd / "kvdepot-server.log"),
+    ).start()  # fmt: skip
+
+
 def warm_up(engine: Engine, s: Scale) -> None:
     """One-time costs (allocations, kernel set-up) out of the timings: prompts of every size class,
     of words used nowhere else (they are stored by a connector, and never asked again)."""
@@ -244,10 +252,7 @@ def run_floor(model: TinyModel, s: Scale, work: Path, docs: int) -> list[FloorRe
     """kvdepot hit vs vLLM's own prefix-cache hit of the same prompt, in one engine, interleaved."""
     wd = work / "floor"
     wd.mkdir(parents=True, exist_ok=True)
-    server = ServerProcess(
-        args=["--chunk-size", str(CHUNK), "--l1-size-gb", "2", "--log-level", "warning"],
-        http_port=free_port(), env={"OMP_NUM_THREADS": "1"}, log_path=str(wd / "kvdepot-server.log"),
-    ).start()  # fmt: skip
+    server = kvdepot_server(wd)
     engine = Engine(
         model, connector_config(server.url, chunk_size=CHUNK, model_name=MODEL_NAME), wd, name="engine-floor",
         max_model_len=s.max_model_len, llm_kwargs={"max_num_batched_tokens": s.max_model_len}, kvcache_gb=2,
@@ -346,10 +351,7 @@ def run_miss(model: TinyModel, s: Scale, work: Path, min_pairs: int, max_pairs: 
     differ: the resolution of the comparison on this host."""
     wd = work / "miss"
     wd.mkdir(parents=True, exist_ok=True)
-    server = ServerProcess(
-        args=["--chunk-size", str(CHUNK), "--l1-size-gb", "2", "--log-level", "warning"],
-        http_port=free_port(), env={"OMP_NUM_THREADS": "1"}, log_path=str(wd / "kvdepot-server.log"),
-    ).start()  # fmt: skip
+    server = kvdepot_server(wd)
     # OMP_WAIT_POLICY=PASSIVE: a finished forward pass's OpenMP threads sleep rather than spin, so the
     # idle engine takes nothing from the one being timed (the same for both).
     env = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
@@ -381,7 +383,7 @@ def run_miss(model: TinyModel, s: Scale, work: Path, min_pairs: int, max_pairs: 
                 save_ms = sum(float(m[1]) for m in SAVE_LINE.finditer(f.read().decode(errors="replace")))
             pairs.append(MissPair(k, len(prompt), order[0], ttft["none"], ttft["kvdepot"], got["kvdepot"]["num_cached_tokens"],
                                   ttft.get("control", 0.0), save_ms))  # fmt: skip
-            if len(pairs) >= min_pairs:
+            if len(pairs) >= max(min_pairs, 6):  # fewer than 6 have no 95 % interval for the median
                 lo, hi = median_interval([p.kvdepot_s / p.none_s for p in pairs])
                 print(f"  miss pair {len(pairs)}: ratio interval [{lo:.3f}, {hi:.3f}]", flush=True)
                 if hi - lo <= 2 * target:
@@ -432,12 +434,7 @@ def run_config(name: str, model: TinyModel, s: Scale, work: Path, repeats: int) 
     if name == "none":
         kv = None
     elif name == "kvdepot":
-        server = ServerProcess(
-            args=["--chunk-size", str(CHUNK), "--l1-size-gb", "2", "--log-level", "warning"],
-            http_port=free_port(),
-            env={"OMP_NUM_THREADS": "1"},
-            log_path=str(wd / "kvdepot-server.log"),
-        ).start()
+        server = kvdepot_server(wd)
         kv = connector_config(server.url, chunk_size=CHUNK, model_name=MODEL_NAME)
     elif name == "lmcache":
         ensure_lmcache(wd / "lmcache-install.log")

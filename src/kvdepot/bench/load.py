@@ -24,13 +24,13 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from kvdepot.bench.serverproc import ServerProcess, free_port
+from kvdepot.bench.rawzmq import round_trips_like
+from kvdepot.bench.serverproc import ServerProcess, bench_server, wait_prefault
 from kvdepot.bench.stats import loadavg, memcpy_gbps, percentile
 from kvdepot.layout import KVLayout
 
@@ -213,26 +213,16 @@ def _clear(url: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvdepot.bench.transfer import _raw_zmq_rtt, _wait_server_prefault
-
     counts = [1, 4] if args.quick else [int(x) for x in args.clients.split(",")]
     seconds = 1.0 if args.quick else args.seconds
-    tmp = tempfile.mkdtemp(prefix="kvdepot-bench-load-")
-    http_port = free_port()
     load_start = loadavg()
-    server = ServerProcess(
-        args=["--l1-size-gb", str(args.l1_size_gb), "--log-level", "warning"],
-        http_port=http_port,
-        ipc_path=os.path.join(tmp, "kvdepot.sock"),
-        env={"OMP_NUM_THREADS": "1"},
-        log_path=os.path.join(tmp, "server.log"),
-    )
+    server = bench_server(args.l1_size_gb, "kvdepot-bench-load-")
     chunk_bytes = LOAD_LAYOUT.bytes_per_token * CHUNK_TOKENS
     results: list[LoadResult] = []
     with server:
-        _wait_server_prefault(http_port)
+        wait_prefault(server)
         memcpy = memcpy_gbps(chunk_bytes, args.tokens // CHUNK_TOKENS, 7).median
-        rtt = {"tcp": percentile(_raw_zmq_rtt(server.url, 1000), 50), "ipc": percentile(_raw_zmq_rtt(server.ipc_url, 1000), 50)}
+        rtt = {"tcp": percentile(round_trips_like(server.url, 1000), 50), "ipc": percentile(round_trips_like(server.ipc_url, 1000), 50)}
         for transport in args.transports.split(","):
             for prompts in args.prompts.split(","):
                 for n in counts:

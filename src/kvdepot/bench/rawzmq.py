@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -91,6 +92,15 @@ def round_trips(endpoint: str, n: int) -> list[float]:
     floor under any PING."""
     with RawEcho(endpoint) as echo:
         return echo.round_trips(n, warmup=200)
+
+
+def round_trips_like(url: str, n: int) -> list[float]:
+    """``round_trips`` over the same kind of endpoint as ``url`` (ipc or tcp): the limit under its PINGs."""
+    from kvdepot.bench.serverproc import free_port
+
+    if url.startswith("ipc://"):
+        return round_trips(f"ipc://{tempfile.mkdtemp(prefix='kvdepot-echo-')}/echo.sock", n)
+    return round_trips(f"tcp://127.0.0.1:{free_port()}", n)
 
 
 class RawEcho:

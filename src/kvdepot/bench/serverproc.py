@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
 
@@ -145,3 +148,28 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def bench_server(l1_size_gb: float, prefix: str = "kvdepot-bench-") -> ServerProcess:
+    """A server for a benchmark run (not started): tcp and an ipc socket in a fresh temporary folder
+    with its log, one OpenMP thread, warnings only."""
+    tmp = tempfile.mkdtemp(prefix=prefix)
+    return ServerProcess(
+        args=["--l1-size-gb", str(l1_size_gb), "--log-level", "warning"],
+        http_port=free_port(),
+        ipc_path=os.path.join(tmp, "kvdepot.sock"),
+        env={"OMP_NUM_THREADS": "1"},
+        log_path=os.path.join(tmp, "server.log"),
+    )
+
+
+def wait_prefault(server: ServerProcess, timeout_s: float = 300) -> float:
+    """Seconds until the server's arena is pre-faulted (nothing is timed before: fresh pages fault in slowly)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        with urllib.request.urlopen(f"{server.http_url}/status", timeout=5) as r:
+            pf = json.load(r)["l1"]["prefault"]
+        if pf["finished"]:
+            return time.monotonic() - t0
+        time.sleep(0.2)
+    raise RuntimeError("server prefault did not finish")

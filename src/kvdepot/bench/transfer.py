@@ -13,13 +13,12 @@ import json
 import os
 import sys
 import tempfile
-import time
-import urllib.request
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from kvdepot.bench.serverproc import ServerProcess, free_port
+from kvdepot.bench.rawzmq import round_trips_like
+from kvdepot.bench.serverproc import ServerProcess, bench_server, wait_prefault
 from kvdepot.bench.stats import gbps, loadavg, memcpy_gbps, percentile, sample, timed
 from kvdepot.connectors.paged import gather_chunk, scatter_chunk
 from kvdepot.layout import KVLayout
@@ -68,47 +67,18 @@ def _pin_threads() -> None:
         os.environ[var] = "1"
 
 
-def _wait_server_prefault(http_port: int, timeout_s: float = 300) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/status", timeout=5) as r:
-            pf = json.load(r)["l1"]["prefault"]
-        if pf["finished"]:
-            return time.monotonic() - t0
-        time.sleep(0.2)
-    raise RuntimeError("server prefault did not finish")
-
-
-def _raw_zmq_rtt(url: str, n: int) -> list[float]:
-    from kvdepot.bench.rawzmq import round_trips
-
-    if url.startswith("ipc://"):
-        ep = f"ipc://{tempfile.mkdtemp(prefix='kvdepot-echo-')}/echo.sock"
-    else:
-        ep = f"tcp://127.0.0.1:{free_port()}"
-    return round_trips(ep, n)
-
-
 def main(args: argparse.Namespace) -> int:
     _pin_threads()
     reps, warmup = (3, 1) if args.quick else (args.reps, args.warmup)
     sizes = [int(s) for s in args.sizes_mib.split(",")]
     transports = args.transports.split(",")
-    tmp = tempfile.mkdtemp(prefix="kvdepot-bench-")
-    http_port = free_port()
     load_start = loadavg()
-    server = ServerProcess(
-        args=["--l1-size-gb", str(args.l1_size_gb), "--log-level", "warning"],
-        http_port=http_port,
-        ipc_path=os.path.join(tmp, "kvdepot.sock"),
-        env={"OMP_NUM_THREADS": "1"},
-        log_path=os.path.join(tmp, "server.log"),
-    )
+    server = bench_server(args.l1_size_gb)
     rows: list[Row] = []
     raw: dict = {"load_start": load_start, "sizes_mib": sizes, "chunks": args.chunks, "reps": reps}
     if args.curve != "only" and args.bus != "only":
         with server:
-            prefault_s = _wait_server_prefault(http_port)
+            prefault_s = wait_prefault(server)
             print(f"# server arena ({args.l1_size_gb} GiB) pre-faulted in {prefault_s:.1f}s; load {load_start}", file=sys.stderr)
             for size in sizes:
                 rows += _bench_size(server, size, args.chunks, transports, reps, warmup, raw)
@@ -245,7 +215,7 @@ def _bench_latency(server: ServerProcess, reps: int, raw: dict) -> list[Row]:
     tiny = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16)
     n_ping = 2000
     for name, url in (("tcp", server.url), ("ipc", server.ipc_url)):
-        floor = _raw_zmq_rtt(url, n_ping)
+        floor = round_trips_like(url, n_ping)
         with KVClient(url, "bench-latency", tiny, options=ClientOptions(transport="inline", heartbeat=False)) as c:
             pings = timed(c.ping, n_ping, warmup=100)
             p50, p99 = percentile(pings, 50), percentile(pings, 99)
