@@ -67,9 +67,14 @@ def _client(spec: dict) -> int:
                   options=ClientOptions(chunk_size=CHUNK_TOKENS, transport=spec["transport"], timeout_s=60)) as c:  # fmt: skip
         c.wait_prefault(120)
         hashes = c.hashes(tokens)
+        kv = np.random.default_rng(spec["prompt_seed"]).integers(0, 1 << 15, LOAD_LAYOUT.chunk_shape(len(tokens)), dtype=np.uint16)
         if spec["store"]:
-            kv = np.random.default_rng(spec["prompt_seed"]).integers(0, 1 << 15, LOAD_LAYOUT.chunk_shape(len(tokens)), dtype=np.uint16)
             assert c.store(tokens, kv.view(np.float16)) == len(tokens)
+        else:  # the shared prompt, stored by another client before this one was started
+            assert c.lookup(tokens) == len(tokens), "the shared prompt is not stored"
+        if not np.array_equal(c.retrieve(tokens).view(np.uint16), kv):  # what the rounds then read is the right KV
+            print(json.dumps({"error": "the prompt read back differs from what was stored"}), flush=True)
+            return 1
         dst = [np.empty(LOAD_LAYOUT.chunk_shape(CHUNK_TOKENS), np.float16) for _ in hashes]
         print(json.dumps({"ready": True}), flush=True)
         for line in sys.stdin:
@@ -171,13 +176,13 @@ def _run(server: ServerProcess, transport: str, prompts: str, n: int, tokens: in
     shared = prompts == "shared"
     clients: list[_Client] = []
     try:
-        if shared:  # stored once, before the readers come
-            store_first = _Client({"url": url, "transport": transport, "tokens": tokens, "prompt_seed": 1, "store": True})
-            clients.append(store_first)
+        if shared:  # stored once, before the readers start
+            clients.append(_Client({"url": url, "transport": transport, "tokens": tokens, "prompt_seed": 1, "store": True}))
+            clients[0].answer()  # ready: stored
         for i in range(n - len(clients)):
             seed = 1 if shared else i + 1 + 100 * n
             clients.append(_Client({"url": url, "transport": transport, "tokens": tokens, "prompt_seed": seed, "store": not shared}))
-        for c in clients:
+        for c in clients[1 if shared else 0 :]:
             c.answer()  # ready
         phases = []
         for rate in (0.0, paced_rate):

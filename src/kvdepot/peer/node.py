@@ -414,6 +414,9 @@ class PeerNode:
             self._return_channel(owner, ch, False)
             self._suspect(owner, body, exc)
             return None
+        except BaseException:
+            self._return_channel(owner, ch, False)  # closed, never leaked
+            raise
 
     def _collect(self, owner: str, ch: RpcChannel, pending: PendingCall, t0: float):
         """The reply to a request ``_begin`` sent (None when it failed or timed out); the channel goes back."""

@@ -1,8 +1,9 @@
 """RpcChannel: typed requests to one kvdepot endpoint over one ZeroMQ DEALER socket.
 
 It owns request ids, deadlines and pipelining, and nothing above them (no context, no KV): a KVClient
-uses one, and so can a node calling another node. It is safe for several threads at once: each call or
-pipeline holds the channel for its whole exchange, so a reply always reaches the thread that asked;
+uses one, and so can a node calling another node. It is safe for several threads at once: each call,
+pipeline or begun call (``begin``, until its reply is collected) holds the channel for its whole
+exchange, so a reply always reaches the thread that asked;
 others wait their turn, within their own deadline (a call whose deadline passes while another thread
 holds the channel times out: no call waits past its deadline), and a late reply to a request given up
 on is recognised by its id and dropped.
