@@ -235,7 +235,8 @@ class PendingCall:
 
     States: SENT (holds the channel) -> DONE by ``result`` (the reply, or its error raised) or by
     ``abandon`` (a reply that comes later is dropped as stale by the next call). Either releases the
-    channel; a second ``result`` or ``abandon`` is refused."""
+    channel; a second ``result`` or ``abandon`` is refused. Collect on the thread that began it: the
+    channel's lock belongs to that thread."""
 
     def __init__(self, channel: RpcChannel, body, rid: int, deadline: float) -> None:
         self._channel, self.body, self._rid, self._deadline = channel, body, rid, deadline
