@@ -163,8 +163,9 @@ def test_prefetch_brings_back_prompts_evicted_from_a_small_l1(make_server, tmp_p
         for i, p in enumerate(prompts):
             store_full(c, p)
             if i % 8 == 7:
-                # 64 chunks between waits, well under L1: every object reaches the tier before LRU
-                # takes it (a writer that outruns the tier loses the push: see skipped_gone)
+                # 64 chunks between waits, well under L1: L2 keeps up, so eviction never has to take
+                # an object still waiting for its push (a writer a whole L1 ahead of the tier would
+                # lose some: see the next test)
                 wait_store_idle(srv)
         status = wait_store_idle(srv)
         assert_no_loss_counters(status)
@@ -204,8 +205,9 @@ def test_prefetch_brings_back_prompts_evicted_from_a_small_l1(make_server, tmp_p
 
 def test_a_writer_faster_than_the_tier_loses_only_counted_pushes(make_server, tmp_path, seed):
     """No pacing: the writer fills a small L1 three times over faster than the fs tier takes it. Every
-    object is accounted for (pushed, or evicted before its turn: ``skipped_gone``), the tier holds exactly
-    what was pushed, and whatever a lookup then reports retrieves bit-exact."""
+    object is accounted for (pushed, or evicted before its turn: ``skipped_gone``, each one a last-resort
+    eviction of an object awaiting its push, counted in /status), the tier holds exactly what was
+    pushed, and whatever a lookup then reports retrieves bit-exact."""
     srv = start_tier_server(make_server, fs_spec(tmp_path / "disk"), chunk=BIG_CHUNK, l1_gb=TINY_L1_GB)
     l1_chunks = srv.status()["l1"]["capacity_bytes"] // LAYOUT.chunk_bytes(BIG_CHUNK)
     prompts = [make_prompt(8, seed * 1000 + i, BIG_CHUNK) for i in range(3 * l1_chunks // 8)]
@@ -216,6 +218,7 @@ def test_a_writer_faster_than_the_tier_loses_only_counted_pushes(make_server, tm
         status = wait_store_idle(srv, accounted=total)
         s = store_stats(status)
         assert s["submitted"] + s["skipped_gone"] + s["dropped"] == total
+        assert s["skipped_gone"] == status["l1"]["evicted_awaiting_l2"] == status["request_failures"]["lost_before_l2"]
         assert (s["stored"], s["failed"], s["dropped"]) == (s["submitted"], 0, 0)
         assert tier_of(status, "disk")["objects"] == s["submitted"]
         found = sum(assert_consistent(c, p) for p in prompts) // BIG_CHUNK

@@ -218,6 +218,7 @@ def assert_no_loss_counters(status: dict) -> None:
     """Every object that became READY was pushed to every tier (nothing failed, dropped or evicted first)."""
     s = store_stats(status)
     assert (s["failed"], s["dropped"], s["skipped_gone"]) == (0, 0, 0), s
+    assert (status["l1"]["evicted_awaiting_l2"], status["request_failures"]["lost_before_l2"]) == (0, 0)
 
 
 def fs_object_file(tier_dir: Path, c: KVClient, p: Prompt, chunk_index: int) -> Path:

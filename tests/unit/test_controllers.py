@@ -167,6 +167,7 @@ def make_rig(tmp_path) -> Iterator[Callable[..., Rig]]:
 
 def store_controller(rig: Rig, **options) -> StoreController:
     store = StoreController(rig.table, rig.arena, rig.tiers, rig.wake, **options)
+    rig.table.hold_for_l2(store.holds)  # as manager.py wires it
     rig.table.subscribe(store.on_events)
     return store
 
@@ -221,6 +222,7 @@ def test_a_full_queue_drops_new_objects_and_counts_them(make_rig):
     rig.commit(keys(1, b"r"))  # no room at all: dropped, and nobody is woken for nothing
     assert store.snapshot() == StoreStats(queued=3, dropped=4)
     assert rig.wakes == 2
+    assert rig.table.stats().awaiting_l2 == 3  # the dropped ones are not held: they will never be pushed
 
     store.step([])
     assert store.snapshot() == StoreStats(queued=0, in_flight=1, submitted=3, dropped=4)
@@ -258,6 +260,46 @@ def test_objects_gone_from_l1_before_their_push_are_skipped(make_rig):
     store.step([])
     assert store.snapshot() == StoreStats(skipped_gone=3)
     assert rig.tiers[0].usage().objects == 0
+
+
+def test_objects_awaiting_their_push_are_evicted_last_and_counted(make_rig):
+    rig = make_rig()
+    store = store_controller(rig, batch_size=SLOTS)
+    rig.commit(keys(4, b"old"), owner=PREFETCH_OWNER)  # oldest in LRU, but L2 has them: not held
+    rig.commit(keys(SLOTS - 4))  # queued for the push: held
+    assert rig.table.stats().awaiting_l2 == SLOTS - 4
+    r = rig.table.reserve_write(keys(4, b"new"), SIZE, A)
+    assert r.statuses == [SlotStatus.ALLOCATED] * 4
+    assert rig.table.lookup(keys(SLOTS - 4)) == SLOTS - 4  # every held object survived
+    assert rig.table.lookup(keys(4, b"old")) == 0
+    # Nothing else left: a held object goes after all (L2 a whole L1 behind), counted.
+    more = rig.table.reserve_write([key(0, b"more")], SIZE, A)
+    assert more.statuses == [SlotStatus.ALLOCATED]
+    assert rig.table.stats().evicted_awaiting_l2 == 1
+    assert rig.table.stats().awaiting_l2 == SLOTS - 5
+    [lost] = [k for k in keys(SLOTS - 4) if rig.table.get(k) is None]
+    assert lost == key(SLOTS - 5)  # the prompt's tail first, as always
+    rig.table.abort_write(r.lease_id, A)
+    rig.table.abort_write(more.lease_id, A)
+    store.step([])  # the push takes the rest (the hold ends: the read lock protects them)
+    assert rig.table.stats().awaiting_l2 == 0
+    store.step(rig.take(0, 1))
+    assert store.snapshot() == StoreStats(submitted=SLOTS - 5, stored=SLOTS - 5, skipped_gone=1)
+    assert rig.holds(0, keys(SLOTS - 4)) == [True] * (SLOTS - 5) + [False]
+    rig.table.check_invariants()
+
+
+def test_what_is_cleared_while_held_is_counted_gone_and_unheld(make_rig):
+    rig = make_rig()
+    store = store_controller(rig)
+    rig.commit(keys(3))
+    rig.commit(keys(2, b"pf"), owner=PREFETCH_OWNER)  # what L2 itself gave back is never pushed, never held
+    assert rig.table.stats().awaiting_l2 == 3
+    assert rig.table.clear() == 5
+    assert rig.table.stats().awaiting_l2 == 0
+    rig.table.check_invariants()
+    store.step([])
+    assert store.snapshot() == StoreStats(skipped_gone=3)
 
 
 def test_write_through_keeps_objects_in_l1(make_rig):

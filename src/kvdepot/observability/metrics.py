@@ -206,11 +206,13 @@ _L1_GAUGES = (
     ("kvdepot_l1_quarantined_leases", "Leases ended while their toucher may still run.", "quarantined_leases"),
     ("kvdepot_l1_quarantined_bytes", "Arena bytes held back from reuse by quarantine.", "quarantined_bytes"),
     ("kvdepot_l1_fragmentation", "1 - largest free extent / free bytes.", "fragmentation"),
+    ("kvdepot_l1_awaiting_l2_objects", "L1 objects not yet taken by the L2 push (evicted last).", "awaiting_l2"),
 )
 _L1_COUNTERS = (
     ("kvdepot_l1_evicted_objects", "Objects evicted from L1.", "evicted_objects"),
     ("kvdepot_l1_expired_leases", "Leases ended by their TTL.", "expired_leases"),
     ("kvdepot_l1_quota_refused", "Chunks refused because their salt's quota is below one chunk.", "quota_refused"),
+    ("kvdepot_l1_evicted_awaiting_l2", "Objects evicted before their L2 push took them (lost to L2).", "evicted_awaiting_l2"),
 )
 _STORE_GAUGES = (
     ("kvdepot_l2_store_queued", "Objects waiting for the L2 push.", "queued"),

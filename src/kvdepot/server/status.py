@@ -47,6 +47,8 @@ def status_document(
             "largest_free_bytes": l1.largest_free_bytes,
             "evicted_objects": l1.evicted_objects,
             "quota_refused": l1.quota_refused,
+            "awaiting_l2": l1.awaiting_l2,
+            "evicted_awaiting_l2": l1.evicted_awaiting_l2,
             "eviction_policy": snap.eviction_policy.value,
             "shm_path": snap.shm_path,
             "prefault": {
@@ -72,6 +74,7 @@ def status_document(
             "lease_revoked": errors.get("LEASE_REVOKED", 0),
             "short_retrieves": failures.get("short_retrieves", 0),
             "over_quota": l1.quota_refused,
+            "lost_before_l2": l1.evicted_awaiting_l2,
             "corrupt_in_l2": sum(t.corrupt for t in snap.tiers),
         },
         "lookups": lookups_document(metrics),

@@ -8,7 +8,8 @@ Objects::
     absent ──reserve_write──► WRITING ──commit_write──► READY ◄──release_read── READ-LOCKED(n)
                │   (one writer, invisible)   │            │ ──acquire_read──►
                └──abort / lease end──────────┴─► absent   READY & unlocked: evictable unless
-                                                          pinned or an agent session's (pins.py)
+                                                          pinned or an agent session's (pins.py);
+                                                          awaiting its L2 push: last (hold_for_l2)
                                                           clear while locked: DOOMED (removed when
                                                           the last lock goes; invisible meanwhile)
 
@@ -98,6 +99,7 @@ class L1Object:
     readers: int = 0
     writer: LeaseId = NO_LEASE
     doomed: bool = False  # cleared while locked: removed as soon as the last lock goes
+    awaiting_l2: bool = False  # READY but not yet taken by the L2 push: not evictable (see hold_for_l2)
     generation: int = 0  # unique per object ever created in this table
 
 
@@ -168,6 +170,8 @@ class L1Stats:
     quarantined_leases: int = 0
     quarantined_bytes: int = 0
     quota_refused: int = 0
+    awaiting_l2: int = 0  # READY objects held until the L2 push takes them
+    evicted_awaiting_l2: int = 0  # held objects evicted all the same (nothing else could go): lost to L2
 
 
 @dataclass
@@ -176,6 +180,8 @@ class _Counters:
     expired: int = 0
     ready: int = 0  # objects in READY (kept as we go: stats() must not walk the table under its lock)
     read_locked: int = 0  # objects with at least one reader
+    awaiting_l2: int = 0  # objects with awaiting_l2 set
+    evicted_awaiting_l2: int = 0
     quarantined_bytes: int = 0
     quota_refused: int = 0
 
@@ -219,6 +225,24 @@ class ObjectTable:
         self._counters = _Counters()
         self._listeners: list[EventListener] = []
         self._pending: list[ObjectEvent] = []  # queued under the lock, handed out after it
+        self._hold_for_l2: Callable[[ClientId], bool] | None = None
+
+    def hold_for_l2(self, writers: Callable[[ClientId], bool]) -> None:
+        """Objects whose writer ``writers(owner)`` says goes to L2 are held from the moment they are
+        READY (under the same lock: no eviction comes between) until ``release_l2_hold``: an object
+        evicted while queued for its push would never reach L2 (LMCache #5350). Eviction takes a held
+        object only when nothing else in L1 can go (L2 a whole L1 behind, or hung), so a stalled tier
+        never stops L1 taking new KV; each such loss is counted (``evicted_awaiting_l2``)."""
+        self._hold_for_l2 = writers
+
+    def release_l2_hold(self, keys: Sequence[ObjectKey]) -> None:
+        """The L2 push took (or gave up on) these keys: they are ordinary READY objects again."""
+        with self._lock:
+            for key in keys:
+                obj = self._objects.get(key)
+                if obj is not None and obj.awaiting_l2:
+                    obj.awaiting_l2 = False
+                    self._counters.awaiting_l2 -= 1
 
     def __repr__(self) -> str:
         s = self.stats()
@@ -341,6 +365,9 @@ class ObjectTable:
                 obj.state = ObjectState.READY
                 obj.writer = NO_LEASE
                 self._counters.ready += 1
+                if self._hold_for_l2 is not None and self._hold_for_l2(owner):
+                    obj.awaiting_l2 = True
+                    self._counters.awaiting_l2 += 1
                 ready.append(key)
                 self._pending.append(ObjectEvent(EventKind.STORED, key, obj.generation, obj.size, obj.salt, writer=owner))
             self._tell_ready_locked(ready)
@@ -648,6 +675,8 @@ class ObjectTable:
                 quarantined_bytes=self._counters.quarantined_bytes
                 + sum(self._held_bytes_locked(le) for le in self._quarantine.values() if le.kind is LeaseKind.READ),
                 quota_refused=self._counters.quota_refused,
+                awaiting_l2=self._counters.awaiting_l2,
+                evicted_awaiting_l2=self._counters.evicted_awaiting_l2,
             )
 
     def get(self, key: ObjectKey) -> L1Object | None:
@@ -687,6 +716,7 @@ class ObjectTable:
             )
             assert self._counters.ready == sum(1 for o in self._objects.values() if o.state is ObjectState.READY)
             assert self._counters.read_locked == sum(1 for o in self._objects.values() if o.readers)
+            assert self._counters.awaiting_l2 == sum(1 for o in self._objects.values() if o.awaiting_l2)
             self._alloc.check_invariants()
 
     # --- internals (lock held) -------------------------------------------------------------------
@@ -705,12 +735,13 @@ class ObjectTable:
 
     def _evict_locked(self, enough: Callable[[], bool], keep: set[ObjectKey] = frozenset()) -> int:
         evicted = 0
+        take_held = False  # objects awaiting their L2 push go last, and only if nothing else can
         while not enough():
             # Collect a batch first (the policy must not change while we iterate it), then remove.
             batch: list[L1Object] = []
             protected: list[ObjectKey] = []
             for key in self._policy.candidates():
-                if key in keep or not self._evictable_locked(key):
+                if key in keep or not self._evictable_locked(key, take_held):
                     if self._protected(key):
                         protected.append(key)
                     continue
@@ -722,24 +753,39 @@ class ObjectTable:
             for key in protected:
                 self._policy.on_access(key)
             if not batch:
-                break
+                if take_held or not self._counters.awaiting_l2:
+                    break
+                take_held = True
+                continue
             for obj in batch:
                 if enough():
                     break
+                if obj.awaiting_l2:
+                    self._counters.evicted_awaiting_l2 += 1
                 self._remove_locked(obj)
                 evicted += 1
         self._counters.evicted += evicted
         return evicted
 
-    def _evictable_locked(self, key: ObjectKey) -> bool:
-        """READY, unlocked and neither pinned nor held by an agent session."""
+    def _evictable_locked(self, key: ObjectKey, take_held: bool = False) -> bool:
+        """READY, unlocked, neither pinned nor held by an agent session, and not awaiting its L2 push
+        (unless ``take_held``: the last resort)."""
         obj = self._objects.get(key)
-        return obj is not None and obj.state is ObjectState.READY and not obj.readers and not obj.doomed and not self._protected(key)
+        return (
+            obj is not None
+            and obj.state is ObjectState.READY
+            and not obj.readers
+            and not obj.doomed
+            and (take_held or not obj.awaiting_l2)
+            and not self._protected(key)
+        )
 
     def _remove_locked(self, obj: L1Object, because: RemovedBecause = RemovedBecause.EVICTED) -> None:
         del self._objects[obj.key]
         self._alloc.free(obj.offset)
         self._policy.on_remove(obj.key)
+        if obj.awaiting_l2:  # cleared, expired or corrupt: the push will count it as gone
+            self._counters.awaiting_l2 -= 1
         if obj.state is ObjectState.READY:
             self._counters.ready -= 1
             if obj.doomed:

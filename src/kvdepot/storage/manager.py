@@ -190,6 +190,7 @@ class StorageManager:
             self._driver.add(self._store.step)
             self._driver.add(self._prefetcher.step)
             self._driver.add(self._clear_step)
+            self._table.hold_for_l2(self._store.holds)
             self._table.subscribe(self._store.on_events)
 
     def __repr__(self) -> str:

@@ -3,6 +3,12 @@
 Its queue is bounded: when L2 cannot keep up, new objects are dropped from the push and counted, and
 L1 keeps serving. ``skip_l1`` placement removes an object from L1 once every tier has it. It learns of
 new objects from the object table's ``stored`` events, and never blocks the request path.
+
+Eviction spares an object while it waits in the queue: the table holds every new object from the
+moment it is READY (``ObjectTable.hold_for_l2``) until the push has read-locked it, or dropped it, and
+evicts a held one only when nothing else in L1 can go (the table counts those). So ``skipped_gone``
+counts objects removed on purpose meanwhile (a clear, an expiry, corruption) plus those last-resort
+evictions: zero while L2 keeps up.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from kvdepot.shm import SharedArena
 from kvdepot.storage.controllers.owners import BACKGROUND_LEASE_TTL_S, PREFETCH_OWNER, STORE_OWNER
 from kvdepot.storage.l1 import ObjectTable
 from kvdepot.storage.l2.contract import L2Adapter, TaskKind, TaskResult
-from kvdepot.types import LeaseId, ObjectKey
+from kvdepot.types import ClientId, LeaseId, ObjectKey
 
 log = logging.getLogger(__name__)
 
@@ -69,18 +75,25 @@ class StoreController:
         self._open = 0
         self.stats = StoreStats()
 
+    def holds(self, writer: ClientId) -> bool:
+        """Whether objects this writer commits are pushed (and so held in L1 until then)."""
+        return writer != PREFETCH_OWNER
+
     def on_events(self, events: list[ObjectEvent]) -> None:
         """ObjectTable subscriber (runs on a request thread): enqueue new objects, never wait. What the
         prefetcher loaded from L2 is not pushed back: that would only repeat the bytes."""
-        keys = [e.key for e in events if e.kind is EventKind.STORED and e.writer != PREFETCH_OWNER]
+        keys = [e.key for e in events if e.kind is EventKind.STORED and self.holds(e.writer)]
         if not keys:
             return
+        dropped: list[ObjectKey] = []
         with self._lock:
             room = self._queue_limit - len(self._queue)
             if room < len(keys):
                 self.stats.dropped += len(keys) - max(room, 0)
-                keys = keys[: max(room, 0)]
+                keys, dropped = keys[: max(room, 0)], keys[max(room, 0) :]
             self._queue.extend(keys)
+        if dropped:
+            self._table.release_l2_hold(dropped)  # never pushed: evictable like any other object
         if keys:
             self.wake()
 
@@ -103,6 +116,7 @@ class StoreController:
 
     def _submit(self, keys: list[ObjectKey]) -> None:
         lease, objects = self._table.acquire_read_each(keys, STORE_OWNER, ttl_s=BACKGROUND_LEASE_TTL_S)
+        self._table.release_l2_hold(keys)  # the read lock protects them now
         with self._lock:
             self.stats.skipped_gone += len(keys) - len(objects)
             if not objects:
