@@ -221,9 +221,22 @@ def test_saves_follow_chunked_prefill_and_decode(server):
     req.append_output_token_ids(gen[39:41])
     m4 = s.build_connector_meta(step(cached=[(req, [], 639)], scheduled={"chunked": 1}))
     assert [(op.hashes, op.block_ids) for op in m4.saves] == [(chunk_hashes(toks + gen[:41], CS)[4:5], [9])]
-    s.request_finished(req)
+    assert s.request_finished(req) == (True, None)  # async saves may still read its blocks: vLLM waits
     assert server.status()["sessions"] == 0
     s.shutdown()
+
+
+def test_blocks_wait_for_saves_only_when_there_are_async_saves(server):
+    toks = tokens(600)
+    for async_saves, saved, want in ((True, False, False), (False, True, False), (True, True, True)):
+        s = scheduler(server.url, async_saves=async_saves)
+        req = request(f"free-{async_saves}-{saved}", toks)
+        assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+        s.update_state_after_alloc(req, blocks([5, 6]), 0)
+        m = s.build_connector_meta(step(new=[(req, [5, 6], 0)], scheduled={req.request_id: 256 if saved else 100}))
+        assert len(m.saves) == int(saved)
+        assert s.request_finished(req) == (want, None)
+        s.shutdown()
 
 
 def test_preemption_ends_the_session_and_the_request_is_looked_up_again(server):
@@ -237,7 +250,7 @@ def test_preemption_ends_the_session_and_the_request_is_looked_up_again(server):
     s.update_connector_output(worker_meta("pre"))
     # The step stored chunk 2; then vLLM preempts the request and frees its blocks.
     store(server.url, toks, 3)
-    s.build_connector_meta(step(preempted={"pre"}))
+    assert s.build_connector_meta(step(preempted={"pre"})).preempted == ["pre"]  # workers drain their saves
     assert server.status()["sessions"] == 0
     assert s.get_num_new_matched_tokens(req, 0) == (3 * CS, False)  # its own saved chunk now hits too
     s.update_state_after_alloc(req, blocks([9, 8, 7, 6]), 3 * CS)
@@ -364,6 +377,19 @@ def worker(url: str, caches: dict, **options):
     return w
 
 
+def save_now(w, m) -> None:
+    """``wait_for_save`` as vLLM calls it, then what vLLM waits for before it frees the saved
+    requests' blocks: each reported by ``get_finished`` (async saves: the saver thread ran them)."""
+    w.wait_for_save(m)
+    want = {op.req_id for op in m.saves}
+    got: set[str] = set()
+    deadline = time.monotonic() + 30
+    while got != want:
+        assert time.monotonic() < deadline, f"saves of {want - got} never reported finished"
+        got |= w.take_finished_saves(want)
+        time.sleep(0.005)
+
+
 def meta(loads=(), saves=()):
     from kvdepot.connectors.vllm.metadata import KVDepotConnectorMetadata
 
@@ -381,6 +407,51 @@ def blocks_equal(a: dict, ia: list[int], b: dict, ib: list[int]) -> bool:
     return all(bool((a[name][ia] == b[name][ib]).all()) for name in a)
 
 
+def test_a_step_hands_its_saves_off_and_a_preemption_waits_for_them(server):
+    from kvdepot.connectors.vllm.metadata import KVDepotConnectorMetadata
+
+    src = cpu_caches(seed=21)
+    save, _ = ops(tokens(2 * CS + 1, seed=21), 2, [3, 4], [0, 0], req="held")
+    w = worker(server.url, src, debug_save_delay_s=2.0)  # the saver thread sleeps before it reads
+    before = server.status()["l1"]["objects"]
+    w.wait_for_save(meta(saves=[save]))  # returns at once
+    assert server.status()["l1"]["objects"] == before, "the step waited for its save"
+    assert w.take_finished_saves({"held"}) == set()  # finished in vLLM, but its blocks are still read
+    w.handle_preemptions(KVDepotConnectorMetadata(preempted=["held"]))  # before its blocks are reused
+    assert server.status()["l1"]["objects"] == before + 2
+    assert w.take_finished_saves(set()) == {"held"}  # now vLLM may free them, once
+    assert w.take_finished_saves({"held"}) == set()
+    w.shutdown()
+
+
+@pytest.mark.parametrize("hooks", [True, False])
+def test_layerwise_saves_copy_each_layer_once_it_is_written_and_commit_whole(server, hooks):
+    """The step's saves go to the saver before the forward. The "forward" here writes each layer's
+    blocks just before its save_kv_layer: what is stored is what was written, so no layer was copied
+    before its hook, and nothing is committed before the last layer. Without the hooks (layers that
+    never call them) wait_for_save lets the whole save through."""
+    written, src, dst = cpu_caches(seed=23), cpu_caches(), cpu_caches()
+    save, load = ops(tokens(2 * CS + 1, seed=23 + hooks), 2, [3, 4], [8, 9], req="lw")
+    w = worker(server.url, src, layerwise_saves=True)
+    before = server.status()["l1"]["ready"]
+    step = meta(saves=[save])
+    w.start_load_kv(step)
+    for i, name in enumerate(src):
+        src[name].copy_(written[name])
+        if hooks:
+            w.save_kv_layer(name)
+        if i == 0:
+            time.sleep(0.2)  # the saver has had time to copy layer 0 (and must not commit)
+            assert server.status()["l1"]["ready"] == before, "committed before its last layer was written"
+    save_now(w, step)  # (wait_for_save does not hand the step's saves over twice)
+    assert server.status()["l1"]["ready"] == before + 2
+    r = worker(server.url, dst)
+    r.start_load_kv(meta(loads=[load]))
+    assert r.take_load_errors() == set() and blocks_equal(written, [3, 4], dst, [8, 9])
+    w.shutdown()
+    r.shutdown()
+
+
 @pytest.mark.parametrize("transport", ["shm", "inline"])
 @pytest.mark.parametrize("mode", ["sync", "layerwise", "async"])
 def test_worker_saves_and_loads_blocks_exactly(server, transport, mode):
@@ -389,7 +460,7 @@ def test_worker_saves_and_loads_blocks_exactly(server, transport, mode):
     save, load = ops(toks, 3, [7, 2, 9], [0, 5, 3], is_async=mode == "async")
     writer = worker(server.url, src, transport=transport)
     assert writer.client.transport == transport
-    writer.wait_for_save(meta(saves=[save]))
+    save_now(writer, meta(saves=[save]))
     assert server.status()["l1"]["objects"] == 3
     reader = worker(server.url, dst, transport=transport, layerwise=mode == "layerwise")
     reader.start_load_kv(meta(loads=[load]))
@@ -433,7 +504,7 @@ def test_chunks_in_the_standard_layout(server):
     assert w.model_id == MODEL
     toks = tokens(CS + 1)
     save, _ = ops(toks, 1, [4], [0])
-    w.wait_for_save(meta(saves=[save]))
+    save_now(w, meta(saves=[save]))
     with KVClient(server.url, MODEL, layout("float32"), options=ClientOptions(chunk_size=CS)) as c:
         chunk = c.retrieve(toks)
     assert np.array_equal(chunk[0], keys.numpy()) and np.array_equal(chunk[1], values.numpy())
@@ -448,7 +519,7 @@ def test_chunks_in_vllms_own_layout_by_default(server):
     assert w.model_id.startswith(MODEL + "@vllm-cpu-") and w.model_id.endswith("-native")
     toks = tokens(CS + 1)
     save, _ = ops(toks, 1, [4], [0])
-    w.wait_for_save(meta(saves=[save]))
+    save_now(w, meta(saves=[save]))
     with KVClient(server.url, MODEL, layout("float32"), options=ClientOptions(chunk_size=CS)) as c:
         assert c.lookup(toks) == 0  # not under the plain model name
     with KVClient(server.url, w.model_id, layout("float32"), options=ClientOptions(chunk_size=CS)) as c:
@@ -465,7 +536,7 @@ def test_skipped_blocks_are_left_alone(server):
     before = {n: t.clone() for n, t in dst.items()}
     toks = tokens(2 * CS + 1)
     save, load = ops(toks, 2, [1, 2], [6, 7], skip=1)
-    worker(server.url, src).wait_for_save(meta(saves=[save]))
+    save_now(worker(server.url, src), meta(saves=[save]))
     w = worker(server.url, dst)
     w.start_load_kv(meta(loads=[load]))
     assert blocks_equal(dst, [6], before, [6]) and blocks_equal(dst, [7], src, [2])
@@ -477,7 +548,7 @@ def test_chunks_gone_before_the_load_become_load_errors(server):
     toks = tokens(3 * CS + 1)
     save, load = ops(toks, 3, [1, 2, 3], [4, 5, 6])
     saver = worker(server.url, src)
-    saver.wait_for_save(meta(saves=[save]))
+    save_now(saver, meta(saves=[save]))
     with KVClient(server.url, saver.model_id, layout("bfloat16"), options=ClientOptions(chunk_size=CS)) as c:
         c.clear()
         kv = np.zeros(layout("bfloat16").chunk_shape(CS), dtype=np.uint16)
@@ -498,7 +569,7 @@ def test_worker_without_a_server_runs_uncached():
     w = worker(f"tcp://127.0.0.1:{free_port()}", dst, retry_after_s=60)
     assert w.client is None
     save, load = ops(tokens(2 * CS + 1), 2, [1, 2], [3, 4])
-    w.wait_for_save(meta(saves=[save]))
+    save_now(w, meta(saves=[save]))
     w.start_load_kv(meta(loads=[load]))
     assert w.take_load_errors() == {3, 4}
     assert time.monotonic() - t0 < 5
@@ -567,7 +638,7 @@ def test_a_load_slower_than_the_ttl_keeps_its_lease(parts_server):
     src, dst = cpu_caches(seed=14), cpu_caches()
     toks = tokens(2 * CS + 1, seed=14)
     save, load = ops(toks, 2, [1, 2], [3, 4])
-    worker(srv.url, src).wait_for_save(meta(saves=[save]))
+    save_now(worker(srv.url, src), meta(saves=[save]))
     w = worker(srv.url, dst, debug_load_delay_s=2.5 * TTL_S)  # a load that outlives its TTL 2.5 times
     w.start_load_kv(meta(loads=[load]))
     assert w.take_load_errors() == set()
@@ -586,7 +657,7 @@ def test_a_request_problem_on_the_worker_leaves_both_directions_on(server):
     w.start_load_kv(meta(loads=[missing]))  # never stored: that request recomputes
     assert w.take_load_errors() == {9, 10}
     assert w.breakers[Direction.LOAD].up and w.breakers[Direction.SAVE].up
-    worker(server.url, src).wait_for_save(meta(saves=[save]))
+    save_now(worker(server.url, src), meta(saves=[save]))
     w.start_load_kv(meta(loads=[load]))
     assert w.take_load_errors() == set() and blocks_equal(src, [1, 2, 3], dst, [4, 5, 6])
     w.shutdown()

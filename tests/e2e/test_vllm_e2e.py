@@ -52,8 +52,10 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def cold_run(tiny_model, server, workdir, prompts) -> dict:
-    """Engine A computes every prompt with an empty server, stores it, and exits."""
-    with Engine(tiny_model, connector_config(server.url), workdir, name="A-cold") as a:
+    """Engine A computes every prompt with an empty server, stores it, and exits. It saves layer by
+    layer (each layer copied once vLLM's save_kv_layer says it is written): the hits of a fresh engine
+    generating the cold tokens are the check that every layer it stored is the right one."""
+    with Engine(tiny_model, connector_config(server.url, layerwise_saves=True), workdir, name="A-cold") as a:
         warm_up(a)
         result = a.generate(prompts, MAX_TOKENS)
     print(f"\ncold run: {result['seconds']:.2f}s, ttft {ttft(result)}")
@@ -155,11 +157,17 @@ def test_preempted_requests_resume_from_their_own_chunks(tiny_model, server, wor
     and the first block that decoding needs makes vLLM preempt. Chunks are saved step by step, so a
     preempted request is looked up again on re-admission and loads what it had saved. Its tokens are
     those it gets alone, without contention (vLLM's own prefix cache is off: nothing is reused
-    behind kvdepot's back)."""
+    behind kvdepot's back).
+
+    Every save is held up on the saver thread (async saves, the default), so blocks a preempted or
+    finished request frees would be reused while its save still has to read them: the saves must be
+    let through first (``handle_preemptions``, ``get_finished``), or a resumed request loads another
+    request's KV and its tokens differ. With 12 blocks, each request alone also needs the blocks the
+    one before it held until its last save ran: the engine must not stall meanwhile."""
     batch = make_prompts(seed=4, lengths=[500, 500, 380])
     engine = Engine(
         tiny_model,
-        connector_config(server.url),
+        connector_config(server.url, debug_save_delay_s=0.3),
         workdir,
         name="G-preempt",
         single_process=True,  # engine core and worker in one process (vLLM's "uni" executor)
@@ -167,8 +175,14 @@ def test_preempted_requests_resume_from_their_own_chunks(tiny_model, server, wor
         llm_kwargs={"num_gpu_blocks_override": 12, "max_num_batched_tokens": 2 * BLOCK, "enable_prefix_caching": False},
     )
     with engine:
+        objects = server.status()["l1"]["objects"]
         alone = [engine.generate([p], 32, salt="alone")["outputs"][0] for p in batch]
         assert [o["num_preemptions"] for o in alone] == [0, 0, 0]
+        # Start the batch with every block free: the last saves land, then one small step lets vLLM
+        # learn of them (get_finished) and free the blocks they read.
+        want = objects + sum(stored_chunks(len(p), 32) for p in batch)
+        assert server.wait_status(lambda st: st["l1"]["objects"] >= want)["l1"]["objects"] == want
+        warm_up(engine)
         before = server.status()["requests"]
         together = engine.generate(batch, 32, salt="together")
         after = server.status()

@@ -40,6 +40,19 @@ def test_gather_then_scatter_elsewhere_copies_the_blocks_byte_for_byte(kind, dty
         assert not dst[layer][untouched].any()
 
 
+@pytest.mark.parametrize("kind", [NATIVE, TOKEN_MAJOR])
+def test_a_gather_layer_by_layer_fills_the_slot_as_one_gather_does_and_only_its_layer(kind) -> None:
+    src = cache(np.float32, 4)
+    paged = PagedKV(src, BS, D, CacheFormat(kind, "vec"))
+    whole, by_layer = chunk_for(np.float32, 2), chunk_for(np.float32, 2)
+    paged.gather([6, 1], whole)
+    paged.gather([6, 1], by_layer, 1)
+    assert np.array_equal(by_layer[:, 1], whole[:, 1]) and not by_layer[:, [0, 2]].any()  # layer 1 alone
+    for layer in (0, 2):
+        paged.gather([6, 1], by_layer, layer)
+    assert np.array_equal(by_layer, whole)
+
+
 def test_native_chunks_hold_vllms_own_bytes_head_by_head() -> None:
     src = cache(np.float32, 2)
     chunk = chunk_for(np.float32, 1)

@@ -20,6 +20,16 @@ class ConnectorConfig(ClientSettings, frozen=True, kw_only=True):
     layerwise: Annotated[
         bool, option("synchronous loads go layer by layer on a helper thread: layer N+1 loads while layer N computes")
     ] = False
+    async_saves: Annotated[
+        bool,
+        option("saves run on a saver thread while the next step computes; vLLM frees a finished request's blocks once its saves have read them"),
+    ] = True
+    async_save_limit: Annotated[
+        int, option("saves handed to the saver thread and not yet run, at most; a step past it waits for room", ge=1)
+    ] = 32
+    layerwise_saves: Annotated[
+        bool, option("with async_saves: a step's saves are handed over before the forward and copy layer N while layer N+1 computes")
+    ] = False
     save_decode: Annotated[bool, option("also store chunks that generated tokens complete, not only prompt chunks")] = True
     kv_events_token_ids: Annotated[
         bool, option("send each saved chunk's token ids, so the server's KV events name them (for routers that hash tokens themselves)")
@@ -32,9 +42,16 @@ class ConnectorConfig(ClientSettings, frozen=True, kw_only=True):
         option("vLLM on CPU: native (vLLM's own block layout, copies at memcpy speed) or shared (per-token K/V that SGLang reads too)"),
     ] = CpuKVLayout.NATIVE
     debug_load_delay_s: Annotated[float, option("for tests: sleep this long inside every load, holding its locks", ge=0)] = 0.0
+    debug_save_delay_s: Annotated[
+        float, option("for tests: sleep this long before every save reads its blocks (on the saver thread with async_saves)", ge=0)
+    ] = 0.0
     debug_dump_dir: Annotated[
         str, option("for tests: write what each step's loads left in vLLM's paged cache (and what saves stored) here")
     ] = ""
+
+    def __post_init__(self) -> None:
+        if self.layerwise_saves and not self.async_saves:
+            raise ValueError("layerwise_saves needs async_saves (a layer is copied on the saver thread while the next computes)")
 
     def chunk_tokens(self, block_size: int) -> int:
         size = self.chunk_size or -(-DEFAULT_CHUNK_TOKENS // block_size) * block_size

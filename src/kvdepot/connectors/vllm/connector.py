@@ -21,11 +21,15 @@ get_num_new_matched_tokens         LOOKUP with the request id as session (locks 
 update_state_after_alloc           plan the load; FREE_LOOKUP_LOCKS for chunks vLLM has itself
 build_connector_meta               this step's loads and the saves of the chunks it completes
 update_connector_output            FREE_LOOKUP_LOCKS of loads the workers finished
-request_finished                   END_SESSION
+request_finished                   END_SESSION; with async saves pending, its blocks wait for them
 register_kv_caches                 probe the cache layout; REGISTER the worker's context
 start_load_kv / wait_for_layer_..  PREPARE_RETRIEVE, scatter into the blocks, COMMIT_RETRIEVE
-wait_for_save                      PREPARE_STORE, gather into the slots, COMMIT_STORE
-get_finished / ..._load_errors     asynchronous loads done; blocks that could not be loaded
+wait_for_save                      PREPARE_STORE, gather into the slots, COMMIT_STORE (on the saver
+                                   thread with async_saves: the step does not wait)
+save_kv_layer                      layerwise_saves: the saver gathers this layer while the next computes
+handle_preemptions                 let pending saves read preempted requests' blocks first
+get_finished / ..._load_errors     finished requests whose saves ran; asynchronous loads done;
+                                   blocks that could not be loaded
 =================================  ====================================================================
 """
 
@@ -125,7 +129,8 @@ class KVDepotConnector(KVConnectorBase_V1):
             self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
-        return  # saves run in wait_for_save, after the step wrote every layer's blocks
+        if self._worker is not None:
+            self._worker.save_kv_layer(layer_name)  # layerwise_saves: this layer's part may go now
 
     def wait_for_save(self) -> None:
         assert self._worker is not None
@@ -133,10 +138,14 @@ class KVDepotConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVDepotConnectorMetadata)
         self._worker.wait_for_save(meta)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self._worker is not None and isinstance(kv_connector_metadata, KVDepotConnectorMetadata):
+            self._worker.handle_preemptions(kv_connector_metadata)
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
-        return None, self._worker.take_finished_async() or None
+        return self._worker.take_finished_saves(finished_req_ids) or None, self._worker.take_finished_async() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

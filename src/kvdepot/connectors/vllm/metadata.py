@@ -40,6 +40,7 @@ class SaveOp:
 class KVDepotConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadOp] = field(default_factory=list)
     saves: list[SaveOp] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # requests whose blocks vLLM freed for this step
 
 
 @dataclass

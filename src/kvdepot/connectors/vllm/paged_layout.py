@@ -168,13 +168,17 @@ class PagedKV:
             f"format={self.format.kind}/{self.format.isa})"
         )
 
-    def gather(self, block_ids: Sequence[int], out: np.ndarray) -> None:
-        """Copy the blocks into ``out`` ``[K, L, len(ids)*block_size, H, D]`` (a store slot)."""
+    def gather(self, block_ids: Sequence[int], out: np.ndarray, layer: int | None = None) -> None:
+        """Copy the blocks into ``out`` ``[K, L, len(ids)*block_size, H, D]`` (a store slot); ``layer``
+        limits it to one layer."""
         if self._native is not None:
-            self._native.copy(out, block_ids, range(self.num_layers), to_cache=False)
+            self._native.copy(out, block_ids, range(self.num_layers) if layer is None else (layer,), to_cache=False)
             return
         for k, views in enumerate(self.per_k):
-            gather_chunk(views, block_ids, out[k : k + 1], "kv_first")
+            if layer is None:
+                gather_chunk(views, block_ids, out[k : k + 1], "kv_first")
+            else:
+                gather_chunk([views[layer]], block_ids, out[k : k + 1, layer : layer + 1], "kv_first")
 
     def scatter(self, chunk: np.ndarray, block_ids: Sequence[int], skip_blocks: int = 0, layer: int | None = None) -> None:
         """Copy ``chunk`` into the blocks, leaving the first ``skip_blocks`` of them untouched (blocks

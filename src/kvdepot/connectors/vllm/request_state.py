@@ -68,6 +68,7 @@ class RequestState:
     hit_chunks: int = 0
     pending_load: LoadOp | None = None  # while PLANNED
     stored_chunks: int = 0  # chunks [0, stored) are in kvdepot or saved by an earlier step
+    saves_planned: int = 0  # save ops handed to the workers (async saves: its blocks wait for them)
     block_ids: list[int] = field(default_factory=list)
 
     def __repr__(self) -> str:

@@ -175,6 +175,7 @@ class SchedulerSide:
         self.prefill_rate.step(int(getattr(so, "total_num_scheduled_tokens", 0) or 0))
         meta = KVDepotConnectorMetadata()
         for req_id in so.preempted_req_ids or ():
+            meta.preempted.append(req_id)  # the workers let their saves read its blocks first
             st = self.states.get(req_id)
             if st is not None:
                 self._preempted(st)
@@ -213,10 +214,12 @@ class SchedulerSide:
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         st = self.states.pop(request.request_id, None)
-        if st is not None:
-            self._end_session(st)
-        # Saves are synchronous within their step, so the blocks may be freed at once.
-        return False, None
+        if st is None:
+            return False, None
+        self._end_session(st)
+        # Asynchronous saves may still read its blocks: the workers report it in get_finished once
+        # every one of them has run (saves.py). Synchronous ones ran within their step.
+        return self.config.async_saves and st.saves_planned > 0, None
 
     def shutdown(self) -> None:
         for st in list(self.states.values()):
@@ -353,6 +356,7 @@ class SchedulerSide:
         tokens = list(request.all_token_ids[first * cs : full * cs]) if self.config.kv_events_token_ids else []
         meta.saves.append(SaveOp(st.req_id, list(hashes[first:full]), st.salt, st.block_ids[first * bpc : full * bpc], tokens))
         st.stored_chunks = full
+        st.saves_planned += 1
 
     # --- locks and sessions --------------------------------------------------------------------------
 

@@ -8,7 +8,9 @@ Transfers follow the metadata the scheduler half built for the step:
   thread scatters layer by layer and ``wait_for_layer_load`` waits for one layer; asynchronous loads
   run on a loader thread between steps and are reported through ``get_finished``.
 - saves: ``prepare_store`` gives writable slots (arena memory on shm: the one copy is the gather)
-  for the chunks the server lacks; they are committed when the block ends.
+  for the chunks the server lacks; they are committed when the block ends. With ``async_saves`` (the
+  default) ``wait_for_save`` hands them to a saver thread and returns; ``saves.py`` says how no block
+  is freed by vLLM before its save has read it.
 
 A chunk that cannot be fetched (evicted, server gone) is never half-used: its blocks are reported as
 load errors, and vLLM recomputes them (``kv_load_failure_policy="recompute"``) or fails the request.
@@ -31,8 +33,9 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from functools import partial
 
 import numpy as np
 
@@ -41,6 +44,7 @@ from kvdepot.connectors.common import Breakers, Direction, FailureTally, Resilie
 from kvdepot.connectors.vllm.config import ConnectorConfig
 from kvdepot.connectors.vllm.metadata import KVDepotConnectorMetadata, KVDepotWorkerMetadata, LoadOp, SaveOp
 from kvdepot.connectors.vllm.paged_layout import PagedKV, choose_format, make_layout, probe_cpu_layout
+from kvdepot.connectors.vllm.saves import SaveQueue
 from kvdepot.errors import ErrorCode, KVDepotError
 from kvdepot.types import SlotStatus
 
@@ -72,6 +76,8 @@ class WorkerSide:
         self.breakers = Breakers(config.retry_after_s)
         self.tally = FailureTally(log, f"kvdepot worker {kv_rank}")
         self._to_dump: list[LoadOp] = []  # debug_dump_dir: this step's loads, dumped after the forward
+        self._saves: SaveQueue | None = SaveQueue(config.async_save_limit) if config.async_saves else None
+        self._save_gate: LayerGate | None = None  # layerwise saves: this step's, until wait_for_save
 
     def __repr__(self) -> str:
         return f"WorkerSide(rank={self.kv_rank}/{self.kv_world}, {self.paged!r}, client={self.client!r})"
@@ -113,6 +119,8 @@ class WorkerSide:
         return self._resilient.connected() if self._resilient is not None else None
 
     def shutdown(self) -> None:
+        if self._saves is not None:
+            self._saves.close(timeout=30.0)
         if self._async_queue is not None:
             self._async_queue.put(None)
             if self._async_thread is not None:
@@ -134,6 +142,10 @@ class WorkerSide:
     # --- loads ---------------------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KVDepotConnectorMetadata) -> None:
+        if meta.saves and self.config.layerwise_saves and self._saves is not None and self.paged is not None:
+            # Handed over before the forward: the saver gathers each layer once save_kv_layer says so.
+            self._save_gate = LayerGate(self.paged.num_layers)
+            self._submit_save(meta.saves, self._save_gate)
         sync_ops: list[LoadOp] = []
         for op in meta.loads:
             if op.is_async:
@@ -251,44 +263,95 @@ class WorkerSide:
                 self._to_dump.extend(job.ops)
         if self._to_dump:
             self._dump_loaded()
-        for op in meta.saves:
-            self.save(op)
+        gate, self._save_gate = self._save_gate, None
+        if gate is not None:
+            gate.open_all()  # the forward is done: every layer's KV is in place (hooks or not)
+        elif self._saves is None:
+            for op in meta.saves:
+                self.save(op)
+        else:
+            for op in meta.saves:
+                self._submit_save([op], None)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """Layer ``layer_name`` of this step is written: its part of the step's saves may go."""
+        gate = self._save_gate
+        if gate is not None:
+            index = self.layer_index.get(layer_name)
+            if index is not None:
+                gate.open(index)
+
+    def _submit_save(self, ops: Sequence[SaveOp], gate: LayerGate | None) -> None:
+        assert self._saves is not None
+        waited = self._saves.submit([op.req_id for op in ops], partial(self._save_ops, ops, gate))
+        if waited > 0.001:
+            log.info("kvdepot: %s waited %.1f ms for room among %d queued saves (async_save_limit)",
+                     ",".join(op.req_id for op in ops), waited * 1e3, self.config.async_save_limit)  # fmt: skip
+
+    def handle_preemptions(self, meta: KVDepotConnectorMetadata) -> None:
+        """Before a step that may reuse preempted requests' blocks: let every save read its blocks."""
+        if meta.preempted and self._saves is not None:
+            self._saves.drain()
+
+    def take_finished_saves(self, finished_req_ids: set[str]) -> set[str]:
+        """Finished requests whose saves have all run (vLLM may free their blocks now)."""
+        return self._saves.finished(finished_req_ids) if self._saves is not None else set()
 
     def save(self, op: SaveOp) -> None:
-        """Gather the blocks of ``op`` into the slots the server gives. Logged at INFO with its time:
-        the server's answer (slots), the gather out of the blocks and the commit, apart; the forward
-        pass waits for all of it (saves are synchronous)."""
+        """One save, whole (synchronous saves run it in the step; async ones on the saver thread)."""
+        self._save_ops([op], None)
+
+    def _save_ops(self, ops: Sequence[SaveOp], gate: LayerGate | None) -> None:
+        """Gather the blocks of ``ops`` into the slots the server gives, all layers at once, or with a
+        ``gate`` layer by layer as each is written. A slot is committed only whole: a failure drops
+        the op's slots. Logged at INFO with its time: the server's answer (slots), the gather out of
+        the blocks (with a gate: until the last layer was written and copied) and the commit, apart."""
         assert self.paged is not None
         client = self._resilient.get(Direction.SAVE) if self._resilient is not None else None
         if client is None:
             return  # the server failed us a moment ago: do not stall every step on it
+        if self.config.debug_save_delay_s:
+            time.sleep(self.config.debug_save_delay_s)
         bpc = self.blocks_per_chunk
+        names = ",".join(op.req_id for op in ops)
         t0 = time.perf_counter()
         t1 = t2 = t0
         copied = saved = 0
+        opened: list[tuple[SaveOp, list]] = []
         try:
-            with client.prepare_store(op.hashes, op.cache_salt, token_ids=op.token_ids) as slots:
+            with ExitStack() as stack:
+                for op in ops:
+                    opened.append((op, stack.enter_context(client.prepare_store(op.hashes, op.cache_salt, token_ids=op.token_ids))))
                 t1 = time.perf_counter()
-                for i, slot in enumerate(slots):
-                    if slot is not None:
-                        self.paged.gather(op.block_ids[i * bpc : (i + 1) * bpc], slot)
-                        copied += slot.nbytes
-                        saved += 1
-                        if self.config.debug_dump_dir:
-                            self._dump("saved", op.hashes[i], slot)
+                for layer in range(self.paged.num_layers) if gate is not None else (None,):
+                    if gate is not None:
+                        gate.wait(layer)
+                    for op, slots in opened:
+                        for i, slot in enumerate(slots):
+                            if slot is not None:
+                                self.paged.gather(op.block_ids[i * bpc : (i + 1) * bpc], slot, layer)
+                for op, slots in opened:
+                    for i, slot in enumerate(slots):
+                        if slot is not None:
+                            copied += slot.nbytes
+                            saved += 1
+                            if self.config.debug_dump_dir:
+                                self._dump("saved", op.hashes[i], slot)
                 t2 = time.perf_counter()
         except KVDepotError as exc:
-            self._failed(Direction.SAVE, exc, f"the save for {op.req_id} (a future miss)")
+            self._failed(Direction.SAVE, exc, f"the save for {names} (a future miss)")
             return
         if copied:
             t3 = time.perf_counter()
             log.info("kvdepot: %s saved %d chunks (%.1f MiB) in %.1f ms: slots %.1f ms, copy out of blocks %.1f ms, commit %.1f ms",
-                     op.req_id, saved, copied / 2**20, (t3 - t0) * 1e3, (t1 - t0) * 1e3,
+                     names, saved, copied / 2**20, (t3 - t0) * 1e3, (t1 - t0) * 1e3,
                      (t2 - t1) * 1e3, (t3 - t2) * 1e3)  # fmt: skip
-        refused = [s for s in slots.statuses if s in (SlotStatus.NO_SPACE, SlotStatus.OVER_QUOTA)]
-        if refused:  # L1 full of locked objects, or the tenant's quota: a future miss, nothing more
-            code = ErrorCode.NO_SPACE if refused[0] is SlotStatus.NO_SPACE else ErrorCode.BAD_REQUEST
-            self.tally.add(Direction.SAVE, KVDepotError(f"{len(refused)} of {len(slots)} chunks {refused[0].name}", code), f"the save for {op.req_id}")
+        for op, slots in opened:
+            refused = [s for s in slots.statuses if s in (SlotStatus.NO_SPACE, SlotStatus.OVER_QUOTA)]
+            if refused:  # L1 full of locked objects, or the tenant's quota: a future miss, nothing more
+                code = ErrorCode.NO_SPACE if refused[0] is SlotStatus.NO_SPACE else ErrorCode.BAD_REQUEST
+                error = KVDepotError(f"{len(refused)} of {len(slots)} chunks {refused[0].name}", code)
+                self.tally.add(Direction.SAVE, error, f"the save for {op.req_id}")
 
     def _dump_loaded(self) -> None:
         """debug_dump_dir: what this step's loads left in vLLM's paged cache, read back after the forward,
@@ -369,6 +432,24 @@ class LayerwiseLoad:
         finally:
             for event in self.events:
                 event.set()
+
+
+class LayerGate:
+    """One step's layerwise saves: layer N opens when ``save_kv_layer`` says its KV is written, and
+    every layer when the forward is done (``wait_for_save``), so the saver never waits for ever."""
+
+    def __init__(self, num_layers: int) -> None:
+        self._events = [threading.Event() for _ in range(num_layers)]
+
+    def open(self, layer: int) -> None:
+        self._events[layer].set()
+
+    def open_all(self) -> None:
+        for event in self._events:
+            event.set()
+
+    def wait(self, layer: int) -> None:
+        self._events[layer].wait()
 
 
 def _layer_order(kv_caches: dict) -> list[str]:
