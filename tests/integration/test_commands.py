@@ -71,5 +71,13 @@ def test_bench_tiers_reports_every_adapter(tmp_path, valkey_server, s3_server):
         for op in ("store", "load (verified)"):
             assert f"{adapter} 4 x 2 MiB {op}" in rows, f"no {adapter} {op} row in {list(rows)}"
     assert any(name.startswith("LOOKUP 8k tokens, all hits from fs L2") for name in rows)
+    pressure = {name: row for name, row in rows.items() if name.startswith("write-through, one writer")}
+    assert len(pressure) == 3, list(rows)
     for name, row in rows.items():
-        assert measured(row["value"]) > 0, (name, row)
+        if name in pressure:  # "N evicted of M": what eviction took before the push, of what was written
+            evicted, total = map(int, re.match(r"(\d+) evicted of (\d+)$", row["value"]).groups())
+            assert 0 <= evicted <= total and total > 0, (name, row)
+            if row["target"] == "0":
+                assert evicted == 0, (name, row)  # L2 keeps up: nothing may be lost to it
+        else:
+            assert measured(row["value"]) > 0, (name, row)

@@ -210,7 +210,7 @@ def main(args: argparse.Namespace) -> int:
                 rows.append(Row(f"{label} load (verified)", ld.fmt("GB/s"), f"{raw_get.median:.2f} GB/s raw", f"{ld.median / raw_get.median:.2f}", "≥ 0.8"))
         if "fs" in kinds:
             rows += _lookup_from_l2(work, reps, raw)
-            rows += _write_through_under_pressure(work, raw, raw[f"fs_{sizes[-1]}MiB"]["store"]["median"])
+            rows += _write_through_under_pressure(work, raw, raw[f"fs_{sizes[-1]}MiB"]["store"]["median"], args.quick)
     finally:
         for s in servers:
             s.stop()
@@ -267,8 +267,9 @@ def _lookup_from_l2(work: Path, reps: int, raw: dict) -> list[Row]:
     return rows
 
 
-def _write_through_under_pressure(work: Path, raw: dict, tier_store_gbps: float) -> list[Row]:
-    """One writer stores 64 MiB prompts of 2 MiB chunks into a server with a 1 GiB L1 and an fs tier:
+def _write_through_under_pressure(work: Path, raw: dict, tier_store_gbps: float, quick: bool) -> list[Row]:
+    """One writer stores 64 MiB prompts of 2 MiB chunks into a server with a 1 GiB L1 and an fs tier
+    (``quick``: 16 MiB prompts and a 256 MiB L1, the same proportions):
     - paced at half the tier's store rate measured in this run: L2 keeps up;
     - the same average rate in bursts of 10 prompts, while a reader keeps 10 hot prompts (5/8 of L1)
       recent in LRU: each burst outgrows the room the hot set leaves, so plain LRU evicts the burst's
@@ -284,20 +285,21 @@ def _write_through_under_pressure(work: Path, raw: dict, tier_store_gbps: float)
         ("at full speed", 0.0, 0, 1, "counted"),
     )
     for i, (label, rate, hot, burst, target) in enumerate(runs):
-        total, written_gbps, st = _pressure_run(work / f"pressure-{i}", rate, hot, burst)
+        total, written_gbps, st = _pressure_run(work / f"pressure-{i}", rate, hot, burst, 4 if quick else 1)
         store, l1 = st["l2_controllers"]["store"], st["l1"]
         raw[f"write_through_pressure_{i}"] = {
             "label": label, "objects": total, "writer_gbps": written_gbps, "store": store,
             "l1_evicted": l1["evicted_objects"], "evicted_awaiting_l2": l1["evicted_awaiting_l2"],
         }  # fmt: skip
         rows.append(Row(f"write-through, one writer {label} ({written_gbps:.2f} GB/s): objects evicted before their fs push",
-                        f"{l1['evicted_awaiting_l2']} of {total}", f"{store['submitted']} pushed; L1 evicted {l1['evicted_objects']}",
+                        f"{l1['evicted_awaiting_l2']} evicted of {total}", f"{store['submitted']} pushed; L1 evicted {l1['evicted_objects']}",
                         "", target))  # fmt: skip
     return rows
 
 
-def _pressure_run(folder: Path, rate: float, hot: int, burst: int) -> tuple[int, float, dict]:
-    """Returns the objects written (hot ones not counted), the writer's GB/s, and the final /status."""
+def _pressure_run(folder: Path, rate: float, hot: int, burst: int, shrink: int = 1) -> tuple[int, float, dict]:
+    """Returns the objects written (hot ones not counted), the writer's GB/s, and the final /status.
+    ``shrink`` divides L1 and the prompts alike."""
     import threading
 
     from kvdepot.bench.serverproc import ServerProcess, free_port
@@ -306,7 +308,7 @@ def _pressure_run(folder: Path, rate: float, hot: int, burst: int) -> tuple[int,
     layout = KVLayout(num_layers=8, num_kv_heads=4, head_dim=64)  # 2 MiB chunks of 256 tokens
     http = free_port()
     server = ServerProcess(
-        args=["--l1-size-gb", "1", "--l2", f"fs:path={folder / 'tier'},size_gb=8", "--log-level", "warning"],
+        args=["--l1-size-gb", str(1 / shrink), "--l2", f"fs:path={folder / 'tier'},size_gb=8", "--log-level", "warning"],
         http_port=http,
         log_path=str(folder.parent / f"{folder.name}-server.log"),
     )
@@ -320,7 +322,7 @@ def _pressure_run(folder: Path, rate: float, hot: int, burst: int) -> tuple[int,
             time.sleep(0.05)
         return st
 
-    n_tokens = 8192  # 64 MiB a prompt
+    n_tokens = 8192 // shrink  # 64 MiB a prompt
     prompts = 48 if not hot else 30  # 3 GiB; or 1.9 GiB of bursts past the hot set
     prompt_bytes = layout.chunk_bytes(n_tokens)
     kv = np.ones(layout.chunk_shape(n_tokens), np.float16)
