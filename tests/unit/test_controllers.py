@@ -289,6 +289,16 @@ def test_objects_awaiting_their_push_are_evicted_last_and_counted(make_rig):
     rig.table.check_invariants()
 
 
+def test_eviction_ahead_of_need_never_takes_an_object_awaiting_its_push(make_rig):
+    rig = make_rig()
+    store_controller(rig)
+    rig.commit(keys(4, b"old"), owner=PREFETCH_OWNER)
+    rig.commit(keys(SLOTS - 4))
+    assert rig.table.evict_to(0) == 4  # the watermark controller: only what L2 already has goes
+    assert rig.table.stats().evicted_awaiting_l2 == 0
+    assert rig.table.lookup(keys(SLOTS - 4)) == SLOTS - 4
+
+
 def test_what_is_cleared_while_held_is_counted_gone_and_unheld(make_rig):
     rig = make_rig()
     store = store_controller(rig)

@@ -589,9 +589,10 @@ class ObjectTable:
     # --- capacity --------------------------------------------------------------------------------
 
     def evict_to(self, target_used_bytes: int) -> int:
-        """Evict unlocked READY objects in policy order until usage is at most the target."""
+        """Evict unlocked READY objects in policy order until usage is at most the target. Never an
+        object awaiting its L2 push: this eviction only makes room ahead of need."""
         with self._locked():
-            return self._evict_locked(lambda: self._alloc.stats().used <= target_used_bytes)
+            return self._evict_locked(lambda: self._alloc.stats().used <= target_used_bytes, last_resort=False)
 
     def used_bytes(self) -> int:
         """O(1), for the eviction controller's frequent check (``stats`` walks every object)."""
@@ -733,9 +734,11 @@ class ObjectTable:
             offset = self._alloc.allocate(size)
         return offset
 
-    def _evict_locked(self, enough: Callable[[], bool], keep: set[ObjectKey] = frozenset()) -> int:
+    def _evict_locked(self, enough: Callable[[], bool], keep: set[ObjectKey] = frozenset(), last_resort: bool = True) -> int:
+        """Evict in policy order until ``enough()``. Objects awaiting their L2 push go last, and only
+        with ``last_resort`` (an allocation that cannot wait)."""
         evicted = 0
-        take_held = False  # objects awaiting their L2 push go last, and only if nothing else can
+        take_held = False
         while not enough():
             # Collect a batch first (the policy must not change while we iterate it), then remove.
             batch: list[L1Object] = []
@@ -753,7 +756,7 @@ class ObjectTable:
             for key in protected:
                 self._policy.on_access(key)
             if not batch:
-                if take_held or not self._counters.awaiting_l2:
+                if take_held or not last_resort or not self._counters.awaiting_l2:
                     break
                 take_held = True
                 continue

@@ -436,7 +436,10 @@ class LayerwiseLoad:
 
 class LayerGate:
     """One step's layerwise saves: layer N opens when ``save_kv_layer`` says its KV is written, and
-    every layer when the forward is done (``wait_for_save``), so the saver never waits for ever."""
+    every layer when the forward is done (``wait_for_save``). A step that never ends (its forward
+    failed) gives up after ``WAIT_S``: the save's slots are dropped, never committed half-written."""
+
+    WAIT_S = 300.0
 
     def __init__(self, num_layers: int) -> None:
         self._events = [threading.Event() for _ in range(num_layers)]
@@ -449,7 +452,8 @@ class LayerGate:
             event.set()
 
     def wait(self, layer: int) -> None:
-        self._events[layer].wait()
+        if not self._events[layer].wait(self.WAIT_S):
+            raise TimeoutError(f"layer {layer} of a layerwise save was not written within {self.WAIT_S:.0f} s")
 
 
 def _layer_order(kv_caches: dict) -> list[str]:
