@@ -68,19 +68,26 @@ def store(url: str, toks: list[int], n_chunks: int, rank: int = 0, world: int = 
 # --- scheduler side ------------------------------------------------------------------------------------
 
 
-def scheduler(url: str, world: int = 1, chunk: int = CS, **options):
+def scheduler(url: str, world: int = 1, chunk: int = CS, hash_cache=None, **options):
     from kvdepot.connectors.vllm.config import ConnectorConfig
     from kvdepot.connectors.vllm.scheduler import SchedulerSide
 
     config = ConnectorConfig(url=url, chunk_size=chunk, **{"timeout_s": 5.0, **options})
-    return SchedulerSide(config, MODEL, layout(), BS, world_size=world)
+    return SchedulerSide(config, MODEL, layout(), BS, world_size=world, hash_cache=hash_cache)
 
 
-def request(req_id: str, toks: list[int], salt: str | None = None):
+def request(req_id: str, toks: list[int], salt: str | None = None, vllm_hashes: bool = False):
+    """A vLLM request; ``vllm_hashes``: with vLLM's own sha256 prefix hashes, as its engine core makes."""
     from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
-    return Request(req_id, list(toks), SamplingParams(max_tokens=8), None, cache_salt=salt)
+    hasher = None
+    if vllm_hashes:
+        init_none_hash(sha256)
+        hasher = get_request_block_hasher(BS, sha256)
+    return Request(req_id, list(toks), SamplingParams(max_tokens=8), None, cache_salt=salt, block_hasher=hasher)
 
 
 def blocks(ids: list[int]):
@@ -182,6 +189,29 @@ def test_load_plan_skips_what_vllm_holds_and_locks_follow_the_load(parts_server,
     assert st["l1"]["read_locked"] == 0 and st["sessions"] == 1
     s.request_finished(req)
     assert srv.status()["sessions"] == 0
+    s.shutdown()
+
+
+def test_a_prefix_seen_before_is_not_hashed_again_and_hashes_the_same(server):
+    from kvdepot.connectors.vllm.hash_cache import ChunkHashCache
+
+    toks = tokens(5 * CS + 3, seed=31)
+    store(server.url, toks, 5)
+    cache = ChunkHashCache(CS, BS)
+    s = scheduler(server.url, hash_cache=cache)
+    first = request("first", toks, vllm_hashes=True)
+    assert s.get_num_new_matched_tokens(first, 0) == (5 * CS, False)
+    assert cache.hits == 0
+    # The same prompt again, then one that shares its first 3 chunks and goes on differently.
+    again = request("again", toks, vllm_hashes=True)
+    assert s.get_num_new_matched_tokens(again, 0) == (5 * CS, False)
+    assert cache.hits == 5 and s.states["again"].hashes == chunk_hashes(toks, CS)
+    fork = toks[: 3 * CS] + tokens(2 * CS + 3, seed=32)
+    forked = request("forked", fork, vllm_hashes=True)
+    assert s.get_num_new_matched_tokens(forked, 0) == (3 * CS, False)
+    assert cache.hits == 8 and s.states["forked"].hashes == chunk_hashes(fork, CS)  # 3 from the cache, 2 hashed
+    for r in (first, again, forked):
+        s.request_finished(r)
     s.shutdown()
 
 

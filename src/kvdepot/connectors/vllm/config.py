@@ -30,6 +30,9 @@ class ConnectorConfig(ClientSettings, frozen=True, kw_only=True):
     layerwise_saves: Annotated[
         bool, option("with async_saves: a step's saves are handed over before the forward and copy layer N while layer N+1 computes")
     ] = False
+    hash_cache: Annotated[
+        bool, option("reuse kvdepot's chunk hashes of prefixes this engine saw before, keyed by vLLM's own sha256 prefix hashes")
+    ] = True
     save_decode: Annotated[bool, option("also store chunks that generated tokens complete, not only prompt chunks")] = True
     kv_events_token_ids: Annotated[
         bool, option("send each saved chunk's token ids, so the server's KV events name them (for routers that hash tokens themselves)")

@@ -48,6 +48,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvdepot.connectors.common import ensure_logging
 from kvdepot.connectors.vllm.config import ConnectorConfig
+from kvdepot.connectors.vllm.hash_cache import SAFE_VLLM_HASHES, ChunkHashCache
 from kvdepot.connectors.vllm.metadata import KVDepotConnectorMetadata
 from kvdepot.connectors.vllm.paged_layout import choose_format, make_layout, probe_cpu_layout
 from kvdepot.connectors.vllm.scheduler import SchedulerSide
@@ -99,7 +100,8 @@ class KVDepotConnector(KVConnectorBase_V1):
             spec = groups[0].kv_cache_spec
             fmt = choose_format(probe_cpu_layout(str(spec.dtype), block_size, spec.head_size, cache_dtype), self.config.cpu_kv_layout)
             layout = make_layout(len(groups[0].layer_names), spec.num_kv_heads, spec.head_size, spec.dtype)
-            self._scheduler = SchedulerSide(self.config, model + fmt.model_suffix, layout, block_size, world_size=tp)
+            cache = _hash_cache(self.config, vllm_config, kv_cache_config, block_size)
+            self._scheduler = SchedulerSide(self.config, model + fmt.model_suffix, layout, block_size, world_size=tp, hash_cache=cache)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -180,3 +182,23 @@ class KVDepotConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request)
+
+
+def _hash_cache(config: ConnectorConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, block_size: int) -> ChunkHashCache | None:
+    """The scheduler's map from vLLM's prefix hashes to kvdepot's, where vLLM's are sha256 (else None)."""
+    algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", ""))
+    if not config.hash_cache or algo not in SAFE_VLLM_HASHES:
+        if config.hash_cache:
+            log.info("kvdepot: vLLM's prefix hashes are %r, not sha256: every prompt is hashed afresh", algo)
+        return None
+    try:  # the granularity of request.block_hashes, as vLLM's engine core resolves it
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+        _, hash_block = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    except Exception as exc:
+        log.info("kvdepot: vLLM's prefix hash granularity is unknown (%s): every prompt is hashed afresh", exc)
+        return None
+    chunk = config.chunk_tokens(block_size)
+    if not hash_block or chunk % hash_block:
+        return None
+    return ChunkHashCache(chunk, hash_block)

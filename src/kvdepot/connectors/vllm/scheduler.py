@@ -27,6 +27,7 @@ from kvdepot.client.client import KVClient
 from kvdepot.client.options import Transport
 from kvdepot.connectors.common import Breakers, Direction, FailureTally, ResilientClient, is_transport_failure
 from kvdepot.connectors.vllm.config import ConnectorConfig
+from kvdepot.connectors.vllm.hash_cache import ChunkHashCache
 from kvdepot.connectors.vllm.hints import PrefillRate, agent_session, source_hint
 from kvdepot.connectors.vllm.metadata import KVDepotConnectorMetadata, KVDepotWorkerMetadata, LoadOp, SaveOp
 from kvdepot.connectors.vllm.request_state import Locks, Phase, RequestState
@@ -101,9 +102,16 @@ class ClientPool:
 
 class SchedulerSide:
     def __init__(
-        self, config: ConnectorConfig, model: str, layout: KVLayout, block_size: int, world_size: int = 1
+        self,
+        config: ConnectorConfig,
+        model: str,
+        layout: KVLayout,
+        block_size: int,
+        world_size: int = 1,
+        hash_cache: ChunkHashCache | None = None,
     ) -> None:
         self.config = config
+        self.hash_cache = hash_cache  # vLLM's prefix hashes -> ours (hash_cache.py); None: always hash
         self.block_size = block_size
         self.chunk_size = config.chunk_tokens(block_size)
         self.blocks_per_chunk = self.chunk_size // block_size
@@ -114,7 +122,7 @@ class SchedulerSide:
         self.prefill_rate = PrefillRate()
 
     def __repr__(self) -> str:
-        return f"SchedulerSide(chunk_size={self.chunk_size}, requests={len(self.states)})"
+        return f"SchedulerSide(chunk_size={self.chunk_size}, requests={len(self.states)}, {self.hash_cache!r})"
 
     # --- vLLM hooks ----------------------------------------------------------------------------------
 
@@ -243,6 +251,10 @@ class SchedulerSide:
 
     def _hashes(self, st: RequestState, n_chunks: int) -> list[ChunkHash]:
         """The first ``n_chunks`` chained hashes, extending the cached chain as tokens arrive."""
+        cache = self.hash_cache
+        seen = st.request.block_hashes if cache is not None else ()
+        while cache is not None and len(st.hashes) < n_chunks and (known := cache.get(seen, len(st.hashes))) is not None:
+            st.hashes.append(known)  # a prefix this engine saw before: not hashed again
         have = len(st.hashes)
         if have < n_chunks:
             clients = self.pool.get()
@@ -252,6 +264,9 @@ class SchedulerSide:
             tokens = st.request.all_token_ids[have * cs : n_chunks * cs]
             prefix = st.hashes[-1] if st.hashes else b""
             st.hashes.extend(chunk_hashes(tokens, cs, clients[0].hash_algorithm, prefix))  # (a list: no numpy detour)
+            if cache is not None:
+                for i in range(have, len(st.hashes)):
+                    cache.put(seen, i, st.hashes[i])
         return st.hashes[:n_chunks]
 
     def _start_lookup(self, st: RequestState, max_chunks: int) -> None:
