@@ -33,3 +33,14 @@ def test_the_oldest_entries_go_past_the_capacity():
 def test_a_chunk_that_is_not_whole_hash_blocks_is_refused():
     with pytest.raises(ValueError, match="not whole vLLM hash blocks"):
         ChunkHashCache(chunk_tokens=40, hash_block_tokens=16)
+
+
+def test_another_hash_algorithm_empties_it():
+    cache = ChunkHashCache(chunk_tokens=16, hash_block_tokens=16)
+    blocks = [b"a"]
+    cache.use("sha256")
+    cache.put(blocks, 0, ChunkHash(b"s"))
+    cache.use("sha256")
+    assert cache.get(blocks, 0) == b"s"
+    cache.use("blake3")  # the server came back with another algorithm
+    assert cache.get(blocks, 0) is None

@@ -26,11 +26,19 @@ class ChunkHashCache:
         self._blocks_per_chunk = chunk_tokens // hash_block_tokens
         self._capacity = capacity
         self._map: OrderedDict[bytes, ChunkHash] = OrderedDict()
+        self._algorithm: object = None
         self.hits = 0
         self.misses = 0
 
     def __repr__(self) -> str:
         return f"ChunkHashCache({len(self._map)}/{self._capacity}, hits={self.hits}, misses={self.misses})"
+
+    def use(self, algorithm: object) -> None:
+        """kvdepot's hash algorithm (the server's): a change empties the cache, whose hashes were made
+        with the other one."""
+        if algorithm != self._algorithm:
+            self._map.clear()
+            self._algorithm = algorithm
 
     def _key(self, block_hashes: Sequence[bytes], chunk: int) -> bytes | None:
         index = (chunk + 1) * self._blocks_per_chunk - 1

@@ -251,19 +251,24 @@ class SchedulerSide:
 
     def _hashes(self, st: RequestState, n_chunks: int) -> list[ChunkHash]:
         """The first ``n_chunks`` chained hashes, extending the cached chain as tokens arrive."""
+        if len(st.hashes) >= n_chunks:
+            return st.hashes[:n_chunks]
+        clients = self.pool.get()
+        if clients is None:
+            return st.hashes
+        algorithm = clients[0].hash_algorithm
         cache = self.hash_cache
         seen = st.request.block_hashes if cache is not None else ()
-        while cache is not None and len(st.hashes) < n_chunks and (known := cache.get(seen, len(st.hashes))) is not None:
-            st.hashes.append(known)  # a prefix this engine saw before: not hashed again
+        if cache is not None:
+            cache.use(algorithm)  # a server restarted with another algorithm: nothing cached holds
+            while len(st.hashes) < n_chunks and (known := cache.get(seen, len(st.hashes))) is not None:
+                st.hashes.append(known)  # a prefix this engine saw before: not hashed again
         have = len(st.hashes)
         if have < n_chunks:
-            clients = self.pool.get()
-            if clients is None:
-                return st.hashes
             cs = self.chunk_size
             tokens = st.request.all_token_ids[have * cs : n_chunks * cs]
             prefix = st.hashes[-1] if st.hashes else b""
-            st.hashes.extend(chunk_hashes(tokens, cs, clients[0].hash_algorithm, prefix))  # (a list: no numpy detour)
+            st.hashes.extend(chunk_hashes(tokens, cs, algorithm, prefix))  # (a list: no numpy detour)
             if cache is not None:
                 for i in range(have, len(st.hashes)):
                     cache.put(seen, i, st.hashes[i])
