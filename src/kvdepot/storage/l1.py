@@ -99,7 +99,7 @@ class L1Object:
     readers: int = 0
     writer: LeaseId = NO_LEASE
     doomed: bool = False  # cleared while locked: removed as soon as the last lock goes
-    awaiting_l2: bool = False  # READY but not yet taken by the L2 push: not evictable (see hold_for_l2)
+    awaiting_l2: bool = False  # READY but not yet taken by the L2 push: evicted last (see hold_for_l2)
     generation: int = 0  # unique per object ever created in this table
 
 
@@ -230,9 +230,10 @@ class ObjectTable:
     def hold_for_l2(self, writers: Callable[[ClientId], bool]) -> None:
         """Objects whose writer ``writers(owner)`` says goes to L2 are held from the moment they are
         READY (under the same lock: no eviction comes between) until ``release_l2_hold``: an object
-        evicted while queued for its push would never reach L2 (LMCache #5350). Eviction takes a held
-        object only when nothing else in L1 can go (L2 a whole L1 behind, or hung), so a stalled tier
-        never stops L1 taking new KV; each such loss is counted (``evicted_awaiting_l2``)."""
+        evicted while queued for its push would never reach L2 (LMCache #5350). An allocation takes a
+        held object only when nothing else in L1 can go (L2 a whole L1 behind, or hung), so a stalled
+        tier never stops L1 taking new KV; each such loss is counted (``evicted_awaiting_l2``). The
+        watermark eviction never takes one."""
         self._hold_for_l2 = writers
 
     def release_l2_hold(self, keys: Sequence[ObjectKey]) -> None:
