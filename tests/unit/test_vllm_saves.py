@@ -141,3 +141,13 @@ def test_a_job_over_several_requests_reports_each_once_it_ran(saves):
     run.gate("a").set()
     assert queue.drain(WAIT_S)
     assert queue.finished(set()) == {"a", "b"}
+
+
+def test_layerwise_saves_without_async_saves_is_refused_and_other_checks_still_run():
+    from kvdepot.connectors.vllm.config import ConnectorConfig
+
+    with pytest.raises(ValueError, match="layerwise_saves needs async_saves"):
+        ConnectorConfig.from_extra({"layerwise_saves": True, "async_saves": False})
+    with pytest.raises(ValueError, match="curve_server_key and curve_client_key"):  # the common settings' own rule
+        ConnectorConfig.from_extra({"layerwise_saves": True, "curve_server_key": "/nowhere.key"})
+    assert ConnectorConfig.from_extra({"layerwise_saves": "true"}).layerwise_saves

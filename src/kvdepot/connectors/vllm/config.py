@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from kvdepot.config import option
+from kvdepot.config import ConfigError, option
 from kvdepot.connectors.common import ClientSettings
 from kvdepot.connectors.vllm.paged_layout import CpuKVLayout
 
@@ -52,9 +52,10 @@ class ConnectorConfig(ClientSettings, frozen=True, kw_only=True):
         str, option("for tests: write what each step's loads left in vLLM's paged cache (and what saves stored) here")
     ] = ""
 
-    def __post_init__(self) -> None:
+    def _check_together(self) -> None:
+        super()._check_together()
         if self.layerwise_saves and not self.async_saves:
-            raise ValueError("layerwise_saves needs async_saves (a layer is copied on the saver thread while the next computes)")
+            raise ConfigError("layerwise_saves needs async_saves (a layer is copied on the saver thread while the next computes)")
 
     def chunk_tokens(self, block_size: int) -> int:
         size = self.chunk_size or -(-DEFAULT_CHUNK_TOKENS // block_size) * block_size
