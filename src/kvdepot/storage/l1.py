@@ -355,6 +355,7 @@ class ObjectTable:
             return 0
         with self._locked():
             lease = self._take_lease_locked(lease_id, owner, LeaseKind.WRITE)
+            hold = self._hold_for_l2 is not None and self._hold_for_l2(owner)  # one writer: asked once
             ready: list[ObjectKey] = []
             for key in lease.keys:
                 obj = self._objects.get(key) if key is not None else None
@@ -366,7 +367,7 @@ class ObjectTable:
                 obj.state = ObjectState.READY
                 obj.writer = NO_LEASE
                 self._counters.ready += 1
-                if self._hold_for_l2 is not None and self._hold_for_l2(owner):
+                if hold:
                     obj.awaiting_l2 = True
                     self._counters.awaiting_l2 += 1
                 ready.append(key)
