@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 
 import pytest
-
-
 from support.servers import CHUNK, LAYOUT, assert_bytes_equal, make_kv, make_tokens, wait_until
+
+from kvdepot.errors import ErrorCode, LeaseExpired
 
 
 @pytest.mark.parametrize("endpoint", ["tcp", "ipc"])
@@ -89,4 +89,23 @@ def test_heartbeats_survive_a_restart(make_server, seed):
         t = make_tokens(2 * CHUNK, seed)
         kv = make_kv(LAYOUT, len(t), seed)
         wait_until(lambda: c.store(t, kv) == 2 * CHUNK, what="a store after the restart")
+        assert_bytes_equal(c.retrieve(t), kv)
+
+
+def test_a_block_the_server_forgot_ends_with_lease_expired_not_unknown_context(make_server, seed):
+    """A store block whose server restarted (or revoked the client) in the middle: its commit cannot be
+    re-registered (a new context would not know the lease), so it says the lease ended (LEASE_EXPIRED,
+    with why), not a bare UNKNOWN_CONTEXT; and the client goes on."""
+    srv = make_server()
+    t = make_tokens(2 * CHUNK, seed)
+    kv = make_kv(LAYOUT, len(t), seed)
+    with srv.client() as c:  # shm: the block holds a server lease (inline sends the whole store at its end)
+        with pytest.raises(LeaseExpired, match="no longer knows this client's context") as exc_info:
+            with c.prepare_store(t) as slots:
+                for i, s in enumerate(slots):
+                    s[...] = kv[:, :, i * CHUNK : (i + 1) * CHUNK]
+                srv.restart()
+        assert exc_info.value.code == ErrorCode.LEASE_EXPIRED
+        assert c.lookup(t) == 0  # nothing half-committed
+        assert c.store(t, kv) == 2 * CHUNK  # registers again
         assert_bytes_equal(c.retrieve(t), kv)

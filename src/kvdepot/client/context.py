@@ -23,7 +23,7 @@ from kvdepot.client.options import ClientOptions
 from kvdepot.client.registration import ContextIdentity, Registration, choose_path
 from kvdepot.client.renewal import LeaseRenewer
 from kvdepot.client.transfer import PathChanged, TransferPath
-from kvdepot.errors import KVDepotError, KVDepotTimeout, ServerUnreachable, UnknownContext
+from kvdepot.errors import KVDepotError, KVDepotTimeout, LeaseExpired, ServerUnreachable, UnknownContext
 from kvdepot.layout import KVLayout
 from kvdepot.protocol import messages as m
 from kvdepot.rpc.channel import RpcChannel
@@ -144,8 +144,14 @@ class ContextLink:
     def finish(self, body):
         """A request as is, never re-registering: a commit, whose lease a new context would not know. It
         is not cut short by the caller's ``deadline``: a block's end must reach the server (its lease
-        would otherwise wait for the TTL)."""
-        return self.channel.call(body, timeout_s=self.options.timeout_s)
+        would otherwise wait for the TTL). A context the server no longer knows took the lease with it:
+        said as such (LEASE_EXPIRED), not as a bare UNKNOWN_CONTEXT (the server tells the first request
+        after a revocation why, and that may have been another thread's)."""
+        try:
+            return self.channel.call(body, timeout_s=self.options.timeout_s)
+        except UnknownContext as exc:
+            raise LeaseExpired(f"the server no longer knows this client's context (it declared the client gone after a silence, "
+                               f"or it restarted), so the lease ended with it: {exc.message}") from None  # fmt: skip
 
     def pipeline(self, requests: list[tuple[object, Sequence]], on_reply=None) -> list:
         """Pipelined requests on our context, registering again once if the server forgot it."""
