@@ -109,6 +109,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvdepot.bench import load
 
         return load.main(args)
+    if args.workload == "hit-ratio":
+        from kvdepot.bench import hit_ratio
+
+        return hit_ratio.main(args)
+    if args.workload == "soak":
+        from kvdepot.bench import soak
+
+        return soak.main(args)
     if args.workload == "peer":
         from kvdepot.bench import peer
 
@@ -230,6 +238,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     btl = bsub.add_parser("load", help="many client processes on one server: aggregate GB/s, LOOKUP/PREPARE/PING p50 and p99 as clients are added")
     add_load_args(btl)
+    from kvdepot.bench.soak import add_args as add_soak_args
+
+    bts = bsub.add_parser("soak", help="many clients, a mixed workload, clients killed and stopped, a tier restarted, L1 and disk full: checks nothing leaks or goes wrong")
+    add_soak_args(bts)
+    from kvdepot.bench.hit_ratio import add_args as add_hit_ratio_args
+
+    bth = bsub.add_parser("hit-ratio", help="a chat trace and a synthesized agentic workload through a real server: hit ratio vs an LRU oracle of the same capacity")
+    add_hit_ratio_args(bth)
     b.set_defaults(func=cmd_bench)
     return p
 

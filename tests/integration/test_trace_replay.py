@@ -154,3 +154,20 @@ def test_a_server_that_cannot_bind_leaves_an_older_recording_as_it_was(tmp_path)
         r = _kvdepot("server", "--port", str(port), "--http-port", "0", "--l1-size-gb", "0.0625", "--trace-record", str(path), timeout=60)
     assert r.returncode == 2 and f"--port {port}" in r.stderr, r.stderr
     assert path.read_bytes() == b"an older recording"
+
+
+def test_bench_hit_ratio_tracks_the_lru_oracle_on_chat_and_agentic_workloads(tmp_path):
+    """A real server's hit ratio on the conversation trace and on the agentic workload synthesized from
+    it lies between the LRU oracle at its low and its high watermark (it evicts in bulk from one down
+    to the other), with a small margin: a server that evicted hot blocks, or kept nothing, falls out."""
+    out = tmp_path / "hit.json"
+    r = subprocess.run([PY, "-m", "kvdepot.cli", "bench", "hit-ratio", "--requests", "400", "--trace", str(REAL_TRACE), "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = {row["workload"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"conversation trace", "agentic (synthesized)"}
+    for row in rows.values():
+        assert row["requests"] == 400 and not row["errors"], row
+        assert 0 < row["oracle_low"] <= row["oracle_high"] < row["unbounded"], row  # L1 is the bottleneck: there is something to lose
+        assert row["oracle_low"] - 0.02 <= row["server_ratio"] <= row["oracle_high"] + 0.02, row
+    assert rows["agentic (synthesized)"]["sessions"] < rows["conversation trace"]["sessions"]  # many turns per session
