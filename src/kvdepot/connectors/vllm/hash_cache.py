@@ -1,6 +1,7 @@
-"""``ChunkHashCache``: vLLM's own prefix hash at a chunk's end -> kvdepot's hash of that chunk, so a
-prefix this engine has seen before is not hashed again. Turning 32k tokens of a Python list into bytes
-and hashing them costs the scheduler ~0.2-0.4 ms per new request; a dict lookup per chunk, a few µs.
+"""``ChunkHashCache``: vLLM's own prefix hash at a chunk's end -> kvdepot's hashes of the chunks up to
+there, so a prefix this engine has seen before is not hashed again. Turning 32k tokens of a Python
+list into bytes and hashing them costs the scheduler ~0.2-0.4 ms per new request; one dict lookup for
+the whole prompt, a microsecond.
 
 Sound only where vLLM's prefix hash is collision resistant. vLLM chains it over every token of the
 prefix (and the request's extra keys: salt, LoRA, media), so with its sha256 hashes equal vLLM hashes
@@ -20,15 +21,21 @@ SAFE_VLLM_HASHES = ("sha256", "sha256_cbor")
 
 
 class ChunkHashCache:
+    """Each entry: vLLM's hash at the end of chunk ``i`` -> the chain of kvdepot hashes of chunks
+    ``0..i`` (a slice of one tuple shared by every entry of the prompt that put it). So a prompt seen
+    before costs one dict lookup however long it is (a 32k-token prompt has 128 chunks: one lookup, not
+    128), and a prompt that shares only a prefix finds the longest cached one by bisection. Entries go
+    least recently used first, past ``capacity`` entries (chunk ends)."""
+
     def __init__(self, chunk_tokens: int, hash_block_tokens: int, capacity: int = 65536) -> None:
         if chunk_tokens % hash_block_tokens:
             raise ValueError(f"chunk of {chunk_tokens} tokens is not whole vLLM hash blocks of {hash_block_tokens}")
         self._blocks_per_chunk = chunk_tokens // hash_block_tokens
         self._capacity = capacity
-        self._map: OrderedDict[bytes, ChunkHash] = OrderedDict()
+        self._map: OrderedDict[bytes, tuple[tuple[ChunkHash, ...], int]] = OrderedDict()
         self._algorithm: object = None
-        self.hits = 0
-        self.misses = 0
+        self.hits = 0  # chunks whose hash came from the cache
+        self.misses = 0  # chunks the caller had to hash after asking
 
     def __repr__(self) -> str:
         return f"ChunkHashCache({len(self._map)}/{self._capacity}, hits={self.hits}, misses={self.misses})"
@@ -40,26 +47,46 @@ class ChunkHashCache:
             self._map.clear()
             self._algorithm = algorithm
 
-    def _key(self, block_hashes: Sequence[bytes], chunk: int) -> bytes | None:
-        index = (chunk + 1) * self._blocks_per_chunk - 1
-        return block_hashes[index] if index < len(block_hashes) else None
+    def known(self, block_hashes: Sequence[bytes], have: int, n_chunks: int) -> tuple[ChunkHash, ...]:
+        """The chain of chunk hashes of this prefix, as far as it is cached, up to ``n_chunks`` chunks;
+        empty when nothing past the ``have`` chunks the caller already holds is cached. Chunks whose end
+        vLLM has not hashed yet are never known."""
+        top = min(n_chunks, len(block_hashes) // self._blocks_per_chunk)
+        if top <= have:
+            return ()
+        bpc = self._blocks_per_chunk
+        entries = self._map
+        end = top - 1
+        found = entries.get(block_hashes[(end + 1) * bpc - 1])
+        if found is None:  # a prefix of it, maybe: bisect for the last cached chunk end in [have, end)
+            lo, hi = have, end
+            while lo < hi:
+                mid = (lo + hi) // 2
+                got = entries.get(block_hashes[(mid + 1) * bpc - 1])
+                if got is None:
+                    hi = mid
+                else:
+                    end, found, lo = mid, got, mid + 1
+            if found is None:
+                self.misses += top - have
+                return ()
+        entries.move_to_end(block_hashes[(end + 1) * bpc - 1])
+        chain, length = found
+        self.hits += length - have
+        self.misses += top - length
+        return chain[:length]
 
-    def get(self, block_hashes: Sequence[bytes], chunk: int) -> ChunkHash | None:
-        """Chunk ``chunk``'s hash if this prefix was seen (vLLM has hashed the blocks up to its end)."""
-        key = self._key(block_hashes, chunk)
-        found = self._map.get(key) if key is not None else None
-        if found is None:
-            self.misses += 1
-            return None
-        self._map.move_to_end(key)
-        self.hits += 1
-        return found
-
-    def put(self, block_hashes: Sequence[bytes], chunk: int, chunk_hash: ChunkHash) -> None:
-        key = self._key(block_hashes, chunk)
-        if key is None:
+    def put(self, block_hashes: Sequence[bytes], start: int, chain: Sequence[ChunkHash]) -> None:
+        """Remember chunks ``start..len(chain)-1`` of this prefix's chain (those whose end vLLM has hashed)."""
+        bpc = self._blocks_per_chunk
+        last = min(len(chain), len(block_hashes) // bpc)
+        if last <= start:
             return
-        self._map[key] = chunk_hash
-        self._map.move_to_end(key)
-        if len(self._map) > self._capacity:
-            self._map.popitem(last=False)
+        frozen = tuple(chain[:last])
+        entries = self._map
+        for i in range(start, last):
+            key = block_hashes[(i + 1) * bpc - 1]
+            entries[key] = (frozen, i + 1)
+            entries.move_to_end(key)
+        while len(entries) > self._capacity:
+            entries.popitem(last=False)

@@ -261,8 +261,8 @@ class SchedulerSide:
         seen = st.request.block_hashes if cache is not None else ()
         if cache is not None:
             cache.use(algorithm)  # a server restarted with another algorithm: nothing cached holds
-            while len(st.hashes) < n_chunks and (known := cache.get(seen, len(st.hashes))) is not None:
-                st.hashes.append(known)  # a prefix this engine saw before: not hashed again
+            known = cache.known(seen, len(st.hashes), n_chunks)  # a prefix this engine saw before: not hashed again
+            st.hashes.extend(known[len(st.hashes) :])
         have = len(st.hashes)
         if have < n_chunks:
             cs = self.chunk_size
@@ -270,8 +270,7 @@ class SchedulerSide:
             prefix = st.hashes[-1] if st.hashes else b""
             st.hashes.extend(chunk_hashes(tokens, cs, algorithm, prefix))  # (a list: no numpy detour)
             if cache is not None:
-                for i in range(have, len(st.hashes)):
-                    cache.put(seen, i, st.hashes[i])
+                cache.put(seen, have, st.hashes)
         return st.hashes[:n_chunks]
 
     def _start_lookup(self, st: RequestState, max_chunks: int) -> None:
