@@ -42,6 +42,7 @@ from kvdepot.rpc.security import SocketSecurity
 from kvdepot.types import ClientId
 
 log = logging.getLogger(__name__)
+_POLLIN = int(zmq.POLLIN)  # an int: ``int & zmq.POLLIN`` builds an enum Flag, microseconds on the hot path
 
 
 _HANDSHAKE_FAILED_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
@@ -302,7 +303,7 @@ class RpcServer:
                         self._send_error(router, frames[0], 0, ErrorCode.INTERNAL, "the server failed to handle this request")
                     except zmq.ZMQError:
                         pass
-            if not router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if not router.getsockopt(zmq.EVENTS) & _POLLIN:
                 return
 
     def _dispatch(self, router: zmq.Socket, frames: list) -> None:

@@ -407,19 +407,21 @@ class ObjectTable:
         toucher: Toucher = Toucher.CLIENT,
     ) -> ReadLock:
         """Read-lock the leading READY keys under one lease; they cannot be evicted until released."""
+        get, ready = self._objects.get, ObjectState.READY  # (locals: an engine's lookup runs this per chunk)
         with self._lock:
             found: list[L1Object] = []
             for key in keys:
-                obj = self._objects.get(key)
-                if obj is None or obj.state is not ObjectState.READY or obj.doomed:
+                obj = get(key)
+                if obj is None or obj.state is not ready or obj.doomed:
                     break
                 found.append(obj)
             if not found:
                 return ReadLock(NO_LEASE, [])
             lease_id = LeaseId(next(self._ids))
+            add_reader, on_access = self._add_reader_locked, self._policy.on_access
             for obj in reversed(found):  # head most recent: the tail goes first
-                self._add_reader_locked(obj)
-                self._policy.on_access(obj.key)
+                add_reader(obj)
+                on_access(obj.key)
             self._add_lease_locked(
                 Lease(lease_id, LeaseKind.READ, owner, [o.key for o in found], self._deadline(ttl_s), session, toucher)
             )
