@@ -25,6 +25,7 @@ logged no traceback. The exit code is 1 when any check fails.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -75,7 +76,7 @@ class SoakClient:
         self.proc = subprocess.Popen([sys.executable, "-m", "kvdepot.bench.soak_client", json.dumps(spec)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.stderr, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
         self.last: dict = {"counts": {}, "mismatches": [], "final": False}
-        self.fate = "running"  # running, killed, stopped (told to, at the end), hung (did not stop when told)
+        self.fate = "running"  # running, killed, stopped (told to, at the end), hung (did not stop when told), died (on its own)
         self.paused = False  # SIGSTOPped now
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -91,11 +92,14 @@ class SoakClient:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait()
+        self.stderr.close()
         self.fate = "killed"
 
     def finish(self, timeout_s: float) -> None:
         """Ask it to stop and wait for its last counters."""
-        if self.proc.poll() is None:
+        if self.proc.poll() is not None:
+            self.fate = f"died (exit {self.proc.returncode})"  # nobody killed it: a crash the soak must report
+        else:
             try:
                 assert self.proc.stdin is not None
                 self.proc.stdin.write("stop\n")
@@ -103,7 +107,8 @@ class SoakClient:
             except OSError:
                 pass
             try:
-                self.proc.wait(timeout_s)
+                if self.proc.wait(timeout_s):
+                    self.fate = f"died (exit {self.proc.returncode}) while stopping"
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -219,7 +224,7 @@ def main(args: argparse.Namespace) -> int:
 def _soak(args: argparse.Namespace, server: ServerProcess, valkey: ValkeyServer | None, clients: list[SoakClient], work: Path) -> dict:
     url = server.url if args.transport == "shm" else server.ipc_url
     rng = random.Random(args.seed)
-    uids = iter(range(1, 256))
+    uids = itertools.cycle(range(1, 256))  # a uid used again gives the same chunk ids the same bytes: still checkable
     t0 = time.monotonic()
     total_s = args.minutes * 60
     warm_s = min(max(8.0, total_s * 0.2), total_s / 2)
@@ -305,13 +310,15 @@ def _judge(args, clients, faults, steady, steady_status, quiet, quiet_s, end, cl
     chunk_bytes = SOAK_LAYOUT.chunk_bytes(CHUNK_TOKENS)
     anon_margin = max(steady["rss_anon_mib"] * 0.2, 32.0)
     hung = [c.uid for c in clients if c.fate == "hung"]
+    died = [f"{c.uid}: {c.fate}" for c in clients if c.fate.startswith("died")]
     internal = quiet["errors"].get("INTERNAL", 0)
     checks = [
         Check("every request answered", f"{unanswered} unanswered of {answered + sum(refused.values()) + unanswered}", "0", unanswered == 0),
         Check("every byte read matched", f"{totals['mismatched_chunks']} wrong of {totals['verified_chunks'] + totals['mismatched_chunks']} "
               f"chunks ({totals['verified_bytes'] / 1e9:.2f} GB checked)", "0 wrong, > 0 checked",
               totals["mismatched_chunks"] == 0 and totals["verified_chunks"] > 0),  # fmt: skip
-        Check("no client's own error or hang", f"{totals['client_crashes']} crashes, {len(hung)} hung", "0", not totals["client_crashes"] and not hung),
+        Check("no client's own error or hang", f"{totals['client_crashes']} errors, {len(hung)} hung, {len(died)} died" + (f" ({'; '.join(died)})" if died else ""),
+              "0", not totals["client_crashes"] and not hung and not died),  # fmt: skip
         Check("no lease left", f"{quiet['leases']} leases, {quiet['quarantine']['leases']} quarantined ({quiet['quarantine']['bytes']} B), "
               f"{quiet['clients']} clients, after {quiet_s:.1f} s", "0", quiet["leases"] == 0 and quiet["quarantine"]["leases"] == 0
               and quiet["clients"] == 0),  # fmt: skip
