@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -57,6 +58,7 @@ class ServerProcess:
     prefix: list[str] = field(default_factory=list)  # e.g. ["unshare", "--pid", "--fork"], ["ip", "netns", "exec", NS]
     host: str = "127.0.0.1"  # --host, and where start() looks for it
     curve: object = None  # a CurveClientKeys for a server started with --curve-server-key (start() pings with it)
+    scratch_dir: str | None = None  # a folder of its own (socket, log): removed on a clean exit from ``with``
     proc: subprocess.Popen | None = None
     _log: object = None
 
@@ -147,7 +149,9 @@ class ServerProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:
-        self.stop()
+        code = self.stop()
+        if self.scratch_dir and code == 0 and exc[0] is None:  # kept after a failure, for its log
+            shutil.rmtree(self.scratch_dir, ignore_errors=True)
 
 
 def bench_server(l1_size_gb: float, prefix: str = "kvdepot-bench-") -> ServerProcess:
@@ -160,6 +164,7 @@ def bench_server(l1_size_gb: float, prefix: str = "kvdepot-bench-") -> ServerPro
         ipc_path=os.path.join(tmp, "kvdepot.sock"),
         env={"OMP_NUM_THREADS": "1"},
         log_path=os.path.join(tmp, "server.log"),
+        scratch_dir=tmp,
     )
 
 
