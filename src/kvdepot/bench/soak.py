@@ -38,6 +38,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -242,7 +243,7 @@ def _soak(args: argparse.Namespace, server: ServerProcess, valkey: ValkeyServer 
     fault_span = total_s - warm_s - stop_s  # the last fault has ended before the run does
     n_faults = max(len(kinds), int(fault_span // 8))
     due = [t0 + warm_s + fault_span * (i + 0.5) / n_faults for i in range(n_faults)]
-    pending: list[tuple[float, object]] = []  # (when, what to undo then)
+    pending: list[tuple[float, Callable[[], None]]] = []  # (when, what to undo then)
     for i, when in enumerate(due):
         while time.monotonic() < when:
             _undo_due(pending)
@@ -288,11 +289,11 @@ def _soak(args: argparse.Namespace, server: ServerProcess, valkey: ValkeyServer 
                   valkey is not None, load_start, load_end)  # fmt: skip
 
 
-def _undo_due(pending: list[tuple[float, object]]) -> None:
+def _undo_due(pending: list[tuple[float, Callable[[], None]]]) -> None:
     now = time.monotonic()
     for item in [p for p in pending if p[0] <= now]:
         pending.remove(item)
-        item[1]()  # type: ignore[operator]
+        item[1]()
 
 
 def _judge(args, clients, faults, steady, steady_status, quiet, quiet_s, end, cleared, alive, log, run_s, warm_s, has_valkey,
