@@ -11,12 +11,10 @@ gets one progress line per stage.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -105,8 +103,7 @@ def _report(prompts: list[list[int]], cold: list[dict], hits: list[dict], server
             f"{i:>6} {len(p):>7} {1000 * c_ttft:>8.0f} ms {1000 * h_ttft:>6.0f} ms {c_ttft / max(h_ttft, 1e-9):>6.1f}x "
             f"{h['num_cached_tokens']:>13,} {'yes' if same else 'NO':>12}"
         )
-    with urllib.request.urlopen(f"{server.http_url}/status", timeout=10) as r:
-        lk = json.load(r)["lookups"]
+    lk = server.status()["lookups"]
     print(
         f"\nkvdepot saw {lk['requests']} lookups: hit rate {lk['hit_rate']:.1%} "
         f"({lk['hit_tokens']:,} of {lk['hit_tokens'] + lk['missed_tokens']:,} tokens; the cold engine's lookups missed)"

@@ -210,13 +210,6 @@ def _run(server: ServerProcess, transport: str, prompts: str, n: int, tokens: in
                       us(paced, "prepare", 99), us(paced, "ping", 99))  # fmt: skip
 
 
-def _clear(url: str) -> None:
-    from kvdepot.client.client import ClientOptions, KVClient
-
-    with KVClient(url, "bench-load", LOAD_LAYOUT, options=ClientOptions(chunk_size=CHUNK_TOKENS, transport="inline", heartbeat=False)) as c:
-        c.clear()
-
-
 def main(args: argparse.Namespace) -> int:
     counts = [1, 4] if args.quick else [int(x) for x in args.clients.split(",")]
     seconds = 1.0 if args.quick else args.seconds
@@ -235,7 +228,7 @@ def main(args: argparse.Namespace) -> int:
                     results.append(r)
                     print(f"# {transport} {prompts} {n:2d} clients: {r.gbps:.2f} GB/s, LOOKUP p50/p99 {r.lookup_p50_us:.0f}/{r.lookup_p99_us:.0f} µs",
                           file=sys.stderr, flush=True)  # fmt: skip
-                    _clear(server.url)  # the next run starts from an empty L1
+                    server.clear("l1")  # the next run starts from an empty L1
     load_end = loadavg()
     _print(results, memcpy, rtt, args, chunk_bytes, load_start, load_end)
     if args.json:

@@ -145,6 +145,18 @@ class ServerProcess:
             self._log = None
         return self.proc.returncode
 
+    def status(self, timeout_s: float = 10.0) -> dict:
+        """Its ``/status`` document (needs ``http_port``)."""
+        with urllib.request.urlopen(f"{self.http_url}/status", timeout=timeout_s) as r:
+            return json.load(r)
+
+    def clear(self, scope: str = "l1") -> None:
+        """Empty L1 (or ``tiers``, ``all``) through ``POST /cache/clear``: the next run starts afresh."""
+        body = json.dumps({"scope": scope}).encode()
+        req = urllib.request.Request(f"{self.http_url}/cache/clear", data=body, headers={"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(req, timeout=60) as r:
+            r.read()
+
     def __enter__(self) -> ServerProcess:
         return self.start()
 
@@ -172,8 +184,7 @@ def wait_prefault(server: ServerProcess, timeout_s: float = 300) -> float:
     """Seconds until the server's arena is pre-faulted (nothing is timed before: fresh pages fault in slowly)."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
-        with urllib.request.urlopen(f"{server.http_url}/status", timeout=5) as r:
-            pf = json.load(r)["l1"]["prefault"]
+        pf = server.status(timeout_s=5)["l1"]["prefault"]
         if pf["finished"]:
             return time.monotonic() - t0
         time.sleep(0.2)

@@ -36,7 +36,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -123,11 +122,6 @@ class SoakClient:
 # --- the server's side --------------------------------------------------------------------------------
 
 
-def _status(server: ServerProcess) -> dict:
-    with urllib.request.urlopen(f"{server.http_url}/status", timeout=10) as r:
-        return json.load(r)
-
-
 def _process_figures(pid: int) -> dict:
     """The server process's anonymous memory (its heap: what leaks), whole RSS, open files, threads."""
     fields = {}
@@ -145,21 +139,13 @@ def _wait_quiet(server: ServerProcess, timeout_s: float) -> tuple[dict, float]:
     queued L2 push is left (or the timeout passed: the checks then say what stayed)."""
     t0 = time.monotonic()
     while True:
-        st = _status(server)
+        st = server.status()
         store = st["l2_controllers"].get("store", {})
         quiet = (st["clients"] == 0 and st["leases"] == 0 and st["quarantine"]["leases"] == 0 and st["l1"]["writing"] == 0
                  and st["l1"]["read_locked"] == 0 and not store.get("queued") and not store.get("in_flight"))  # fmt: skip
         if quiet or time.monotonic() - t0 > timeout_s:
             return st, time.monotonic() - t0
         time.sleep(0.25)
-
-
-def _clear_l1(server: ServerProcess) -> dict:
-    from kvdepot.client.client import ClientOptions, KVClient
-
-    with KVClient(server.url, "bench-soak", SOAK_LAYOUT, options=ClientOptions(chunk_size=CHUNK_TOKENS, transport="inline", heartbeat=False)) as c:
-        c.clear("l1")
-    return _status(server)
 
 
 # --- the run ------------------------------------------------------------------------------------------
@@ -235,7 +221,7 @@ def _soak(args: argparse.Namespace, server: ServerProcess, valkey: ValkeyServer 
     # Warm-up: the workload without faults until L1 is full, then the steady state the end is held to.
     time.sleep(max(0.0, t0 + warm_s - time.monotonic()))
     steady = _process_figures(server.proc.pid)
-    steady_status = _status(server)
+    steady_status = server.status()
 
     faults = Faults()
     stop_s = args.client_timeout_s + 1.0
@@ -280,7 +266,8 @@ def _soak(args: argparse.Namespace, server: ServerProcess, valkey: ValkeyServer 
             c.finish(timeout_s=60)
     quiet, quiet_s = _wait_quiet(server, timeout_s=2 * args.client_timeout_s + 30)
     end = _process_figures(server.proc.pid)
-    cleared = _clear_l1(server)
+    server.clear("l1")
+    cleared = server.status()
     alive = server.proc.poll() is None
     with open(server.log_path or "", errors="replace") as f:
         log = f.read()

@@ -23,7 +23,6 @@ import select
 import shutil
 import tempfile
 import time
-import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 
@@ -243,12 +242,8 @@ def _lookup_from_l2(work: Path, reps: int, raw: dict) -> list[Row]:
         log_path=str(work / "server.log"),
     )
 
-    def clear() -> None:
-        urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{http}/cache/clear", data=b"{}", headers={"Content-Type": "application/json"}, method="POST"), timeout=10).read()
-
     def idle() -> bool:
-        with urllib.request.urlopen(f"http://127.0.0.1:{http}/status", timeout=10) as r:
-            store = json.load(r)["l2_controllers"]["store"]
+        store = server.status()["l2_controllers"]["store"]
         return store["queued"] == 0 and store["in_flight"] == 0
 
     with server, KVClient(server.url, "bench-l2", layout, options=ClientOptions(timeout_s=60)) as c:
@@ -257,7 +252,7 @@ def _lookup_from_l2(work: Path, reps: int, raw: dict) -> list[Row]:
             c.store(tokens, np.ones(layout.chunk_shape(n_tokens), np.float16))
             while not idle():
                 time.sleep(0.05)
-            secs = timed(lambda: c.lookup(tokens), reps, warmup=1, setup=clear)
+            secs = timed(lambda: c.lookup(tokens), reps, warmup=1, setup=server.clear)
             assert c.lookup(tokens) == n_tokens
             mib = n_tokens * layout.bytes_per_token / MiB
             raw[f"lookup_l2_{n_tokens}"] = {"ms": [s * 1e3 for s in secs], "mib": mib}
@@ -313,12 +308,8 @@ def _pressure_run(folder: Path, rate: float, hot: int, burst: int, shrink: int =
         log_path=str(folder.parent / f"{folder.name}-server.log"),
     )
 
-    def status() -> dict:
-        with urllib.request.urlopen(f"http://127.0.0.1:{http}/status", timeout=10) as r:
-            return json.load(r)
-
     def idle() -> dict:
-        while (st := status())["l2_controllers"]["store"]["queued"] or st["l2_controllers"]["store"]["in_flight"]:
+        while (st := server.status())["l2_controllers"]["store"]["queued"] or st["l2_controllers"]["store"]["in_flight"]:
             time.sleep(0.05)
         return st
 
