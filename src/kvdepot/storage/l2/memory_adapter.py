@@ -10,6 +10,8 @@ import threading
 from collections import OrderedDict
 from typing import Annotated, ClassVar
 
+import numpy as np
+
 from kvdepot.config import ConfigStruct, option
 from kvdepot.storage.l2 import envelope
 from kvdepot.storage.l2.backend import BackendAdapter
@@ -32,17 +34,22 @@ class MemoryAdapter(BackendAdapter):
         super().__init__(name, workers=config.workers, services=services)
         self._capacity = int(config.size_gb * (1 << 30))
         # key -> (header+key, payload): kept apart so a store copies the payload once.
-        self._objects: OrderedDict[ObjectKey, tuple[bytes, bytes]] = OrderedDict()
+        self._objects: OrderedDict[ObjectKey, tuple[bytes, memoryview]] = OrderedDict()
         self._used = 0
         self._mu = threading.Lock()
 
     def _put(self, key: ObjectKey, payload: memoryview) -> None:
-        blob = (envelope.encode_header(key, payload), bytes(memoryview(payload).cast("B")))  # built before anything is visible
-        size = len(blob[0]) + len(blob[1])
+        src = memoryview(payload).cast("B")
+        body = memoryview(np.empty(src.nbytes, np.uint8)).cast("B")  # not zero-filled: the copy writes every byte
+        running = envelope.start_checksum(key)
+        envelope.copy_hashed(running, src, body)  # the checksum of the bytes kept, in the copy's one pass
+        head = envelope.encode_header_with(key, body.nbytes, running.digest())
+        blob = (head, body)  # built before anything is visible
+        size = len(head) + body.nbytes
         with self._mu:
             old = self._objects.pop(key, None)
             if old is not None:
-                self._used -= len(old[0]) + len(old[1])
+                self._used -= len(old[0]) + old[1].nbytes
             self._make_room(size)
             self._objects[key] = blob
             self._used += size
@@ -62,7 +69,7 @@ class MemoryAdapter(BackendAdapter):
             if self.is_pinned(victim):
                 continue
             head, body = self._objects.pop(victim)
-            self._used -= len(head) + len(body)
+            self._used -= len(head) + body.nbytes
             self._tell_removed((victim,), "evicted")
         if self._used + need > self._capacity:
             raise RejectedObject("memory tier is full of pinned objects")
@@ -81,8 +88,14 @@ class MemoryAdapter(BackendAdapter):
         dst = memoryview(dest).cast("B")
         if dst.nbytes != header.payload_len:
             raise envelope.DestinationMismatch(f"destination holds {dst.nbytes} bytes, object {header.payload_len}")
-        envelope.verify(key, header, head[envelope.HEADER_BYTES :], body)
-        dst[:] = body
+        if head[envelope.HEADER_BYTES :] != key:
+            raise envelope.CorruptObject("object is filed under another key")
+        if body.nbytes != header.payload_len:
+            raise envelope.CorruptObject(f"payload has {body.nbytes} bytes, header says {header.payload_len}")
+        running = envelope.start_checksum(key)
+        envelope.copy_hashed(running, body, dst)  # checks the bytes the caller gets, in the copy's one pass
+        if running.digest() != header.checksum:
+            raise envelope.CorruptObject("checksum mismatch")
         return True
 
     def _contains(self, keys: list[ObjectKey]) -> list[bool]:
@@ -93,7 +106,7 @@ class MemoryAdapter(BackendAdapter):
         with self._mu:
             blob = self._objects.pop(key, None)
             if blob is not None:
-                self._used -= len(blob[0]) + len(blob[1])
+                self._used -= len(blob[0]) + blob[1].nbytes
 
     def _clear(self) -> int:
         with self._mu:
@@ -110,9 +123,12 @@ class MemoryAdapter(BackendAdapter):
         """Flip one stored byte (tests prove a corrupt object is a miss, never bad KV)."""
         with self._mu:
             head, body = self._objects[key]
-            whole = bytearray(head + body)
-            whole[offset] ^= 0xFF
-            self._objects[key] = (bytes(whole[: len(head)]), bytes(whole[len(head) :]))
+            if offset < len(head):
+                whole = bytearray(head)
+                whole[offset] ^= 0xFF
+                self._objects[key] = (bytes(whole), body)
+            else:
+                body[offset - len(head)] ^= 0xFF
 
 
 ADAPTER = AdapterType("memory", MemoryConfig, MemoryAdapter, help="in-process reference tier")

@@ -255,8 +255,11 @@ class ValkeyAdapter(BackendAdapter):
             raise DestinationMismatch(f"destination holds {dst.nbytes} bytes, object {header.payload_len}")
         if nparts != math.ceil(header.payload_len / part_bytes):
             raise CorruptObject(f"manifest names {nparts} parts of {part_bytes} bytes for {header.payload_len}")
+        if bytes(body[envelope.HEADER_BYTES :]) != key:
+            raise CorruptObject("object is filed under another key")
         names = self.part_names(key, meta)
         per_round = max(1, _MGET_BYTES // part_bytes)
+        running = envelope.start_checksum(key)
         pos = 0
         for first in range(0, nparts, per_round):
             for value in client.mget(names[first : first + per_round]):  # one slot: one node, even in a cluster
@@ -266,9 +269,10 @@ class ValkeyAdapter(BackendAdapter):
                 size = min(part_bytes, header.payload_len - pos)
                 if len(value) != size:
                     raise CorruptObject(f"part has {len(value)} bytes, expected {size}")
-                dst[pos : pos + size] = value
+                envelope.copy_hashed(running, value, dst[pos : pos + size])
                 pos += size
-        envelope.verify(key, header, body[envelope.HEADER_BYTES :], dst)
+        if running.digest() != header.checksum:  # of the bytes as they reached the caller
+            raise CorruptObject("checksum mismatch")
         return True
 
     def _contains(self, keys: list[ObjectKey]) -> list[bool]:
