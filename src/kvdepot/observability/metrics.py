@@ -100,21 +100,39 @@ class Metrics:
             self.request_failures.labels(cls)  # present (as 0) before the first one
         self._models: set[str] = set()
         self._models_lock = threading.Lock()
+        # Per model, the children lookups count into: labels() costs microseconds and every lookup
+        # would pay it several times. Filled under the lock, read without it (a dict read is atomic).
+        self._lookup_children: dict[str, tuple[Any, Any, Any]] = {}
+        self._hit_children: dict[tuple[str, str], Any] = {}
 
     # --- what engines got (called by the handlers, any thread) ----------------------------------------
 
     def lookup_asked(self, model: str, tokens: int) -> None:
-        m = self._model(model)
-        self.lookups.labels(m).inc()
-        self.requested_tokens.labels(m).inc(tokens)
+        lookups, requested, _ = self._lookup_counters(model)
+        lookups.inc()
+        requested.inc(tokens)
 
     def lookup_answered(self, model: str, found: Mapping[str, int], missed: int) -> None:
         """The final count of a lookup: tokens found per place (``L1`` or a tier's name), and missed."""
-        m = self._model(model)
         for where, tokens in found.items():
             if tokens:
-                self.hit_tokens.labels(m, where).inc(tokens)
-        self.missed_tokens.labels(m).inc(missed)
+                hit = self._hit_children.get((model, where))
+                if hit is None:
+                    hit = self.hit_tokens.labels(self._model(model), where)
+                    if len(self._hit_children) < 16 * MAX_MODELS:  # bounded, as above
+                        self._hit_children[(model, where)] = hit
+                hit.inc(tokens)
+        self._lookup_counters(model)[2].inc(missed)
+
+    def _lookup_counters(self, model: str) -> tuple[Any, Any, Any]:
+        """(lookups, requested tokens, missed tokens) of ``model``'s label."""
+        children = self._lookup_children.get(model)
+        if children is None:
+            m = self._model(model)
+            children = (self.lookups.labels(m), self.requested_tokens.labels(m), self.missed_tokens.labels(m))
+            if len(self._lookup_children) < 4 * MAX_MODELS:  # names past the cap share "(other)": bounded
+                self._lookup_children[model] = children
+        return children
 
     def stored(self, model: str, chunks: int, nbytes: int, path: str) -> None:
         if chunks:

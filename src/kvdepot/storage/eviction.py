@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 from kvdepot.config import EvictionPolicyName
@@ -27,6 +27,10 @@ class EvictionPolicy(Protocol):
 
     def on_access(self, key: ObjectKey) -> None:
         """``key`` was looked up or read."""
+
+    def on_access_run(self, keys: Sequence[ObjectKey]) -> None:
+        """A prompt's leading ``keys`` were looked up or read together: the head ends most recent (its
+        tail goes first). One call per request, not per chunk: a 32k-token lookup touches 128 keys."""
 
     def on_remove(self, key: ObjectKey) -> None:
         """``key`` left L1 (evicted, cleared, or expired)."""
@@ -62,6 +66,14 @@ class LRUPolicy:
         if key in self._order:
             self._order.move_to_end(key)
 
+    def on_access_run(self, keys: Sequence[ObjectKey]) -> None:
+        move = self._order.move_to_end
+        for key in reversed(keys):
+            try:
+                move(key)
+            except KeyError:
+                pass  # not tracked (not READY yet): nothing to order
+
     def on_remove(self, key: ObjectKey) -> None:
         self._order.pop(key, None)
 
@@ -84,6 +96,9 @@ class NoopPolicy:
         pass
 
     def on_access(self, key: ObjectKey) -> None:
+        pass
+
+    def on_access_run(self, keys: Sequence[ObjectKey]) -> None:
         pass
 
     def on_remove(self, key: ObjectKey) -> None:

@@ -394,8 +394,7 @@ class ObjectTable:
                 if obj is None or obj.state is not ObjectState.READY or obj.doomed:
                     break
                 n += 1
-            for key in reversed(keys[:n]):  # head most recent: the tail goes first
-                self._policy.on_access(key)
+            self._policy.on_access_run(keys[:n])
             return n
 
     def acquire_read(
@@ -418,13 +417,14 @@ class ObjectTable:
             if not found:
                 return ReadLock(NO_LEASE, [])
             lease_id = LeaseId(next(self._ids))
-            add_reader, on_access = self._add_reader_locked, self._policy.on_access
-            for obj in reversed(found):  # head most recent: the tail goes first
-                add_reader(obj)
-                on_access(obj.key)
-            self._add_lease_locked(
-                Lease(lease_id, LeaseKind.READ, owner, [o.key for o in found], self._deadline(ttl_s), session, toucher)
-            )
+            newly_read = 0
+            for obj in found:  # _add_reader_locked, inlined: this runs per chunk of every lookup
+                obj.readers += 1
+                newly_read += obj.readers == 1
+            self._counters.read_locked += newly_read
+            locked = list(keys[: len(found)])
+            self._policy.on_access_run(locked)
+            self._add_lease_locked(Lease(lease_id, LeaseKind.READ, owner, locked, self._deadline(ttl_s), session, toucher))
             return ReadLock(lease_id, [o.offset for o in found], found[0].size)
 
     def acquire_read_each(
@@ -484,16 +484,17 @@ class ObjectTable:
             if held is not None and held.owner == owner and held.kind is LeaseKind.READ:
                 return self._let_go_locked(held)
             lease = self._get_lease_locked(lease_id, owner, LeaseKind.READ)
-            stop = len(lease.keys) if end is None or end < 0 else min(end, len(lease.keys))
-            released = 0
-            for i in range(max(0, start), stop):
-                key = lease.keys[i]
-                if key is None:
-                    continue
-                self._unlock_read_locked(key)
-                lease.keys[i] = None
-                released += 1
-            if all(k is None for k in lease.keys):
+            keys = lease.keys
+            stop = len(keys) if end is None or end < 0 else min(end, len(keys))
+            start = max(0, start)
+            if start == 0 and stop == len(keys):  # the whole lease (the common end of a request)
+                released = self._unlock_reads_locked(keys)
+                keys[:] = [None] * len(keys)
+                self._forget_lease_locked(lease)
+                return released
+            released = self._unlock_reads_locked(keys[start:stop])
+            keys[start:stop] = [None] * (stop - start)
+            if all(k is None for k in keys):
                 self._forget_lease_locked(lease)
             return released
 
@@ -808,6 +809,24 @@ class ObjectTable:
         obj.readers += 1
         if obj.readers == 1:
             self._counters.read_locked += 1
+
+    def _unlock_reads_locked(self, keys: list[ObjectKey | None]) -> int:
+        """:meth:`_unlock_read_locked` for each key that is not None (released already); how many."""
+        objects, released, unread, doomed = self._objects, 0, 0, []
+        for key in keys:
+            if key is None:
+                continue
+            obj = objects[key]
+            obj.readers -= 1
+            released += 1
+            if obj.readers == 0:
+                unread += 1
+                if obj.doomed:
+                    doomed.append(obj)
+        self._counters.read_locked -= unread
+        for obj in doomed:
+            self._remove_locked(obj)
+        return released
 
     def _unlock_read_locked(self, key: ObjectKey) -> None:
         obj = self._objects[key]

@@ -18,9 +18,10 @@ def context_and_keys(ctx: ServerContext, call: Call) -> tuple[Context, list[Obje
     if len(hashes) > MAX_KEYS:
         raise BadRequest(f"{len(hashes)} keys in one request; at most {MAX_KEYS}")
     size = ctx.digest_size
-    for h in hashes:
-        if len(h) != size:
-            raise BadRequest(f"chunk hashes must be {size} bytes ({ctx.config.storage.hash_algorithm}), got {len(h)}")
+    lengths = set(map(len, hashes))  # one C loop over the keys, not a Python one
+    if lengths and lengths != {size}:
+        wrong = next(n for n in lengths if n != size)
+        raise BadRequest(f"chunk hashes must be {size} bytes ({ctx.config.storage.hash_algorithm}), got {wrong}")
     return context, context.keys(hashes, body.cache_salt)
 
 
