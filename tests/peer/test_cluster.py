@@ -189,6 +189,31 @@ def test_garbage_and_a_connection_closed_mid_page_are_misses_then_service_comes_
         assert check_pages(reader, "g", 4, SIZE) == {"hit": 4, "miss": 0, "wrong": 0}
 
 
+def test_a_flipped_byte_in_any_received_piece_of_a_large_page_is_a_miss():
+    """Readers receive a page in pieces and hash each as it lands: a byte flipped in a later piece (or
+    in the short last one) must fail the page as surely as one in the first."""
+    from kvdepot.peer.dataplane import RECV_PIECE_BYTES
+
+    size = 2 * RECV_PIECE_BYTES + 4096
+    with store() as owner, store(owner.node_id) as reader:
+        wait_for(lambda: members_of(reader) == 2, 10, "two members")
+        names = keys("L", 1)
+        assert owner.batch_set(names, [page_bytes(names[0], size)]) == [True]
+        assert check_pages(reader, "L", 1, size)["hit"] == 1
+        entry = owner.node.pool.acquire(names[0].encode())
+        view = owner.node.pool.view(entry)
+        try:
+            for offset in (RECV_PIECE_BYTES + 7, size - 1):
+                view[offset] ^= 0xFF
+                garbage_before = reader.node._transport.garbage
+                assert check_pages(reader, "L", 1, size) == {"hit": 0, "miss": 1, "wrong": 0}
+                assert reader.node._transport.garbage > garbage_before
+                view[offset] ^= 0xFF
+        finally:
+            owner.node.pool.release(entry)
+        assert check_pages(reader, "L", 1, size) == {"hit": 1, "miss": 0, "wrong": 0}
+
+
 def test_evictions_under_concurrent_reads_never_hand_out_wrong_bytes():
     """The owner's pool holds 16 pages; a writer keeps rewriting 48 keys (new versions evict old pages)
     while four reader threads on another node read them: every hit must be one of the versions written."""

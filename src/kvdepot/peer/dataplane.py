@@ -205,6 +205,7 @@ class DataServer:
 
 
 _TIMEVAL = struct.Struct("@ll")
+RECV_PIECE_BYTES = 256 << 10  # what a reader receives per call and hashes at once (fits a core's cache)
 
 
 def _arm(conn: socket.socket, deadline: float) -> None:
@@ -318,17 +319,22 @@ class TcpTransport:
                 log.warning("peer data plane: reply of %d bytes (status %d) for a page of %d: connection dropped", length, status, p.length)
                 return False
             view = p.dest
+            running = xxhash.xxh3_128()
             got = 0
             while got < length:
-                # The whole page in one call, the GIL released throughout; it returns short only when
-                # the armed timeout fires (then the deadline has passed) or a signal interrupts it.
-                k = conn.recv_into(view[got:], length - got, socket.MSG_WAITALL)
+                # A piece per call, the GIL released throughout, hashed while it is still in the cache
+                # and while the next piece arrives (one hash pass over the whole page afterwards read it
+                # from memory again, with the socket idle). A call returns short only when the armed
+                # timeout fires (the deadline has passed) or a signal interrupts it.
+                want = min(RECV_PIECE_BYTES, length - got)
+                k = conn.recv_into(view[got : got + want], want, socket.MSG_WAITALL)
                 if k == 0:
                     raise ConnectionError("peer closed the connection mid-page")
+                running.update(view[got : got + k])
                 got += k
-                if got < length:
+                if k < want:
                     _arm(conn, deadline)
-            if xxhash.xxh3_128_digest(view) != p.checksum:
+            if running.digest() != p.checksum:
                 self.garbage += 1
                 out[i] = PageOutcome.CORRUPT
                 log.warning("peer data plane: a page failed its checksum: a miss, connection dropped")
