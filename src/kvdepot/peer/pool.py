@@ -27,6 +27,7 @@ import numpy as np
 import xxhash
 
 from kvdepot.storage.allocator import ExtentAllocator
+from kvdepot.storage.l2.envelope import copy_hashed
 
 ALIGNMENT = 4096
 
@@ -92,9 +93,12 @@ class PublishedPool:
         dest = self._view[offset : offset + size]
         if strided:  # a page spread over a strided host pool: gathered straight into the pool, one copy
             np.copyto(np.frombuffer(dest, dtype=data.dtype).reshape(data.shape), data)
+            digest = xxhash.xxh3_128_digest(dest)
         else:
-            dest[:] = src
-        entry = PoolEntry(key, offset, size, 0, xxhash.xxh3_128_digest(dest))
+            running = xxhash.xxh3_128()
+            copy_hashed(running, src, dest)  # the copy and its checksum in one pass over memory
+            digest = running.digest()
+        entry = PoolEntry(key, offset, size, 0, digest)
         with self._lock:
             self._generation += 1
             entry.generation = self._generation
