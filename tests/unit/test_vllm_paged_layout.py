@@ -116,3 +116,18 @@ def test_formats_never_share_a_model_id_and_the_setting_picks_one() -> None:
     assert choose_format(CacheFormat(RAW, "amx"), "native") == CacheFormat(NATIVE, "amx")
     with pytest.raises(ValueError):
         choose_format(probed, "fast")
+
+
+def test_a_block_id_outside_the_cache_is_refused_before_anything_is_copied() -> None:
+    src = cache(np.float32, 5)
+    before = [a.copy() for a in src]
+    chunk = chunk_for(np.float32, 2)
+    chunk[:] = 7
+    paged = PagedKV(src, BS, D, CacheFormat(NATIVE, "vec"))
+    for bad in ([1, NB], [-1, 2]):
+        with pytest.raises(IndexError):
+            paged.scatter(chunk, bad)
+        with pytest.raises(IndexError):
+            paged.gather(bad, chunk)
+    assert all(np.array_equal(a, b) for a, b in zip(src, before))
+    assert (chunk == 7).all()

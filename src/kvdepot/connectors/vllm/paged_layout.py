@@ -209,21 +209,29 @@ class _NativeBlocks:
         self.halves = [np.reshape(a, (nb, h, 2, bs * head_size), copy=False) for a in arrays]  # [block, head, K|V, run]
 
     def copy(self, chunk: np.ndarray, block_ids: Sequence[int], layers, to_cache: bool) -> None:
-        bs = self.block_size
-        if chunk.shape[2] != len(block_ids) * bs:
-            raise ValueError(f"the chunk holds {chunk.shape[2]} tokens, the blocks give {len(block_ids) * bs}")
+        bs, n = self.block_size, len(block_ids)
+        if chunk.shape[2] != n * bs:
+            raise ValueError(f"the chunk holds {chunk.shape[2]} tokens, the blocks give {n * bs}")
+        if not n:
+            return
+        ids = np.asarray(block_ids, dtype=np.intp)
+        blocks = self.halves[0].shape[0]
+        if ids.min() < 0 or ids.max() >= blocks:
+            raise IndexError(f"block ids {ids.min()}..{ids.max()} outside the cache's {blocks} blocks")
+        # One indexed copy per (layer, K or V) moves all the chunk's blocks in C: a Python call per block
+        # cost more than the copy itself (a 4k-token hit is thousands of 16-KiB runs).
         for layer in layers:
             half = self.halves[layer]
             if half.dtype != chunk.dtype:
                 half = half.view(chunk.dtype)  # bf16 is int16 from torch, uint16 from KVLayout
-            for k in range(2):
-                for j, b in enumerate(block_ids):
-                    rows = np.reshape(chunk[k, layer, j * bs : (j + 1) * bs], (self.heads, self.run), copy=False)
-                    cache = half[b, :, k]
-                    if to_cache:
-                        np.copyto(cache, rows)
-                    else:
-                        np.copyto(rows, cache)
+            rows = np.reshape(chunk[:, layer], (2, n, self.heads, self.run), copy=False)  # [K|V, block, head, run]
+            if to_cache:
+                # Seen as the cache's [block, head, K|V, run]: each block's bytes are written front to back, once.
+                half[ids] = rows.transpose(1, 2, 0, 3)
+            else:
+                # Gathered in C into a block-sized temporary (it stays in the cache), then laid out as
+                # the chunk's. (np.take on the cache's halves copies the whole cache first: not that.)
+                np.copyto(rows.transpose(1, 2, 0, 3), half[ids])
 
 
 def make_layout(num_layers: int, num_kv_heads: int, head_size: int, torch_dtype) -> KVLayout:
