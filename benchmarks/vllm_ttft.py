@@ -248,13 +248,15 @@ class FloorRecord:
     loaded_mib: float = 0.0
 
 
-def run_floor(model: TinyModel, s: Scale, work: Path, docs: int) -> list[FloorRecord]:
-    """kvdepot hit vs vLLM's own prefix-cache hit of the same prompt, in one engine, interleaved."""
+def run_floor(model: TinyModel, s: Scale, work: Path, docs: int, layerwise: bool = False) -> list[FloorRecord]:
+    """kvdepot hit vs vLLM's own prefix-cache hit of the same prompt, in one engine, interleaved.
+    ``layerwise``: the connector's layerwise loads (layer N+1 copied while layer N computes)."""
     wd = work / "floor"
     wd.mkdir(parents=True, exist_ok=True)
     server = kvdepot_server(wd)
     engine = Engine(
-        model, connector_config(server.url, chunk_size=CHUNK, model_name=MODEL_NAME), wd, name="engine-floor",
+        model, connector_config(server.url, chunk_size=CHUNK, model_name=MODEL_NAME, **({"layerwise": True} if layerwise else {})),
+        wd, name="engine-floor",
         max_model_len=s.max_model_len, llm_kwargs={"max_num_batched_tokens": s.max_model_len}, kvcache_gb=2,
         env_extra={"OMP_NUM_THREADS": "1"},
     )  # fmt: skip
@@ -313,6 +315,8 @@ def report_floor(recs: list[FloorRecord]) -> dict:
         print(f"- a kvdepot hit costs {extra * 1e3:.0f} ms more than vLLM's own: {gbps:.2f} GB/s effective for the bytes it brings "
               f"= {extra and floor / extra:.2f} x memcpy (target >= 0.5); the load itself is "
               f"{load['load_ms'] / (extra * 1e3):.0%} of that")  # fmt: skip
+    pairs = sorted(k.ttft_s / o.ttft_s for o, k in zip(by["own"], by["kvdepot"]))
+    print(f"- per document, kvdepot's hit / vLLM's own: {', '.join(f'{x:.2f}' for x in pairs)} (median {statistics.median(pairs):.2f})")
     print(f"- the two hits gave the same greedy tokens in {same}/{len(by['own'])} documents\n")
     return {"cold_s": cold, "own_s": own, "kvdepot_s": kvd, "ratio": kvd / own, "memcpy_s": floor, **load}
 
@@ -504,6 +508,7 @@ def main() -> None:
     ap.add_argument("--configs", default="none,kvdepot,lmcache")
     ap.add_argument("--repeats", type=int, default=1, help="run the workloads this many times, with fresh prompts each time")
     ap.add_argument("--floor", type=int, default=4, help="documents for the kvdepot-hit vs vLLM's-own-hit comparison (0: none)")
+    ap.add_argument("--floor-layerwise", action="store_true", help="the floor's engine loads layer by layer (connector option layerwise)")
     ap.add_argument("--miss", type=int, default=0, metavar="N",
                     help="the miss path against no connector, request by request: at least N fresh prompts (0: none)")
     ap.add_argument("--miss-max", type=int, default=60, help="at most this many prompts for --miss (default: %(default)s)")
@@ -523,7 +528,7 @@ def main() -> None:
     floor: list[FloorRecord] = []
     if args.floor:
         print(f"[{time.monotonic() - t_start:6.0f}s] floor ...", flush=True)
-        floor = run_floor(model, s, work, args.floor)
+        floor = run_floor(model, s, work, args.floor, args.floor_layerwise)
         for r in floor:
             print(f"  doc{r.doc} {r.kind:7} len={r.prompt_len:5} cached={r.cached:5} ttft={1000 * r.ttft_s:7.0f} ms "
                   f"load={r.load_ms:6.1f} ms", flush=True)  # fmt: skip
