@@ -739,3 +739,25 @@ def test_get_returns_a_snapshot(make_table):
     snap = t.get(k(1))
     snap.readers = 7
     assert t.get(k(1)).readers == 0
+
+
+@pytest.mark.parametrize("name", ["lru", "isolated_lru"])
+def test_a_run_of_accesses_orders_keys_as_one_access_per_key_head_last(name):
+    """``on_access_run`` (one call per lookup) must leave the same eviction order as touching the run's
+    keys one by one, tail first: the prompt's head ends most recent. Untracked keys are ignored."""
+    import random
+
+    rng = random.Random(7)
+    keys = [ObjectKey(bytes([i]) * 8) for i in range(20)]
+    one, run = make_policy(name), make_policy(name)
+    for p in (one, run):
+        for k in keys:
+            p.on_ready(k, "", 1)
+    for _ in range(50):
+        picked = rng.sample(keys, rng.randint(0, 8)) + [ObjectKey(b"untracked")]
+        for k in reversed(picked):
+            one.on_access(k)
+        run.on_access_run(picked)
+        assert list(one.candidates()) == list(run.candidates())
+    run.on_access_run([keys[3], keys[5]])
+    assert list(run.candidates())[-2:] == [keys[5], keys[3]]
