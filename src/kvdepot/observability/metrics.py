@@ -101,7 +101,8 @@ class Metrics:
         self._models: set[str] = set()
         self._models_lock = threading.Lock()
         # Per model, the children lookups count into: labels() costs microseconds and every lookup
-        # would pay it several times. Filled under the lock, read without it (a dict read is atomic).
+        # would pay it several times. No lock: a dict's get and set are atomic, and two threads that
+        # both miss get the same child from labels().
         self._lookup_children: dict[str, tuple[Any, Any, Any]] = {}
         self._hit_children: dict[tuple[str, str], Any] = {}
 

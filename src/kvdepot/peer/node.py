@@ -27,7 +27,6 @@ import threading
 import time
 from collections.abc import Sequence
 
-import xxhash
 import zmq
 
 from kvdepot.errors import KVDepotError
@@ -45,7 +44,7 @@ from kvdepot.rpc.channel import Heartbeat, PendingCall, RpcChannel
 from kvdepot.rpc.dispatch import Call, HandlerMode, HandlerSpec, Reply
 from kvdepot.rpc.security import CurveSecurity
 from kvdepot.rpc.server import RpcServer
-from kvdepot.storage.l2.envelope import copy_hashed
+from kvdepot.storage.l2.envelope import copy_digest
 
 log = logging.getLogger(__name__)
 
@@ -621,12 +620,11 @@ class PeerNode:
             dst = memoryview(dest).cast("B")
             if dst.nbytes != entry.length:
                 return PageOutcome.MISS
-            running = xxhash.xxh3_128()
-            copy_hashed(running, self.pool.view(entry), dst)  # one pass: the copy and its check
+            digest = copy_digest(self.pool.view(entry), dst)  # one pass: the copy and its check
         finally:
             self.pool.release(entry)
         # Checked here too: the pool is plain memory that a stray write could have hit.
-        return PageOutcome.HIT if running.digest() == loc.checksum else PageOutcome.CORRUPT
+        return PageOutcome.HIT if digest == loc.checksum else PageOutcome.CORRUPT
 
     def _metrics_state(self) -> dict[str, float]:
         s = self.pool.stats()

@@ -27,7 +27,7 @@ import numpy as np
 import xxhash
 
 from kvdepot.storage.allocator import ExtentAllocator
-from kvdepot.storage.l2.envelope import copy_hashed
+from kvdepot.storage.l2.envelope import copy_digest
 
 ALIGNMENT = 4096
 
@@ -95,9 +95,7 @@ class PublishedPool:
             np.copyto(np.frombuffer(dest, dtype=data.dtype).reshape(data.shape), data)
             digest = xxhash.xxh3_128_digest(dest)
         else:
-            running = xxhash.xxh3_128()
-            copy_hashed(running, src, dest)  # the copy and its checksum in one pass over memory
-            digest = running.digest()
+            digest = copy_digest(src, dest)  # the copy and its checksum in one pass over memory
         entry = PoolEntry(key, offset, size, 0, digest)
         with self._lock:
             self._generation += 1

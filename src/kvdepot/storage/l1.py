@@ -417,11 +417,7 @@ class ObjectTable:
             if not found:
                 return ReadLock(NO_LEASE, [])
             lease_id = LeaseId(next(self._ids))
-            newly_read = 0
-            for obj in found:  # _add_reader_locked, inlined: this runs per chunk of every lookup
-                obj.readers += 1
-                newly_read += obj.readers == 1
-            self._counters.read_locked += newly_read
+            self._add_readers_locked(found)
             locked = list(keys[: len(found)])
             self._policy.on_access_run(locked)
             self._add_lease_locked(Lease(lease_id, LeaseKind.READ, owner, locked, self._deadline(ttl_s), session, toucher))
@@ -437,8 +433,7 @@ class ObjectTable:
             if not found:
                 return NO_LEASE, []
             lease_id = LeaseId(next(self._ids))
-            for obj in found:
-                self._add_reader_locked(obj)
+            self._add_readers_locked(found)
             self._add_lease_locked(
                 Lease(lease_id, LeaseKind.READ, owner, [o.key for o in found], self._deadline(ttl_s), toucher=toucher)
             )
@@ -485,15 +480,10 @@ class ObjectTable:
                 return self._let_go_locked(held)
             lease = self._get_lease_locked(lease_id, owner, LeaseKind.READ)
             keys = lease.keys
-            stop = len(keys) if end is None or end < 0 else min(end, len(keys))
             start = max(0, start)
-            if start == 0 and stop == len(keys):  # the whole lease (the common end of a request)
-                released = self._unlock_reads_locked(keys)
-                keys[:] = [None] * len(keys)
-                self._forget_lease_locked(lease)
-                return released
+            stop = len(keys) if end is None or end < 0 else min(end, len(keys))
             released = self._unlock_reads_locked(keys[start:stop])
-            keys[start:stop] = [None] * (stop - start)
+            keys[start:stop] = [None] * max(0, stop - start)
             if all(k is None for k in keys):
                 self._forget_lease_locked(lease)
             return released
@@ -805,13 +795,17 @@ class ObjectTable:
             obj = self._objects[key]
             self._policy.on_ready(key, obj.salt, obj.size)
 
-    def _add_reader_locked(self, obj: L1Object) -> None:
-        obj.readers += 1
-        if obj.readers == 1:
-            self._counters.read_locked += 1
+    def _add_readers_locked(self, objects: list[L1Object]) -> None:
+        """One more read lock on each object (one call per request: a lookup locks every chunk)."""
+        newly_read = 0
+        for obj in objects:
+            obj.readers += 1
+            newly_read += obj.readers == 1
+        self._counters.read_locked += newly_read
 
     def _unlock_reads_locked(self, keys: list[ObjectKey | None]) -> int:
-        """:meth:`_unlock_read_locked` for each key that is not None (released already); how many."""
+        """Drop one read lock on each key that is not None (released already); an object that was
+        cleared while read goes once its last reader lets go. Returns how many locks were dropped."""
         objects, released, unread, doomed = self._objects, 0, 0, []
         for key in keys:
             if key is None:
@@ -827,14 +821,6 @@ class ObjectTable:
         for obj in doomed:
             self._remove_locked(obj)
         return released
-
-    def _unlock_read_locked(self, key: ObjectKey) -> None:
-        obj = self._objects[key]
-        obj.readers -= 1
-        if obj.readers == 0:
-            self._counters.read_locked -= 1
-            if obj.doomed:
-                self._remove_locked(obj)
 
     def _add_lease_locked(self, lease: Lease) -> None:
         self._leases[lease.id] = lease
@@ -892,9 +878,7 @@ class ObjectTable:
             if lease.kind is LeaseKind.WRITE:
                 self._drop_write_locked(lease)
             else:
-                for key in lease.keys:
-                    if key is not None:
-                        self._unlock_read_locked(key)
+                self._unlock_reads_locked(lease.keys)
             return
         lease.state = LeaseState.QUARANTINED
         self._quarantine[lease.id] = lease
@@ -921,11 +905,8 @@ class ObjectTable:
                 self._counters.quarantined_bytes -= size
             lease.held.clear()
         else:
-            for i, key in enumerate(lease.keys):
-                if key is not None:
-                    self._unlock_read_locked(key)
-                    lease.keys[i] = None
-                    released += 1
+            released = self._unlock_reads_locked(lease.keys)
+            lease.keys[:] = [None] * len(lease.keys)
         return released
 
     def _held_bytes_locked(self, lease: Lease) -> int:

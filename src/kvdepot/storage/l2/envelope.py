@@ -73,6 +73,13 @@ def copy_hashed(running: xxhash.xxh3_128, src, dst: memoryview) -> None:
         running.update(piece)
 
 
+def copy_digest(src, dst: memoryview) -> bytes:
+    """Copy ``src`` into ``dst`` and return the xxh3-128 of the bytes as written (no key), in one pass."""
+    running = xxhash.xxh3_128()
+    copy_hashed(running, src, dst)
+    return running.digest()
+
+
 def encode_header(key: bytes, payload) -> bytes:
     """The header plus the key: write these bytes, then the payload."""
     return encode_header_with(key, memoryview(payload).nbytes, checksum(key, payload))
@@ -92,14 +99,38 @@ def decode_header(data: bytes | memoryview) -> Header:
     return Header(key_len, payload_len, csum)
 
 
-def verify(key: bytes, header: Header, stored_key: bytes | memoryview, payload) -> None:
-    """Raise CorruptObject unless ``stored_key``/``payload`` are exactly what ``header`` promises."""
+def check_key(key: bytes, stored_key: bytes | memoryview) -> None:
     if bytes(stored_key) != key:
         raise CorruptObject("object is filed under another key")
+
+
+def check_digest(header: Header, running: xxhash.xxh3_128) -> None:
+    """Raise CorruptObject unless the bytes fed to ``running`` are the ones ``header`` promises."""
+    if running.digest() != header.checksum:
+        raise CorruptObject("checksum mismatch")
+
+
+def _check_length(header: Header, payload) -> None:
     if memoryview(payload).nbytes != header.payload_len:
         raise CorruptObject(f"payload has {memoryview(payload).nbytes} bytes, header says {header.payload_len}")
+
+
+def verify(key: bytes, header: Header, stored_key: bytes | memoryview, payload) -> None:
+    """Raise CorruptObject unless ``stored_key``/``payload`` are exactly what ``header`` promises."""
+    check_key(key, stored_key)
+    _check_length(header, payload)
     if checksum(key, payload) != header.checksum:
         raise CorruptObject("checksum mismatch")
+
+
+def copy_verified(key: bytes, header: Header, stored_key: bytes | memoryview, payload, dst: memoryview) -> None:
+    """:func:`verify` and a copy of ``payload`` into ``dst``, in one pass over the bytes: what is
+    checked is what the caller got. On CorruptObject ``dst`` holds garbage, which the caller discards."""
+    check_key(key, stored_key)
+    _check_length(header, payload)
+    running = start_checksum(key)
+    copy_hashed(running, payload, dst)
+    check_digest(header, running)
 
 
 def encode(key: bytes, payload) -> bytes:
@@ -119,9 +150,4 @@ def decode_into(key: bytes, data: bytes | memoryview, dest) -> None:
     dst = memoryview(dest).cast("B")
     if dst.nbytes != header.payload_len:
         raise DestinationMismatch(f"destination holds {dst.nbytes} bytes, object {header.payload_len}")
-    if bytes(stored_key) != key:
-        raise CorruptObject("object is filed under another key")
-    running = start_checksum(key)
-    copy_hashed(running, payload, dst)  # what reaches the caller is what is checked
-    if running.digest() != header.checksum:
-        raise CorruptObject("checksum mismatch")
+    copy_verified(key, header, stored_key, payload, dst)

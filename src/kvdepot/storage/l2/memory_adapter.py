@@ -88,14 +88,7 @@ class MemoryAdapter(BackendAdapter):
         dst = memoryview(dest).cast("B")
         if dst.nbytes != header.payload_len:
             raise envelope.DestinationMismatch(f"destination holds {dst.nbytes} bytes, object {header.payload_len}")
-        if head[envelope.HEADER_BYTES :] != key:
-            raise envelope.CorruptObject("object is filed under another key")
-        if body.nbytes != header.payload_len:
-            raise envelope.CorruptObject(f"payload has {body.nbytes} bytes, header says {header.payload_len}")
-        running = envelope.start_checksum(key)
-        envelope.copy_hashed(running, body, dst)  # checks the bytes the caller gets, in the copy's one pass
-        if running.digest() != header.checksum:
-            raise envelope.CorruptObject("checksum mismatch")
+        envelope.copy_verified(key, header, head[envelope.HEADER_BYTES :], body, dst)
         return True
 
     def _contains(self, keys: list[ObjectKey]) -> list[bool]:

@@ -255,8 +255,7 @@ class ValkeyAdapter(BackendAdapter):
             raise DestinationMismatch(f"destination holds {dst.nbytes} bytes, object {header.payload_len}")
         if nparts != math.ceil(header.payload_len / part_bytes):
             raise CorruptObject(f"manifest names {nparts} parts of {part_bytes} bytes for {header.payload_len}")
-        if bytes(body[envelope.HEADER_BYTES :]) != key:
-            raise CorruptObject("object is filed under another key")
+        envelope.check_key(key, body[envelope.HEADER_BYTES :])
         names = self.part_names(key, meta)
         per_round = max(1, _MGET_BYTES // part_bytes)
         running = envelope.start_checksum(key)
@@ -271,8 +270,7 @@ class ValkeyAdapter(BackendAdapter):
                     raise CorruptObject(f"part has {len(value)} bytes, expected {size}")
                 envelope.copy_hashed(running, value, dst[pos : pos + size])
                 pos += size
-        if running.digest() != header.checksum:  # of the bytes as they reached the caller
-            raise CorruptObject("checksum mismatch")
+        envelope.check_digest(header, running)  # of the bytes as they reached the caller
         return True
 
     def _contains(self, keys: list[ObjectKey]) -> list[bool]:
