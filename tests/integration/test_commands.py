@@ -47,6 +47,18 @@ def test_bench_transfer_reports_every_row_against_its_limit(tmp_path):
             assert float(row["ratio"]) > 0, (name, row)  # every figure stands next to its limit
 
 
+def test_bench_peer_reports_first_reads_and_reads_again_against_the_raw_socket(tmp_path):
+    out_json = tmp_path / "peer.json"
+    run("bench", "peer", "--quick", "--sizes-kib", "256", "--threads", "1", "--json", str(out_json), cwd=tmp_path)
+    rows = {r["metric"]: r for r in json.loads(out_json.read_text())["rows"]}
+    for name in ("remote get 256 KiB pages, 1 thread", "remote get 256 KiB pages, 1 thread, read again", "set 256 KiB pages"):
+        assert any(n.startswith(name) for n in rows), f"no {name!r} row in {list(rows)}"
+    for name, row in rows.items():
+        assert measured(row["value"]) > 0, (name, row)
+        if row["ratio"]:
+            assert float(row["ratio"].split()[0]) > 0, (name, row)
+
+
 def test_bench_load_runs_every_client_count_and_path(tmp_path):
     """Several client processes against one server, both paths, own and shared prompts: every run
     completed rounds in its window and moved bytes (a client that reads wrong counts raises)."""

@@ -374,6 +374,11 @@ class PeerMetrics:
         self.lookups = Counter("kvdepot_peer_lookups", "Keys looked up in the directory, by result (found, missing).", ["result"], registry=r)
         self.decisions = Counter("kvdepot_peer_pull_decisions", "Pull-or-recompute decisions, by decision and reason.", ["decision", "reason"],
                                  registry=r)  # fmt: skip
+        self.remembered_locations = Counter("kvdepot_peer_remembered_locations",
+                                            "Keys read from where this node found them shortly before, without a directory lookup.",
+                                            registry=r)  # fmt: skip
+        self.relookups = Counter("kvdepot_peer_relookups", "Located pages their owner no longer served (evicted, rewritten or promoted "
+                                 "meanwhile, or a remembered location gone stale): looked up again.", registry=r)  # fmt: skip
         self.hints = Counter("kvdepot_peer_hints", "Pages asked of a router's hinted node, by result (found, missing).", ["result"], registry=r)
         self.read_seconds = Histogram("kvdepot_peer_read_seconds", "One batched read (lookup excluded).", registry=r,
                                       buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2))  # fmt: skip
@@ -413,6 +418,12 @@ class PeerMetrics:
         self.hints.labels("found").inc(found)
         self.hints.labels("missing").inc(missing)
 
+    def remembered(self, n: int) -> None:
+        self.remembered_locations.inc(n)
+
+    def stale(self, n: int) -> None:
+        self.relookups.inc(n)
+
     def looked_up(self, found: int, missing: int) -> None:
         self.lookups.labels("found").inc(found)
         self.lookups.labels("missing").inc(missing)
@@ -438,6 +449,8 @@ class PeerMetrics:
             "lookups": counts(self.lookups),
             "pull_decisions": {f"{d['decision']}/{d['reason']}": v for d, v in labelled(self.decisions)},
             "hints": counts(self.hints),
+            "remembered_locations": counts(self.remembered_locations).get("", 0),
+            "relookups": counts(self.relookups).get("", 0),
             "read_latency_s": self.quantiles("read"),
             "write_latency_s": self.quantiles("write"),
         }

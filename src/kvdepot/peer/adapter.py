@@ -15,24 +15,18 @@ request path.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any
 
 from kvdepot.peer.config import PeerConfig
 from kvdepot.peer.dataplane import PageOutcome
 from kvdepot.peer.node import PeerNode
-from kvdepot.protocol.messages import PeerLocation
 from kvdepot.storage.l2.backend import BackendAdapter
 from kvdepot.storage.l2.contract import AdapterType, LookupHints, TierServices
 from kvdepot.storage.l2.envelope import RejectedObject
 from kvdepot.types import ObjectKey, leading_run
 
 log = logging.getLogger(__name__)
-
-LOCATED_TTL_S = 2.0  # a lookup's locations serve the load that follows within this long
-LOCATED_KEPT = 65536
-
 
 class PeerAdapter(BackendAdapter):
     kind = "peer"
@@ -41,10 +35,6 @@ class PeerAdapter(BackendAdapter):
         super().__init__(name, workers=config.workers, services=services)
         self.config = config
         self.node = PeerNode(config)
-        # Locations a lookup just resolved, for the load that follows it (one directory round saved;
-        # a stale one is the owner's generation check's business: a miss, never other bytes).
-        self._located: dict[bytes, tuple[float, PeerLocation]] = {}
-        self._located_lock = threading.Lock()
 
     def start(self) -> None:
         self.node.start()
@@ -62,12 +52,8 @@ class PeerAdapter(BackendAdapter):
         deadline = time.monotonic() + self.config.timeout_s
         views = [memoryview(d).cast("B") for _, d in pairs]
         keys = [bytes(k) for k, _ in pairs]
-        locations = self._recently_located(keys)
-        missing = [i for i, loc in enumerate(locations) if loc is None]
-        if missing:
-            for i, loc in zip(missing, self.node.resolve([keys[i] for i in missing], deadline), strict=True):
-                locations[i] = loc
-        outcomes, located = self.node.fetch(keys, views, deadline, located=locations)
+        # Where the lookup just found them (the node remembers): no second directory round.
+        outcomes, located = self.node.fetch(keys, views, deadline)
         for (key, _), loc, outcome in zip(pairs, located, outcomes, strict=True):
             if outcome is PageOutcome.CORRUPT:
                 self._count("corrupt")
@@ -99,28 +85,11 @@ class PeerAdapter(BackendAdapter):
         estimated faster than recomputing it (else: a miss, and the decision is counted)."""
         deadline = time.monotonic() + self.config.timeout_s
         raw = [bytes(k) for k in keys]
-        locations = self.node.resolve(raw, deadline, hints.source if hints is not None else "")
+        locations = self.node.resolve(raw, deadline, hints.source if hints is not None else "", remembered=False)
         n = leading_run(loc is not None for loc in locations)
         recompute_s = hints.recompute_s(n) if hints is not None else None
         worth = self.node.worth_pulling(locations[:n], recompute_s)
-        locations = worth + locations[n:]
-        now = time.monotonic()
-        with self._located_lock:
-            if len(self._located) > LOCATED_KEPT:
-                self._located = {k: v for k, v in self._located.items() if now - v[0] < LOCATED_TTL_S}
-            for key, loc in zip(raw, locations, strict=True):
-                if loc is not None:
-                    self._located[key] = (now, loc)
-        return [loc is not None for loc in locations]
-
-    def _recently_located(self, keys: list[bytes]) -> list[PeerLocation | None]:
-        now = time.monotonic()
-        out: list[PeerLocation | None] = []
-        with self._located_lock:
-            for key in keys:
-                hit = self._located.pop(key, None)
-                out.append(hit[1] if hit is not None and now - hit[0] < LOCATED_TTL_S else None)
-        return out
+        return [loc is not None for loc in worth + locations[n:]]
 
     def _delete(self, key: ObjectKey) -> None:
         self.node.delete(bytes(key))

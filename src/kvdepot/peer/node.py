@@ -15,7 +15,10 @@ re-publishes this node's pages to their owners under the new ring (so the direct
 
 Reads: resolve every key at its owner (a failed or empty answer falls back to the next replica; a node
 that failed a call is skipped for ``SUSPECT_S``), then pull the pages, grouped by the node that holds
-them, straight into the caller's buffers; a page held here is one memcpy. Every failure is a miss.
+them, straight into the caller's buffers; a page held here is one memcpy. Every failure is a miss. A
+read remembers where it found pages (``locations.py``) for ``location_cache_s``: reading one again
+skips the directory; a remembered location that went stale is one miss on the data plane, then a
+fresh lookup.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from kvdepot.peer.config import PeerConfig
 from kvdepot.peer.dataplane import PageOutcome, PageRead, TcpTransport
 from kvdepot.peer.directory import DirectoryShard
 from kvdepot.peer.discovery import MemberTable, masters_of, ordered
+from kvdepot.peer.locations import LocationCache
 from kvdepot.peer.planner import PullPlanner
 from kvdepot.peer.pool import PoolEntry, PublishedPool
 from kvdepot.peer.ring import HashRing
@@ -102,6 +106,7 @@ class PeerNode:
         self.metrics = PeerMetrics(self._metrics_state)
         self._metrics_server = None
         self.planner = PullPlanner()
+        self.located = LocationCache(config.location_cache_s)
 
     def __repr__(self) -> str:
         return f"PeerNode({self.info.id if self.info else '?'}, {self.state.value}, {len(self._members)} members)"
@@ -204,6 +209,7 @@ class PeerNode:
         out: list[bool] = []
         published: list[PoolEntry] = []
         evicted: list[PoolEntry] = []
+        self.located.forget(key for key, _ in items)  # a copy here now: read that, not a remote one
         for key, data in items:
             _check_key(key)
             entry, gone = self.pool.put(key, data)
@@ -255,6 +261,7 @@ class PeerNode:
             self._unpublish(gone)
 
     def delete(self, key: bytes) -> bool:
+        self.located.forget([key])
         entry = self.pool.remove(key)
         found = entry is not None
         if self.disk is not None and self.disk.has(key):
@@ -268,6 +275,7 @@ class PeerNode:
         return found
 
     def clear(self) -> int:
+        self.located.clear()
         gone = self.pool.clear()
         n = len(gone)
         if self.disk is not None:
@@ -311,20 +319,26 @@ class PeerNode:
 
     # --- reads ---------------------------------------------------------------------------------------
 
-    def resolve(self, keys: Sequence[bytes], deadline: float, hint: str = "") -> list[PeerLocation | None]:
-        """Where each key's page can be read from (None: nowhere known). ``hint`` (a router's
-        ``host[:port]`` of where the KV lives) is asked first, for its own pages; what it does not hold
-        is looked up in the directory as usual (a wrong hint costs one round trip, never an error)."""
+    def resolve(self, keys: Sequence[bytes], deadline: float, hint: str = "", *, remembered: bool = True) -> list[PeerLocation | None]:
+        """Where each key's page can be read from (None: nowhere known). ``remembered``: a location
+        this node read or looked up within ``location_cache_s`` is taken as it is (a read checks it
+        anyway); False asks the directory for every key (an existence check, a stale location). What
+        is found is remembered either way. ``hint`` (a router's ``host[:port]`` of where the KV lives)
+        is asked first, for its own pages; what it does not hold is looked up in the directory as
+        usual (a wrong hint costs one round trip, never an error)."""
         for key in keys:
             _check_key(key)
-        found: list[PeerLocation | None] = [None] * len(keys)
         ring = self._ring
         now = time.monotonic()
         with self._view_lock:
             usable = {nid for nid in self._members if self._suspects.get(nid, 0.0) <= now}
-        pending = list(range(len(keys)))
-        if hint:
-            pending = self._ask_hinted(hint, keys, found, usable, deadline)
+        found = self.located.get_many(keys, usable) if remembered else [None] * len(keys)
+        pending = [i for i, loc in enumerate(found) if loc is None]
+        if len(pending) < len(keys):
+            self.metrics.remembered(len(keys) - len(pending))
+        asked = pending
+        if hint and pending:
+            pending = self._ask_hinted(hint, keys, found, usable, deadline, pending)
         wanted = set(pending)
         owners = [ring.owners(k, self.config.directory_replicas) if i in wanted else [] for i, k in enumerate(keys)]
         for replica in range(self.config.directory_replicas):
@@ -335,22 +349,25 @@ class PeerNode:
             pending = self._ask_many(by_owner, keys, found, usable, deadline)
             if not pending or time.monotonic() >= deadline:
                 break
-        hit = sum(loc is not None for loc in found)
-        self.metrics.looked_up(hit, len(found) - hit)
+        hit = sum(found[i] is not None for i in asked)
+        self.metrics.looked_up(hit, len(asked) - hit)
+        self.located.put_many(found[i] for i in asked)
         return found
 
-    def _ask_hinted(self, hint: str, keys: Sequence[bytes], found: list[PeerLocation | None], usable: set[str], deadline: float) -> list[int]:
-        """Fill ``found`` from the hinted node(s)' own pages; returns the indices still to look up."""
+    def _ask_hinted(self, hint: str, keys: Sequence[bytes], found: list[PeerLocation | None], usable: set[str], deadline: float,
+                    pending: list[int]) -> list[int]:  # fmt: skip
+        """Fill ``found[i]`` for ``i`` in ``pending`` from the hinted node(s)' own pages; returns the
+        indices still to look up."""
         host, _, port = hint.strip().rpartition(":") if ":" in hint else (hint.strip(), "", "")
         with self._view_lock:
             members = list(self._members.values())
         nodes = [n.id for n in members if n.id == hint.strip()] or [n.id for n in members if n.host == (host or hint.strip())]
-        pending = list(range(len(keys)))
+        asked = len(pending)
         for node in nodes:
             if node not in usable or not pending:
                 continue
             pending = self._ask_many({node: pending}, keys, found, usable, deadline, own_pages=True)
-        self.metrics.hinted(len(keys) - len(pending), len(pending))
+        self.metrics.hinted(asked - len(pending), len(pending))
         return pending
 
     def _ask_many(self, by_owner: dict[str, list[int]], keys: Sequence[bytes], found: list[PeerLocation | None], usable: set[str],
@@ -482,8 +499,11 @@ class PeerNode:
         sized = [loc if loc is not None and loc.length == memoryview(d).nbytes else None for loc, d in zip(locations, dests, strict=True)]
         out = self.read_into(sized, dests, deadline)
         again = [i for i, (o, loc) in enumerate(zip(out, sized, strict=True)) if o is PageOutcome.MISS and loc is not None]
+        self.located.forget(keys[i] for i, o in enumerate(out) if o is PageOutcome.CORRUPT)
         if again and time.monotonic() < deadline:
-            fresh = self.resolve([keys[i] for i in again], deadline)
+            self.metrics.stale(len(again))
+            self.located.forget(keys[i] for i in again)
+            fresh = self.resolve([keys[i] for i in again], deadline, remembered=False)
             retry = [(i, loc) for i, loc in zip(again, fresh, strict=True)
                      if loc is not None and loc.length == memoryview(dests[i]).nbytes and (loc.generation, loc.resident) != (sized[i].generation, sized[i].resident)]  # type: ignore[union-attr]  # fmt: skip
             if retry:

@@ -89,7 +89,9 @@ class PeerStore:
         ``hint`` (here and in every read): a router's ``host[:port]`` of the node that holds the pages,
         asked first; a wrong one falls back to the directory."""
         deadline = time.monotonic() + (timeout_s or self.config.timeout_s)
-        locations = self.node.resolve([_key(k) for k in keys], deadline, hint)
+        # Asked of the directory every time (what a scheduler plans around stays exact); a get that
+        # follows reads from the locations found here without asking again.
+        locations = self.node.resolve([_key(k) for k in keys], deadline, hint, remembered=False)
         self.node.warm(locations)  # pages found only on a disk: promoted now, for the read that follows
         return [loc is not None for loc in locations]
 

@@ -1,0 +1,81 @@
+"""What a reader remembers of where pages were (``peer/locations.py``), alone and in a live pair of nodes."""
+
+from __future__ import annotations
+
+import time
+
+from support.peer_cluster import check_names, keys, page_bytes, wait_for
+
+from kvdepot.peer import PeerStore
+from kvdepot.peer.locations import LocationCache
+from kvdepot.protocol.messages import PeerLocation
+
+FAST = {"heartbeat_interval_s": 0.3, "member_ttl_s": 1.5, "control_timeout_s": 0.5, "secret": "locations", "metrics_port": 0}
+SIZE = 128 << 10
+
+
+def loc(key: bytes, node: str = "n1", resident: bool = True, generation: int = 1) -> PeerLocation:
+    return PeerLocation(key=key, node=node, offset=0, length=8, generation=generation, checksum=b"\0" * 16, resident=resident)
+
+
+def test_remembers_resident_pages_on_usable_nodes_until_the_ttl():
+    cache = LocationCache(ttl_s=0.2)
+    cache.put_many([loc(b"a"), loc(b"b", node="n2"), loc(b"c", resident=False), None])
+    assert cache.get_many([b"a", b"b", b"c", b"d"], {"n1", "n2"}) == [loc(b"a"), loc(b"b", node="n2"), None, None]
+    # A node that left (or failed a call) is not read from, and what pointed there is dropped.
+    assert cache.get_many([b"a", b"b"], {"n1"}) == [loc(b"a"), None]
+    assert cache.get_many([b"b"], {"n1", "n2"}) == [None]
+    cache.forget([b"a"])
+    assert cache.get_many([b"a"], {"n1"}) == [None]
+    cache.put_many([loc(b"e", generation=7)])
+    time.sleep(0.3)
+    assert cache.get_many([b"e"], {"n1"}) == [None]
+    assert len(cache) == 0
+
+
+def test_a_newer_location_replaces_the_old_and_the_bound_keeps_the_newest():
+    cache = LocationCache(ttl_s=60, max_entries=8)
+    cache.put_many([loc(b"k", generation=1)])
+    cache.put_many([loc(b"k", generation=2)])
+    assert cache.get_many([b"k"], {"n1"})[0].generation == 2
+    cache.put_many([loc(bytes([i])) for i in range(9)])  # one more than the bound: shrunk to 3/4
+    assert len(cache) == 6
+    assert cache.get_many([bytes([8]), bytes([0])], {"n1"}) == [loc(bytes([8])), None]
+
+
+def test_a_zero_ttl_remembers_nothing():
+    cache = LocationCache(ttl_s=0)
+    cache.put_many([loc(b"a")])
+    assert not cache.enabled and len(cache) == 0 and cache.get_many([b"a"], {"n1"}) == [None]
+
+
+def test_a_page_read_again_skips_the_directory_and_a_stale_location_is_looked_up_again():
+    owner = PeerStore(port=0, data_port=0, pool_size_mb=16, **FAST)
+    reader = PeerStore(discovery=owner.node_id, port=0, data_port=0, pool_size_mb=16, **FAST)
+    try:
+        wait_for(lambda: len(reader.status()["members"]) == 2, 10, "two members")
+        names = keys("r", 4)
+        assert owner.batch_set(names, [page_bytes(n, SIZE, 1) for n in names]) == [True] * 4
+        assert check_names(reader, names, SIZE, [1]) == {"hit": 4, "miss": 0, "wrong": 0}
+        before = reader.node.metrics.summary()
+        assert check_names(reader, names, SIZE, [1]) == {"hit": 4, "miss": 0, "wrong": 0}
+        after = reader.node.metrics.summary()
+        assert after["remembered_locations"] - before["remembered_locations"] == 4
+        assert after["lookups"] == before["lookups"], "the directory was asked again"
+        # Rewritten (a new generation): the owner no longer serves the remembered one, so the reader
+        # looks the keys up again and reads the new bytes, never the old page's.
+        assert owner.batch_set(names, [page_bytes(n, SIZE, 2) for n in names]) == [True] * 4
+        assert check_names(reader, names, SIZE, [2]) == {"hit": 4, "miss": 0, "wrong": 0}
+        assert reader.node.metrics.summary()["relookups"] - after["relookups"] == 4
+        # Deleted: a clean miss, though the reader remembered where the pages were.
+        for n in names:
+            assert owner.delete(n)
+        assert check_names(reader, names, SIZE, [2]) == {"hit": 0, "miss": 4, "wrong": 0}
+        # An existence check always asks the directory: it never answers from memory.
+        assert owner.batch_set(names[:1], [page_bytes(names[0], SIZE, 3)]) == [True]
+        assert reader.batch_get(names[:1]) == [page_bytes(names[0], SIZE, 3)]
+        owner.delete(names[0])
+        assert reader.batch_exists(names[:1]) == 0
+    finally:
+        reader.close()
+        owner.close()
