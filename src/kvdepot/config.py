@@ -83,6 +83,8 @@ class RpcConfig(ConfigStruct, frozen=True, kw_only=True):
     port: Annotated[int, option("TCP port; 0 turns TCP off", ge=0, le=65535)] = 5555
     ipc_path: Annotated[str, option("also listen on ipc://IPC_PATH (empty: off)")] = ""
     workers: Annotated[int, option("threads for BLOCKING handlers", ge=1, le=256)] = 4
+    io_threads: Annotated[int, option("ZeroMQ I/O threads (each client connection is served by one; inline payloads to several clients move in parallel)",
+                                      ge=1, le=64)] = 2  # fmt: skip
     max_frame_mib: Annotated[int, option("largest payload frame in MiB", ge=1, le=256)] = MAX_FRAME_BYTES >> 20
     heartbeat_interval_s: Annotated[float, option("how often idle clients ping", gt=0)] = 1.0
     client_timeout_s: Annotated[float, option("a client silent this long is revoked and its leases end", gt=0)] = 10.0

@@ -73,6 +73,7 @@ class RpcServer:
         *,
         observer: RequestObserver | None = None,
         workers: int = 4,
+        io_threads: int = 1,
         max_frame_bytes: int = MAX_FRAME_BYTES,
         housekeeping: Callable[[], None] | None = None,
         housekeeping_interval_s: float = 0.1,
@@ -82,13 +83,16 @@ class RpcServer:
         events: EventSink = NO_EVENTS,
     ) -> None:
         """``goodbyes``: request types after which a client closes its connection on purpose (its
-        disconnect is then counted as a goodbye, not as a client that died)."""
+        disconnect is then counted as a goodbye, not as a client that died). ``io_threads``: ZeroMQ's
+        threads moving bytes between the sockets and the kernel; each connection is served by one, so
+        more than one lets inline payloads to several clients move at once."""
         self._endpoints = endpoints
         self._security = security  # None: plain sockets; else only clients with admitted keys get in
         self._handlers: dict[RequestType, HandlerSpec] = {}
         self.observer: RequestObserver = observer or _NoObserver()
         self._goodbye_types = frozenset(goodbyes)
         self._workers = workers
+        self._io_threads = io_threads
         self._max_frame = max_frame_bytes
         self._housekeeping = housekeeping
         self._hk_interval = housekeeping_interval_s
@@ -138,7 +142,7 @@ class RpcServer:
         is the memory barrier ZeroMQ asks for when a socket changes threads.)"""
         if self._router is not None:
             return
-        self._ctx = zmq.Context()
+        self._ctx = zmq.Context(io_threads=self._io_threads)
         try:
             self._router, self._monitor = self._bind()
         except BaseException:

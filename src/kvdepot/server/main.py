@@ -73,6 +73,7 @@ class KVDepotServer:
         self.rpc = RpcServer(
             config.rpc.endpoints,
             workers=config.rpc.workers,
+            io_threads=config.rpc.io_threads,
             max_frame_bytes=config.rpc.max_frame_bytes,
             housekeeping=self._housekeeping,
             goodbyes=(RequestType.UNREGISTER_CONTEXT,),
