@@ -27,6 +27,11 @@ class ConnectorConfig(ClientSettings, frozen=True, kw_only=True):
     async_save_limit: Annotated[
         int, option("saves handed to the saver thread and not yet run, at most; a step past it waits for room", ge=1)
     ] = 32
+    copy_threads: Annotated[
+        int,
+        option("threads copying a synchronous load into vLLM's blocks while the engine waits for it (0: one per usable core, at most 4)",
+               ge=0, le=64),
+    ] = 0  # fmt: skip
     layerwise_saves: Annotated[
         bool, option("with async_saves: a step's saves are handed over before the forward and copy layer N while layer N+1 computes")
     ] = False

@@ -42,6 +42,7 @@ import numpy as np
 from kvdepot.client.client import KVClient
 from kvdepot.connectors.common import Breakers, Direction, FailureTally, ResilientClient
 from kvdepot.connectors.vllm.config import ConnectorConfig
+from kvdepot.connectors.vllm.copies import ChunkCopier
 from kvdepot.connectors.vllm.metadata import KVDepotConnectorMetadata, KVDepotWorkerMetadata, LoadOp, SaveOp
 from kvdepot.connectors.vllm.paged_layout import PagedKV, choose_format, make_layout, probe_cpu_layout
 from kvdepot.connectors.vllm.saves import SaveQueue
@@ -78,9 +79,10 @@ class WorkerSide:
         self._to_dump: list[LoadOp] = []  # debug_dump_dir: this step's loads, dumped after the forward
         self._saves: SaveQueue | None = SaveQueue(config.async_save_limit) if config.async_saves else None
         self._save_gate: LayerGate | None = None  # layerwise saves: this step's, until wait_for_save
+        self._copier = ChunkCopier(config.copy_threads)  # synchronous loads' copies into the blocks
 
     def __repr__(self) -> str:
-        return f"WorkerSide(rank={self.kv_rank}/{self.kv_world}, {self.paged!r}, client={self.client!r})"
+        return f"WorkerSide(rank={self.kv_rank}/{self.kv_world}, {self.paged!r}, {self._copier!r}, client={self.client!r})"
 
     # --- set-up --------------------------------------------------------------------------------------
 
@@ -129,6 +131,7 @@ class WorkerSide:
             self._layerwise.join()
         if self._resilient is not None:
             self._resilient.close()
+        self._copier.close()
 
     @property
     def model_id(self) -> str:
@@ -159,7 +162,7 @@ class WorkerSide:
             self._layerwise.start()
             return
         for op in sync_ops:
-            self.load(op)
+            self.load(op, parallel=True)
         with self._lock:
             self._loaded.update(op.req_id for op in sync_ops)
         if self.config.debug_dump_dir:
@@ -172,17 +175,20 @@ class WorkerSide:
             if index is not None:
                 job.wait(index)
 
-    def load(self, op: LoadOp) -> None:
+    def load(self, op: LoadOp, parallel: bool = False) -> None:
         """Scatter the chunks of ``op`` into their blocks; blocks left unwritten become load errors.
-        Logged at INFO with its time: the server's answer (views of the chunks) and the copy into the
-        blocks, apart."""
+        ``parallel``: the engine waits for this load (``start_load_kv``), so the copies run on the
+        copier's threads; an asynchronous load runs beside the forward and keeps to one. Logged at INFO
+        with its time: the server's answer (views of the chunks) and the copy into the blocks, apart."""
         t0 = time.perf_counter()
-        copied = 0
         with self.retrieve(op) as views:
             t1 = time.perf_counter()
-            for i, view in enumerate(views):
-                self._scatter(op, i, view)
-                copied += view.nbytes
+            if parallel:
+                self._copier.each(len(views), lambda i: self._scatter(op, i, views[i]))
+            else:
+                for i, view in enumerate(views):
+                    self._scatter(op, i, view)
+            copied = sum(view.nbytes for view in views)
             t2 = time.perf_counter()
         if views:
             log.info("kvdepot: %s loaded %d chunks (%.1f MiB) in %.1f ms: retrieve %.1f ms, copy into blocks %.1f ms",
