@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from support.peer_cluster import check_names, keys, page_bytes, wait_for
 
+from kvdepot.errors import ConfigError
 from kvdepot.peer import PeerStore
+from kvdepot.peer.config import PeerConfig
 from kvdepot.peer.locations import LocationCache
 from kvdepot.protocol.messages import PeerLocation
 
@@ -43,10 +46,10 @@ def test_a_newer_location_replaces_the_old_and_the_bound_keeps_the_newest():
     assert cache.get_many([bytes([8]), bytes([0])], {"n1"}) == [loc(bytes([8])), None]
 
 
-def test_a_zero_ttl_remembers_nothing():
-    cache = LocationCache(ttl_s=0)
-    cache.put_many([loc(b"a")])
-    assert not cache.enabled and len(cache) == 0 and cache.get_many([b"a"], {"n1"}) == [None]
+def test_a_location_is_always_remembered_for_a_while():
+    # The server's peer tier loads what its lookup found (a router's hint included) from this memory.
+    with pytest.raises(ConfigError, match="location_cache_s"):
+        PeerConfig(location_cache_s=0)
 
 
 def test_a_page_read_again_skips_the_directory_and_a_stale_location_is_looked_up_again():

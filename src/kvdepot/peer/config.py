@@ -42,7 +42,8 @@ class PeerConfig(ConfigStruct, frozen=True, kw_only=True):
     control_timeout_s: Annotated[float, option("deadline of one directory call to one node (then its replica is asked)", gt=0)] = 1.0
     location_cache_s: Annotated[
         float,
-        option("how long a reader remembers where a page was, to read it again without asking the directory (0: always ask)", ge=0),
+        option("how long a reader remembers where it found a page, to read it again without asking the directory (a stale location "
+               "costs one data-plane round trip, then a lookup)", gt=0),
     ] = 5.0
     join_timeout_s: Annotated[float, option("how long start-up waits to join (then it serves its own pages and keeps trying)", ge=0)] = 10.0
     workers: Annotated[int, option("threads running the tier's tasks (as an L2 tier)", ge=1, le=256)] = 4

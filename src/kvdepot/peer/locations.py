@@ -28,17 +28,11 @@ class LocationCache:
         self._entries: dict[bytes, tuple[float, PeerLocation]] = {}  # insertion order: oldest first
         self._lock = threading.Lock()
 
-    @property
-    def enabled(self) -> bool:
-        return self.ttl_s > 0
-
     def __len__(self) -> int:
         return len(self._entries)
 
     def get_many(self, keys: Sequence[bytes], usable: Collection[str]) -> list[PeerLocation | None]:
         """Each key's remembered location, if it is younger than the TTL and on a usable node."""
-        if not self.enabled:
-            return [None] * len(keys)
         now = time.monotonic()
         out: list[PeerLocation | None] = []
         with self._lock:
@@ -54,8 +48,6 @@ class LocationCache:
         return out
 
     def put_many(self, locations: Iterable[PeerLocation | None]) -> None:
-        if not self.enabled:
-            return
         expires = time.monotonic() + self.ttl_s
         with self._lock:
             for loc in locations:
