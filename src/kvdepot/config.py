@@ -50,6 +50,15 @@ class Placement(str, enum.Enum):
     SKIP_L1 = "skip_l1"  # in every tier; dropped from L1 once they all have it
 
 
+class BlockTransfer(str, enum.Enum):
+    """The server-driven path (REGISTER_KV_CACHE, STORE_BLOCKS, RETRIEVE_BLOCKS): the server moves a worker's
+    paged cache blocks itself, through CUDA IPC (or host cache files in --shm-dir)."""
+
+    AUTO = "auto"  # offer it for every GPU torch sees here, and host cache files when torch is installed
+    ON = "on"  # the same, but refuse to start without torch and a CUDA GPU
+    OFF = "off"  # never: REGISTER_KV_CACHE is refused (workers use the shm or inline path)
+
+
 def option(description: str, **constraints: Any) -> msgspec.Meta:
     """Field metadata: constraints, help text, and ``cli`` overrides (``flag``, ``action``)."""
     cli = constraints.pop("cli", None)
@@ -213,6 +222,23 @@ class HttpConfig(ConfigStruct, frozen=True, kw_only=True):
             raise ConfigError("--prometheus-port must differ from --http-port")
 
 
+class GpuConfig(ConfigStruct, frozen=True, kw_only=True):
+    """The server-driven path: copies of a worker's GPU blocks made by this server (``server/modules/blocks.py``)."""
+
+    _flag_prefix: ClassVar[str | None] = "gpu-"
+
+    transfer: Annotated[
+        BlockTransfer,
+        option("the server-driven path (CUDA IPC): auto offers it where torch sees a GPU; on requires one at start; off refuses it"),
+    ] = BlockTransfer.AUTO
+    staging_mb: Annotated[
+        int, option("device staging buffer per registered worker cache, in MiB (at least one chunk is used whatever this says)", ge=1, le=1 << 20)
+    ] = 256
+    pin_arena: Annotated[
+        bool, option("pin the L1 arena with cudaHostRegister at the first GPU registration (copies are DMA, beside the host)")
+    ] = True
+
+
 class ObservabilityConfig(ConfigStruct, frozen=True, kw_only=True):
     """The event bus and what it feeds: metrics, KV events for routers, the trace recorder, the alarm."""
 
@@ -293,6 +319,7 @@ class ServerConfig(ConfigStruct, frozen=True, kw_only=True):
     http: HttpConfig = msgspec.field(default_factory=HttpConfig)
     observability: ObservabilityConfig = msgspec.field(default_factory=ObservabilityConfig)
     plugins: PluginConfig = msgspec.field(default_factory=PluginConfig)
+    gpu: GpuConfig = msgspec.field(default_factory=GpuConfig)
     log_level: Annotated[Literal["debug", "info", "warning", "error"], option("log level")] = "info"
     insecure: Annotated[
         bool,
@@ -447,6 +474,7 @@ def add_server_args(p: argparse.ArgumentParser, tier_help: str = "") -> None:
     add_config_args(p, HttpConfig, "HTTP API")
     add_config_args(p, ObservabilityConfig, "observability (event bus, KV events, traces)")
     add_config_args(p, PluginConfig, "runtime plugins")
+    add_config_args(p, GpuConfig, "the server-driven path (GPU workers)")
     add_config_args(p, ServerConfig, "logging and security")
 
 
@@ -467,6 +495,7 @@ def server_from_args(a: argparse.Namespace) -> ServerConfig:
             "http": _build(HttpConfig, http_values),
             "observability": _build(ObservabilityConfig, _values_of(ObservabilityConfig, a)),
             "plugins": _build(PluginConfig, {**(pv := _values_of(PluginConfig, a)), "specs": tuple(pv.get("specs", ()))}),
+            "gpu": _build(GpuConfig, _values_of(GpuConfig, a)),
             **_values_of(ServerConfig, a),
         },
     )

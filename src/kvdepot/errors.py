@@ -30,6 +30,7 @@ class ErrorCode(IntEnum):
     UNKNOWN_SESSION = 17
     LEASE_REVOKED = 18
     INCOMPATIBLE = 19  # registration: this client's keys could never match what the server (or a live peer) holds
+    UNKNOWN_KV_CACHE = 20  # the server-driven path: no paged cache of this client under that id (unregistered, or the server restarted)
 
 
 class KVDepotError(Exception):
@@ -117,6 +118,13 @@ class TransportUnavailable(KVDepotError):
     code = ErrorCode.TRANSPORT_UNAVAILABLE
 
 
+class UnknownKVCache(KVDepotError):
+    """The server holds no registered paged cache under that id for this client: it was unregistered,
+    dropped with the client's context, or the server restarted. Registering it again fixes it."""
+
+    code = ErrorCode.UNKNOWN_KV_CACHE
+
+
 _BY_CODE: dict[ErrorCode, type[KVDepotError]] = {
     cls.code: cls
     for cls in (
@@ -130,6 +138,7 @@ _BY_CODE: dict[ErrorCode, type[KVDepotError]] = {
         KVDepotTimeout,
         ServerUnreachable,
         TransportUnavailable,
+        UnknownKVCache,
     )
 }
 

@@ -8,6 +8,7 @@ byte size, so the server can check payload sizes without looking inside them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 import numpy as np
 
@@ -22,6 +23,15 @@ _STORAGE_DTYPES: dict[str, np.dtype] = {
     "int8": np.dtype(np.int8),
     "uint8": np.dtype(np.uint8),
 }
+
+
+class PagedFormat(str, Enum):
+    """How one layer of an engine's paged KV cache is laid out (each is read as ``[K, blocks, block_size,
+    H, D]`` without a copy). Both the engine side and the server (the server-driven path) read it."""
+
+    KV_FIRST = "kv_first"  # [K, num_blocks, block_size, H, D]: vLLM's FlashAttention layout
+    BLOCK_FIRST = "block_first"  # [num_blocks, K, block_size, H, D]: FlashInfer's
+    HEAD_MAJOR = "head_major"  # [num_blocks, H, K*block_size, D]: per head, the block's K rows then its V rows
 
 
 def supported_dtypes() -> list[str]:

@@ -14,6 +14,7 @@ from kvdepot.errors import (
     PayloadMismatch,
     TransportUnavailable,
     UnknownContext,
+    UnknownKVCache,
     UnknownLease,
     error_from_code,
 )
@@ -41,6 +42,7 @@ def test_error_code_values_are_pinned():
         ("UNKNOWN_SESSION", 17),
         ("LEASE_REVOKED", 18),
         ("INCOMPATIBLE", 19),
+        ("UNKNOWN_KV_CACHE", 20),
     ]
 
 
@@ -55,6 +57,7 @@ def test_error_code_values_are_pinned():
         (ErrorCode.LEASE_EXPIRED, LeaseExpired),
         (ErrorCode.TIMEOUT, KVDepotTimeout),
         (ErrorCode.TRANSPORT_UNAVAILABLE, TransportUnavailable),
+        (ErrorCode.UNKNOWN_KV_CACHE, UnknownKVCache),
     ],
 )
 def test_error_from_code_picks_the_subclass(code, cls):

@@ -14,8 +14,8 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 
 # package (or module) -> what it must never import. The layers, bottom up (ARCHITECTURE §7): core (types,
 # limits, errors, events, keys, breaker, hashing, layout, config, shm) -> protocol (the wire) -> rpc
-# (channel and dispatch, both sides) -> client -> connectors; and rpc -> server -> storage (through its
-# manager only) -> tiers. Observability is fed; admin depends on a Protocol the server implements.
+# (channel and dispatch, both sides) and gpu (device code, both sides) -> client -> connectors; and
+# rpc -> server -> storage (through its manager only) -> tiers. Observability is fed; admin depends on a Protocol the server implements.
 ALL = ("kvdepot.",)
 ABOVE_CORE = (
     "kvdepot.protocol",
@@ -47,6 +47,9 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "kvdepot.protocol": ABOVE_CORE[1:] + ("kvdepot.config",),
     # the RPC layer: both sides use it; it knows neither (nor what a server is configured with)
     "kvdepot.rpc": ("kvdepot.client", "kvdepot.connectors", "kvdepot.server", "kvdepot.storage", "kvdepot.admin", "kvdepot.bench", "kvdepot.config"),
+    # device code (paged caches as torch tensors, the mover, CUDA IPC memory): both sides use it, beside rpc
+    "kvdepot.gpu": ("kvdepot.client", "kvdepot.connectors", "kvdepot.server", "kvdepot.storage", "kvdepot.admin", "kvdepot.bench", "kvdepot.config",
+                    "kvdepot.rpc", "kvdepot.observability", "kvdepot.peer"),
     # a client runs in an engine: nothing of the server's may come along, nor the RPC server side
     "kvdepot.client": (
         "kvdepot.server", "kvdepot.storage", "kvdepot.admin", "kvdepot.connectors", "kvdepot.bench", "kvdepot.config",

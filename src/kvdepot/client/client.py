@@ -29,6 +29,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from kvdepot.client.blocks import RegisteredKVCache
 from kvdepot.client.context import ContextLink
 from kvdepot.client.options import ClientOptions, Transport
 from kvdepot.client.registration import ContextIdentity, Registration
@@ -66,6 +67,7 @@ class KVClient:
         if curve is not None:
             self.options = replace(self.options, curve=curve)
         self.link = ContextLink(url, ContextIdentity(model, layout, rank, world_size), self.options)
+        self._caches: list[RegisteredKVCache] = []
         self._closed = False
         if connect:
             self.connect()
@@ -152,6 +154,8 @@ class KVClient:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            for cache in self._caches:
+                cache.close()
             self.link.close()
 
     # --- simple API ----------------------------------------------------------------------------------
@@ -249,6 +253,28 @@ class KVClient:
             self.link.stored_chunks(hashes, salt, probe=True)  # let the server bring L2 hits into L1 first
         with ExitStack() as stack:
             yield self._on_path(lambda path: stack.enter_context(path.prepare_retrieve(hashes, salt, session_id, start)))
+
+    # --- the server-driven path (paged caches the server moves itself) ---------------------------------
+
+    def register_kv_cache(self, layers: Sequence, fmt: str, block_size: int, groups: Sequence[int] | None = None) -> RegisteredKVCache:
+        """Register a paged KV cache whose blocks the server copies itself: ``layers`` are torch tensors in
+        model order, CUDA (shared with the server through CUDA IPC handles) or host memory in a
+        ``kvdepot.gpu.memory.HostCacheFile``, in ``fmt`` (``kv_first`` or ``block_first``); ``groups[l]`` the
+        KV-cache group of layer ``l``. TransportUnavailable when the server cannot reach that memory.
+        Unregistered when the client closes."""
+        from kvdepot.gpu.memory import export_cache  # torch: only for workers that register a cache
+
+        exported = export_cache(layers, fmt, groups)
+        device = layers[0].device
+        cache = RegisteredKVCache(self.link, exported, block_size, device.index if device.type == "cuda" else None)
+        if device.type == "cuda" and cache.device_index is None:
+            import torch
+
+            cache.device_index = torch.cuda.current_device()
+        cache.check_offer(self.registration.blocks)
+        cache.register()
+        self._caches.append(cache)
+        return cache
 
     # --- sessions (engine connectors) ----------------------------------------------------------------
 

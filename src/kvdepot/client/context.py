@@ -126,20 +126,22 @@ class ContextLink:
 
     # --- requests (what the transfer paths use: transfer.PathHost) -----------------------------------
 
-    def request(self, body, payload: Sequence = (), *, path: TransferPath | None = None, want_payload: bool = False):
+    def request(self, body, payload: Sequence = (), *, path: TransferPath | None = None, want_payload: bool = False,
+                timeout_s: float | None = None):  # fmt: skip
         """A request on our context; registers again once if the server forgot it (restart, revocation).
         ``path``: the transfer path asking; if registering again replaced it (a restarted server, a new
         arena), PathChanged is raised instead of redoing the request (its answer would be the new
-        path's to read)."""
+        path's to read). ``timeout_s``: this request's own patience instead of ``timeout_s`` (a one-off
+        that takes long, such as registering a GPU cache)."""
         reg = self.registration
         body.context_id = reg.context_id
         try:
-            return self.channel.call(body, payload, timeout_s=self._timeout(), want_payload=want_payload)
+            return self.channel.call(body, payload, timeout_s=timeout_s or self._timeout(), want_payload=want_payload)
         except UnknownContext:
             body.context_id = self._reregister(reg).context_id
             if path is not None and self.path is not path:
                 raise PathChanged() from None
-            return self.channel.call(body, payload, timeout_s=self._timeout(), want_payload=want_payload)
+            return self.channel.call(body, payload, timeout_s=timeout_s or self._timeout(), want_payload=want_payload)
 
     def finish(self, body):
         """A request as is, never re-registering: a commit, whose lease a new context would not know. It

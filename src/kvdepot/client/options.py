@@ -23,6 +23,9 @@ class Transport(str, enum.Enum):
     AUTO = "auto"  # shm when this process can map the server's arena, else inline (and say why)
     SHM = "shm"  # same host: the worker copies straight into / out of the server's arena (one copy)
     INLINE = "inline"  # any host: raw payload frames over the socket
+    # The server-driven path (same host, NVIDIA GPU): the server copies a registered paged cache's blocks
+    # itself (``KVClient.register_kv_cache``). Arrays a client hands over still go as with AUTO.
+    CUDA_IPC = "cuda_ipc"
 
 
 @dataclass(frozen=True)

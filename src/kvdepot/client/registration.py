@@ -64,6 +64,7 @@ class Registration:
     lease_ttl_s: float
     l2_tiers: int
     shm: m.ShmInfo | None
+    blocks: m.BlockTransferOffer | None = None  # the server-driven path, where the server offers it
 
     @classmethod
     def of(cls, reply: m.RegisterContextReply) -> Registration:
@@ -77,6 +78,7 @@ class Registration:
             reply.lease_ttl_s,
             reply.l2_tiers,
             reply.shm,
+            reply.blocks,
         )
 
 

@@ -21,17 +21,12 @@ detects which and reads such caches through its own strided views
 from __future__ import annotations
 
 from collections.abc import Sequence
-from enum import Enum
 
 import numpy as np
 
-from kvdepot.layout import as_numpy
+from kvdepot.layout import PagedFormat, as_numpy
 
-
-class PagedFormat(str, Enum):
-    KV_FIRST = "kv_first"
-    BLOCK_FIRST = "block_first"
-    HEAD_MAJOR = "head_major"
+__all__ = ["PagedFormat", "canonical_view", "gather_chunk", "scatter_chunk", "stack_layers"]
 
 
 def canonical_view(layer_cache, fmt: PagedFormat | str, kv_factor: int = 2) -> np.ndarray:

@@ -72,9 +72,9 @@ class Metrics:
         self.stored_bytes = Counter("kvdepot_stored_bytes", "Bytes engines stored (committed), by model.", ["model"], registry=r)
         self.retrieved_chunks = Counter("kvdepot_retrieved_chunks", "Chunks engines read back, by model.", ["model"], registry=r)
         self.retrieved_bytes = Counter("kvdepot_retrieved_bytes", "Bytes engines read back, by model.", ["model"], registry=r)
-        self.transfer_bytes = Counter("kvdepot_transfer_bytes", "Bytes moved by transfer path (shm, inline) and direction (store, retrieve).",
+        self.transfer_bytes = Counter("kvdepot_transfer_bytes", "Bytes moved by transfer path (shm, inline; cuda_ipc, host_file: the server-driven path) and direction (store, retrieve).",
                                       ["path", "direction"], registry=r)  # fmt: skip
-        for path in ("shm", "inline"):
+        for path in ("shm", "inline", "cuda_ipc", "host_file"):
             for direction in ("store", "retrieve"):
                 self.transfer_bytes.labels(path, direction)
         # Fed by the event bus (``subscribe_to``), off the request path.

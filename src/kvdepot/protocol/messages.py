@@ -16,9 +16,10 @@ import msgspec
 from kvdepot.hashing import HashAlgorithm
 from kvdepot.types import ClearScope, SlotStatus  # wire enums too: SlotStatus is re-exported here  # noqa: F401
 
-PROTOCOL_VERSION = 5  # 2: ShmInfo.liveness_lock, RENEW_LEASES, SlotStatus.OVER_QUOTA; 3: LookupRequest.probe, LookupReply.in_l1;
+PROTOCOL_VERSION = 6  # 2: ShmInfo.liveness_lock, RENEW_LEASES, SlotStatus.OVER_QUOTA; 3: LookupRequest.probe, LookupReply.in_l1;
 # 4: LookupRequest.source_hint and prefill_tokens_per_s, the PEER_* requests; 5: RegisterContextRequest.hash_algorithm and
-# hash_scheme (the compatibility handshake)
+# hash_scheme (the compatibility handshake); 6: RegisterContextReply.blocks and the paged-cache requests (REGISTER_KV_CACHE ..
+# RETRIEVE_BLOCKS: the server-driven path)
 
 
 # AGENT_SESSION_NOTE: ``agent_session`` (LOOKUP, PREPARE_STORE, STORE_INLINE) names a conversation of
@@ -50,6 +51,11 @@ class RequestType(IntEnum):
     PIN_PREFIX = 18
     UNPIN = 19
     CLOSE_AGENT_SESSION = 20
+    # the server-driven path: the server moves a worker's paged cache blocks itself (CUDA IPC; host files)
+    REGISTER_KV_CACHE = 21
+    UNREGISTER_KV_CACHE = 22
+    STORE_BLOCKS = 23
+    RETRIEVE_BLOCKS = 24
     # the peer tier's control plane (node to node; kvdepot.peer)
     PEER_JOIN = 32
     PEER_HEARTBEAT = 33
@@ -120,6 +126,16 @@ class Ack(_Body):
     ok: bool = True
 
 
+class BlockTransferOffer(_Body):
+    """What the server-driven path (REGISTER_KV_CACHE, STORE_BLOCKS, RETRIEVE_BLOCKS) can reach from this
+    server: the GPUs it can open CUDA IPC memory on (by UUID), and whether it maps host caches kept in
+    shared-memory files (``HostFileMemory``) under ``shm_dir``."""
+
+    devices: list[str] = msgspec.field(default_factory=list)
+    host_files: bool = False
+    shm_dir: str = ""
+
+
 # --- requests and replies --------------------------------------------------------------------------
 
 
@@ -158,6 +174,7 @@ class RegisterContextReply(_Body):
     lease_ttl_s: float
     shm: ShmInfo | None = None
     l2_tiers: int = 0  # > 0: lookups may complete later (prefetch from L2)
+    blocks: BlockTransferOffer | None = None  # None: this server has no server-driven path (no torch, or turned off)
 
 
 class UnregisterContextRequest(_Body):
@@ -369,6 +386,122 @@ class CloseAgentSessionRequest(_Body):
     cache_salt: str = ""
 
 
+# --- the server-driven path: a worker's paged cache, moved by the server ---------------------------------
+
+
+class CudaIpcMemory(_Body, tag="cuda_ipc"):
+    """One CUDA allocation of the worker, as torch's CUDA IPC sharing exports it (the fields of
+    ``UntypedStorage._share_cuda_``), as plain bytes and numbers: never pickled. The server opens it on
+    its own device with this UUID (the two processes may number their devices differently)."""
+
+    device_uuid: str
+    handle: bytes
+    size: int  # bytes of the storage
+    offset: int  # the storage's byte offset inside the exported allocation
+    ref_counter_handle: bytes = b""
+    ref_counter_offset: int = 0
+    event_handle: bytes = b""
+    event_sync_required: bool = False
+
+
+class HostFileMemory(_Body, tag="host_file"):
+    """A paged cache in host memory that lives in a shared-memory file: ``kvdepot-kvcache-*`` directly in
+    the server's shm directory (``BlockTransferOffer.shm_dir``), a regular file owned by the server's
+    user, mapped by the server from ``offset`` for ``size`` bytes."""
+
+    path: str
+    size: int
+    offset: int = 0
+
+
+CacheMemory = CudaIpcMemory | HostFileMemory
+
+
+class PagedLayerSpec(_Body):
+    """One layer's cache inside one of the registered memories: its first element at byte ``offset``,
+    its shape and strides (in elements) as the engine sees it, in ``format`` (``kvdepot.layout.PagedFormat``:
+    ``kv_first`` ``[K, blocks, block_size, H, D]`` or ``block_first`` ``[blocks, K, block_size, H, D]``)."""
+
+    memory: int  # index into RegisterKVCacheRequest.memories
+    offset: int
+    shape: list[int]
+    stride: list[int]
+    dtype: str
+    format: str
+    group: int = 0  # the KV-cache group whose block ids address this layer
+
+
+class RegisterKVCacheRequest(_Body):
+    """The worker's paged KV cache, every layer in model order (the chunk's L axis)."""
+
+    context_id: int
+    memories: list[CacheMemory]
+    layers: list[PagedLayerSpec]
+    block_size: int
+
+
+class RegisterKVCacheReply(_Body):
+    cache_id: int
+    num_blocks: int
+    # CUDA: IPC handles of the events the server records after layer l of every RETRIEVE_BLOCKS copy it
+    # queued (one per layer); the worker opens them once and waits on one before that layer. Empty for
+    # host memory (its copies are done when the reply comes).
+    layer_events: list[bytes] = msgspec.field(default_factory=list)
+
+
+class UnregisterKVCacheRequest(_Body):
+    context_id: int
+    cache_id: int
+
+
+class StoreBlocksRequest(_Body, omit_defaults=True):
+    """Copy chunks ``keys[first:]`` out of the registered cache into L1. ``block_ids[g]`` lists, for
+    KV-cache group ``g``, the blocks of those chunks in order (``chunk_size // block_size`` per chunk).
+    ``keys`` is the whole chain from chunk 0 (what comes before ``first`` is the prefix this extends).
+    ``ready_event``: a CUDA IPC event handle the worker recorded once the blocks were written; the
+    server's copies wait for it. The reply comes when the copies have read every block: the worker may
+    reuse them then."""
+
+    context_id: int
+    cache_id: int
+    keys: list[bytes]
+    block_ids: list[list[int]]
+    cache_salt: str = ""
+    first: int = 0
+    ready_event: bytes = b""
+    agent_session: str = ""  # see AGENT_SESSION_NOTE
+    token_ids: list[int] = []  # see TOKEN_IDS_NOTE: the tokens of the chunks from ``first`` on, or none
+
+
+class StoreBlocksReply(_Body):
+    statuses: list[int]  # SlotStatus per chunk from keys[first] on
+
+
+class RetrieveBlocksRequest(_Body, omit_defaults=True):
+    """Copy the leading stored chunks of ``keys[start:]`` (at most ``limit``) into the registered cache:
+    ``block_ids[g]`` names group ``g``'s blocks of those chunks, from chunk ``start`` on. The blocks of
+    the first ``skip_first_n_tokens`` tokens (from chunk ``start``) are never written: the engine's own
+    prefix cache shares them. With ``session_id`` the session's lookup locks are taken over.
+    ``ready_event``: recorded by the worker once those blocks may be written. CUDA: the reply comes when
+    the copies are queued, and the worker waits on ``layer_events`` before it reads a layer; host memory:
+    when they are done."""
+
+    context_id: int
+    cache_id: int
+    keys: list[bytes]
+    block_ids: list[list[int]]
+    cache_salt: str = ""
+    session_id: str = ""
+    start: int = 0
+    limit: int = 0
+    skip_first_n_tokens: int = 0
+    ready_event: bytes = b""
+
+
+class RetrieveBlocksReply(_Body):
+    found: int  # chunks copied: a prefix of keys[start:]
+
+
 # --- the peer tier (node to node) -------------------------------------------------------------------
 
 
@@ -484,6 +617,10 @@ REGISTRY: dict[RequestType, tuple[type[_Body], type[_Body]]] = {
     RequestType.PIN_PREFIX: (PinPrefixRequest, PinReply),
     RequestType.UNPIN: (UnpinRequest, PinReply),
     RequestType.CLOSE_AGENT_SESSION: (CloseAgentSessionRequest, Ack),
+    RequestType.REGISTER_KV_CACHE: (RegisterKVCacheRequest, RegisterKVCacheReply),
+    RequestType.UNREGISTER_KV_CACHE: (UnregisterKVCacheRequest, Ack),
+    RequestType.STORE_BLOCKS: (StoreBlocksRequest, StoreBlocksReply),
+    RequestType.RETRIEVE_BLOCKS: (RetrieveBlocksRequest, RetrieveBlocksReply),
     RequestType.PEER_JOIN: (PeerJoinRequest, PeerMembershipReply),
     RequestType.PEER_HEARTBEAT: (PeerHeartbeatRequest, PeerMembershipReply),
     RequestType.PEER_PUBLISH: (PeerPublishRequest, PeerCountReply),

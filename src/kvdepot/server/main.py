@@ -16,8 +16,9 @@ from collections.abc import Sequence
 from kvdepot import __version__
 from kvdepot.admin.http import HttpServer
 from kvdepot.admin.prometheus import PrometheusServer
-from kvdepot.config import RpcConfig, ServerConfig, is_loopback
+from kvdepot.config import BlockTransfer, RpcConfig, ServerConfig, is_loopback
 from kvdepot.errors import ConfigError, EndpointInUse
+from kvdepot.gpu import runtime
 from kvdepot.observability.metrics import Metrics
 from kvdepot.protocol.messages import RequestType
 from kvdepot.rpc.security import CurveServerKeys, load_key_pair
@@ -25,6 +26,7 @@ from kvdepot.rpc.server import RpcServer
 from kvdepot.server.lifecycle import Lifecycle
 from kvdepot.server.liveness import ClientWatch, LivenessTracker
 from kvdepot.server.modules import ModuleFactory, ServerContext
+from kvdepot.server.modules.blocks import BlockTransferModule
 from kvdepot.server.modules.lifecycle import LifecycleModule
 from kvdepot.server.modules.lookup import LookupModule
 from kvdepot.server.modules.management import ManagementModule
@@ -38,7 +40,7 @@ from kvdepot.types import ClearScope, ClientId, NodeId
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODULES: tuple[ModuleFactory, ...] = (ManagementModule, LookupModule, TransferModule, LifecycleModule)
+DEFAULT_MODULES: tuple[ModuleFactory, ...] = (ManagementModule, LookupModule, TransferModule, LifecycleModule, BlockTransferModule)
 
 
 def rpc_security(config: RpcConfig) -> CurveServerKeys | None:
@@ -68,6 +70,8 @@ class KVDepotServer:
 
     def __init__(self, config: ServerConfig, modules: Sequence[ModuleFactory] = DEFAULT_MODULES) -> None:
         self.config = config
+        if config.gpu.transfer is BlockTransfer.ON and not runtime.cuda_devices():
+            raise ConfigError(f"--gpu-transfer on: this server sees no CUDA GPU through torch ({runtime.INSTALL_HINT})")
         metrics = Metrics()
         self.observers = obs = Observers(config.observability, metrics)
         self.rpc = RpcServer(
@@ -102,8 +106,9 @@ class KVDepotServer:
         metrics.watch_storage(self.storage.snapshot)
         self._watch = ClientWatch(self.liveness, self.ctx.client_gone)
         self.rpc.observer = self.liveness
-        for make in modules:
-            self.rpc.add_handlers(make(self.ctx).handlers())
+        self.modules = [make(self.ctx) for make in modules]
+        for module in self.modules:
+            self.rpc.add_handlers(module.handlers())
 
     def _bind(self) -> None:
         """Bind the ZeroMQ endpoints and the HTTP port; every one that cannot be had is named, with its
@@ -193,6 +198,10 @@ class KVDepotServer:
         if self.prometheus is not None:
             self.prometheus.close()
         self.rpc.close()
+        for module in getattr(self, "modules", ()):
+            close = getattr(module, "close", None)  # a ClosingModule: device resources, views of the arena
+            if close is not None:
+                close()
         self.liveness.close()  # the loop has stopped: its pidfds can go
         self.storage.close()
         self.observers.close()  # after every producer: what they said last is still handed out

@@ -240,6 +240,12 @@ class StorageManager:
         a = self._arena
         return ShmOffer(a.path, a.size, a.nonce, liveness_offset(a.size, client))
 
+    def arena_bytes(self):
+        """The whole arena as a writable uint8 array (the server-driven path copies between it and a
+        worker's GPU blocks itself, under the leases of its reservations and read locks; it pins it with
+        CUDA). Offsets of reservations and read locks index it."""
+        return self._arena.buffer
+
     def lock_held(self, offset: int) -> bool:
         """Does a worker hold the liveness lock at ``offset`` of the arena file?"""
         return self._arena.lock_held(offset)

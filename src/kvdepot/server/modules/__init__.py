@@ -18,6 +18,7 @@ from kvdepot.config import ServerConfig
 from kvdepot.errors import BadRequest, KVDepotError, LeaseRevoked, UnknownContext
 from kvdepot.events import NO_EVENTS, ChunkRequestDone, ChunkTokens, EventSink
 from kvdepot.observability.metrics import Metrics
+from kvdepot.protocol.messages import BlockTransferOffer
 from kvdepot.rpc.dispatch import Call, HandlerSpec
 from kvdepot.server.liveness import LivenessTracker
 from kvdepot.server.sessions import SessionTable
@@ -39,6 +40,15 @@ class ServerContext:
     sessions: SessionTable = field(default_factory=SessionTable)
     metrics: Metrics = field(default_factory=Metrics)
     events: EventSink = NO_EVENTS  # the event bus: what modules publish (ChunkRequestDone)
+    # Told of contexts that went (unregistered, or their client gone), after their leases were ended: a
+    # module that keeps state per context (the server-driven path's registered caches) drops it.
+    contexts_gone: list[Callable[[list[Context]], None]] = field(default_factory=list)
+    # What REGISTER_CONTEXT offers of the server-driven path (set by its module; None: none here).
+    block_offer: BlockTransferOffer | None = None
+
+    def forget_contexts(self, contexts: list[Context]) -> None:
+        for listener in self.contexts_gone:
+            listener(contexts)
 
     def context_of(self, context_id: int, client: ClientId) -> Context:
         """The caller's context. A client that was revoked (declared gone while it was only silent)
@@ -112,6 +122,7 @@ class ServerContext:
         for c in contexts:
             self.sessions.end_context(c.id)  # their locks are the client's: released just below
         released = self.storage.release_owner(client, why, revoked=not exited)
+        self.forget_contexts(contexts)
         how = "exited" if exited else "revoked"
         self.metrics.clients_gone.labels(how).inc()
         self.metrics.leases_ended_by_client_gone.labels(how).inc(released)
@@ -131,6 +142,13 @@ class ServerContext:
 
 class ServerModule(Protocol):
     def handlers(self) -> list[HandlerSpec]: ...
+
+
+class ClosingModule(ServerModule, Protocol):
+    """A module with threads or device resources of its own: closed by the composition root after the RPC
+    server stopped and before storage closes (it may hold views of the arena)."""
+
+    def close(self) -> None: ...
 
 
 ModuleFactory = Callable[[ServerContext], ServerModule]

@@ -1,12 +1,15 @@
-"""Checks shared by the modules."""
+"""Checks and steps shared by the modules (key validation, agent sessions, locking a prefix for a retrieve)."""
 
 from __future__ import annotations
 
-from kvdepot.errors import BadRequest
+from collections.abc import Callable
+
+from kvdepot.errors import BadRequest, KVDepotError
 from kvdepot.limits import MAX_KEYS
 from kvdepot.rpc.dispatch import Call
 from kvdepot.server.modules import ServerContext
 from kvdepot.server.state import Context
+from kvdepot.storage.manager import ReadLock, Toucher
 from kvdepot.types import ObjectKey
 
 
@@ -37,3 +40,41 @@ def touch_agent_session(ctx: ServerContext, call: Call, keys: list[ObjectKey]) -
     if len(name) > MAX_AGENT_SESSION_NAME:
         raise BadRequest(f"agent_session names are at most {MAX_AGENT_SESSION_NAME} characters, got {len(name)}")
     ctx.storage.touch_agent_session(call.body.cache_salt, name, keys)
+
+
+def lock_for_retrieve(ctx: ServerContext, call: Call, toucher: Toucher, check: Callable[[], None] | None = None) -> tuple[Context, ReadLock]:
+    """Read-lock the leading stored run of ``keys[start:]`` (at most ``limit`` chunks), taking over the
+    session's lookup locks where they cover it. ``toucher``: who reads the locked extents (the client on
+    shm; the server's own send or copy otherwise). ``check`` runs once the caller's context is known,
+    before anything is locked (a path's own precondition)."""
+    body = call.body
+    context, keys = context_and_keys(ctx, call)
+    if check is not None:
+        check()
+    if not 0 <= body.start <= len(keys):
+        raise BadRequest(f"start={body.start} is outside the {len(keys)} keys")
+    if body.limit < 0:
+        raise BadRequest(f"limit={body.limit} is negative")
+    if body.limit:
+        keys = keys[: body.start + body.limit]
+    if body.session_id:
+        lease = ctx.sessions.hand_over((context.id, body.session_id), keys, body.start)
+        if lease:  # the retrieve now owns the session's locks
+            try:
+                offsets = ctx.storage.locked_offsets(lease, call.client, body.start, toucher)[: len(keys) - body.start]
+                if offsets:
+                    return context, ReadLock(lease, offsets, context.chunk_bytes)
+                # The session freed the locks where this retrieve starts: lock afresh instead.
+                ctx.storage.release(lease, call.client)
+            except KVDepotError:
+                pass  # expired meanwhile: lock afresh below
+    return context, ctx.storage.lock_prefix(keys[body.start :], call.client, toucher=toucher)
+
+
+def count_short_retrieve(ctx: ServerContext, call: Call, found: int) -> None:
+    """A session's retrieve that found fewer chunks than it asked for: what its lookup promised was
+    evicted, or its locks ended, meanwhile (that request recomputes the rest)."""
+    body = call.body
+    asked = (body.limit or len(body.keys) - body.start) if body.session_id else 0
+    if found < asked:
+        ctx.metrics.request_failures.labels("short_retrieves").inc()

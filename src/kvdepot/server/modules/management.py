@@ -86,6 +86,7 @@ class ManagementModule:
                 lease_ttl_s=cfg.storage.lease_ttl_s,
                 shm=m.ShmInfo(path=shm.path, size=shm.size, nonce=shm.nonce, liveness_lock=shm.liveness_lock),
                 l2_tiers=self.ctx.storage.tier_count,
+                blocks=self.ctx.block_offer,
             )
         )
 
@@ -116,6 +117,7 @@ class ManagementModule:
         context = self.ctx.contexts.remove(call.body.context_id, call.client)
         for lease in self.ctx.sessions.end_context(context.id):
             self.ctx.release_quietly(lease, call.client)
+        self.ctx.forget_contexts([context])
         if not self.ctx.contexts.owned_by(call.client) and not self.ctx.storage.leases_of(call.client):
             self.ctx.liveness.forget(call.client)  # a clean goodbye: stop watching it (SYNC: loop thread)
         return Reply(m.Ack())

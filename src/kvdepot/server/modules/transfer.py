@@ -14,7 +14,7 @@ from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 from kvdepot.rpc.dispatch import Call, HandlerMode, HandlerSpec, Reply
 from kvdepot.server.modules import ServerContext
-from kvdepot.server.modules.common import context_and_keys, touch_agent_session
+from kvdepot.server.modules.common import context_and_keys, count_short_retrieve, lock_for_retrieve, touch_agent_session
 from kvdepot.server.state import Context
 from kvdepot.storage.manager import ReadLock, Toucher
 from kvdepot.types import LeaseId
@@ -112,41 +112,10 @@ class TransferModule:
     def _lock_for_retrieve(self, call: Call, toucher: Toucher) -> tuple[Context, ReadLock]:
         """Lock chunks ``keys[start:]``, reusing the session's lookup locks when they cover them.
         ``toucher``: who will read the locked extents (the client on shm, the server's send inline)."""
-        context, lock = self._lock_for_keys(call, toucher)
-        self._count_short(call, len(lock.offsets))
+        check = (lambda: self._require_watchable(call)) if toucher is Toucher.CLIENT else None
+        context, lock = lock_for_retrieve(self.ctx, call, toucher, check)
+        count_short_retrieve(self.ctx, call, len(lock.offsets))
         return context, lock
-
-    def _lock_for_keys(self, call: Call, toucher: Toucher) -> tuple[Context, ReadLock]:
-        body = call.body
-        context, keys = context_and_keys(self.ctx, call)
-        if toucher is Toucher.CLIENT:
-            self._require_watchable(call)
-        if not 0 <= body.start <= len(keys):
-            raise BadRequest(f"start={body.start} is outside the {len(keys)} keys")
-        if body.limit < 0:
-            raise BadRequest(f"limit={body.limit} is negative")
-        if body.limit:
-            keys = keys[: body.start + body.limit]
-        if body.session_id:
-            lease = self.ctx.sessions.hand_over((context.id, body.session_id), keys, body.start)
-            if lease:  # the retrieve now owns the session's locks
-                try:
-                    offsets = self.storage.locked_offsets(lease, call.client, body.start, toucher)[: len(keys) - body.start]
-                    if offsets:
-                        return context, ReadLock(lease, offsets, context.chunk_bytes)
-                    # The session freed the locks where this retrieve starts: lock afresh instead.
-                    self.storage.release(lease, call.client)
-                except KVDepotError:
-                    pass  # expired meanwhile: lock afresh below
-        return context, self.storage.lock_prefix(keys[body.start :], call.client, toucher=toucher)
-
-    def _count_short(self, call: Call, found: int) -> None:
-        """A session's retrieve that found fewer chunks than it asked for: what its lookup promised was
-        evicted, or its locks ended, meanwhile (that request recomputes the rest)."""
-        body = call.body
-        asked = (body.limit or len(body.keys) - body.start) if body.session_id else 0
-        if found < asked:
-            self.ctx.metrics.request_failures.labels("short_retrieves").inc()
 
     def prepare_retrieve(self, call: Call) -> Reply:
         context, lock = self._lock_for_retrieve(call, Toucher.CLIENT)

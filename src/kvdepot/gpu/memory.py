@@ -1,0 +1,262 @@
+"""The memory a worker shares with the server for the server-driven path, and the events that order it.
+
+- **CUDA** (``CudaIpcMemory``): each distinct allocation under the worker's layer tensors is exported with
+  torch's CUDA IPC sharing (``UntypedStorage._share_cuda_``: the memory handle, the storage's place in the
+  allocation, torch's cross-process reference count) as plain fields; the server opens it on its own
+  device with the same UUID (``_new_shared_cuda``). Nothing is pickled either way.
+- **Host files** (``HostFileMemory``): a host cache that lives in a shared-memory file the server may
+  map: ``kvdepot-kvcache-*`` directly in the server's shm directory, owned by the server's user (the same
+  trust the arena has). ``HostCacheFile`` makes one; ``export_cache`` finds the file under any CPU tensor
+  from ``/proc/self/maps``. This is how the path runs on a machine without a GPU (the tests, a CPU engine
+  that allocates its cache in shared memory).
+
+The server checks what it is given before it reads a byte: a layer must lie inside its memory, the file
+inside its directory, the device among its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import stat
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvdepot.errors import BadRequest, TransportUnavailable
+from kvdepot.gpu.runtime import device_uuid, dtype_name, require_torch, torch_dtype
+from kvdepot.layout import PagedFormat
+from kvdepot.protocol import messages as m
+
+log = logging.getLogger(__name__)
+
+HOST_FILE_PREFIX = "kvdepot-kvcache-"
+
+
+@dataclass(frozen=True)
+class ExportedCache:
+    """A worker's paged cache as the wire describes it (REGISTER_KV_CACHE)."""
+
+    memories: list[m.CacheMemory]
+    layers: list[m.PagedLayerSpec]
+
+    def request(self, block_size: int) -> m.RegisterKVCacheRequest:
+        return m.RegisterKVCacheRequest(context_id=0, memories=self.memories, layers=self.layers, block_size=block_size)
+
+
+# --- the worker's side ---------------------------------------------------------------------------------
+
+
+def export_cache(layers: Sequence, fmt: PagedFormat | str, groups: Sequence[int] | None = None) -> ExportedCache:
+    """Describe ``layers`` (model order) for the server: one memory per distinct storage under them."""
+    fmt = PagedFormat(fmt)
+    memories: list[m.CacheMemory] = []
+    index: dict[int, int] = {}  # storage address -> memory index
+    specs = []
+    for i, t in enumerate(layers):
+        storage = t.untyped_storage()
+        address = storage.data_ptr()
+        if address not in index:
+            index[address] = len(memories)
+            memories.append(_export_storage(t, storage))
+        specs.append(
+            m.PagedLayerSpec(
+                memory=index[address], offset=t.storage_offset() * t.element_size(), shape=list(t.shape), stride=list(t.stride()),
+                dtype=dtype_name(t.dtype), format=fmt.value, group=groups[i] if groups is not None else 0,
+            )
+        )  # fmt: skip
+    return ExportedCache(memories, specs)
+
+
+def _export_storage(t, storage) -> m.CacheMemory:
+    if t.device.type == "cuda":
+        device, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = storage._share_cuda_()
+        return m.CudaIpcMemory(
+            device_uuid=device_uuid(t.device.index if t.device.index is not None else device), handle=bytes(handle), size=int(size),
+            offset=int(offset), ref_counter_handle=bytes(rc_handle or b""), ref_counter_offset=int(rc_offset),
+            event_handle=bytes(ev_handle or b""), event_sync_required=bool(ev_sync),
+        )  # fmt: skip
+    if t.device.type == "cpu":
+        path, file_offset = _mapped_file(storage.data_ptr(), storage.nbytes())
+        return m.HostFileMemory(path=path, size=storage.nbytes(), offset=file_offset)
+    raise TransportUnavailable(f"the server-driven path moves CUDA or host-file caches, not {t.device.type} memory")
+
+
+def _mapped_file(address: int, size: int) -> tuple[str, int]:
+    """The file (and offset in it) that memory at ``address`` is a shared mapping of (/proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            parts = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= address < hi:
+                path = parts[5].strip() if len(parts) > 5 else ""
+                if parts[1][3] != "s" or not os.path.basename(path).startswith(HOST_FILE_PREFIX) or address + size > hi:
+                    break
+                return path, int(parts[2], 16) + (address - lo)
+    raise TransportUnavailable(
+        "this host cache is not in a kvdepot shared-memory file (HostCacheFile), so the server cannot reach it: "
+        "use the worker-driven shm path, or allocate the cache with kvdepot.gpu.memory.HostCacheFile"
+    )
+
+
+class HostCacheFile:
+    """A paged KV cache in host memory the server can map: one shared-memory file in the server's shm
+    directory (mode 0600), one ``layer_shape`` tensor per layer inside it, unlinked at ``close``."""
+
+    def __init__(self, path: str, layers: list, base) -> None:
+        self.path = path
+        self.layers = layers
+        self._base = base
+
+    def __repr__(self) -> str:
+        return f"HostCacheFile({self.path}, {len(self.layers)} layers)"
+
+    @classmethod
+    def create(cls, shm_dir: str, num_layers: int, layer_shape: Sequence[int], dtype) -> HostCacheFile:
+        torch = require_torch("a host cache file")
+        dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
+        per = 1
+        for n in layer_shape:
+            per *= n
+        layer_bytes = per * torch.empty((), dtype=dtype).element_size()
+        path = os.path.join(shm_dir, f"{HOST_FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, num_layers * layer_bytes)
+        finally:
+            os.close(fd)
+        base = torch.from_file(path, shared=True, size=num_layers * layer_bytes, dtype=torch.uint8)
+        layers = [base[i * layer_bytes : (i + 1) * layer_bytes].view(dtype).view(*layer_shape) for i in range(num_layers)]
+        return cls(path, layers, base)
+
+    def close(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def new_event():
+    """A CUDA event another process can wait on (its handle is ``event_handle(event)``)."""
+    torch = require_torch("a CUDA event")
+    return torch.cuda.Event(interprocess=True)
+
+
+class EventRing:
+    """A worker's few exported events, reused in turn: ``record`` marks "everything queued on this stream so
+    far" and returns the handle the server waits on. Reusing an event is safe: a wait on a later record of
+    it waits for more of the same stream, never less."""
+
+    def __init__(self, size: int = 16) -> None:
+        self._events = [new_event() for _ in range(size)]
+        self._handles = [event_handle(e) for e in self._events]
+        self._next = 0
+
+    def record(self, stream=None) -> bytes:
+        i = self._next
+        self._next = (i + 1) % len(self._events)
+        self._events[i].record(stream)
+        return self._handles[i]
+
+
+def event_handle(event) -> bytes:
+    return bytes(event.ipc_handle())
+
+
+def open_event(handle: bytes, device_index: int):
+    torch = require_torch("a CUDA event")
+    return torch.cuda.Event.from_ipc_handle(device_index, handle)
+
+
+# --- the server's side ---------------------------------------------------------------------------------
+
+
+class OpenedMemory:
+    """One registered memory, opened in the server: a flat byte tensor over it (on its device)."""
+
+    def __init__(self, data, device_index: int | None, keep=None) -> None:
+        self.data = data
+        self.device_index = device_index  # None: host memory
+        self._keep = keep  # the mapping a host file's tensor lives in
+
+    def __repr__(self) -> str:
+        where = f"cuda:{self.device_index}" if self.device_index is not None else "host file"
+        return f"OpenedMemory({self.data.numel()} bytes, {where})"
+
+    def close(self) -> None:
+        """Drop the server's references; torch closes a CUDA IPC handle (and a mapping is unmapped) once
+        the last tensor over it is gone."""
+        self.data = None
+        self._keep = None
+
+
+def open_memory(spec: m.CacheMemory, devices: dict[str, int], shm_dir: str | None) -> OpenedMemory:
+    """Open one memory a worker registered. ``devices``: UUID -> this process's CUDA index; ``shm_dir``:
+    where host files may be (None: they are refused). BadRequest / TransportUnavailable say why not."""
+    torch = require_torch("the server-driven path")
+    if isinstance(spec, m.CudaIpcMemory):
+        index = devices.get(spec.device_uuid)
+        if index is None:
+            raise TransportUnavailable(
+                f"this server does not see GPU {spec.device_uuid} (it sees {sorted(devices) or 'none'}): run it on the worker's "
+                f"host with that GPU visible (CUDA_VISIBLE_DEVICES)"
+            )
+        if spec.size <= 0 or spec.offset < 0:
+            raise BadRequest(f"CUDA memory of {spec.size} bytes at {spec.offset}")
+        with torch.cuda.device(index):
+            storage = torch.UntypedStorage._new_shared_cuda(
+                index, spec.handle, spec.size, spec.offset, spec.ref_counter_handle or None, spec.ref_counter_offset,
+                spec.event_handle or None, spec.event_sync_required,
+            )  # fmt: skip
+            data = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}").set_(storage, 0, (spec.size,), (1,))
+        return OpenedMemory(data, index)
+    if shm_dir is None:
+        raise TransportUnavailable("this server does not map host cache files (no torch, or the server-driven path is off)")
+    return _open_host_file(spec, shm_dir)
+
+
+def _open_host_file(spec: m.HostFileMemory, shm_dir: str) -> OpenedMemory:
+    torch = require_torch("the server-driven path")
+    name = os.path.basename(spec.path)
+    if os.path.dirname(os.path.realpath(spec.path)) != os.path.realpath(shm_dir) or not name.startswith(HOST_FILE_PREFIX):
+        raise BadRequest(f"host cache files must be {HOST_FILE_PREFIX}* directly in {shm_dir}, not {spec.path!r}")
+    if spec.size <= 0 or spec.offset < 0:
+        raise BadRequest(f"a host cache file range of {spec.size} bytes at {spec.offset}")
+    try:
+        fd = os.open(spec.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise BadRequest(f"cannot open the host cache file {spec.path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise BadRequest(f"{spec.path} is not a regular file of this server's user")
+        if spec.offset + spec.size > st.st_size:
+            raise BadRequest(f"{spec.path} holds {st.st_size} bytes, not {spec.offset + spec.size}")
+        start = spec.offset - spec.offset % mmap.ALLOCATIONGRANULARITY
+        mapping = mmap.mmap(fd, spec.offset + spec.size - start, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+    finally:
+        os.close(fd)
+    flat = torch.frombuffer(mapping, dtype=torch.uint8)
+    return OpenedMemory(flat[spec.offset - start :], None, mapping)
+
+
+def layer_tensor(memory: OpenedMemory, spec: m.PagedLayerSpec):
+    """One registered layer as a tensor over ``memory``, after checking it lies inside it."""
+    torch = require_torch("the server-driven path")
+    try:
+        dtype = torch_dtype(spec.dtype)
+    except ValueError:
+        raise BadRequest(f"unknown dtype {spec.dtype!r}") from None
+    item = torch.empty((), dtype=dtype).element_size()
+    if len(spec.shape) != len(spec.stride) or not spec.shape or min(spec.shape) <= 0 or min(spec.stride) < 0:
+        raise BadRequest(f"a layer of shape {spec.shape} and stride {spec.stride}")
+    span = (sum((n - 1) * s for n, s in zip(spec.shape, spec.stride)) + 1) * item
+    size = memory.data.numel()
+    if spec.offset < 0 or spec.offset + span > size:
+        raise BadRequest(f"a layer of {span} bytes at offset {spec.offset} does not fit its memory of {size} bytes")
+    start = memory.data.storage_offset() + spec.offset  # bytes into the storage
+    if start % item:
+        raise BadRequest(f"a {spec.dtype} layer at byte {start} of its memory is not aligned to {item} bytes")
+    storage = memory.data.untyped_storage()
+    return torch.empty(0, dtype=dtype, device=memory.data.device).set_(storage, start // item, spec.shape, spec.stride)

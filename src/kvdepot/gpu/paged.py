@@ -1,0 +1,161 @@
+"""A worker's paged KV cache as torch tensors on one device, read and written a chunk's blocks at a time.
+
+An engine keeps each layer's KV in fixed-size blocks; a request's tokens are spread over the blocks its
+block table names. ``DevicePagedCache.gather`` copies the blocks of ``n`` chunks into a contiguous
+``[n, K, L, T, H, D]`` buffer on the same device (a staging buffer, before one copy to host memory) and
+``scatter`` copies such a buffer back into blocks. Every layer is read as ``[K, blocks, block_size, H, D]``
+of its *bits* (integers of the same width), so a copy is bit-exact for every dtype, fp8 included, and never
+looks at values.
+
+Cost: when every layer is a view into one allocation, evenly spaced (as an engine that allocates the
+whole cache at once lays them out), all layers move in one batched ``index_select`` / ``index_copy_`` and
+one permuting copy; otherwise in one pair of kernels per layer. Never one per block.
+
+Block ids come from the wire on the server, so they are checked on the host before any kernel sees them:
+an index out of range inside a CUDA kernel is a device-side assert that ends the whole CUDA context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvdepot.gpu.runtime import bits_dtype, require_torch
+from kvdepot.layout import PagedFormat
+
+
+class DevicePagedCache:
+    """``layers``: one tensor per layer in model order (the chunk's L axis), all of one shape, dtype and
+    device, in ``fmt`` (``kv_first`` or ``block_first``). ``groups[l]``: the KV-cache group whose block ids
+    address layer ``l`` (hybrid models have several; default: one group)."""
+
+    def __init__(self, layers: Sequence, fmt: PagedFormat | str, block_size: int, groups: Sequence[int] | None = None, kv_factor: int = 2) -> None:
+        self.torch = torch = require_torch("moving a paged KV cache")
+        if not layers:
+            raise ValueError("a paged cache needs at least one layer")
+        self.format = PagedFormat(fmt)
+        if self.format not in (PagedFormat.KV_FIRST, PagedFormat.BLOCK_FIRST):
+            raise ValueError(f"the device path reads kv_first or block_first caches, not {self.format.value}")
+        first = layers[0]
+        self.device = first.device
+        self.dtype = first.dtype
+        self.kv_factor = kv_factor
+        self.block_size = block_size
+        self.groups = list(groups) if groups is not None else [0] * len(layers)
+        if len(self.groups) != len(layers) or min(self.groups) < 0:
+            raise ValueError(f"groups names {len(self.groups)} layers' groups for {len(layers)} layers")
+        self.num_groups = max(self.groups) + 1
+        bits = bits_dtype(first.dtype)
+        self.views = [self._canonical(t.view(bits), i) for i, t in enumerate(layers)]
+        for i, (t, v) in enumerate(zip(layers, self.views)):
+            if t.device != self.device or t.dtype != self.dtype or v.shape != self.views[0].shape:
+                raise ValueError(f"layer {i} is {tuple(t.shape)} {t.dtype} on {t.device}; layer 0 is {tuple(first.shape)} {first.dtype} on {self.device}")
+        k, self.num_blocks, bs, self.heads, self.head_dim = self.views[0].shape
+        if bs != block_size:
+            raise ValueError(f"the cache's blocks hold {bs} tokens, not block_size {block_size}")
+        self._stacked = self._stack(layers, bits) if len(set(self.groups)) == 1 else None
+
+    def __repr__(self) -> str:
+        return (f"DevicePagedCache({self.format.value}, {len(self.views)} layers x {self.num_blocks} blocks of {self.block_size}, "
+                f"H={self.heads} D={self.head_dim} {self.dtype} on {self.device}, {'stacked' if self._stacked is not None else 'per layer'})")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.views)
+
+    @property
+    def block_bytes(self) -> int:
+        """One block of one layer, K and V."""
+        return self.kv_factor * self.block_size * self.heads * self.head_dim * self.views[0].element_size()
+
+    def chunk_shape(self, n: int, blocks_per_chunk: int) -> tuple[int, ...]:
+        return (n, self.kv_factor, self.num_layers, blocks_per_chunk * self.block_size, self.heads, self.head_dim)
+
+    def _canonical(self, t, index: int):
+        k = self.kv_factor
+        if t.dim() != 5:
+            raise ValueError(f"layer {index} has shape {tuple(t.shape)}; a {self.format.value} cache is 5-dimensional")
+        if self.format is PagedFormat.KV_FIRST:
+            if t.shape[0] != k:
+                raise ValueError(f"layer {index}: kv_first expects [{k}, blocks, block_size, H, D], got {tuple(t.shape)}")
+            return t
+        if t.shape[1] != k:
+            raise ValueError(f"layer {index}: block_first expects [blocks, {k}, block_size, H, D], got {tuple(t.shape)}")
+        return t.transpose(0, 1)
+
+    def _stack(self, layers: Sequence, bits):
+        """One ``[L, K, blocks, block_size, H, D]`` view over every layer when they lie evenly spaced in one
+        storage with equal strides (one kernel for all layers), else None."""
+        if len(layers) < 2:
+            return None
+        torch = self.torch
+        storage = layers[0].untyped_storage()
+        ptr0 = storage.data_ptr()
+        item = self.views[0].element_size()
+        offsets = []
+        for t, v in zip(layers, self.views):
+            if t.untyped_storage().data_ptr() != ptr0 or v.stride() != self.views[0].stride():
+                return None
+            offsets.append(v.storage_offset())  # in elements of the bits dtype
+        step = offsets[1] - offsets[0]
+        if step <= 0 or any(b - a != step for a, b in zip(offsets, offsets[1:])):
+            return None
+        base = torch.empty(0, dtype=bits, device=self.device).set_(storage, 0, (storage.nbytes() // item,), (1,))
+        return torch.as_strided(base, (len(layers), *self.views[0].shape), (step, *self.views[0].stride()), offsets[0])
+
+    # --- block ids -------------------------------------------------------------------------------------
+
+    def check_ids(self, block_ids: Sequence[Sequence[int]], n_blocks: int) -> list[np.ndarray]:
+        """Per group, ``n_blocks`` ids in ``[0, num_blocks)``; IndexError/ValueError naming the problem."""
+        if len(block_ids) != self.num_groups:
+            raise ValueError(f"block ids for {len(block_ids)} KV-cache groups; the cache has {self.num_groups}")
+        out = []
+        for g, ids in enumerate(block_ids):
+            arr = np.asarray(ids, dtype=np.int64)
+            if arr.ndim != 1 or arr.size != n_blocks:
+                raise ValueError(f"group {g}: {arr.size} block ids for {n_blocks} blocks")
+            if arr.size and (arr.min() < 0 or arr.max() >= self.num_blocks):
+                raise IndexError(f"group {g}: a block id is outside [0, {self.num_blocks})")
+            out.append(arr)
+        return out
+
+    def _index(self, ids: np.ndarray):
+        return self.torch.from_numpy(ids).to(self.device, non_blocking=False)
+
+    # --- copies --------------------------------------------------------------------------------------
+
+    def gather(self, block_ids: Sequence[np.ndarray], out) -> None:
+        """Copy the blocks of ``out.shape[0]`` chunks (``block_ids[g]``: group g's ids, chunk after chunk)
+        into ``out`` ``[n, K, L, T, H, D]`` (the cache's bits dtype or its dtype, on its device)."""
+        n, k, nl, tokens, h, d = out.shape
+        out = out.view(self.views[0].dtype)
+        if self._stacked is not None:
+            sel = self._stacked.index_select(2, self._index(block_ids[0]))
+            out.copy_(sel.view(nl, k, n, tokens, h, d).permute(2, 1, 0, 3, 4, 5))
+            return
+        index = [self._index(ids) for ids in block_ids]
+        for layer, view in enumerate(self.views):
+            sel = view.index_select(1, index[self.groups[layer]])
+            out[:, :, layer].copy_(sel.view(k, n, tokens, h, d).transpose(0, 1))
+
+    def scatter(self, src, block_ids: Sequence[np.ndarray], skip_blocks: int = 0, layers: range | None = None) -> None:
+        """Copy ``src`` ``[n, K, L, T, H, D]`` into the chunks' blocks, leaving the first ``skip_blocks``
+        blocks (over the chunks in order) unwritten; only ``layers`` when given (a layer-by-layer load)."""
+        n, k, nl, tokens, h, d = src.shape
+        src = src.view(self.views[0].dtype)
+        bs = self.block_size
+        per = n * tokens // bs
+        skip = min(max(skip_blocks, 0), per)
+        if skip == per:
+            return
+        layers = layers if layers is not None else range(nl)
+        if self._stacked is not None:
+            index = self._index(block_ids[0][skip:])
+            part = src[:, :, layers.start : layers.stop].permute(2, 1, 0, 3, 4, 5).reshape(len(layers), k, per, bs, h, d)
+            self._stacked[layers.start : layers.stop].index_copy_(2, index, part[:, :, skip:])
+            return
+        index = [self._index(ids[skip:]) for ids in block_ids]
+        for layer in layers:
+            part = src[:, :, layer].transpose(0, 1).reshape(k, per, bs, h, d)
+            self.views[layer].index_copy_(1, index[self.groups[layer]], part[:, skip:])
