@@ -128,6 +128,11 @@ class RegisteredKVCache:
         if self._layer_events:
             self.wait_layer(len(self._layer_events) - 1, stream)
 
+    def synchronize(self) -> None:
+        """This thread waits until every copy the server queued into the cache so far is done."""
+        if self._layer_events:
+            self._layer_events[-1].synchronize()
+
     def close(self) -> None:
         if self._closed or not self.cache_id:
             return

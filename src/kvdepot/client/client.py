@@ -171,6 +171,12 @@ class KVClient:
         threads sharing the client are not affected."""
         return self.link.deadline(seconds)
 
+    def arena_memory(self) -> np.ndarray | None:
+        """This process's mapping of the server's arena as a uint8 array (the shm path), else None: what a
+        GPU worker pins with ``cudaHostRegister`` so its copies into arena slots are DMA."""
+        arena = getattr(self.link.path, "arena", None)
+        return arena.buffer if arena is not None else None
+
     def ping(self) -> bool:
         return self.link.channel.ping(self.timeout_s)
 

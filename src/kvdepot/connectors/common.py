@@ -69,7 +69,11 @@ class ClientSettings(ConfigStruct, frozen=True, kw_only=True):
     chunk_size: Annotated[
         int, option("tokens per chunk, a multiple of the engine's block size; 0: 256 rounded up to one", ge=0, le=MAX_CHUNK_TOKENS)
     ] = 0
-    transport: Annotated[Transport, option("shm (same host, one copy), inline, or auto")] = Transport.AUTO
+    transport: Annotated[
+        Transport,
+        option("shm (same host, one copy), inline, cuda_ipc (vLLM on a GPU: the server copies the blocks itself), or auto (cuda_ipc "
+               "where the server offers this GPU, else shm, else inline)"),
+    ] = Transport.AUTO
     timeout_s: Annotated[float, option("deadline of one request to the server", gt=0)] = 5.0
     retry_after_s: Annotated[
         float, option("after a transport failure, how long the failing direction leaves the server alone", ge=0)

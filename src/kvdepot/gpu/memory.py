@@ -20,6 +20,7 @@ import logging
 import mmap
 import os
 import stat
+import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -145,19 +146,21 @@ def new_event():
 
 class EventRing:
     """A worker's few exported events, reused in turn: ``record`` marks "everything queued on this stream so
-    far" and returns the handle the server waits on. Reusing an event is safe: a wait on a later record of
+    far" and returns the event (this process may wait on it too) and the handle the server waits on. Reusing an event is safe: a wait on a later record of
     it waits for more of the same stream, never less."""
 
     def __init__(self, size: int = 16) -> None:
         self._events = [new_event() for _ in range(size)]
         self._handles = [event_handle(e) for e in self._events]
         self._next = 0
+        self._lock = threading.Lock()
 
-    def record(self, stream=None) -> bytes:
-        i = self._next
-        self._next = (i + 1) % len(self._events)
-        self._events[i].record(stream)
-        return self._handles[i]
+    def record(self, stream=None) -> tuple[object, bytes]:
+        with self._lock:
+            i = self._next
+            self._next = (i + 1) % len(self._events)
+            self._events[i].record(stream)
+        return self._events[i], self._handles[i]
 
 
 def event_handle(event) -> bytes:

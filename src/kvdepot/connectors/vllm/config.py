@@ -49,6 +49,12 @@ class ConnectorConfig(ClientSettings, frozen=True, kw_only=True):
         CpuKVLayout,
         option("vLLM on CPU: native (vLLM's own block layout, copies at memcpy speed) or shared (per-token K/V that SGLang reads too)"),
     ] = CpuKVLayout.NATIVE
+    staging_mb: Annotated[
+        int, option("vLLM on a GPU, shm and inline paths: the worker's device staging buffer in MiB (at least one chunk)", ge=1, le=1 << 20)
+    ] = 256
+    pin_arena: Annotated[
+        bool, option("vLLM on a GPU, shm path: pin this process's mapping of the arena (cudaHostRegister), so copies into it are DMA")
+    ] = True
     debug_load_delay_s: Annotated[float, option("for tests: sleep this long inside every load, holding its locks", ge=0)] = 0.0
     debug_save_delay_s: Annotated[
         float, option("for tests: sleep this long before every save reads its blocks (on the saver thread with async_saves)", ge=0)

@@ -79,12 +79,16 @@ class KVDepotConnector(KVConnectorBase_V1):
         model_config = vllm_config.model_config
         from vllm.platforms import current_platform
 
-        if not current_platform.is_cpu():
-            raise NotImplementedError("kvdepot's vLLM connector supports vLLM's CPU backend only (no device staging yet)")
+        on_cpu = current_platform.is_cpu()
+        if not (on_cpu or current_platform.is_cuda()):
+            raise NotImplementedError(f"kvdepot's vLLM connector runs on vLLM's CPU backend and on NVIDIA GPUs, not {current_platform.device_name}")
         if parallel.pipeline_parallel_size > 1:
             raise NotImplementedError("kvdepot's vLLM connector does not support pipeline parallelism yet")
         if model_config is not None and model_config.use_mla:
-            raise NotImplementedError("kvdepot's vLLM connector does not support MLA caches yet")
+            raise NotImplementedError(
+                "kvdepot's vLLM connector does not support MLA models yet (their cache is one latent tensor per layer, with no K/V "
+                "split, which kvdepot's chunks do not describe): serve this model without the connector"
+            )
         model = self.config.model_name or (model_config.model if model_config is not None else "")
         block_size = vllm_config.cache_config.block_size
         cache_dtype = str(vllm_config.cache_config.cache_dtype)
@@ -98,10 +102,14 @@ class KVDepotConnector(KVConnectorBase_V1):
             if len(groups) != 1:
                 raise NotImplementedError(f"kvdepot supports one KV cache group, got {len(groups)}")
             spec = groups[0].kv_cache_spec
-            fmt = choose_format(probe_cpu_layout(str(spec.dtype), block_size, spec.head_size, cache_dtype), self.config.cpu_kv_layout)
+            # On a GPU the cache is per-token K/V already: chunks keep the shared layout and the plain model id
+            # (the worker decides the same, from the tensors it is given).
+            suffix = ""
+            if on_cpu:
+                suffix = choose_format(probe_cpu_layout(str(spec.dtype), block_size, spec.head_size, cache_dtype), self.config.cpu_kv_layout).model_suffix
             layout = make_layout(len(groups[0].layer_names), spec.num_kv_heads, spec.head_size, spec.dtype)
             cache = _hash_cache(self.config, vllm_config, kv_cache_config, block_size)
-            self._scheduler = SchedulerSide(self.config, model + fmt.model_suffix, layout, block_size, world_size=tp, hash_cache=cache)
+            self._scheduler = SchedulerSide(self.config, model + suffix, layout, block_size, world_size=tp, hash_cache=cache)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

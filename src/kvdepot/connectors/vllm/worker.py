@@ -43,10 +43,12 @@ from kvdepot.client.client import KVClient
 from kvdepot.connectors.common import Breakers, Direction, FailureTally, ResilientClient
 from kvdepot.connectors.vllm.config import ConnectorConfig
 from kvdepot.connectors.vllm.copies import ChunkCopier
+from kvdepot.connectors.vllm.device import DeviceKV, device_format
 from kvdepot.connectors.vllm.metadata import KVDepotConnectorMetadata, KVDepotWorkerMetadata, LoadOp, SaveOp
 from kvdepot.connectors.vllm.paged_layout import PagedKV, choose_format, make_layout, probe_cpu_layout
 from kvdepot.connectors.vllm.saves import SaveQueue
 from kvdepot.errors import ErrorCode, KVDepotError
+from kvdepot.gpu.mover import Completion
 from kvdepot.types import SlotStatus
 
 log = logging.getLogger(__name__)
@@ -63,7 +65,8 @@ class WorkerSide:
         self.kv_rank = kv_rank
         self.kv_world = kv_world
         self._resilient: ResilientClient | None = None
-        self.paged: PagedKV | None = None
+        self.paged: PagedKV | None = None  # vLLM's CPU cache, or
+        self.device: DeviceKV | None = None  # its cache on a GPU
         self._layout = None
         self._model_id = model
         self.layer_index: dict[str, int] = {}
@@ -72,6 +75,7 @@ class WorkerSide:
         self._finished_async: set[str] = set()
         self._loaded: set[str] = set()
         self._layerwise: LayerwiseLoad | None = None
+        self._device_layerwise: DeviceLayerwiseLoad | None = None
         self._async_queue: queue.Queue[LoadOp | None] | None = None
         self._async_thread: threading.Thread | None = None
         self.breakers = Breakers(config.retry_after_s)
@@ -82,15 +86,24 @@ class WorkerSide:
         self._copier = ChunkCopier(config.copy_threads)  # synchronous loads' copies into the blocks
 
     def __repr__(self) -> str:
-        return f"WorkerSide(rank={self.kv_rank}/{self.kv_world}, {self.paged!r}, {self._copier!r}, client={self.client!r})"
+        return f"WorkerSide(rank={self.kv_rank}/{self.kv_world}, {self.paged or self.device!r}, {self._copier!r}, client={self.client!r})"
+
+    @property
+    def num_layers(self) -> int:
+        if self.device is not None:
+            return self.device.num_layers
+        return self.paged.num_layers if self.paged is not None else 0
 
     # --- set-up --------------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         names = _layer_order(kv_caches)
         first = kv_caches[names[0]]
+        if first.dim() == 5:  # a GPU attention backend's layout (FlashAttention, FlashInfer)
+            self._register_device(names, kv_caches)
+            return
         if first.device.type != "cpu":
-            raise NotImplementedError("kvdepot's vLLM connector supports vLLM's CPU backend only (no device staging yet)")
+            raise NotImplementedError(f"unsupported KV cache shape {tuple(first.shape)} on {first.device} (MLA's latent cache is not supported)")
         if first.dim() != 4:
             raise NotImplementedError(f"unsupported KV cache shape {tuple(first.shape)} (MLA and fused layouts are not supported)")
         _, heads, block_size, fused = first.shape
@@ -102,6 +115,27 @@ class WorkerSide:
         self.layer_index = {n: i for i, n in enumerate(names)}
         self._layout = make_layout(len(names), heads, head_size, first.dtype)
         self._model_id = self.model + fmt.model_suffix
+        self._start_client()
+
+    def _register_device(self, names: list[str], kv_caches: dict) -> None:
+        """vLLM on a GPU: per-token layouts, so chunks are the shared layout under the plain model id."""
+        layers = [kv_caches[n] for n in names]
+        first = layers[0]
+        fmt = device_format(first.shape, self.block_size)
+        self.device = DeviceKV(layers, fmt, self.block_size, self.blocks_per_chunk, self.config.transport,
+                               self.config.staging_mb << 20, self.config.pin_arena)  # fmt: skip
+        self.layer_index = {n: i for i, n in enumerate(names)}
+        self._layout = make_layout(len(names), self.device.cache.heads, self.device.cache.head_dim, first.dtype)
+        self._model_id = self.model
+        self._start_client()
+        client = self.client
+        if client is not None:  # decide the path now, so the log says it at start (else at the first transfer)
+            try:
+                self.device.server_path(client)
+            except KVDepotError as exc:
+                log.warning("kvdepot worker: %s; every load and save is a miss until that changes", exc)
+
+    def _start_client(self) -> None:
         self._resilient = ResilientClient(
             self.config,
             self._model_id,
@@ -131,6 +165,8 @@ class WorkerSide:
             self._layerwise.join()
         if self._resilient is not None:
             self._resilient.close()
+        if self.device is not None:
+            self.device.unpin()  # after the client: its arena mapping is still ours until then
         self._copier.close()
 
     @property
@@ -145,6 +181,9 @@ class WorkerSide:
     # --- loads ---------------------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KVDepotConnectorMetadata) -> None:
+        if self.device is not None:
+            self._device_start_load(meta)
+            return
         if meta.saves and self.config.layerwise_saves and self._saves is not None and self.paged is not None:
             # Handed over before the forward: the saver gathers each layer once save_kv_layer says so.
             self._save_gate = LayerGate(self.paged.num_layers)
@@ -169,7 +208,7 @@ class WorkerSide:
             self._to_dump.extend(sync_ops)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        job = self._layerwise
+        job = self._layerwise or self._device_layerwise
         if job is not None:
             index = self.layer_index.get(layer_name)
             if index is not None:
@@ -180,6 +219,9 @@ class WorkerSide:
         ``parallel``: the engine waits for this load (``start_load_kv``), so the copies run on the
         copier's threads; an asynchronous load runs beside the forward and keeps to one. Logged at INFO
         with its time: the server's answer (views of the chunks) and the copy into the blocks, apart."""
+        if self.device is not None:
+            self._device_load(op).finish(engine_waits=False)
+            return
         t0 = time.perf_counter()
         with self.retrieve(op) as views:
             t1 = time.perf_counter()
@@ -249,7 +291,10 @@ class WorkerSide:
         assert self._async_queue is not None
         while (op := self._async_queue.get()) is not None:
             try:
-                self.load(op)
+                if self.device is not None:
+                    self._device_load(op).finish(engine_waits=False)  # the request runs in a later step
+                else:
+                    self.load(op)
             except Exception:  # never leave the request waiting forever
                 log.exception("kvdepot: async load for %s failed", op.req_id)
                 with self._lock:
@@ -260,6 +305,14 @@ class WorkerSide:
     # --- saves ---------------------------------------------------------------------------------------
 
     def wait_for_save(self, meta: KVDepotConnectorMetadata) -> None:
+        device_job, self._device_layerwise = self._device_layerwise, None
+        if device_job is not None:
+            device_job.finish()
+            with self._lock:
+                self._loaded.update(op.req_id for op in device_job.ops)
+        if self.device is not None:
+            self._device_saves(meta)
+            return
         job, self._layerwise = self._layerwise, None
         if job is not None:
             job.join()
@@ -305,6 +358,9 @@ class WorkerSide:
 
     def save(self, op: SaveOp) -> None:
         """One save, whole (synchronous saves run it in the step; async ones on the saver thread)."""
+        if self.device is not None:
+            self._device_save_ops([op], self.device.ready())
+            return
         self._save_ops([op], None)
 
     def _save_ops(self, ops: Sequence[SaveOp], gate: LayerGate | None) -> None:
@@ -353,17 +409,115 @@ class WorkerSide:
                      names, saved, copied / 2**20, (t3 - t0) * 1e3, (t1 - t0) * 1e3,
                      (t2 - t1) * 1e3, (t3 - t2) * 1e3)  # fmt: skip
         for op, slots in opened:
-            refused = [s for s in slots.statuses if s in (SlotStatus.NO_SPACE, SlotStatus.OVER_QUOTA)]
-            if refused:  # L1 full of locked objects, or the tenant's quota: a future miss, nothing more
-                code = ErrorCode.NO_SPACE if refused[0] is SlotStatus.NO_SPACE else ErrorCode.BAD_REQUEST
-                error = KVDepotError(f"{len(refused)} of {len(slots)} chunks {refused[0].name}", code)
-                self.tally.add(Direction.SAVE, error, f"the save for {op.req_id}")
+            self._tally_refused(op, slots.statuses)
+
+    def _tally_refused(self, op: SaveOp, statuses: Sequence[SlotStatus]) -> None:
+        refused = [s for s in statuses if s in (SlotStatus.NO_SPACE, SlotStatus.OVER_QUOTA)]
+        if refused:  # L1 full of locked objects, or the tenant's quota: a future miss, nothing more
+            code = ErrorCode.NO_SPACE if refused[0] is SlotStatus.NO_SPACE else ErrorCode.BAD_REQUEST
+            error = KVDepotError(f"{len(refused)} of {len(statuses)} chunks {refused[0].name}", code)
+            self.tally.add(Direction.SAVE, error, f"the save for {op.req_id}")
+
+    # --- the device paths (vLLM on a GPU: connectors/vllm/device.py) ----------------------------------
+
+    def _device_start_load(self, meta: KVDepotConnectorMetadata) -> None:
+        sync_ops = [op for op in meta.loads if not op.is_async]
+        for op in meta.loads:
+            if op.is_async:
+                self._submit_async(op)
+        if not sync_ops:
+            return
+        layer_events = self.device.layer_events() if self.config.layerwise and self.device.num_layers > 1 else None
+        loads = [self._device_load(op, layer_events) for op in sync_ops]
+        if self.config.debug_dump_dir:
+            self._to_dump.extend(sync_ops)
+        if layer_events is not None:  # each layer's kernels wait for its copies; released after the forward
+            self._device_layerwise = DeviceLayerwiseLoad(self.device, sync_ops, loads, layer_events)
+            return
+        for load in loads:
+            load.finish(engine_waits=True)
+        with self._lock:
+            self._loaded.update(op.req_id for op in sync_ops)
+
+    def _device_load(self, op: LoadOp, layer_events: list | None = None) -> DeviceLoad:
+        """Start ``op``'s copies into its blocks (after the engine's stream's work so far); the returned
+        load's ``finish`` ends it. Chunks not found become load errors (vLLM recomputes them)."""
+        assert self.device is not None
+        event, handle = self.device.ready()
+        client = self._resilient.get(Direction.LOAD) if self._resilient is not None else None
+        load = DeviceLoad(self, op)
+        if client is None:
+            return load.missing(0)
+        t0 = time.perf_counter()
+        try:
+            server = self.device.server_path(client)
+            if server is not None:
+                found = server.retrieve(op.hashes, [op.block_ids], op.cache_salt, skip_first_n_tokens=op.skip_blocks * self.block_size,
+                                        ready_event=handle)  # fmt: skip
+                if self.config.debug_load_delay_s:
+                    time.sleep(self.config.debug_load_delay_s)
+                load.by_server(server, found, t0)
+                return load
+        except KVDepotError as exc:
+            self._failed(Direction.LOAD, exc, f"the load for {op.req_id}")
+            return load.missing(0)
+        views = load.stack.enter_context(self.retrieve(op))  # reports what it lacks when the stack closes
+        if views:
+            ids = self.device.ids(op.block_ids, range(len(views)))
+            load.by_mover(self.device.mover.load(views, ids, op.skip_blocks, layer_events, ready=event), sum(v.nbytes for v in views), t0)
+        return load
+
+    def _device_saves(self, meta: KVDepotConnectorMetadata) -> None:
+        """After the forward: mark the blocks written, and hand the step's saves over (or run them)."""
+        if self._to_dump:
+            self._dump_loaded()
+        if not meta.saves:
+            return
+        ready = self.device.ready()
+        for op in meta.saves:
+            if self._saves is None:
+                self._device_save_ops([op], ready)
+            else:
+                self._saves.submit([op.req_id], partial(self._device_save_ops, [op], ready))
+
+    def _device_save_ops(self, ops: Sequence[SaveOp], ready: tuple[object | None, bytes]) -> None:
+        """Copy each op's new chunks out of its blocks once ``ready`` (recorded after the forward) has
+        passed: by the server (cuda_ipc) or by the mover into arena slots / staging. Returns once the
+        blocks were read (vLLM may free them then)."""
+        assert self.device is not None
+        client = self._resilient.get(Direction.SAVE) if self._resilient is not None else None
+        if client is None:
+            return
+        if self.config.debug_save_delay_s:
+            time.sleep(self.config.debug_save_delay_s)
+        event, handle = ready
+        for op in ops:
+            t0 = time.perf_counter()
+            try:
+                server = self.device.server_path(client)
+                if server is not None:
+                    statuses = server.store(op.hashes, [op.block_ids], op.cache_salt, ready_event=handle, token_ids=op.token_ids)
+                else:
+                    with client.prepare_store(op.hashes, op.cache_salt, token_ids=op.token_ids) as slots:
+                        chosen = [i for i, slot in enumerate(slots) if slot is not None]
+                        if chosen:
+                            self.device.mover.save(self.device.ids(op.block_ids, chosen), [slots[i] for i in chosen], ready=event).wait()
+                    statuses = slots.statuses
+            except KVDepotError as exc:
+                self._failed(Direction.SAVE, exc, f"the save for {op.req_id} (a future miss)")
+                continue
+            saved = sum(1 for st in statuses if st is SlotStatus.ALLOCATED)
+            if saved:
+                mib = saved * self._layout.chunk_bytes(self.chunk_size) / 2**20
+                log.info("kvdepot: %s saved %d chunks (%.1f MiB) in %.1f ms (%s)", op.req_id, saved, mib, (time.perf_counter() - t0) * 1e3,
+                         self.device.path)  # fmt: skip
+            self._tally_refused(op, statuses)
 
     def _dump_loaded(self) -> None:
         """debug_dump_dir: what this step's loads left in vLLM's paged cache, read back after the forward,
         for tests that compare it with what was stored (``saved/``). Chunks a load did not bring (its
         blocks are recomputed) are not dumped."""
-        assert self.paged is not None and self._layout is not None
+        assert (self.paged is not None or self.device is not None) and self._layout is not None
         ops, self._to_dump = self._to_dump, []
         with self._lock:
             failed = set(self._load_errors)
@@ -374,7 +528,10 @@ class WorkerSide:
                 if len(blocks) < bpc or failed.intersection(blocks[op.skip_blocks if i == 0 else 0 :]):
                     break
                 chunk = self._layout.empty(self.chunk_size)
-                self.paged.gather(blocks, chunk)
+                if self.device is not None:
+                    self.device.mover.save(self.device.ids(blocks), [chunk]).wait()
+                else:
+                    self.paged.gather(blocks, chunk)
                 self._dump("loaded", h, chunk)
 
     def _dump(self, kind: str, chunk_hash: bytes, chunk: np.ndarray) -> None:
@@ -447,6 +604,80 @@ class LayerwiseLoad:
         finally:
             for event in self.events:
                 event.set()
+
+
+class DeviceLoad:
+    """One op's load on the device paths, from its start to ``finish``: the server's copies (cuda_ipc) or
+    the mover's, the views of the chunks it copies from (held until its copies are done), and the blocks
+    it could not bring (load errors)."""
+
+    def __init__(self, worker: WorkerSide, op: LoadOp) -> None:
+        self.worker = worker
+        self.op = op
+        self.stack = ExitStack()
+        self.server = None
+        self.completion: Completion | None = None
+        self._t0 = 0.0
+        self._bytes = 0
+
+    def missing(self, found: int) -> DeviceLoad:
+        if found < len(self.op.hashes):
+            self.worker._report_missing(self.op, found)
+        return self
+
+    def by_server(self, server, found: int, t0: float) -> None:
+        self.server, self._t0 = server, t0
+        self.missing(found)
+        if found:
+            log.info("kvdepot: %s: the server copies %d chunks into its blocks (%s)", self.op.req_id, found, server.kind)
+
+    def by_mover(self, completion: Completion, nbytes: int, t0: float) -> None:
+        self.completion, self._bytes, self._t0 = completion, nbytes, t0
+
+    def wait_layer(self, layer: int, layer_events: list) -> None:
+        """The engine's stream waits for this load's copies into ``layer``."""
+        if self.server is not None:
+            self.server.wait_layer(layer)
+        elif self.completion is not None and layer_events:
+            self.worker.device.wait_on_engine_stream(Completion(layer_events[layer]))
+
+    def finish(self, engine_waits: bool) -> None:
+        """End the load: ``engine_waits``: the engine's stream waits for the copies (a load in the step);
+        else this thread waits for them (an asynchronous load, reported done after). Views are released
+        once the copies are done."""
+        try:
+            if self.server is not None:
+                if engine_waits:
+                    self.server.wait_all()
+                else:
+                    self.server.synchronize()
+            elif self.completion is not None:
+                self.completion.wait()  # the views go back to the server only after the copies read them
+                if self._bytes:
+                    log.info("kvdepot: %s loaded %.1f MiB in %.1f ms (%s)", self.op.req_id, self._bytes / 2**20,
+                             (time.perf_counter() - self._t0) * 1e3, self.worker.device.path)  # fmt: skip
+        finally:
+            self.stack.close()
+
+
+class DeviceLayerwiseLoad:
+    """A step's synchronous loads on the device paths, layer by layer: attention of layer N waits (on the
+    engine's stream, not the host) for the copies into layer N only; the views are released after the
+    forward (``finish``, from ``wait_for_save``)."""
+
+    def __init__(self, device, ops: list[LoadOp], loads: list[DeviceLoad], layer_events: list) -> None:
+        self.device = device
+        self.ops = ops
+        self.loads = loads
+        self.layer_events = layer_events
+
+    def wait(self, layer: int) -> None:
+        for load in self.loads:
+            load.wait_layer(layer, self.layer_events)
+
+    def finish(self) -> None:
+        for load in self.loads:
+            load.finish(engine_waits=True)
 
 
 class LayerGate:

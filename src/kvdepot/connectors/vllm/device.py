@@ -1,0 +1,159 @@
+"""vLLM's paged cache on a GPU, and the three ways its chunks reach kvdepot.
+
+On a GPU vLLM registers one 5-dimensional tensor per layer: FlashAttention's ``[2, blocks, block_size,
+H, D]`` (``kv_first``) or FlashInfer's ``[blocks, 2, block_size, H, D]`` (``block_first``); a different
+stride order (vLLM's HND layouts) is read through the strides as given. Both are per-token K/V already,
+so chunks are kvdepot's shared ``[K, L, T, H, D]`` layout under the plain model id: another engine of
+the same model and layout (vLLM on another GPU, SGLang) reads them.
+
+The path (``transport`` in ``kv_connector_extra_config``), decided at the first transfer on each
+connected client and said in the log:
+
+- ``cuda_ipc`` (``auto`` picks it when the server offers this GPU): the cache is registered once
+  (``KVClient.register_kv_cache``) and the *server* gathers and scatters the blocks, waiting on an event
+  the worker recorded on its stream; a load's kernels wait on the server's per-layer events.
+- ``shm`` (pinned): the worker maps the arena and pins it (``cudaHostRegister``); the *worker* gathers
+  blocks into a staging buffer on the GPU and copies them into the arena slot with one DMA on a side
+  stream (and the reverse for loads): ``kvdepot.gpu.mover.BlockMover``.
+- ``inline``: the same mover through pageable host buffers and the socket (another host).
+
+Ordering: a transfer starts after an event recorded on the engine's current stream (the blocks are
+written, or free to write: vLLM's next step may be queued before the last one ran), and the engine's
+kernels wait for a load's copies before they read a layer. Nothing here blocks the forward on a save.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvdepot.client.client import KVClient
+from kvdepot.client.blocks import RegisteredKVCache
+from kvdepot.client.options import Transport
+from kvdepot.errors import TransportUnavailable
+from kvdepot.gpu import runtime
+from kvdepot.gpu.memory import EventRing
+from kvdepot.gpu.mover import BlockMover, Completion
+from kvdepot.gpu.paged import DevicePagedCache
+from kvdepot.layout import PagedFormat
+
+log = logging.getLogger(__name__)
+
+
+def device_format(shape: Sequence[int], block_size: int) -> PagedFormat:
+    """kv_first or block_first, from a layer tensor's shape (MLA's 3-dimensional latent cache is refused
+    before it gets here)."""
+    if len(shape) != 5 or shape[2] != block_size:
+        raise NotImplementedError(
+            f"kvdepot reads vLLM's GPU caches as [2, blocks, {block_size}, H, D] (FlashAttention) or [blocks, 2, {block_size}, H, D] "
+            f"(FlashInfer); this one is {tuple(shape)}"
+        )
+    if shape[0] == 2 and shape[1] != 2:
+        return PagedFormat.KV_FIRST
+    if shape[1] == 2 and shape[0] != 2:
+        return PagedFormat.BLOCK_FIRST
+    raise NotImplementedError(f"a cache of shape {tuple(shape)} could be either layout (2 blocks?)")
+
+
+class DeviceKV:
+    """The worker's paged cache on its device and the path its chunks take (see the module docstring)."""
+
+    def __init__(self, layers: Sequence, fmt: PagedFormat, block_size: int, blocks_per_chunk: int, transport: Transport,
+                 staging_bytes: int, pin_arena: bool = True) -> None:  # fmt: skip
+        self.layers = list(layers)
+        self.format = fmt
+        self.block_size = block_size
+        self.blocks_per_chunk = blocks_per_chunk
+        self.transport = Transport(transport)
+        self.cache = DevicePagedCache(self.layers, fmt, block_size)
+        self.mover = BlockMover(self.cache, blocks_per_chunk, staging_bytes)
+        self.on_gpu = self.cache.device.type == "cuda"
+        self._ring = EventRing() if self.on_gpu else None
+        self._pin_arena = pin_arena
+        self._pinned: runtime.PinnedRange | None = None
+        self._client: KVClient | None = None
+        self._server: RegisteredKVCache | None = None
+        self._refused: TransportUnavailable | None = None  # cuda_ipc asked for and not to be had on this client
+        self._layer_events: list | None = None
+        self.path = "undecided"
+
+    def __repr__(self) -> str:
+        return f"DeviceKV({self.path}, {self.cache!r})"
+
+    @property
+    def num_layers(self) -> int:
+        return self.cache.num_layers
+
+    def server_path(self, client: KVClient) -> RegisteredKVCache | None:
+        """The registered cache when the server moves the blocks (cuda_ipc), else None (the mover
+        does); decided once per connected client, so a reconnect decides again."""
+        if client is self._client:
+            if self._refused is not None:
+                raise self._refused  # every transfer is a miss, said in the log by the failure tally
+            return self._server
+        self._client, self._server, self._refused = client, None, None
+        if self.transport in (Transport.AUTO, Transport.CUDA_IPC):
+            try:
+                self._server = client.register_kv_cache(self.layers, self.format.value, self.block_size)
+            except TransportUnavailable as exc:
+                if self.transport is Transport.CUDA_IPC:
+                    self._refused = TransportUnavailable(f"transport cuda_ipc: {exc.message}")
+                    self.path = "cuda_ipc (refused)"
+                    raise self._refused from None
+                log.info("kvdepot: the server-driven path is not available (%s); the worker moves the blocks", exc.message)
+        if self._server is not None:
+            self.path = self._server.kind
+        else:
+            self.path = f"{client.transport} (pinned)" if self.on_gpu and client.transport == "shm" and self._pin(client) else client.transport
+        log.info("kvdepot worker: %r", self)
+        return self._server
+
+    def _pin(self, client: KVClient) -> bool:
+        if not self._pin_arena:
+            return False
+        if self._pinned is None:
+            arena = client.arena_memory()
+            if arena is None:
+                return False
+            self._pinned = runtime.pin(arena.__array_interface__["data"][0], arena.nbytes)
+        return self._pinned.pinned
+
+    def ready(self) -> tuple[object | None, bytes]:
+        """Mark "everything queued on the engine's stream so far" (the event, and its IPC handle for the
+        server); (None, b"") on a CPU device, whose copies need no ordering."""
+        if self._ring is None:
+            return None, b""
+        return self._ring.record()
+
+    def layer_events(self) -> list:
+        """Events the mover records after each layer of a layer-by-layer load ([] on a CPU device), made
+        once and recorded again every step: a wait issued before a later record waits for the earlier."""
+        if self._layer_events is None:
+            if self.on_gpu:
+                torch = runtime.require_torch("a GPU load")
+                with torch.cuda.device(self.cache.device):
+                    self._layer_events = [torch.cuda.Event() for _ in range(self.num_layers)]
+            else:
+                self._layer_events = []
+        return self._layer_events
+
+    def ids(self, block_ids: Sequence[int], chunks: Sequence[int] | None = None) -> list[np.ndarray]:
+        """The op's block ids as the mover takes them (one KV-cache group), for ``chunks`` only if given."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        if chunks is not None:
+            bpc = self.blocks_per_chunk
+            ids = np.concatenate([ids[i * bpc : (i + 1) * bpc] for i in chunks]) if chunks else ids[:0]
+        return self.cache.check_ids([ids], ids.size)
+
+    def wait_on_engine_stream(self, completion: Completion) -> None:
+        """The engine's next kernels wait for ``completion`` (no host wait)."""
+        if completion.event is not None:
+            torch = runtime.require_torch("a GPU load")
+            torch.cuda.current_stream(self.cache.device).wait_event(completion.event)
+
+    def unpin(self) -> None:
+        if self._pinned is not None:
+            self._pinned.close()
+            self._pinned = None

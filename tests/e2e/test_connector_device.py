@@ -1,0 +1,185 @@
+"""The vLLM connector's worker half with vLLM's GPU cache layouts (FlashAttention's ``kv_first``,
+FlashInfer's ``block_first``), driven directly against a real server, on each path: the server moves
+the blocks (``cuda_ipc``; with CPU tensors, a host cache file, the same server code), or the worker's
+mover does (``shm``, ``inline``). Run on the CPU everywhere and on CUDA where there is a GPU: the same
+ops, the same checks, every byte compared.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvdepot.bench.engines.vllm_engines import require_vllm
+from kvdepot.gpu.memory import HostCacheFile
+from kvdepot.hashing import chunk_hashes
+
+from support.devices import DEVICES
+
+CS, BS, NB = 64, 16, 16  # 4 blocks a chunk
+L, H, D = 3, 2, 32
+MODEL = "device-model"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_present():
+    require_vllm()
+
+
+@pytest.fixture
+def server(make_server, tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    return make_server("--shm-dir", str(shm), ipc=False, base=("--chunk-size", str(CS), "--l1-size-gb", "0.0625", "--no-prefault"))
+
+
+class Caches:
+    """vLLM-like per-layer caches on ``device`` (in a host cache file on the CPU when the server is to
+    reach them), by layer name."""
+
+    def __init__(self, device: str, fmt: str, shm_dir: str, in_file: bool, seed: int | None, dtype=torch.bfloat16) -> None:
+        shape = (2, NB, BS, H, D) if fmt == "kv_first" else (NB, 2, BS, H, D)
+        self.file = HostCacheFile.create(shm_dir, L, shape, dtype) if in_file and device == "cpu" else None
+        layers = self.file.layers if self.file else [t for t in torch.zeros((L, *shape), dtype=dtype, device=device)]
+        if seed is not None:
+            gen = torch.Generator().manual_seed(seed)
+            for t in layers:
+                t.copy_(torch.randint(-(1 << 15), 1 << 15, t.shape, generator=gen, dtype=torch.int32).to(torch.int16).view(dtype))
+        self.fmt = fmt
+        self.by_name = {f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(layers)}
+
+    def blocks(self, ids: list[int]) -> list:
+        return [(t if self.fmt == "kv_first" else t.transpose(0, 1))[:, ids].view(torch.int16).cpu() for t in self.by_name.values()]
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def worker(url: str, caches: Caches, **options):
+    from kvdepot.connectors.vllm.config import ConnectorConfig
+    from kvdepot.connectors.vllm.worker import WorkerSide
+
+    w = WorkerSide(ConnectorConfig(url=url, chunk_size=CS, **options), MODEL, BS, "auto", 0, 1)
+    w.register_kv_caches(caches.by_name)
+    return w
+
+
+def ops(seed: int, n: int, src_blocks, dst_blocks, skip=0, is_async=False, req="r"):
+    from kvdepot.connectors.vllm.metadata import LoadOp, SaveOp
+
+    toks = np.random.default_rng(seed).integers(3, 30000, size=n * CS + 1).tolist()
+    hashes = chunk_hashes(toks, CS)[:n]
+    return SaveOp(req, hashes, "", list(src_blocks)), LoadOp(req, hashes, "", list(dst_blocks), skip, is_async)
+
+
+def meta(loads=(), saves=()):
+    from kvdepot.connectors.vllm.metadata import KVDepotConnectorMetadata
+
+    return KVDepotConnectorMetadata(list(loads), list(saves))
+
+
+def save_now(w, step) -> None:
+    w.wait_for_save(step)
+    want, got = {op.req_id for op in step.saves}, set()
+    deadline = time.monotonic() + 30
+    while got != want:
+        assert time.monotonic() < deadline, f"saves of {want - got} never reported finished"
+        got |= w.take_finished_saves(want)
+        time.sleep(0.005)
+
+
+EXPECTED_PATH = {"cuda_ipc": ("host_file", "cuda_ipc"), "shm": ("shm", "shm (pinned)"), "inline": ("inline",)}
+
+
+def load_and_check(server, device, fmt, transport, mode, src, src_ids, seed, store_transport=None):
+    dst = Caches(device, fmt, server_shm(server), transport == "cuda_ipc", None)
+    writer = worker(server.url, src, transport=store_transport or transport)
+    save, load = ops(seed, 2, src_ids, [12, 1, 7, 3, 0, 5, 9, 14], skip=1, is_async=mode == "async")
+    save_now(writer, meta(saves=[save]))
+    reader = worker(server.url, dst, transport=transport, layerwise=mode == "layerwise")
+    reader.start_load_kv(meta(loads=[load]))
+    assert reader.device.path in EXPECTED_PATH[transport], reader.device.path
+    if mode == "layerwise":
+        for name in dst.by_name:
+            reader.wait_for_layer_load(name)
+    if mode == "async":
+        deadline = time.monotonic() + 10
+        while not (done := reader.take_finished_async()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert done == {"r"}
+    reader.wait_for_save(meta())
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert reader.take_load_errors() == set()
+    wanted = src.blocks(src_ids[1:])  # block 12 was skipped: vLLM's own prefix cache has it
+    got = dst.blocks([1, 7, 3, 0, 5, 9, 14])
+    assert all(torch.equal(a, b) for a, b in zip(wanted, got))
+    untouched = [b for b in range(NB) if b not in (1, 7, 3, 0, 5, 9, 14)]
+    assert all(not t.any() for t in dst.blocks(untouched))
+    assert server.wait_status(lambda st: st["leases"] == 0, timeout_s=10)["leases"] == 0
+    writer.shutdown()
+    reader.shutdown()
+    dst.close()
+
+
+def server_shm(server) -> str:
+    args = server.proc.args
+    return args[args.index("--shm-dir") + 1]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("transport", ["cuda_ipc", "shm", "inline"])
+@pytest.mark.parametrize("mode", ["sync", "layerwise", "async"])
+def test_saves_and_loads_are_bit_exact_on_every_path(server, device, transport, mode):
+    src = Caches(device, "kv_first", server_shm(server), transport == "cuda_ipc", seed=3)
+    load_and_check(server, device, "kv_first", transport, mode, src, [4, 5, 6, 7, 10, 11, 2, 13], seed=3)
+    src.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("transport", ["cuda_ipc", "shm"])
+def test_flashinfer_layout_and_chunks_shared_across_paths(server, device, transport):
+    """Stored by the other path, loaded by this one: the chunks are one layout whoever moved them."""
+    other = "shm" if transport == "cuda_ipc" else "cuda_ipc"
+    src = Caches(device, "block_first", server_shm(server), True, seed=4)
+    load_and_check(server, device, "block_first", transport, "sync", src, [0, 2, 4, 6, 8, 10, 12, 14], seed=4, store_transport=other)
+    src.close()
+
+
+def test_chunks_are_the_shared_layout_under_the_plain_model_id(server):
+    """A GPU worker's chunks are per-token K/V: a plain KVClient of the same model reads them as such."""
+    from kvdepot import ClientOptions, KVClient, KVLayout
+
+    src = Caches("cpu", "kv_first", server_shm(server), False, seed=5)
+    w = worker(server.url, src, transport="shm")
+    assert w.model_id == MODEL
+    save, _ = ops(5, 1, [3, 2, 1, 0], [0, 0, 0, 0])
+    save_now(w, meta(saves=[save]))
+    with KVClient(server.url, MODEL, KVLayout(L, H, D, "bfloat16"), options=ClientOptions(chunk_size=CS)) as c:
+        with c.prepare_retrieve(save.hashes) as views:
+            assert len(views) == 1
+            for layer, t in enumerate(src.by_name.values()):
+                want = t[:, [3, 2, 1, 0]].reshape(2, CS, H, D).view(torch.int16).numpy()
+                assert np.array_equal(views[0][:, layer].view(np.int16), want)
+    w.shutdown()
+
+
+def test_cuda_ipc_asked_for_and_not_offered_is_a_miss_said_in_the_log(make_server, tmp_path, caplog):
+    """An explicit ``transport: cuda_ipc`` the server cannot give is refused (not silently another path):
+    saves and loads are misses, the engine runs on."""
+    server = make_server("--gpu-transfer", "off", ipc=False, base=("--chunk-size", str(CS), "--l1-size-gb", "0.0625", "--no-prefault"))
+    src = Caches("cpu", "kv_first", str(tmp_path), True, seed=6)
+    w = worker(server.url, src, transport="cuda_ipc")
+    save, load = ops(6, 1, [0, 1, 2, 3], [4, 5, 6, 7])
+    save_now(w, meta(saves=[save]))
+    assert server.status()["l1"]["objects"] == 0
+    assert "cuda_ipc" in w.device.path and "refused" in w.device.path
+    w.start_load_kv(meta(loads=[load]))
+    assert w.take_load_errors() == {4, 5, 6, 7}
+    assert any("no server-driven path" in r.getMessage() for r in caplog.records)
+    w.shutdown()
+    src.close()

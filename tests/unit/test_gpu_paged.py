@@ -1,0 +1,155 @@
+"""``kvdepot.gpu.paged`` and ``kvdepot.gpu.mover``: a paged cache's chunks gathered and scattered through
+torch, bit for bit, in both GPU layouts, every dtype a cache uses (fp8 included), one or several KV-cache
+groups, with and without the one-kernel stacked view; and the checks that keep a bad block id from ever
+reaching a kernel. Each case runs on the CPU, and on CUDA where there is a GPU (``tests/support/devices``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch  # the engine-side extra; the test set-up installs it
+
+from kvdepot.gpu.mover import BlockMover
+from kvdepot.gpu.paged import DevicePagedCache
+
+from support.devices import DEVICES
+
+L, NB, BS, H, D = 3, 10, 4, 2, 8
+DTYPES = ["float16", "bfloat16", "float32"] + (["float8_e4m3fn"] if hasattr(torch, "float8_e4m3fn") else [])
+
+
+def bits(t):
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]).cpu()
+
+
+def random_layers(fmt: str, dtype: str, device: str, stacked: bool, seed: int = 0):
+    """One tensor per layer, of random bits (every bit pattern: fp8 and bf16 included)."""
+    shape = (2, NB, BS, H, D) if fmt == "kv_first" else (NB, 2, BS, H, D)
+    gen = torch.Generator().manual_seed(seed)
+    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    raw = torch.randint(0, 256, (L, *shape[:-1], D * itemsize), generator=gen, dtype=torch.uint8)
+    whole = raw.view(getattr(torch, dtype)).to(device)
+    if stacked:
+        return [whole[i] for i in range(L)]  # evenly spaced in one allocation
+    return [whole[i].clone() for i in range(L)]
+
+
+def reference_chunks(layers, fmt: str, ids: list[int], bpc: int):
+    """What ``gather`` must produce: [n, K, L, T, H, D], block by block, the slow obvious way."""
+    n = len(ids) // bpc
+    out = torch.empty((n, 2, L, bpc * BS, H, D), dtype=layers[0].dtype)
+    for c in range(n):
+        for layer, t in enumerate(layers):
+            view = t.cpu() if fmt == "kv_first" else t.cpu().transpose(0, 1)
+            for j, b in enumerate(ids[c * bpc : (c + 1) * bpc]):
+                out[c, :, layer, j * BS : (j + 1) * BS] = view[:, b]
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["kv_first", "block_first"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("stacked", [True, False])
+def test_gather_then_scatter_round_trips_every_bit(device, fmt, dtype, stacked):
+    src = random_layers(fmt, dtype, device, stacked, seed=1)
+    cache = DevicePagedCache(src, fmt, BS)
+    assert (cache._stacked is not None) == stacked
+    ids = [7, 2, 9, 0]  # two chunks of two blocks, out of order
+    out = torch.empty((2, 2, L, 2 * BS, H, D), dtype=src[0].dtype, device=device)
+    cache.gather(cache.check_ids([ids], 4), out)
+    assert torch.equal(bits(out), bits(reference_chunks(src, fmt, ids, 2)))
+
+    dst = [torch.zeros_like(t) for t in src]
+    target = DevicePagedCache(dst, fmt, BS)
+    back = [3, 5, 1, 8]
+    target.scatter(out, target.check_ids([back], 4))
+    for layer in range(L):
+        a = src[layer] if fmt == "kv_first" else src[layer].transpose(0, 1)
+        b = dst[layer] if fmt == "kv_first" else dst[layer].transpose(0, 1)
+        assert torch.equal(bits(a[:, ids]), bits(b[:, back]))
+        untouched = [i for i in range(NB) if i not in back]
+        assert not bits(b[:, untouched]).any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scatter_leaves_skipped_blocks_and_other_layers_alone(device):
+    src = random_layers("kv_first", "bfloat16", device, True, seed=2)
+    cache = DevicePagedCache(src, "kv_first", BS)
+    chunks = torch.empty((2, 2, L, 2 * BS, H, D), dtype=torch.bfloat16, device=device)
+    cache.gather(cache.check_ids([[1, 2, 3, 4]], 4), chunks)
+    dst = [torch.zeros_like(t) for t in src]
+    target = DevicePagedCache(dst, "kv_first", BS)
+    ids = target.check_ids([[5, 6, 7, 8]], 4)
+    target.scatter(chunks, ids, skip_blocks=3, layers=range(1, 2))  # the engine holds 5, 6, 7 already
+    assert not bits(dst[0]).any() and not bits(dst[2]).any()  # other layers: not this call's
+    assert not bits(dst[1][:, [5, 6, 7]]).any()
+    assert torch.equal(bits(dst[1][:, 8]), bits(src[1][:, 4]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_groups_address_their_own_layers(device):
+    """Hybrid models: layer l's blocks come from its KV-cache group's ids."""
+    src = random_layers("kv_first", "float16", device, False, seed=3)
+    cache = DevicePagedCache(src, "kv_first", BS, groups=[0, 1, 0])
+    assert cache.num_groups == 2 and cache._stacked is None
+    out = torch.empty((1, 2, L, 2 * BS, H, D), dtype=torch.float16, device=device)
+    cache.gather(cache.check_ids([[4, 6], [1, 9]], 2), out)
+    assert torch.equal(bits(out[0, :, 0]), bits(src[0][:, [4, 6]].reshape(2, 2 * BS, H, D)))
+    assert torch.equal(bits(out[0, :, 1]), bits(src[1][:, [1, 9]].reshape(2, 2 * BS, H, D)))
+
+
+def test_block_ids_are_checked_before_any_kernel():
+    cache = DevicePagedCache(random_layers("kv_first", "float16", "cpu", True), "kv_first", BS)
+    with pytest.raises(IndexError, match="outside"):
+        cache.check_ids([[0, NB]], 2)
+    with pytest.raises(IndexError, match="outside"):
+        cache.check_ids([[-1, 2]], 2)
+    with pytest.raises(ValueError, match="3 block ids for 2 blocks"):
+        cache.check_ids([[0, 1, 2]], 2)
+    with pytest.raises(ValueError, match="2 KV-cache groups"):
+        cache.check_ids([[0, 1], [2, 3]], 2)
+
+
+def test_layers_that_disagree_are_refused():
+    layers = random_layers("kv_first", "float16", "cpu", False)
+    with pytest.raises(ValueError, match="block_size 8"):
+        DevicePagedCache(layers, "kv_first", 8)
+    with pytest.raises(ValueError, match="layer 1"):
+        DevicePagedCache([layers[0], layers[1].to(torch.float32)], "kv_first", BS)
+    with pytest.raises(ValueError, match="block_first expects"):
+        DevicePagedCache(layers, "block_first", BS)
+    with pytest.raises(ValueError, match="kv_first or block_first"):
+        DevicePagedCache(layers, "head_major", BS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("staging_chunks", [1, 3, 64])
+def test_mover_saves_into_host_slots_and_loads_them_back(device, staging_chunks):
+    """Through the staging buffer on a device (batches of ``staging_chunks``; several batches when fewer
+    than the 5 chunks fit), straight into the slots on the CPU."""
+    src = random_layers("block_first", "bfloat16", device, True, seed=4)
+    bpc = 2
+    cache = DevicePagedCache(src, "block_first", BS)
+    chunk_bytes = 2 * L * bpc * BS * H * D * 2
+    mover = BlockMover(cache, bpc, staging_chunks * chunk_bytes)
+    assert mover.chunk_bytes == chunk_bytes
+    ids = [9, 8, 7, 6, 5, 4, 3, 2, 1, 0]
+    slots = [np.zeros((2, L, bpc * BS, H, D), dtype=np.uint16) for _ in range(5)]  # arena-like numpy views
+    mover.save(cache.check_ids([ids], 10), slots).wait()
+    ref = reference_chunks(src, "block_first", ids, bpc)
+    for c in range(5):
+        assert np.array_equal(slots[c], bits(ref[c]).numpy().view(np.uint16))
+
+    dst = [torch.zeros_like(t) for t in src]
+    target = DevicePagedCache(dst, "block_first", BS)
+    back = BlockMover(target, bpc, staging_chunks * chunk_bytes)
+    events = [torch.cuda.Event() for _ in range(L)] if device == "cuda" else None
+    readonly = [s.copy() for s in slots]
+    for s in readonly:
+        s.flags.writeable = False  # a retrieve's views are read-only
+    done = back.load(readonly, target.check_ids([[0, 1, 2, 3, 4, 5, 6, 7, 8, 9]], 10), skip_blocks=1, layer_events=events)
+    done.wait()
+    for layer in range(L):
+        assert not bits(dst[layer][0]).any()  # skipped
+        assert torch.equal(bits(dst[layer][1:]), bits(src[layer][[8, 7, 6, 5, 4, 3, 2, 1, 0]]))
