@@ -121,6 +121,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvdepot.bench import peer
 
         return peer.main(args)
+    if args.workload == "gpu":
+        from kvdepot.bench import gpu
+
+        return gpu.main(args)
     print(f"unknown workload {args.workload}", file=sys.stderr)
     return 2
 
@@ -246,6 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bth = bsub.add_parser("hit-ratio", help="a chat trace and a synthesized agentic workload through a real server: hit ratio vs an LRU oracle of the same capacity")
     add_hit_ratio_args(bth)
+    from kvdepot.bench.gpu import add_args as add_gpu_args
+
+    btg = bsub.add_parser("gpu", help="the GPU paths (cuda_ipc, pinned shm) and the paged gather/scatter: GB/s vs pinned D2H/H2D and D2D copies")
+    add_gpu_args(btg)
     b.set_defaults(func=cmd_bench)
     return p
 

@@ -93,3 +93,24 @@ def test_bench_tiers_reports_every_adapter(tmp_path, valkey_server, s3_server):
                 assert evicted == 0, (name, row)  # L2 keeps up: nothing may be lost to it
         else:
             assert measured(row["value"]) > 0, (name, row)
+
+
+def test_bench_gpu_runs_its_own_code_on_the_cpu_and_refuses_to_invent_gpu_figures(tmp_path):
+    """Without a GPU, ``kvdepot bench gpu`` says what it needs and exits 2; ``--device cpu`` runs every
+    row of the benchmark's code (the same paths, host memory) with its limits, and every byte moved is
+    checked inside it. Its figures are the CPU's, labelled so."""
+    from kvdepot.gpu.runtime import cuda_available
+
+    if not cuda_available():
+        r = subprocess.run([*KVDEPOT, "bench", "gpu"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "NVIDIA GPU" in r.stderr, (r.returncode, r.stderr)
+    out_json = tmp_path / "gpu.json"
+    out = run("bench", "gpu", "--device", "cpu", "--quick", "--sizes-mib", "2", "--chunks", "4", "--l1-size-gb", "0.25",
+              "--json", str(out_json), cwd=tmp_path)  # fmt: skip
+    assert "dry run" in out and "not measured here" in out
+    rows = {r["metric"]: r for r in json.loads(out_json.read_text())["rows"]}
+    for family in ("host memcpy (CPU dry run) D2H", "paged gather", "paged scatter", "store, worker-driven shm", "retrieve, worker-driven shm",
+                   "store, server-driven host_file", "retrieve, server-driven host_file"):  # fmt: skip
+        assert any(name.startswith(family) for name in rows), f"no {family!r} row in {list(rows)}"
+    for name, row in rows.items():
+        assert measured(row["value"]) > 0 and float(row["ratio"]) > 0, (name, row)

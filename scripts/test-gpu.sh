@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU tests, then `kvdepot bench gpu`, on a machine with an NVIDIA GPU and torch with CUDA. Needs
+# nothing but this repository and that torch: kvdepot's own dependencies come from the environment, or
+# from wheels in .whl/ where it lacks them (scripts/gpu-wheels.sh fetches those where pip works).
+#
+#   bash scripts/test-gpu.sh            # the tests marked gpu, and the benchmark
+#   bash scripts/test-gpu.sh --no-bench # the tests only
+#
+# KVDEPOT_REQUIRE_GPU=1: a test marked gpu is never skipped for want of CUDA here: it runs, and fails.
+# The vLLM connector's GPU cases (tests/e2e/test_connector_device.py) also need vLLM, so they run on a
+# GPU machine that has it (`bash scripts/test.sh` there), not by this script.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+bench=1
+[ "${1:-}" = "--no-bench" ] && bench=0
+
+if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    echo "test-gpu: this needs torch with CUDA and an NVIDIA GPU ($PY)" >&2
+    exit 1
+fi
+if ! "$PY" -c 'import zmq, msgspec, blake3, fastapi, uvicorn, xxhash, sortedcontainers, prometheus_client, numpy' 2>/dev/null; then
+    if ! ls .whl/*.whl >/dev/null 2>&1; then
+        echo "test-gpu: kvdepot's dependencies are missing and there is no .whl/ (run scripts/gpu-wheels.sh where pip works)" >&2
+        exit 1
+    fi
+    site=${TMPDIR:-/tmp}/kvdepot-site
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
+    export PYTHONPATH="$site"
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export KVDEPOT_REQUIRE_GPU=1
+"$PY" -c 'import torch; p = torch.cuda.get_device_properties(0); print(f"test-gpu: {p.name}, torch {torch.__version__}, CUDA {torch.version.cuda}")'
+
+"$PY" -m pytest -q -p no:cacheprovider -m gpu -o addopts="-ra --strict-markers" tests/gpu tests/unit/test_gpu_paged.py
+if [ "$bench" = 1 ]; then
+    "$PY" -m kvdepot.cli bench gpu
+fi
