@@ -208,8 +208,10 @@ def open_memory(spec: m.CacheMemory, devices: dict[str, int], shm_dir: str | Non
         if spec.size <= 0 or spec.offset < 0:
             raise BadRequest(f"CUDA memory of {spec.size} bytes at {spec.offset}")
         with torch.cuda.device(index):
+            # torch's own reader of these fields: it maps the allocation once per handle in this process, and
+            # decrements the worker's cross-process reference count (a file) when the last tensor goes.
             storage = torch.UntypedStorage._new_shared_cuda(
-                index, spec.handle, spec.size, spec.offset, spec.ref_counter_handle or None, spec.ref_counter_offset,
+                index, spec.handle, spec.size, spec.offset, spec.ref_counter_handle, spec.ref_counter_offset,
                 spec.event_handle or None, spec.event_sync_required,
             )  # fmt: skip
             data = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}").set_(storage, 0, (spec.size,), (1,))

@@ -20,6 +20,7 @@ and its copies out of staging must not interleave with a load's copies into it).
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -43,9 +44,22 @@ class Completion:
     def done(self) -> bool:
         return self.event is None or self.event.query()
 
-    def wait(self) -> None:
-        if self.event is not None:
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until done (True), or until ``timeout_s`` passed (False; CUDA has no timed wait, so the
+        event is polled, from 20 µs apart up to 1 ms apart)."""
+        if self.event is None:
+            return True
+        if timeout_s is None:
             self.event.synchronize()
+            return True
+        deadline = time.monotonic() + timeout_s
+        pause = 20e-6
+        while not self.event.query():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        return True
 
 
 class Lane:
@@ -105,6 +119,11 @@ class BlockMover:
     @property
     def on_device(self) -> bool:
         return self.lane.stream is not None
+
+    def close(self) -> None:
+        """Let go of the staging buffer and the cache (after the last copy: the caller knows when)."""
+        self._staging = None
+        self.cache.close()
 
     def _staging_for(self, n: int):
         if self._staging is None:

@@ -64,6 +64,11 @@ class DevicePagedCache:
     def num_layers(self) -> int:
         return len(self.views)
 
+    def close(self) -> None:
+        """Let go of the layers (the memory they view is released once nothing else holds it)."""
+        self.views = []
+        self._stacked = None
+
     @property
     def block_bytes(self) -> int:
         """One block of one layer, K and V."""

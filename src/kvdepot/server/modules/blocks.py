@@ -31,6 +31,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvdepot.config import BlockTransfer, GpuConfig
-from kvdepot.errors import BadRequest, IllegalTransition, KVDepotError, TransportUnavailable, UnknownKVCache
+from kvdepot.errors import BadRequest, IllegalTransition, KVDepotError, KVDepotTimeout, TransportUnavailable, UnknownKVCache
 from kvdepot.gpu import runtime
 from kvdepot.gpu.memory import OpenedMemory, event_handle, layer_tensor, new_event, open_event, open_memory
 from kvdepot.gpu.mover import BlockMover, Completion
@@ -56,6 +57,8 @@ log = logging.getLogger(__name__)
 
 MAX_CACHES_PER_CLIENT = 64
 MAX_OPEN_EVENTS = 256  # a worker's "ready" events this server keeps open per cache (a worker reuses a few)
+POLL_MIN_S, POLL_MAX_S = 50e-6, 2e-3  # how often pending copies are looked at
+STORE_PATIENCE_S = 120.0  # a store whose request set no deadline gives up waiting for its copy after this
 
 
 class CacheState(enum.Enum):
@@ -112,6 +115,7 @@ class RegisteredCache:
             if self.state is CacheState.CLOSED:
                 return
             self.state = CacheState.CLOSED
+        self.mover.close()  # the staging buffer, and the views of the worker's layers
         for mem in self.memories:
             mem.close()
         self._events.clear()
@@ -140,8 +144,9 @@ class RegisteredCache:
 
 
 class CopyWatcher:
-    """Runs each callback once its copies are done, in the order handed over (one thread, started with
-    the first registration, stopped at close)."""
+    """Runs each callback once its copies are done (one thread, started with the first copy it is handed,
+    stopped at close). It polls every pending completion in turn rather than waiting on the oldest, so a
+    copy that never ends (a worker whose event never fires) holds only its own locks, never the others'."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[tuple[Completion, Callable[[], None]] | None] = queue.SimpleQueue()
@@ -162,16 +167,40 @@ class CopyWatcher:
                 self._thread.start()
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            completion, then = item
+        pending: list[tuple[Completion, Callable[[], None]]] = []
+        pause = POLL_MIN_S
+        stopping = False
+        while pending or not stopping:
             try:
-                completion.wait()
-            except Exception:
-                log.exception("kvdepot: a copy to a worker's cache failed on the device")
-            try:
-                then()
-            except Exception:
-                log.exception("kvdepot: finishing a copy failed")
+                item = self._queue.get(timeout=pause if pending else None)
+                while True:
+                    if item is None:
+                        stopping = True
+                    else:
+                        pending.append(item)
+                        pause = POLL_MIN_S
+                    item = self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            still = []
+            for completion, then in pending:
+                try:
+                    done = completion.done()
+                except Exception:  # the device said the copy failed: it is over either way
+                    log.exception("kvdepot: a copy to a worker's cache failed on the device")
+                    done = True
+                if not done:
+                    still.append((completion, then))
+                    continue
+                try:
+                    then()
+                except Exception:
+                    log.exception("kvdepot: finishing a copy failed")
+            pause = min(pause * 2, POLL_MAX_S) if len(still) == len(pending) else POLL_MIN_S
+            pending = still
+            if stopping and pending:
+                for completion, _ in pending:
+                    completion.wait()  # at close: every copy ends before its memory goes
 
     def close(self) -> None:
         with self._start_lock:
@@ -360,23 +389,49 @@ class BlockTransferModule:
         # SERVER: the copy below writes the slots; a lease that ends meanwhile keeps them until abort/commit.
         res = self.storage.reserve(sent, size, call.client, body.cache_salt, protect=keys[: body.first], toucher=Toucher.SERVER)
         chosen = [i for i, s in enumerate(res.statuses) if s == m.SlotStatus.ALLOCATED]
-        try:
-            if chosen:
-                rc.begin()
-                try:
-                    bpc = rc.mover.blocks_per_chunk
-                    picked = [np.concatenate([g[i * bpc : (i + 1) * bpc] for i in chosen]) for g in ids]
-                    slots = self._slots(rc, [res.offsets[i] for i in chosen], size)
-                    rc.mover.save(picked, slots, rc.worker_event(body.ready_event)).wait()
-                finally:
-                    rc.end()
-        except BaseException:
-            self.storage.abort(res.lease_id, call.client)
-            raise
+        if chosen:
+            self._copy_out(call, rc, ids, chosen, [res.offsets[i] for i in chosen], size, res.lease_id)
         committed = self.storage.commit(res.lease_id, call.client)
         self.ctx.metrics.stored(context.spec.model, committed, committed * size, rc.label)
         self.ctx.chunk_request_done("store", call, context, body.keys, committed)
         return Reply(m.StoreBlocksReply(statuses=[int(s) for s in res.statuses]))
+
+    def _copy_out(self, call: Call, rc: RegisteredCache, ids: list[np.ndarray], chosen: list[int], offsets: list[int], size: int,
+                  lease: int) -> None:  # fmt: skip
+        """Copy the chosen chunks' blocks into their reserved slots and wait for the copy, within the
+        request's deadline. On any failure the reservation is aborted, but never while a copy into its
+        slots may still run: past the deadline the abort waits for the copy (on the watcher)."""
+        owner = call.client
+        try:
+            rc.begin()
+        except BaseException:
+            self.storage.abort(LeaseId(lease), owner)
+            raise
+        handed_over = False
+        try:
+            bpc = rc.mover.blocks_per_chunk
+            picked = [np.concatenate([g[i * bpc : (i + 1) * bpc] for i in chosen]) for g in ids]
+            done = rc.mover.save(picked, self._slots(rc, offsets, size), rc.worker_event(call.body.ready_event))
+            patience = min(STORE_PATIENCE_S, max(0.0, call.deadline - time.monotonic()))
+            if not done.wait(patience):
+
+                def abort_late() -> None:
+                    self.storage.abort(LeaseId(lease), owner)
+                    rc.end()
+
+                handed_over = True
+                self._watcher.after(done, abort_late)
+                raise KVDepotTimeout(
+                    f"the copy out of the worker's blocks did not end within {patience:.1f} s (does its ready event ever fire?): "
+                    f"this store is a miss; its slots are freed once the copy ends"
+                )
+        except BaseException:
+            if not handed_over:
+                self.storage.abort(LeaseId(lease), owner)
+            raise
+        finally:
+            if not handed_over:
+                rc.end()
 
     # --- retrieve ------------------------------------------------------------------------------------
 
