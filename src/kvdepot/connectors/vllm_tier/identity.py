@@ -9,8 +9,8 @@ so every object is registered as rank 0 of 1; the engine's topology is part of t
   digest covers everything that decides what a row's bytes mean: the model, the KV dtype, the hash and
   chunk granularity, the KV-cache groups (block size and layer names), the parallel topology (unless vLLM
   certifies the row parallelism-agnostic), the replicated and canonical layout switches, vLLM's KV-cache
-  layout and the device type. Two engines share exactly when all of these agree; the data-parallel
-  index and the engine id are left out, so the replicas of one deployment share.
+  layout, the device type and the row size. Two engines share exactly when all of these agree; the
+  data-parallel index and the engine id are left out, so the replicas of one deployment share.
 - **Layout.** Rows are opaque bytes to kvdepot: ``[1, 1, T, 1, row_bytes / T]`` of uint8, where T is the
   tokens one offload chunk covers (so the server's token counts mean tokens) when every group agrees on
   it and it divides the row, else 1.
@@ -94,6 +94,9 @@ class TierIdentity:
         fields = dict(fields)
         if model_name:
             fields["model"] = model_name
+        # The row size follows from the fields above but for the host's page size (rows are page-aligned):
+        # named too, so engines that disagree on it never meet (the server would refuse the second).
+        fields["row_bytes"] = row_bytes
         text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         digest = hashlib.sha256(text.encode()).hexdigest()[:_DIGEST_CHARS]
         distinct = set(tokens)

@@ -198,11 +198,20 @@ class KVDepotTier(SecondaryTierManager):
 
     # --- the lookup thread --------------------------------------------------------------------------
 
+    def _client(self, direction: Direction, what: str):
+        """The connected client for a call in ``direction``; None while that direction is switched off or
+        connecting failed (counted; a miss for the caller)."""
+        try:
+            return self._resilient.get(direction)
+        except Exception as exc:  # noqa: BLE001 - e.g. a server that registered another chunk size
+            self._resilient.failed(Direction.CONNECT, exc, what)
+            return None
+
     def stored(self, keys: list[OffloadKey], req_context: ReqContext) -> list[bool]:
         """Which of ``keys`` kvdepot holds (False for any it could not be asked about)."""
         found = [False] * len(keys)
-        client = self._resilient.get(Direction.LOOKUP)
-        if client is None or not keys:
+        client = self._client(Direction.LOOKUP, "connecting for a lookup") if keys else None
+        if client is None:
             return found
         size = client.hash_algorithm.digest_size
         positions = [req_context.get_offload_key_position(k) for k in keys]
@@ -219,11 +228,11 @@ class KVDepotTier(SecondaryTierManager):
 
     def _store(self, keys: list[OffloadKey], chunk_ids: list[int]) -> tuple[int, int]:
         """Rows ``chunk_ids`` (pinned by vLLM until the job ends) into kvdepot under ``keys``."""
-        client = self._resilient.get(Direction.SAVE)
+        what = f"a store of {len(keys)} offload chunks"
+        client = self._client(Direction.SAVE, what)
         if client is None:
             return 0, 0
         size = client.hash_algorithm.digest_size
-        what = f"a store of {len(keys)} offload chunks"
         try:
             with client.prepare_store([chunk_hash(k, size) for k in keys]) as slots:
                 copy_all((slot, self._rows[c].reshape(slot.shape)) for slot, c in zip(slots, chunk_ids) if slot is not None)
@@ -240,7 +249,8 @@ class KVDepotTier(SecondaryTierManager):
 
     def _load(self, keys: list[OffloadKey], chunk_ids: list[int]) -> tuple[int, int]:
         """The leading stored ``keys`` into rows ``chunk_ids`` (slots vLLM allocated for them)."""
-        client = self._resilient.get(Direction.LOAD)
+        what = f"a load of {len(keys)} offload chunks"
+        client = self._client(Direction.LOAD, what)
         if client is None:
             return 0, 0
         size = client.hash_algorithm.digest_size
@@ -250,7 +260,7 @@ class KVDepotTier(SecondaryTierManager):
                 copied = min(len(views), len(chunk_ids))
                 copy_all((self._rows[c].reshape(v.shape), v) for v, c in zip(views[:copied], chunk_ids))
         except Exception as exc:  # noqa: BLE001 - also a lease that ended before the copy did: those bytes may have changed
-            self._resilient.failed(Direction.LOAD, exc, f"a load of {len(keys)} offload chunks")
+            self._resilient.failed(Direction.LOAD, exc, what)
             return 0, 0
         log.debug("kvdepot: loaded %d of %d offload chunks (%.1f ms)", copied, len(keys), (time.perf_counter() - t0) * 1e3)
         return copied, copied * self.block_size_bytes
