@@ -208,6 +208,35 @@ class Fuzzer:
             return m.UnpinRequest(pin_id=self.rint()), []
         if rtype is R.CLOSE_AGENT_SESSION:
             return m.CloseAgentSessionRequest(name=r.choice(["", "conv", "x" * 5000]), cache_salt=r.choice(["", "a"])), []
+        if rtype is R.REGISTER_KV_CACHE:  # memory the server must never map: files elsewhere, bogus CUDA handles
+            memories: list = [
+                r.choice([
+                    m.HostFileMemory(path=r.choice(["/etc/passwd", "/dev/shm/kvdepot-kvcache-nope", "../kvdepot-kvcache-x", "", "/dev/shm"]),
+                                     size=self.rint(), offset=self.rint()),
+                    m.CudaIpcMemory(device_uuid=r.choice(["", "GPU-0", "x" * 300]), handle=self.rbytes(0, 80), size=self.rint(), offset=self.rint(),
+                                    ref_counter_handle=self.rbytes(), ref_counter_offset=self.rint()),
+                ])
+                for _ in range(r.choice([0, 1, 2]))
+            ]  # fmt: skip
+            layers = [
+                m.PagedLayerSpec(memory=r.choice([0, 1, -1, 5]), offset=self.rint(), shape=[self.rint() for _ in range(r.choice([0, 4, 5]))],
+                                 stride=[self.rint() for _ in range(r.choice([0, 5]))], dtype=r.choice(["bfloat16", "float16", "nope", ""]),
+                                 format=r.choice(["kv_first", "block_first", "head_major", "??"]), group=self.rint())
+                for _ in range(r.choice([0, 1, LAYOUT.num_layers]))
+            ]  # fmt: skip
+            return m.RegisterKVCacheRequest(context_id=self.ctx(), memories=memories, layers=layers, block_size=r.choice([0, 1, 16, -4, 1 << 40])), []
+        if rtype is R.UNREGISTER_KV_CACHE:
+            return m.UnregisterKVCacheRequest(context_id=self.ctx(), cache_id=self.rint()), []
+        if rtype in (R.STORE_BLOCKS, R.RETRIEVE_BLOCKS):
+            keys = self.keys()
+            ids = [[self.rint() for _ in range(r.choice([0, 1, 4]))] for _ in range(r.choice([0, 1, 2]))]
+            if rtype is R.STORE_BLOCKS:
+                body = m.StoreBlocksRequest(context_id=self.ctx(), cache_id=self.rint(), keys=keys, block_ids=ids, first=r.choice([0, 1, -1, 99]),
+                                            ready_event=self.rbytes(0, 64))  # fmt: skip
+            else:
+                body = m.RetrieveBlocksRequest(context_id=self.ctx(), cache_id=self.rint(), keys=keys, block_ids=ids, session_id=self.session(),
+                                               start=r.choice([0, 1, -1]), skip_first_n_tokens=self.rint(), ready_event=self.rbytes(0, 64))  # fmt: skip
+            return body, []
         if rtype.name.startswith("PEER_"):  # node-to-node requests: a kvdepot server answers them with an error
             node = m.PeerNodeInfo(id="10.0.0.9:31995", host="10.0.0.9", control_port=31995, data_port=31996)
             keys = self.keys()

@@ -117,7 +117,10 @@ class DevicePagedCache:
             raise ValueError(f"block ids for {len(block_ids)} KV-cache groups; the cache has {self.num_groups}")
         out = []
         for g, ids in enumerate(block_ids):
-            arr = np.asarray(ids, dtype=np.int64)
+            try:
+                arr = np.asarray(ids, dtype=np.int64)
+            except (OverflowError, TypeError, ValueError):
+                raise ValueError(f"group {g}: block ids must be integers that fit in 64 bits") from None
             if arr.ndim != 1 or arr.size != n_blocks:
                 raise ValueError(f"group {g}: {arr.size} block ids for {n_blocks} blocks")
             if arr.size and (arr.min() < 0 or arr.max() >= self.num_blocks):
