@@ -6,7 +6,10 @@ TransportUnavailable saying what to install.
 
 from __future__ import annotations
 
+import glob
+import importlib.util
 import logging
+import os
 from dataclasses import dataclass
 from functools import cache
 from types import ModuleType
@@ -25,6 +28,18 @@ def torch_or_none() -> ModuleType | None:
     except ImportError:
         return None
     return torch
+
+
+def torch_installed() -> bool:
+    """Is torch there to import? (without importing it: a server on a machine without a GPU never pays
+    for torch's import until a worker registers a host cache)"""
+    return importlib.util.find_spec("torch") is not None
+
+
+def nvidia_driver_present() -> bool:
+    """Does this machine (or container) expose an NVIDIA driver or device? Cheap, and no torch: a server
+    imports torch for CUDA only where this holds."""
+    return os.path.exists("/proc/driver/nvidia/version") or bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
 def require_torch(what: str) -> ModuleType:
@@ -51,8 +66,9 @@ def device_uuid(index: int) -> str:
 
 
 def cuda_devices() -> dict[str, int]:
-    """UUID -> this process's index, for every CUDA device it sees ({} without CUDA)."""
-    if not cuda_available():
+    """UUID -> this process's index, for every CUDA device it sees ({} without CUDA; torch is not even
+    imported where no NVIDIA driver is present)."""
+    if not nvidia_driver_present() or not cuda_available():
         return {}
     torch = torch_or_none()
     return {device_uuid(i): i for i in range(torch.cuda.device_count())}

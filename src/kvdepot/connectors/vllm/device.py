@@ -25,6 +25,7 @@ kernels wait for a load's copies before they read a layer. Nothing here blocks t
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -32,7 +33,7 @@ import numpy as np
 from kvdepot.client.client import KVClient
 from kvdepot.client.blocks import RegisteredKVCache
 from kvdepot.client.options import Transport
-from kvdepot.errors import TransportUnavailable
+from kvdepot.errors import KVDepotError, TransportUnavailable
 from kvdepot.gpu import runtime
 from kvdepot.gpu.memory import EventRing
 from kvdepot.gpu.mover import BlockMover, Completion
@@ -77,6 +78,7 @@ class DeviceKV:
         self._server: RegisteredKVCache | None = None
         self._refused: TransportUnavailable | None = None  # cuda_ipc asked for and not to be had on this client
         self._layer_events: list | None = None
+        self._lock = threading.Lock()
         self.path = "undecided"
 
     def __repr__(self) -> str:
@@ -88,27 +90,31 @@ class DeviceKV:
 
     def server_path(self, client: KVClient) -> RegisteredKVCache | None:
         """The registered cache when the server moves the blocks (cuda_ipc), else None (the mover
-        does); decided once per connected client, so a reconnect decides again."""
-        if client is self._client:
-            if self._refused is not None:
-                raise self._refused  # every transfer is a miss, said in the log by the failure tally
+        does); decided once per connected client, so a reconnect decides again. Thread-safe (the saver
+        and loader threads ask too)."""
+        with self._lock:
+            if client is self._client:
+                if self._refused is not None:
+                    raise self._refused  # every transfer is a miss, said in the log by the failure tally
+                return self._server
+            self._client, self._server, self._refused = client, None, None
+            if self.transport in (Transport.AUTO, Transport.CUDA_IPC):
+                try:
+                    self._server = client.register_kv_cache(self.layers, self.format.value, self.block_size)
+                except KVDepotError as exc:
+                    if self.transport is Transport.CUDA_IPC:
+                        self._refused = TransportUnavailable(f"transport cuda_ipc: {exc.message}")
+                        self.path = "cuda_ipc (refused)"
+                        raise self._refused from None
+                    level = logging.INFO if isinstance(exc, TransportUnavailable) else logging.WARNING
+                    log.log(level, "kvdepot: the server-driven path is not available (%s); the worker moves the blocks", exc.message)
+            if self._server is not None:
+                self.path = self._server.kind
+            else:
+                pinned = self.on_gpu and client.transport == "shm" and self._pin(client)
+                self.path = f"{client.transport} (pinned)" if pinned else client.transport
+            log.info("kvdepot worker: %r", self)
             return self._server
-        self._client, self._server, self._refused = client, None, None
-        if self.transport in (Transport.AUTO, Transport.CUDA_IPC):
-            try:
-                self._server = client.register_kv_cache(self.layers, self.format.value, self.block_size)
-            except TransportUnavailable as exc:
-                if self.transport is Transport.CUDA_IPC:
-                    self._refused = TransportUnavailable(f"transport cuda_ipc: {exc.message}")
-                    self.path = "cuda_ipc (refused)"
-                    raise self._refused from None
-                log.info("kvdepot: the server-driven path is not available (%s); the worker moves the blocks", exc.message)
-        if self._server is not None:
-            self.path = self._server.kind
-        else:
-            self.path = f"{client.transport} (pinned)" if self.on_gpu and client.transport == "shm" and self._pin(client) else client.transport
-        log.info("kvdepot worker: %r", self)
-        return self._server
 
     def _pin(self, client: KVClient) -> bool:
         if not self._pin_arena:

@@ -228,7 +228,7 @@ class BlockTransferModule:
 
     def offer(self) -> m.BlockTransferOffer | None:
         """What REGISTER_CONTEXT tells workers (None: no server-driven path here)."""
-        if self.config.transfer is BlockTransfer.OFF or runtime.torch_or_none() is None:
+        if self.config.transfer is BlockTransfer.OFF or not runtime.torch_installed():
             return None
         return m.BlockTransferOffer(devices=sorted(self.devices), host_files=True, shm_dir=self.ctx.config.storage.shm_dir)
 
