@@ -117,14 +117,25 @@ class DeviceKV:
             return self._server
 
     def _pin(self, client: KVClient) -> bool:
-        if not self._pin_arena:
+        """Pin this process's mapping of the arena, once per mapping: a server that restarted offers a
+        new arena, and the old mapping's pin goes with it."""
+        if not self._pin_arena or not self.on_gpu:
             return False
+        arena = client.arena_memory()
+        if arena is None:
+            return False
+        address = arena.__array_interface__["data"][0]
+        if self._pinned is not None and (self._pinned.address, self._pinned.size) != (address, arena.nbytes):
+            self._pinned.close()
+            self._pinned = None
         if self._pinned is None:
-            arena = client.arena_memory()
-            if arena is None:
-                return False
-            self._pinned = runtime.pin(arena.__array_interface__["data"][0], arena.nbytes)
+            self._pinned = runtime.pin(address, arena.nbytes)
         return self._pinned.pinned
+
+    def host_path(self, client: KVClient) -> None:
+        """Before the mover copies into or out of ``client``'s arena slots: they are pinned memory."""
+        if client.transport == "shm":
+            self._pin(client)
 
     def ready(self) -> tuple[object | None, bytes]:
         """Mark "everything queued on the engine's stream so far" (the event, and its IPC handle for the

@@ -12,6 +12,10 @@ Transfers follow the metadata the scheduler half built for the step:
   default) ``wait_for_save`` hands them to a saver thread and returns; ``saves.py`` says how no block
   is freed by vLLM before its save has read it.
 
+On a GPU (vLLM's 5-dimensional FlashAttention or FlashInfer caches) the same hooks run the device
+paths of ``device.py`` instead: the server copies the blocks itself (``cuda_ipc``), or this worker's
+``BlockMover`` does (pinned shm, inline), ordered by events on the engine's stream (``DeviceLoad``).
+
 A chunk that cannot be fetched (evicted, server gone) is never half-used: its blocks are reported as
 load errors, and vLLM recomputes them (``kv_load_failure_policy="recompute"``) or fails the request.
 A failed save is only a future miss. Only a transport failure (no connection, a timeout) stops the
@@ -87,12 +91,6 @@ class WorkerSide:
 
     def __repr__(self) -> str:
         return f"WorkerSide(rank={self.kv_rank}/{self.kv_world}, {self.paged or self.device!r}, {self._copier!r}, client={self.client!r})"
-
-    @property
-    def num_layers(self) -> int:
-        if self.device is not None:
-            return self.device.num_layers
-        return self.paged.num_layers if self.paged is not None else 0
 
     # --- set-up --------------------------------------------------------------------------------------
 
@@ -219,7 +217,7 @@ class WorkerSide:
         ``parallel``: the engine waits for this load (``start_load_kv``), so the copies run on the
         copier's threads; an asynchronous load runs beside the forward and keeps to one. Logged at INFO
         with its time: the server's answer (views of the chunks) and the copy into the blocks, apart."""
-        if self.device is not None:
+        if self.device is not None:  # (an asynchronous load: this thread waits for the copies, then it is reported)
             self._device_load(op).finish(engine_waits=False)
             return
         t0 = time.perf_counter()
@@ -291,10 +289,7 @@ class WorkerSide:
         assert self._async_queue is not None
         while (op := self._async_queue.get()) is not None:
             try:
-                if self.device is not None:
-                    self._device_load(op).finish(engine_waits=False)  # the request runs in a later step
-                else:
-                    self.load(op)
+                self.load(op)
             except Exception:  # never leave the request waiting forever
                 log.exception("kvdepot: async load for %s failed", op.req_id)
                 with self._lock:
@@ -461,6 +456,7 @@ class WorkerSide:
         except KVDepotError as exc:
             self._failed(Direction.LOAD, exc, f"the load for {op.req_id}")
             return load.missing(0)
+        self.device.host_path(client)
         views = load.stack.enter_context(self.retrieve(op))  # reports what it lacks when the stack closes
         if views:
             ids = self.device.ids(op.block_ids, range(len(views)))
@@ -498,6 +494,7 @@ class WorkerSide:
                 if server is not None:
                     statuses = server.store(op.hashes, [op.block_ids], op.cache_salt, ready_event=handle, token_ids=op.token_ids)
                 else:
+                    self.device.host_path(client)
                     with client.prepare_store(op.hashes, op.cache_salt, token_ids=op.token_ids) as slots:
                         chosen = [i for i, slot in enumerate(slots) if slot is not None]
                         if chosen:
