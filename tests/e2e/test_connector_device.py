@@ -17,6 +17,7 @@ from kvdepot.bench.engines.vllm_engines import require_vllm
 from kvdepot.gpu.memory import HostCacheFile
 from kvdepot.hashing import chunk_hashes
 
+from e2e.test_connector_parts import meta, save_now  # the same step helpers as the CPU layouts' tests
 from support.devices import DEVICES
 
 CS, BS, NB = 64, 16, 16  # 4 blocks a chunk
@@ -74,22 +75,6 @@ def ops(seed: int, n: int, src_blocks, dst_blocks, skip=0, is_async=False, req="
     toks = np.random.default_rng(seed).integers(3, 30000, size=n * CS + 1).tolist()
     hashes = chunk_hashes(toks, CS)[:n]
     return SaveOp(req, hashes, "", list(src_blocks)), LoadOp(req, hashes, "", list(dst_blocks), skip, is_async)
-
-
-def meta(loads=(), saves=()):
-    from kvdepot.connectors.vllm.metadata import KVDepotConnectorMetadata
-
-    return KVDepotConnectorMetadata(list(loads), list(saves))
-
-
-def save_now(w, step) -> None:
-    w.wait_for_save(step)
-    want, got = {op.req_id for op in step.saves}, set()
-    deadline = time.monotonic() + 30
-    while got != want:
-        assert time.monotonic() < deadline, f"saves of {want - got} never reported finished"
-        got |= w.take_finished_saves(want)
-        time.sleep(0.005)
 
 
 EXPECTED_PATH = {"cuda_ipc": ("host_file", "cuda_ipc"), "shm": ("shm", "shm (pinned)"), "inline": ("inline",)}

@@ -24,10 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 from kvdepot.bench.serverproc import bench_server, wait_prefault
 from kvdepot.bench.stats import Sample, gbps, loadavg, timed
+from kvdepot.bench.transfer import Row
 from kvdepot.layout import KVLayout, PagedFormat
 
 MiB = 1 << 20
@@ -45,15 +46,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--l1-size-gb", type=float, default=4.0, help="server L1 size (default: %(default)s)")
     p.add_argument("--json", default=None, help="also write the results as JSON to this path")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run, not for quoting)")
-
-
-@dataclass
-class Row:
-    metric: str
-    value: str
-    limit: str
-    ratio: str
-    target: str = ""
 
 
 def _ratio(a: Sample, b: Sample) -> str:
