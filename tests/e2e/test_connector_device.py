@@ -45,26 +45,28 @@ class Caches:
         shape = (2, NB, BS, H, D) if fmt == "kv_first" else (NB, 2, BS, H, D)
         self.file = HostCacheFile.create(shm_dir, L, shape, dtype) if in_file and device == "cpu" else None
         layers = self.file.layers if self.file else [t for t in torch.zeros((L, *shape), dtype=dtype, device=device)]
-        if seed is not None:
+        if seed is not None:  # random bits, every pattern (fp8 and bf16 included), made on the CPU
             gen = torch.Generator().manual_seed(seed)
+            bits = {1: torch.uint8, 2: torch.int16}[layers[0].element_size()]
             for t in layers:
-                t.copy_(torch.randint(-(1 << 15), 1 << 15, t.shape, generator=gen, dtype=torch.int32).to(torch.int16).view(dtype))
+                t.view(bits).copy_(torch.randint(0, 1 << 16, t.shape, generator=gen, dtype=torch.int32).to(bits))
         self.fmt = fmt
         self.by_name = {f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(layers)}
 
     def blocks(self, ids: list[int]) -> list:
-        return [(t if self.fmt == "kv_first" else t.transpose(0, 1))[:, ids].view(torch.int16).cpu() for t in self.by_name.values()]
+        bits = {1: torch.uint8, 2: torch.int16}[next(iter(self.by_name.values())).element_size()]
+        return [(t if self.fmt == "kv_first" else t.transpose(0, 1))[:, ids].view(bits).cpu() for t in self.by_name.values()]
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
 
 
-def worker(url: str, caches: Caches, **options):
+def worker(url: str, caches: Caches, rank: int = 0, world: int = 1, **options):
     from kvdepot.connectors.vllm.config import ConnectorConfig
     from kvdepot.connectors.vllm.worker import WorkerSide
 
-    w = WorkerSide(ConnectorConfig(url=url, chunk_size=CS, **options), MODEL, BS, "auto", 0, 1)
+    w = WorkerSide(ConnectorConfig(url=url, chunk_size=CS, **options), MODEL, BS, "auto", rank, world)
     w.register_kv_caches(caches.by_name)
     return w
 
@@ -168,3 +170,33 @@ def test_cuda_ipc_asked_for_and_not_offered_is_a_miss_said_in_the_log(make_serve
     assert any("no server-driven path" in r.getMessage() for r in caplog.records)
     w.shutdown()
     src.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("transport", ["cuda_ipc", "shm"])
+def test_fp8_caches_and_tensor_parallel_ranks_keep_their_own_chunks(server, device, transport):
+    """Two TP ranks store their own shards of the same prompt under the same hashes (fp8 caches, every
+    bit pattern): each rank's reader gets its own rank's bytes back, never the other's."""
+    dtype = getattr(torch, "float8_e4m3fn")
+    shm = server_shm(server)
+    srcs = [Caches(device, "kv_first", shm, transport == "cuda_ipc", seed=10 + r, dtype=dtype) for r in range(2)]
+    dsts = [Caches(device, "kv_first", shm, transport == "cuda_ipc", None, dtype=dtype) for _ in range(2)]
+    save, load = ops(9, 1, [8, 9, 10, 11], [0, 1, 2, 3])
+    for rank in range(2):
+        w = worker(server.url, srcs[rank], rank=rank, world=2, transport=transport)
+        save_now(w, meta(saves=[save]))
+        w.shutdown()
+    assert server.status()["l1"]["objects"] == 2  # one chunk per rank
+    for rank in range(2):
+        r = worker(server.url, dsts[rank], rank=rank, world=2, transport=transport)
+        r.start_load_kv(meta(loads=[load]))
+        r.wait_for_save(meta())
+        assert r.take_load_errors() == set()
+        r.shutdown()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for rank in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(srcs[rank].blocks([8, 9, 10, 11]), dsts[rank].blocks([0, 1, 2, 3])))
+    assert not all(torch.equal(a, b) for a, b in zip(dsts[0].blocks([0, 1, 2, 3]), dsts[1].blocks([0, 1, 2, 3])))
+    for c in srcs + dsts:
+        c.close()
