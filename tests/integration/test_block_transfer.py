@@ -106,6 +106,9 @@ def test_a_retrieve_leaves_the_engines_own_blocks_alone_and_takes_over_a_session
         src, dst = host_cache(c, seed=5), host_cache(c)
         write = c.register_kv_cache(src.layers, "kv_first", BS)
         read = c.register_kv_cache(dst.layers, "kv_first", BS)
+        gpu = blocks_server.status()["gpu"]
+        assert gpu["host_files"] and gpu["devices"] == [] and not gpu["arena_pinned"]
+        assert [(x["path"], x["state"], x["layers"], x["blocks"], x["device"]) for x in gpu["caches"]] == [("host_file", "open", 3, NB, "host")] * 2
         hashes = c.hashes(tokens(5, 2))
         assert write.store(hashes, [[8, 9, 10, 11, 12, 13, 14, 15]]) == [SlotStatus.ALLOCATED] * 2
         assert write.store(hashes, [[8, 9, 10, 11, 12, 13, 14, 15]]) == [SlotStatus.EXISTS] * 2  # nothing copied twice
@@ -122,6 +125,7 @@ def test_a_retrieve_leaves_the_engines_own_blocks_alone_and_takes_over_a_session
             read.retrieve(hashes, [list(range(8))], skip_first_n_tokens=3)
         src.close()
         dst.close()
+    assert blocks_server.status()["gpu"]["caches"] == []  # the client's goodbye closed them
 
 
 def test_bad_block_ids_and_registrations_are_that_requests_error_and_nothing_else(blocks_server):

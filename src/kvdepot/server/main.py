@@ -256,6 +256,7 @@ class KVDepotServer:
             len(self.ctx.sessions),
             tenants,
             self.plugins.snapshot(),
+            next((m.snapshot() for m in self.modules if isinstance(m, BlockTransferModule)), None),
         )
 
     def recent_events(self, n: int, kinds: tuple[str, ...] = (), after: int = 0) -> list[dict]:

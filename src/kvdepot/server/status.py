@@ -26,6 +26,7 @@ def status_document(
     sessions: int,
     tenants: list[dict] | None = None,
     plugins: list[dict] | None = None,
+    gpu: dict | None = None,
 ) -> dict:
     l1, pf = snap.l1, snap.prefault
     errors = {k: v for k, v in counts(metrics.errors).items() if v}
@@ -85,6 +86,8 @@ def status_document(
         "tenants": tenants or [],
         "l2_controllers": {"store": asdict(snap.store), "prefetch": asdict(snap.prefetch)} if snap.store and snap.prefetch else {},
         "plugins": plugins or [],  # name, module, state, pid, restarts, last_exit_code, restart_delays_s
+        # the server-driven path: transfer, devices, host_files, arena_pinned, caches (id, context, path, state, ...)
+        "gpu": gpu or {},
     }
 
 

@@ -232,6 +232,25 @@ class BlockTransferModule:
             return None
         return m.BlockTransferOffer(devices=sorted(self.devices), host_files=True, shm_dir=self.ctx.config.storage.shm_dir)
 
+    def snapshot(self) -> dict:
+        """``/status`` → ``gpu``: what is offered, the registered caches, whether L1 is pinned."""
+        offer = self.offer()
+        with self._caches_lock:
+            caches = [
+                {"id": rc.id, "context": rc.context_id, "path": rc.label, "state": rc.state.value, "copies_running": rc.busy,
+                 "layers": rc.cache.num_layers, "blocks": rc.cache.num_blocks, "device": f"cuda:{rc.memories[0].device_index}"
+                 if rc.memories and rc.memories[0].device_index is not None else "host"}
+                for rc in self._caches.values()
+            ]  # fmt: skip
+        pinned = self._pinned
+        return {
+            "transfer": self.config.transfer.value,
+            "devices": offer.devices if offer else [],
+            "host_files": bool(offer and offer.host_files),
+            "arena_pinned": bool(pinned and pinned.pinned),
+            "caches": caches,
+        }
+
     def handlers(self) -> list[HandlerSpec]:
         R, B = m.RequestType, HandlerMode.BLOCKING
         return [
