@@ -129,7 +129,12 @@ class DevicePagedCache:
         return out
 
     def _index(self, ids: np.ndarray):
-        return self.torch.from_numpy(ids).to(self.device, non_blocking=False)
+        index = self.torch.from_numpy(ids)
+        if self.device.type != "cuda":
+            return index
+        # From pinned memory (torch's caching host allocator): a copy from pageable memory would first wait
+        # for everything queued on the stream, the wait on the engine's event included, holding up the host.
+        return index.pin_memory().to(self.device, non_blocking=True)
 
     # --- copies --------------------------------------------------------------------------------------
 
