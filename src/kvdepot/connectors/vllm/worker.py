@@ -459,8 +459,12 @@ class WorkerSide:
         self.device.host_path(client)
         views = load.stack.enter_context(self.retrieve(op))  # reports what it lacks when the stack closes
         if views:
-            ids = self.device.ids(op.block_ids, range(len(views)))
-            load.by_mover(self.device.mover.load(views, ids, op.skip_blocks, layer_events, ready=event), sum(v.nbytes for v in views), t0)
+            try:
+                ids = self.device.ids(op.block_ids, range(len(views)))
+                load.by_mover(self.device.mover.load(views, ids, op.skip_blocks, layer_events, ready=event), sum(v.nbytes for v in views), t0)
+            except Exception:  # never half a load: its blocks are recomputed
+                log.exception("kvdepot: the copies of %s's load into its blocks failed", op.req_id)
+                load.missing(0)
         return load
 
     def _device_saves(self, meta: KVDepotConnectorMetadata) -> None:
