@@ -7,7 +7,6 @@ ops, the same checks, every byte compared.
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from kvdepot.bench.engines.vllm_engines import require_vllm
 from kvdepot.gpu.memory import HostCacheFile
 from kvdepot.hashing import chunk_hashes
 
-from e2e.test_connector_parts import meta, save_now  # the same step helpers as the CPU layouts' tests
+from e2e.test_connector_parts import meta, run_load_step, save_now  # the same step helpers as the CPU layouts' tests
 from support.devices import DEVICES
 
 CS, BS, NB = 64, 16, 16  # 4 blocks a chunk
@@ -88,17 +87,8 @@ def load_and_check(server, device, fmt, transport, mode, src, src_ids, seed, sto
     save, load = ops(seed, 2, src_ids, [12, 1, 7, 3, 0, 5, 9, 14], skip=1, is_async=mode == "async")
     save_now(writer, meta(saves=[save]))
     reader = worker(server.url, dst, transport=transport, layerwise=mode == "layerwise")
-    reader.start_load_kv(meta(loads=[load]))
+    run_load_step(reader, mode, load, list(dst.by_name))
     assert reader.device.path in EXPECTED_PATH[transport], reader.device.path
-    if mode == "layerwise":
-        for name in dst.by_name:
-            reader.wait_for_layer_load(name)
-    if mode == "async":
-        deadline = time.monotonic() + 10
-        while not (done := reader.take_finished_async()) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert done == {"r"}
-    reader.wait_for_save(meta())
     if device == "cuda":
         torch.cuda.synchronize()
     assert reader.take_load_errors() == set()

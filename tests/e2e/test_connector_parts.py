@@ -433,6 +433,21 @@ def ops(toks, n, src_blocks, dst_blocks, skip=0, is_async=False, req="r"):
     return SaveOp(req, hashes, "", src_blocks), LoadOp(req, hashes, "", dst_blocks, skip, is_async)
 
 
+def run_load_step(reader, mode: str, load, layer_names: list[str]) -> None:
+    """One step that loads ``load`` as vLLM drives it: ``start_load_kv``; in ``layerwise`` mode every
+    layer's wait; in ``async`` mode until ``get_finished`` reports the request; then ``wait_for_save``."""
+    reader.start_load_kv(meta(loads=[load]))
+    if mode == "layerwise":
+        for name in layer_names:
+            reader.wait_for_layer_load(name)
+    if mode == "async":
+        deadline = time.monotonic() + 10
+        while not (done := reader.take_finished_async()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert done == {load.req_id}
+    reader.wait_for_save(meta())
+
+
 def blocks_equal(a: dict, ia: list[int], b: dict, ib: list[int]) -> bool:
     return all(bool((a[name][ia] == b[name][ib]).all()) for name in a)
 
@@ -493,16 +508,7 @@ def test_worker_saves_and_loads_blocks_exactly(server, transport, mode):
     save_now(writer, meta(saves=[save]))
     assert server.status()["l1"]["objects"] == 3
     reader = worker(server.url, dst, transport=transport, layerwise=mode == "layerwise")
-    reader.start_load_kv(meta(loads=[load]))
-    if mode == "layerwise":
-        for name in dst:
-            reader.wait_for_layer_load(name)
-    if mode == "async":
-        deadline = time.monotonic() + 10
-        while not (done := reader.take_finished_async()) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert done == {"r"}
-    reader.wait_for_save(meta())
+    run_load_step(reader, mode, load, list(dst))
     assert blocks_equal(src, [7, 2, 9], dst, [0, 5, 3])
     untouched = [b for b in range(12) if b not in (0, 5, 3)]
     assert all(bool((dst[n][untouched] == 0).all()) for n in dst)

@@ -147,6 +147,10 @@ def test_bad_block_ids_and_registrations_are_that_requests_error_and_nothing_els
         wrong_heads = HostCacheFile.create(c.registration.blocks.shm_dir, 3, (2, NB, BS, 4, 16), torch.bfloat16)
         with pytest.raises(BadRequest, match="H=4"):
             c.register_kv_cache(wrong_heads.layers, "kv_first", BS)
+        wrong_dtype = HostCacheFile.create(c.registration.blocks.shm_dir, 3, (2, NB, BS, 2, 16), torch.float16)
+        with pytest.raises(BadRequest, match="float16"):  # the same width as bf16: never read as it
+            c.register_kv_cache(wrong_dtype.layers, "kv_first", BS)
+        wrong_dtype.close()
         with pytest.raises(BadRequest, match="layers registered"):
             c.register_kv_cache(src.layers[:2], "kv_first", BS)
         with pytest.raises(BadRequest, match="does not divide"):

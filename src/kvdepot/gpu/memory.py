@@ -124,9 +124,12 @@ class HostCacheFile:
         path = os.path.join(shm_dir, f"{HOST_FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            os.ftruncate(fd, num_layers * layer_bytes)
-        finally:
+            os.posix_fallocate(fd, 0, num_layers * layer_bytes)  # a full /dev/shm fails here, not as a SIGBUS later
+        except OSError:
             os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
         base = torch.from_file(path, shared=True, size=num_layers * layer_bytes, dtype=torch.uint8)
         layers = [base[i * layer_bytes : (i + 1) * layer_bytes].view(dtype).view(*layer_shape) for i in range(num_layers)]
         return cls(path, layers, base)

@@ -25,7 +25,7 @@ from kvdepot.rpc.security import CurveServerKeys, load_key_pair
 from kvdepot.rpc.server import RpcServer
 from kvdepot.server.lifecycle import Lifecycle
 from kvdepot.server.liveness import ClientWatch, LivenessTracker
-from kvdepot.server.modules import ModuleFactory, ServerContext
+from kvdepot.server.modules import ClosingModule, ModuleFactory, ServerContext
 from kvdepot.server.modules.blocks import BlockTransferModule
 from kvdepot.server.modules.lifecycle import LifecycleModule
 from kvdepot.server.modules.lookup import LookupModule
@@ -199,9 +199,8 @@ class KVDepotServer:
             self.prometheus.close()
         self.rpc.close()
         for module in getattr(self, "modules", ()):
-            close = getattr(module, "close", None)  # a ClosingModule: device resources, views of the arena
-            if close is not None:
-                close()
+            if isinstance(module, ClosingModule):  # device resources, views of the arena
+                module.close()
         self.liveness.close()  # the loop has stopped: its pidfds can go
         self.storage.close()
         self.observers.close()  # after every producer: what they said last is still handed out

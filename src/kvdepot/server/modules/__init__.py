@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvdepot.config import ServerConfig
 from kvdepot.errors import BadRequest, KVDepotError, LeaseRevoked, UnknownContext
@@ -144,6 +144,7 @@ class ServerModule(Protocol):
     def handlers(self) -> list[HandlerSpec]: ...
 
 
+@runtime_checkable
 class ClosingModule(ServerModule, Protocol):
     """A module with threads or device resources of its own: closed by the composition root after the RPC
     server stopped and before storage closes (it may hold views of the arena)."""

@@ -223,18 +223,16 @@ class BlockTransferModule:
         self._pinned: runtime.PinnedRange | None = None
         self._arena_lock = threading.Lock()
         self.devices = runtime.cuda_devices() if self.config.transfer is not BlockTransfer.OFF else {}
+        # What REGISTER_CONTEXT tells workers (None: no server-driven path here); fixed for the server's life.
+        self.offer: m.BlockTransferOffer | None = None
+        if self.config.transfer is not BlockTransfer.OFF and runtime.torch_installed():
+            self.offer = m.BlockTransferOffer(devices=sorted(self.devices), host_files=True, shm_dir=ctx.config.storage.shm_dir)
         ctx.contexts_gone.append(self._contexts_gone)
-        ctx.block_offer = self.offer()
-
-    def offer(self) -> m.BlockTransferOffer | None:
-        """What REGISTER_CONTEXT tells workers (None: no server-driven path here)."""
-        if self.config.transfer is BlockTransfer.OFF or not runtime.torch_installed():
-            return None
-        return m.BlockTransferOffer(devices=sorted(self.devices), host_files=True, shm_dir=self.ctx.config.storage.shm_dir)
+        ctx.block_offer = self.offer
 
     def snapshot(self) -> dict:
         """``/status`` → ``gpu``: what is offered, the registered caches, whether L1 is pinned."""
-        offer = self.offer()
+        offer = self.offer
         with self._caches_lock:
             caches = [
                 {"id": rc.id, "context": rc.context_id, "path": rc.label, "state": rc.state.value, "copies_running": rc.busy,
@@ -277,7 +275,7 @@ class BlockTransferModule:
     def register(self, call: Call) -> Reply:
         body: m.RegisterKVCacheRequest = call.body
         context = self.ctx.context_of(body.context_id, call.client)
-        if self.offer() is None:
+        if self.offer is None:
             why = "it is turned off (--gpu-transfer off)" if self.config.transfer is BlockTransfer.OFF else f"torch is not installed ({runtime.INSTALL_HINT})"
             raise TransportUnavailable(f"this server has no server-driven path: {why}; use the shm or inline path")
         with self._caches_lock:
