@@ -180,3 +180,33 @@ def test_the_workers_own_path_moves_gpu_blocks_through_the_arena_bit_exact(gpu_s
             assert torch.equal(bits(a[:, src_ids]), bits(b[:, :8]))
         write.unpin()
         read.unpin()
+
+
+def test_two_holders_of_one_pinned_range_and_a_refused_pin_leave_cuda_usable():
+    """A writer and a reader in one process pin one arena mapping: CUDA registers it once (a second
+    cudaHostRegister of the range is refused, and that refusal would surface as the error of torch's next
+    allocation). A refused overlapping pin leaves the range pageable and CUDA working."""
+    import mmap
+
+    from kvdepot.gpu import runtime
+
+    size = 16 << 20
+    memory = mmap.mmap(-1, size)
+    host = torch.frombuffer(memory, dtype=torch.uint8)
+    address = host.data_ptr()
+    first, second = runtime.pin(address, size), runtime.pin(address, size)
+    assert first.pinned and second.pinned
+    refused = runtime.pin(address + 4096, 4096)
+    assert not refused.pinned
+    device = torch.arange(size, dtype=torch.int64, device="cuda").to(torch.uint8)  # no stale error raised here
+    host.copy_(device, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(host, device.cpu())
+    first.close()
+    assert runtime.pin(address + 4096, 4096).pinned is False  # still registered: the second holder has it
+    second.close()
+    again = runtime.pin(address, size)
+    assert again.pinned  # unregistered by the last holder, so it registers anew
+    again.close()
+    del host
+    memory.close()

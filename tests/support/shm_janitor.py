@@ -2,7 +2,8 @@
 
 The engines a test starts (vLLM's multiprocessing, SGLang's schedulers) create shared-memory files
 (``psm_*``, ``sem.mp-*``, ``sglang_*``) that they remove on a clean exit, and leave behind when they are
-killed, as tests kill them. After a module's engines are stopped, every file that appeared in
+killed, as tests kill them; so do the CUDA runtime (``cuda.shm.*``, for interprocess events) and torch
+(``torch_*``, the reference counts of CUDA memory a process shared) in a GPU worker the tests kill. After a module's engines are stopped, every file that appeared in
 /dev/shm during the module and that no live process has open or mapped is removed; what is left is
 a leak a test must fail on (a kvdepot arena outliving its server would be one).
 """
@@ -13,7 +14,7 @@ import os
 from pathlib import Path
 
 SHM = Path("/dev/shm")
-ENGINE_LEFTOVERS = ("psm_", "sem.mp-", "sglang_", "mp-")  # what killed engine processes leave behind
+ENGINE_LEFTOVERS = ("psm_", "sem.mp-", "sglang_", "mp-", "cuda.shm.", "torch_")  # what killed engine processes leave behind
 
 
 def entries() -> set[str]:

@@ -102,3 +102,51 @@ def test_without_torch_the_path_says_what_to_install():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "TransportUnavailable" in out.stdout and "kvdepot[gpu]" in out.stdout
+
+
+class FakeCudart:
+    """CUDA's host registration as the runtime behaves: a range registered twice, or overlapping another
+    registration, is refused (712) and the refusal becomes the thread's last error."""
+
+    def __init__(self) -> None:
+        self.registered: dict[int, int] = {}
+        self.calls: list[str] = []
+
+    def cudaHostRegister(self, address: int, size: int, flags: int) -> int:
+        self.calls.append("register")
+        if any(a < address + size and address < a + s for a, s in self.registered.items()):
+            return 712
+        self.registered[address] = size
+        return 0
+
+    def cudaHostUnregister(self, address: int) -> int:
+        self.calls.append("unregister")
+        return 0 if self.registered.pop(address, None) is not None else 713
+
+
+def test_a_range_is_registered_once_per_process_and_unregistered_by_its_last_holder(monkeypatch):
+    from kvdepot.gpu import runtime
+
+    fake = FakeCudart()
+    cleared = []
+    monkeypatch.setattr(runtime, "cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(runtime, "_clear_last_error", lambda: cleared.append(True))
+    monkeypatch.setattr(runtime, "_pins", {})
+
+    writer, reader = runtime.pin(4096, 1 << 20), runtime.pin(4096, 1 << 20)  # two holders of one arena mapping
+    assert writer.pinned and reader.pinned and fake.calls == ["register"]
+    writer.close()
+    writer.close()  # a second close is no second let-go
+    assert fake.registered == {4096: 1 << 20} and fake.calls == ["register"]
+    reader.close()
+    assert fake.registered == {} and fake.calls == ["register", "unregister"]
+    assert not cleared
+
+    whole = runtime.pin(4096, 1 << 20)
+    overlapping = runtime.pin(8192, 4096)  # CUDA refuses it: pageable, and its error is consumed at once
+    assert whole.pinned and not overlapping.pinned and cleared == [True]
+    overlapping.close()  # an unpinned holder unregisters nothing
+    assert fake.registered == {4096: 1 << 20}
+    whole.close()
+    assert fake.registered == {}

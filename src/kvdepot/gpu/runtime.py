@@ -10,6 +10,7 @@ import glob
 import importlib.util
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from functools import cache
 from types import ModuleType
@@ -102,34 +103,94 @@ def bits_dtype(dtype):
 
 # --- pinned host memory ----------------------------------------------------------------------------------
 
+# CUDA refuses to register a range twice (cudaErrorHostMemoryAlreadyRegistered), and a refused call leaves
+# its error as the thread's "last error", which torch's next allocation or launch raises as its own. So a
+# process registers each range once, shared by every holder (two DeviceKVs of one client, a writer and a
+# reader), and unregisters it when the last holder lets go.
+_pins: dict[tuple[int, int], int] = {}  # (address, size) -> holders
+_pins_lock = threading.Lock()
+
 
 @dataclass
 class PinnedRange:
-    """Host memory registered with CUDA (``cudaHostRegister``): copies to and from it are DMA, and
-    ``non_blocking`` copies really run beside the host. ``close`` unregisters it (before it is unmapped)."""
+    """A holder of host memory registered with CUDA (``cudaHostRegister``): copies to and from it are DMA,
+    and ``non_blocking`` copies really run beside the host. ``close`` lets go (the last holder unregisters,
+    before the memory is unmapped)."""
 
     address: int
     size: int
     pinned: bool
 
     def close(self) -> None:
-        if self.pinned:
-            self.pinned = False
+        if not self.pinned:
+            return
+        self.pinned = False
+        key = (self.address, self.size)
+        with _pins_lock:
+            holders = _pins.get(key, 0) - 1
+            if holders > 0:
+                _pins[key] = holders
+                return
+            _pins.pop(key, None)
             torch = torch_or_none()
             if torch is not None:
-                torch.cuda.cudart().cudaHostUnregister(self.address)
+                _cuda_call(torch.cuda.cudart().cudaHostUnregister(self.address))
 
 
 def pin(address: int, size: int) -> PinnedRange:
-    """Register ``size`` bytes at ``address`` with CUDA (it faults every page in and locks it). A failure
-    (no CUDA, a memlock limit) is logged and leaves the range pageable: copies then go through the driver's
-    own bounce buffer, correct and slower."""
+    """Register ``size`` bytes at ``address`` with CUDA (it faults every page in and locks it), or hold the
+    registration this process already made of exactly that range. A failure (no CUDA, a memlock limit,
+    a range overlapping another registration) is logged and leaves the range pageable: copies then go
+    through the driver's own bounce buffer, correct and slower."""
     if not cuda_available():
         return PinnedRange(address, size, False)
     torch = torch_or_none()
-    err = torch.cuda.cudart().cudaHostRegister(address, size, 0)
+    key = (address, size)
+    with _pins_lock:
+        if key in _pins:
+            _pins[key] += 1
+            return PinnedRange(address, size, True)
+        code = _cuda_call(torch.cuda.cudart().cudaHostRegister(address, size, 0))
+        if code != 0:
+            log.warning("kvdepot: cudaHostRegister of %d MiB failed (CUDA error %d); copies use pageable memory (slower)", size >> 20, code)
+            return PinnedRange(address, size, False)
+        _pins[key] = 1
+    return PinnedRange(address, size, True)
+
+
+def _cuda_call(err) -> int:
+    """The error code of a CUDA runtime call made through torch's ``cudart()``; a failure's "last error" is
+    consumed here, so torch never raises it later as the error of some unrelated call."""
     code = int(getattr(err, "value", err))
     if code != 0:
-        log.warning("kvdepot: cudaHostRegister of %d MiB failed (CUDA error %d); copies use pageable memory (slower)", size >> 20, code)
-        return PinnedRange(address, size, False)
-    return PinnedRange(address, size, True)
+        _clear_last_error()
+    return code
+
+
+@cache
+def _cudart_library():
+    """The CUDA runtime library torch loaded in this process (its "last error" is the one torch checks)."""
+    import ctypes
+
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.rstrip("\n").split(None, 5)[-1] if line.count(" ") >= 5 else ""
+            if os.path.basename(path).startswith("libcudart.so"):
+                return ctypes.CDLL(path)
+    return None
+
+
+def _clear_last_error() -> None:
+    try:
+        lib = _cudart_library()
+        if lib is not None:
+            lib.cudaGetLastError()
+            return
+    except OSError:
+        pass
+    # A runtime linked into torch itself: a kernel launch's check consumes (and raises) the pending error.
+    torch = torch_or_none()
+    try:
+        torch.ones(1, device="cuda")
+    except Exception:
+        pass
