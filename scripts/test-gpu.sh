@@ -3,8 +3,9 @@
 # nothing but this repository and that torch: kvdepot's own dependencies come from the environment, or
 # from wheels in .whl/ where it lacks them (scripts/gpu-wheels.sh fetches those where pip works).
 #
-#   bash scripts/test-gpu.sh            # the tests marked gpu, and the benchmark
-#   bash scripts/test-gpu.sh --no-bench # the tests only
+#   bash scripts/test-gpu.sh                   # the tests marked gpu, and the benchmark
+#   bash scripts/test-gpu.sh --no-bench        # the tests only
+#   bash scripts/test-gpu.sh --json out.json   # arguments after the flag go to `kvdepot bench gpu`
 #
 # KVDEPOT_REQUIRE_GPU=1: a test marked gpu is never skipped for want of CUDA here: it runs, and fails.
 # The vLLM connector's GPU cases (tests/e2e/test_connector_device.py) also need vLLM, so they run on a
@@ -13,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 bench=1
-[ "${1:-}" = "--no-bench" ] && bench=0
+if [ "${1:-}" = "--no-bench" ]; then bench=0; shift; fi
 
 if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     echo "test-gpu: this needs torch with CUDA and an NVIDIA GPU ($PY)" >&2
@@ -34,5 +35,5 @@ export KVDEPOT_REQUIRE_GPU=1
 
 "$PY" -m pytest -q -p no:cacheprovider -m gpu -o addopts="-ra --strict-markers" tests/gpu tests/unit/test_gpu_paged.py
 if [ "$bench" = 1 ]; then
-    "$PY" -m kvdepot.cli bench gpu
+    "$PY" -m kvdepot.cli bench gpu "$@"
 fi

@@ -153,3 +153,27 @@ def test_mover_saves_into_host_slots_and_loads_them_back(device, staging_chunks)
     for layer in range(L):
         assert not bits(dst[layer][0]).any()  # skipped
         assert torch.equal(bits(dst[layer][1:]), bits(src[layer][[8, 7, 6, 5, 4, 3, 2, 1, 0]]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_calls_queued_back_to_back_on_one_mover_never_share_staging_early(device):
+    """Two saves and a load queued at once through one staging slot (each piece of each call reuses it):
+    a later call's gather or copy into staging must wait for the earlier call's reads of it."""
+    src = random_layers("kv_first", "float16", device, True, seed=7)
+    bpc = 2
+    cache = DevicePagedCache(src, "kv_first", BS)
+    mover = BlockMover(cache, bpc, 2 * L * bpc * BS * H * D * 2)  # one chunk of staging
+    first = [np.zeros((2, L, bpc * BS, H, D), dtype=np.uint16) for _ in range(2)]
+    second = [np.zeros((2, L, bpc * BS, H, D), dtype=np.uint16) for _ in range(3)]
+    a = mover.save(cache.check_ids([[0, 1, 2, 3]], 4), first)
+    b = mover.save(cache.check_ids([[9, 8, 7, 6, 5, 4]], 6), second)
+    loaded = [s.copy() for s in first]
+    c = mover.load(loaded, cache.check_ids([[8, 9, 6, 7]], 4))  # blocks 0-3 land where 8, 9, 6, 7 were
+    for done in (a, b, c):
+        done.wait()
+    original = random_layers("kv_first", "float16", "cpu", True, seed=7)  # src as it was before the load
+    want = [*reference_chunks(original, "kv_first", [0, 1, 2, 3], bpc), *reference_chunks(original, "kv_first", [9, 8, 7, 6, 5, 4], bpc)]
+    for got, chunk in zip(first + second, want, strict=True):
+        assert np.array_equal(got, bits(chunk).numpy().view(np.uint16))
+    for layer in range(L):
+        assert torch.equal(bits(src[layer][:, [8, 9, 6, 7]]), bits(original[layer][:, [0, 1, 2, 3]]))

@@ -1,19 +1,23 @@
 """Moving chunks between a paged cache on a device and host memory (L1 arena slots, or received frames),
-through a staging buffer on the device, on one stream of the mover's own::
+through a staging buffer on the device, on two streams of the mover's own: one for the gathers and
+scatters (kernels), one for the copies to and from host memory (the copy engine), so the two overlap::
 
-    save:  [wait: the blocks are written] -> per batch: gather blocks -> staging (one batched kernel pair)
-                                           -> one copy per chunk, staging -> its host slot
-    load:  [wait: the blocks may be written] -> per batch: one copy per chunk, host slot -> staging
-                                           -> scatter staging -> blocks (layer by layer in the last batch,
-                                              recording each layer's event after it)
+    save:  kernels: [wait: the blocks are written] -> gather piece 0 -> gather piece 1 -> ...
+           copies:                                    └─► copy piece 0 to its slots └─► copy piece 1 ...
+    load:  copies:  copy piece 0 into staging -> copy piece 1 -> ...
+           kernels: [wait: the blocks may be written] └─► scatter piece 0 └─► scatter piece 1 ...
+                    (the last piece layer by layer, recording each layer's event after it)
 
-Two copies per chunk (the GPU gather, then one DMA to or from pinned host memory), as the CUDA IPC design
-has it; staging is reused batch after batch in stream order. A ``Completion`` says when the copies are
-done: the caller keeps the host slots (and the leases on them) until then. On a CPU device there is no
-stream and no staging: blocks are gathered straight into the host slot and scattered straight out of
-it, and the completion is done at once.
+A piece is a few chunks (at least ``PIECE_BYTES``); pieces take turns in the staging buffer's slots,
+and a slot is written again only after the stream that read it is past that read (an event each way).
+The copy of piece k runs while piece k+1 is gathered (or piece k is scattered while piece k+1 arrives),
+so a transfer costs the copy-engine time plus one piece's kernel, not the sum of both, as the CUDA IPC
+design has it (two copies per chunk: the GPU gather, then one DMA to or from pinned host memory). A
+``Completion`` says when the copies are done: the caller keeps the host slots (and the leases on them)
+until then. On a CPU device there are no streams and no staging: blocks are gathered straight into the
+host slot and scattered straight out of it, and the completion is done at once.
 
-One mover serves one thread at a time per call (a lock covers each call's enqueueing: a save's gather
+One mover serves one thread at a time per call (a lock covers each call's enqueueing: a save's gathers
 and its copies out of staging must not interleave with a load's copies into it).
 """
 
@@ -23,7 +27,6 @@ import threading
 import time
 import warnings
 from collections.abc import Sequence
-from contextlib import nullcontext
 
 import numpy as np
 
@@ -31,6 +34,7 @@ from kvdepot.gpu.paged import DevicePagedCache
 from kvdepot.gpu.runtime import require_torch
 
 DEFAULT_STAGING_BYTES = 256 << 20
+PIECE_BYTES = 8 << 20  # the least a piece moves: fewer, larger copies and kernels below that
 
 
 class Completion:
@@ -46,7 +50,8 @@ class Completion:
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until done (True), or until ``timeout_s`` passed (False; CUDA has no timed wait, so the
-        event is polled, from 20 µs apart up to 1 ms apart)."""
+        event is polled, from 20 µs apart up to 100 µs apart: a copy of tens of MiB takes milliseconds,
+        and a coarser poll would add a tenth to it)."""
         if self.event is None:
             return True
         if timeout_s is None:
@@ -58,7 +63,7 @@ class Completion:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            pause = min(pause * 2, 100e-6)
         return True
 
 
@@ -72,9 +77,6 @@ class Lane:
 
     def __repr__(self) -> str:
         return f"Lane({self.device})"
-
-    def active(self):
-        return self.torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
 
     def wait(self, event) -> None:
         if event is not None and self.stream is not None:
@@ -105,7 +107,8 @@ class BlockMover:
         self.cache = cache
         self.torch = require_torch("moving a paged KV cache")
         self.blocks_per_chunk = blocks_per_chunk
-        self.lane = Lane(cache.device)
+        self.lane = Lane(cache.device)  # gathers and scatters
+        self.copies = Lane(cache.device)  # copies to and from host memory
         self.bits = cache.views[0].dtype
         self.chunk_shape = cache.chunk_shape(1, blocks_per_chunk)[1:]
         self.chunk_bytes = int(np.prod(self.chunk_shape)) * cache.views[0].element_size()
@@ -114,7 +117,7 @@ class BlockMover:
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"BlockMover({self.cache!r}, {self.per_batch} chunks per batch, {self.lane!r})"
+        return f"BlockMover({self.cache!r}, {self.per_batch} chunks of staging, {self.lane!r})"
 
     @property
     def on_device(self) -> bool:
@@ -134,49 +137,90 @@ class BlockMover:
         bpc = self.blocks_per_chunk
         return [ids[i * bpc : j * bpc] for ids in block_ids]
 
+    def _pieces(self, n: int) -> list[tuple[int, int, int]]:
+        """``(first chunk, end, staging slot)`` of each piece of ``n`` chunks."""
+        per_piece = min(self.per_batch, max(1, -(-PIECE_BYTES // self.chunk_bytes)))
+        slots = self.per_batch // per_piece
+        return [(i, min(i + per_piece, n), (k % slots) * per_piece) for k, i in enumerate(range(0, n, per_piece))]
+
+    def _event(self, stream):
+        event = self.torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def _fence(self) -> None:
+        """Both streams wait for everything either queued before: one call's staging slots are never
+        written while an earlier call's copies or kernels still use them (calls are ordered as on one
+        stream; only the pieces inside a call overlap)."""
+        kernels, copies = self.lane.stream, self.copies.stream
+        after_copies, after_kernels = self._event(copies), self._event(kernels)
+        kernels.wait_event(after_copies)
+        copies.wait_event(after_kernels)
+
     def save(self, block_ids: Sequence[np.ndarray], slots: Sequence, ready=None) -> Completion:
         """Copy chunk ``i``'s blocks (``block_ids[g][i*bpc:(i+1)*bpc]`` per group, checked by the caller
         with ``cache.check_ids``) into ``slots[i]`` (host memory, ``[K, L, T, H, D]``), after ``ready``."""
         hosts = [host_tensor(s, self.bits) for s in slots]
-        with self._lock, self.lane.active():
-            self.lane.wait(ready)
+        with self._lock:
             if not self.on_device:
                 for i, host in enumerate(hosts):
                     self.cache.gather(self._chunk_ids(block_ids, i, i + 1), host[None])
                 return Completion()
-            for i in range(0, len(hosts), self.per_batch):
-                j = min(i + self.per_batch, len(hosts))
-                staging = self._staging_for(j - i)
-                self.cache.gather(self._chunk_ids(block_ids, i, j), staging)
-                for c in range(i, j):
-                    hosts[c].copy_(staging[c - i], non_blocking=True)
-            return Completion(self.lane.record())
+            torch, kernels, copies = self.torch, self.lane.stream, self.copies.stream
+            staging = self._staging_for(self.per_batch)
+            freed: dict[int, object] = {}  # staging slot -> the copy stream is past reading it
+            self._fence()
+            self.lane.wait(ready)
+            for i, j, at in self._pieces(len(hosts)):
+                piece = staging[at : at + j - i]
+                with torch.cuda.stream(kernels):
+                    if at in freed:
+                        kernels.wait_event(freed[at])
+                    self.cache.gather(self._chunk_ids(block_ids, i, j), piece)
+                    gathered = self._event(kernels)
+                with torch.cuda.stream(copies):
+                    copies.wait_event(gathered)
+                    for c in range(i, j):
+                        hosts[c].copy_(piece[c - i], non_blocking=True)
+                    freed[at] = self._event(copies)
+            if not hosts:
+                return Completion(self.lane.record())
+            return Completion(self.copies.record())
 
     def load(self, slots: Sequence, block_ids: Sequence[np.ndarray], skip_blocks: int = 0, layer_events: Sequence | None = None,
              ready=None) -> Completion:  # fmt: skip
         """Copy ``slots[i]`` into chunk ``i``'s blocks, leaving the first ``skip_blocks`` blocks alone,
         after ``ready``. ``layer_events[l]`` (CUDA) is recorded once layer ``l`` of every chunk is written."""
         hosts = [host_tensor(s, self.bits) for s in slots]
-        bpc = self.blocks_per_chunk
-        with self._lock, self.lane.active():
-            self.lane.wait(ready)
+        with self._lock:
             if not self.on_device:
                 for i, host in enumerate(hosts):
-                    self.cache.scatter(host[None], self._chunk_ids(block_ids, i, i + 1), skip_blocks - i * bpc)
+                    self.cache.scatter(host[None], self._chunk_ids(block_ids, i, i + 1), skip_blocks - i * self.blocks_per_chunk)
                 return Completion()
-            starts = list(range(0, len(hosts), self.per_batch))
-            for i in starts:
-                j = min(i + self.per_batch, len(hosts))
-                staging = self._staging_for(j - i)
-                for c in range(i, j):
-                    staging[c - i].copy_(hosts[c], non_blocking=True)
-                ids, skip = self._chunk_ids(block_ids, i, j), skip_blocks - i * bpc
-                if layer_events is None or i != starts[-1]:
-                    self.cache.scatter(staging, ids, skip)
-                    continue
-                for layer, event in enumerate(layer_events):  # the last batch: layer by layer
-                    self.cache.scatter(staging, ids, skip, range(layer, layer + 1))
-                    self.lane.record(event)
+            torch, kernels, copies = self.torch, self.lane.stream, self.copies.stream
+            staging = self._staging_for(self.per_batch)
+            freed: dict[int, object] = {}  # staging slot -> the kernels are past reading it
+            pieces = self._pieces(len(hosts))
+            self._fence()
+            self.lane.wait(ready)
+            for i, j, at in pieces:
+                piece = staging[at : at + j - i]
+                with torch.cuda.stream(copies):
+                    if at in freed:
+                        copies.wait_event(freed[at])
+                    for c in range(i, j):
+                        piece[c - i].copy_(hosts[c], non_blocking=True)
+                    arrived = self._event(copies)
+                with torch.cuda.stream(kernels):
+                    kernels.wait_event(arrived)
+                    ids, skip = self._chunk_ids(block_ids, i, j), skip_blocks - i * self.blocks_per_chunk
+                    if layer_events is None or i != pieces[-1][0]:
+                        self.cache.scatter(piece, ids, skip)
+                    else:  # the last piece: layer by layer
+                        for layer, event in enumerate(layer_events):
+                            self.cache.scatter(piece, ids, skip, range(layer, layer + 1))
+                            self.lane.record(event)
+                    freed[at] = self._event(kernels)
             if layer_events is not None and not hosts:
                 for event in layer_events:
                     self.lane.record(event)
