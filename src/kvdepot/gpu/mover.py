@@ -133,7 +133,7 @@ class BlockMover:
             self._staging = self.torch.empty((self.per_batch, *self.chunk_shape), dtype=self.bits, device=self.cache.device)
         return self._staging[:n]
 
-    def _chunk_ids(self, block_ids: Sequence[np.ndarray], i: int, j: int) -> list[np.ndarray]:
+    def _chunk_ids(self, block_ids: Sequence, i: int, j: int) -> list:
         bpc = self.blocks_per_chunk
         return [ids[i * bpc : j * bpc] for ids in block_ids]
 
@@ -171,6 +171,8 @@ class BlockMover:
             freed: dict[int, object] = {}  # staging slot -> the copy stream is past reading it
             self._fence()
             self.lane.wait(ready)
+            with torch.cuda.stream(kernels):
+                block_ids = [self.cache.device_ids(ids) for ids in block_ids]
             for i, j, at in self._pieces(len(hosts)):
                 piece = staging[at : at + j - i]
                 with torch.cuda.stream(kernels):
@@ -203,6 +205,8 @@ class BlockMover:
             pieces = self._pieces(len(hosts))
             self._fence()
             self.lane.wait(ready)
+            with torch.cuda.stream(kernels):  # before any data copy is queued (see DevicePagedCache.device_ids)
+                block_ids = [self.cache.device_ids(ids) for ids in block_ids]
             for i, j, at in pieces:
                 piece = staging[at : at + j - i]
                 with torch.cuda.stream(copies):

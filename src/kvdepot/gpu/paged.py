@@ -128,8 +128,14 @@ class DevicePagedCache:
             out.append(arr)
         return out
 
-    def _index(self, ids: np.ndarray):
-        index = self.torch.from_numpy(ids)
+    def device_ids(self, ids):
+        """Block ids (a checked numpy array) as an index on the cache's device. A mover uploads a call's
+        ids once, before its data copies, and slices them per piece: an upload per piece would queue
+        behind the data copies on the copy engine (and stall the kernels that wait for it)."""
+        torch = self.torch
+        if isinstance(ids, torch.Tensor):
+            return ids
+        index = torch.from_numpy(ids)
         if self.device.type != "cuda":
             return index
         # From pinned memory (torch's caching host allocator): a copy from pageable memory would first wait
@@ -138,21 +144,21 @@ class DevicePagedCache:
 
     # --- copies --------------------------------------------------------------------------------------
 
-    def gather(self, block_ids: Sequence[np.ndarray], out) -> None:
-        """Copy the blocks of ``out.shape[0]`` chunks (``block_ids[g]``: group g's ids, chunk after chunk)
-        into ``out`` ``[n, K, L, T, H, D]`` (the cache's bits dtype or its dtype, on its device)."""
+    def gather(self, block_ids: Sequence, out) -> None:
+        """Copy the blocks of ``out.shape[0]`` chunks (``block_ids[g]``: group g's ids, chunk after chunk,
+        checked numpy arrays or ``device_ids``) into ``out`` ``[n, K, L, T, H, D]`` (the cache's bits dtype or its dtype, on its device)."""
         n, k, nl, tokens, h, d = out.shape
         out = out.view(self.views[0].dtype)
         if self._stacked is not None:
-            sel = self._stacked.index_select(2, self._index(block_ids[0]))
+            sel = self._stacked.index_select(2, self.device_ids(block_ids[0]))
             out.copy_(sel.view(nl, k, n, tokens, h, d).permute(2, 1, 0, 3, 4, 5))
             return
-        index = [self._index(ids) for ids in block_ids]
+        index = [self.device_ids(ids) for ids in block_ids]
         for layer, view in enumerate(self.views):
             sel = view.index_select(1, index[self.groups[layer]])
             out[:, :, layer].copy_(sel.view(k, n, tokens, h, d).transpose(0, 1))
 
-    def scatter(self, src, block_ids: Sequence[np.ndarray], skip_blocks: int = 0, layers: range | None = None) -> None:
+    def scatter(self, src, block_ids: Sequence, skip_blocks: int = 0, layers: range | None = None) -> None:
         """Copy ``src`` ``[n, K, L, T, H, D]`` into the chunks' blocks, leaving the first ``skip_blocks``
         blocks (over the chunks in order) unwritten; only ``layers`` when given (a layer-by-layer load)."""
         n, k, nl, tokens, h, d = src.shape
@@ -164,11 +170,11 @@ class DevicePagedCache:
             return
         layers = layers if layers is not None else range(nl)
         if self._stacked is not None:
-            index = self._index(block_ids[0][skip:])
+            index = self.device_ids(block_ids[0][skip:])
             part = src[:, :, layers.start : layers.stop].permute(2, 1, 0, 3, 4, 5).reshape(len(layers), k, per, bs, h, d)
             self._stacked[layers.start : layers.stop].index_copy_(2, index, part[:, :, skip:])
             return
-        index = [self._index(ids[skip:]) for ids in block_ids]
+        index = [self.device_ids(ids[skip:]) for ids in block_ids]
         for layer in layers:
             part = src[:, :, layer].transpose(0, 1).reshape(k, per, bs, h, d)
             self.views[layer].index_copy_(1, index[self.groups[layer]], part[:, skip:])
