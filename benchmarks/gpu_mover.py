@@ -6,7 +6,9 @@ with ``cudaHostRegister`` (as the L1 arena is), next to the same run's pinned co
 
 - ``enqueue``: how long the call itself holds the host (it should only queue work);
 - ``done``: until its completion event fires;
-- loads plain and with per-layer events (the layer-by-layer last piece).
+- loads plain and with per-layer events (the layer-by-layer last piece);
+- a cache in one allocation (one kernel pair a piece) and one whose layers were allocated apart, as
+  vLLM allocates them (a pair per layer a piece).
 
     python benchmarks/gpu_mover.py [--sizes-mib 2,32] [--chunks 16]
 """
@@ -36,19 +38,25 @@ def main() -> None:
     if not runtime.cuda_available():
         raise SystemExit("this measures the CUDA mover: it needs an NVIDIA GPU and torch with CUDA")
     print(f"GPU mover on {torch.cuda.get_device_name(0)}, {args.chunks} chunks, median of {args.reps}")
-    print("| chunk | what | median GB/s | ratio to pinned copy | host held (enqueue), ms |")
-    print("|---|---|---|---|---|")
+    print("| chunk | cache | what | median GB/s | ratio to pinned copy | host held (enqueue), ms |")
+    print("|---|---|---|---|---|---|")
     for size in (int(s) for s in args.sizes_mib.split(",")):
-        _one(size, args.chunks, args.reps)
+        for apart in (False, True):
+            _one(size, args.chunks, args.reps, apart)
 
 
-def _one(size_mib: int, n: int, reps: int) -> None:
+def _one(size_mib: int, n: int, reps: int, apart: bool) -> None:
     tokens = (size_mib << 20) // (2 * LAYERS * HEADS * HEAD_DIM * 2)
     bpc = tokens // BLOCK
     nblocks = n * bpc + 32
-    whole = torch.empty((LAYERS, 2, nblocks, BLOCK, HEADS, HEAD_DIM), dtype=torch.bfloat16, device="cuda")
-    whole.view(torch.int16).random_(-(1 << 15), 1 << 15)
-    cache = DevicePagedCache(list(whole), "kv_first", BLOCK)
+    shape = (2, nblocks, BLOCK, HEADS, HEAD_DIM)
+    if apart:
+        layers = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
+    else:
+        layers = list(torch.empty((LAYERS, *shape), dtype=torch.bfloat16, device="cuda"))
+    for t in layers:
+        t.view(torch.int16).random_(-(1 << 15), 1 << 15)
+    cache = DevicePagedCache(layers, "kv_first", BLOCK)
     mover = BlockMover(cache, bpc, n * (size_mib << 20))
     chunk_bytes = mover.chunk_bytes
     memory = mmap.mmap(-1, n * chunk_bytes)
@@ -96,7 +104,7 @@ def _one(size_mib: int, n: int, reps: int) -> None:
     for row in rows:
         what, got, ref = row[:3]
         enq = f"{row[3]:.2f}" if len(row) > 3 else "—"
-        print(f"| {size_mib} MiB | {what} | {got.median:.1f} | {got.median / ref.median:.2f} | {enq} |")
+        print(f"| {size_mib} MiB | {'layers apart' if apart else 'one allocation'} | {what} | {got.median:.1f} | {got.median / ref.median:.2f} | {enq} |")
     pinned.close()
     del slots, host
     memory.close()

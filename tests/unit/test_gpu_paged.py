@@ -177,3 +177,20 @@ def test_calls_queued_back_to_back_on_one_mover_never_share_staging_early(device
         assert np.array_equal(got, bits(chunk).numpy().view(np.uint16))
     for layer in range(L):
         assert torch.equal(bits(src[layer][:, [8, 9, 6, 7]]), bits(original[layer][:, [0, 1, 2, 3]]))
+
+
+def test_pieces_are_larger_for_a_cache_whose_layers_were_allocated_apart(monkeypatch):
+    """A piece moves PIECE_BYTES per kernel pair it launches: one pair for a stacked cache, one per layer
+    otherwise (vLLM's layout), and never more than half the staging, so two pieces always overlap."""
+    from kvdepot.gpu import mover as mover_module
+
+    bpc = 1
+    chunk_bytes = 2 * L * bpc * BS * H * D * 2
+    monkeypatch.setattr(mover_module, "PIECE_BYTES", chunk_bytes)
+    stacked = BlockMover(DevicePagedCache(random_layers("kv_first", "float16", "cpu", True), "kv_first", BS), bpc, 8 * chunk_bytes)
+    apart = BlockMover(DevicePagedCache(random_layers("kv_first", "float16", "cpu", False), "kv_first", BS), bpc, 8 * chunk_bytes)
+    assert stacked.cache.kernel_pairs == 1 and apart.cache.kernel_pairs == L
+    assert stacked._pieces(3) == [(0, 1, 0), (1, 2, 1), (2, 3, 2)]
+    assert apart._pieces(7) == [(0, 3, 0), (3, 6, 3), (6, 7, 0)]  # L=3 chunks a piece; two slots of staging
+    tight = BlockMover(DevicePagedCache(random_layers("kv_first", "float16", "cpu", False), "kv_first", BS), bpc, 4 * chunk_bytes)
+    assert tight._pieces(5) == [(0, 2, 0), (2, 4, 2), (4, 5, 0)]  # capped at half the staging

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 from dataclasses import asdict
 
 from kvdepot.bench.serverproc import bench_server, wait_prefault
@@ -46,6 +48,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--l1-size-gb", type=float, default=4.0, help="server L1 size (default: %(default)s)")
     p.add_argument("--json", default=None, help="also write the results as JSON to this path")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run, not for quoting)")
+    p.add_argument("--one-allocation", action="store_true",
+                   help="the source cache's layers in one allocation (default: one allocation per layer, as vLLM allocates them)")  # fmt: skip
 
 
 def _ratio(a: Sample, b: Sample) -> str:
@@ -74,13 +78,18 @@ def main(args: argparse.Namespace) -> int:
         prefault_s = wait_prefault(server)
         print(f"# {raw['device']}; server arena ({args.l1_size_gb} GiB) pre-faulted in {prefault_s:.1f}s; load {raw['load_start']}", file=sys.stderr)
         for size in sizes:
-            rows += _bench_size(torch, server, args.device, size, args.chunks, reps, warmup, raw)
+            rows += _bench_size(torch, server, args.device, size, args.chunks, reps, warmup, raw, args.one_allocation)
     raw["load_end"] = loadavg()
     print(f"kvdepot bench gpu on {raw['device']}")
     print("| metric | median (min-max) | physical limit, same run | ratio | target |")
     print("|---|---|---|---|---|")
     for r in rows:
         print(f"| {r.metric} | {r.value} | {r.limit} | {r.ratio} | {r.target} |")
+    print("\nwhere the time went (median ms per phase):")
+    for key, value in raw.items():
+        if isinstance(value, dict) and "phases_ms" in value:
+            for op, phases in value["phases_ms"].items():
+                print(f"  {key} {op}: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
     print(f"\nload average: start {raw['load_start']}, end {raw['load_end']}; {reps} timed reps each")
     print("vLLM hit TTFT through kvdepot vs vLLM's native CPU offload: not measured here (it needs vLLM on this GPU machine)")
     if args.json:
@@ -96,7 +105,7 @@ def _device_name(torch, device: str) -> str:
     return "CPU (a dry run: no GPU figures)"
 
 
-def _bench_size(torch, server, device: str, size_mib: int, n: int, reps: int, warmup: int, raw: dict) -> list[Row]:
+def _bench_size(torch, server, device: str, size_mib: int, n: int, reps: int, warmup: int, raw: dict, one_allocation: bool) -> list[Row]:
     from kvdepot import ClientOptions, KVClient
     from kvdepot.client.options import Transport
     from kvdepot.connectors.vllm.device import DeviceKV
@@ -140,7 +149,12 @@ def _bench_size(torch, server, device: str, size_mib: int, n: int, reps: int, wa
     nblocks = n * bpc + SPARE_BLOCKS
     shape = (2, nblocks, BLOCK, LAYOUT.num_kv_heads, LAYOUT.head_dim)
     file = HostCacheFile.create("/dev/shm", LAYOUT.num_layers, shape, torch.bfloat16) if not cuda else None
-    layers = file.layers if file else [t for t in torch.empty((LAYOUT.num_layers, *shape), dtype=torch.bfloat16, device=device)]
+    if file:
+        layers = file.layers
+    elif one_allocation:
+        layers = list(torch.empty((LAYOUT.num_layers, *shape), dtype=torch.bfloat16, device=device))
+    else:  # as vLLM allocates them: each layer's cache on its own
+        layers = [torch.empty(shape, dtype=torch.bfloat16, device=device) for _ in range(LAYOUT.num_layers)]
     for t in layers:
         t.view(torch.int16).random_(-(1 << 15), 1 << 15)
     dst_layers = [torch.zeros_like(t) for t in layers] if cuda else None
@@ -173,15 +187,29 @@ def _bench_size(torch, server, device: str, size_mib: int, n: int, reps: int, wa
             hashes = c.hashes(tokens)
             slot_ids = write.ids(order)
 
+            phases = Phases()
+
             def store_shm() -> None:
+                phases.start("store")
                 with c.prepare_store(hashes) as slots:
                     assert all(s is not None for s in slots)
-                    write.mover.save(slot_ids, list(slots), ready=write.ready()[0]).wait()
+                    phases.mark("prepare")
+                    done = write.mover.save(slot_ids, list(slots), ready=write.ready()[0])
+                    phases.mark("enqueue")
+                    done.wait()
+                    phases.mark("copies")
+                phases.mark("commit")
 
             def retrieve_shm() -> None:
+                phases.start("retrieve")
                 with c.prepare_retrieve(hashes) as views:
                     assert len(views) == n
-                    read.mover.load(views, slot_ids, 0, ready=read.ready()[0]).wait()
+                    phases.mark("prepare")
+                    done = read.mover.load(views, slot_ids, 0, ready=read.ready()[0])
+                    phases.mark("enqueue")
+                    done.wait()
+                    phases.mark("copies")
+                phases.mark("release")
 
             st = gbps(nbytes, timed(run(store_shm), reps, warmup, setup=c.clear))
             rt = gbps(nbytes, timed(run(retrieve_shm), reps, warmup))
@@ -191,7 +219,7 @@ def _bench_size(torch, server, device: str, size_mib: int, n: int, reps: int, wa
                 Row(f"store, worker-driven {label}, {n} x {size_mib} MiB", st.fmt("GB/s"), d2h.fmt("GB/s"), _ratio(st, d2h), "≥ 0.8 at 32 MiB"),
                 Row(f"retrieve, worker-driven {label}, {n} x {size_mib} MiB", rt.fmt("GB/s"), h2d.fmt("GB/s"), _ratio(rt, h2d), "≥ 0.8 at 32 MiB"),
             ]
-            raw[f"worker_{size_mib}MiB"] = {"store": asdict(st), "retrieve": asdict(rt), "path": label}
+            raw[f"worker_{size_mib}MiB"] = {"store": asdict(st), "retrieve": asdict(rt), "path": label, "phases_ms": phases.medians(warmup)}
             write.unpin()
             read.unpin()
             for t in dst_layers:
@@ -204,15 +232,23 @@ def _bench_size(torch, server, device: str, size_mib: int, n: int, reps: int, wa
             hashes = c.hashes(tokens)
             ring = EventRing() if cuda else None
 
+            phases = Phases()
+
             def store_ipc() -> None:
+                phases.start("store")
                 handle = ring.record()[1] if ring else b""
                 statuses = src_rc.store(hashes, layers_ids, ready_event=handle)
                 assert len(statuses) == n
+                phases.mark("reply (copies done)")
 
             def retrieve_ipc() -> None:
+                phases.start("retrieve")
                 handle = ring.record()[1] if ring else b""
                 assert dst_rc.retrieve(hashes, layers_ids, ready_event=handle) == n
+                phases.mark("reply (copies queued)")
                 dst_rc.wait_all()
+                sync()
+                phases.mark("copies")
 
             st = gbps(nbytes, timed(run(store_ipc), reps, warmup, setup=c.clear))
             rt = gbps(nbytes, timed(run(retrieve_ipc), reps, warmup))
@@ -221,12 +257,38 @@ def _bench_size(torch, server, device: str, size_mib: int, n: int, reps: int, wa
                 Row(f"store, server-driven {src_rc.kind}, {n} x {size_mib} MiB", st.fmt("GB/s"), d2h.fmt("GB/s"), _ratio(st, d2h), "≥ 0.8 at 32 MiB"),
                 Row(f"retrieve, server-driven {src_rc.kind}, {n} x {size_mib} MiB", rt.fmt("GB/s"), h2d.fmt("GB/s"), _ratio(rt, h2d), "≥ 0.8 at 32 MiB"),
             ]
-            raw[f"server_{size_mib}MiB"] = {"store": asdict(st), "retrieve": asdict(rt), "path": src_rc.kind}
+            raw[f"server_{size_mib}MiB"] = {"store": asdict(st), "retrieve": asdict(rt), "path": src_rc.kind, "phases_ms": phases.medians(warmup)}
     finally:
         for f in (file, dst_file):
             if f is not None:
                 f.close()
     return rows
+
+
+class Phases:
+    """Where one path's time goes: per rep, the milliseconds between marks (medians over the timed reps)."""
+
+    def __init__(self) -> None:
+        self.reps: dict[str, list[dict[str, float]]] = {}
+        self._t = 0.0
+        self._rep: dict[str, float] = {}
+
+    def start(self, op: str) -> None:
+        self._rep = {}
+        self.reps.setdefault(op, []).append(self._rep)
+        self._t = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self._rep[phase] = (now - self._t) * 1e3
+        self._t = now
+
+    def medians(self, warmup: int) -> dict[str, dict[str, float]]:
+        out = {}
+        for op, reps in self.reps.items():
+            timed_reps = reps[warmup:]
+            out[op] = {k: round(statistics.median(r[k] for r in timed_reps), 3) for k in timed_reps[0]} if timed_reps else {}
+        return out
 
 
 def _check(torch, src, dst, order) -> None:

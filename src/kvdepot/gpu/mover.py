@@ -8,14 +8,16 @@ scatters (kernels), one for the copies to and from host memory (the copy engine)
            kernels: [wait: the blocks may be written] └─► scatter piece 0 └─► scatter piece 1 ...
                     (the last piece layer by layer, recording each layer's event after it)
 
-A piece is a few chunks (at least ``PIECE_BYTES``); pieces take turns in the staging buffer's slots,
-and a slot is written again only after the stream that read it is past that read (an event each way).
-The copy of piece k runs while piece k+1 is gathered (or piece k is scattered while piece k+1 arrives),
-so a transfer costs the copy-engine time plus one piece's kernel, not the sum of both, as the CUDA IPC
-design has it (two copies per chunk: the GPU gather, then one DMA to or from pinned host memory). A
-``Completion`` says when the copies are done: the caller keeps the host slots (and the leases on them)
-until then. On a CPU device there are no streams and no staging: blocks are gathered straight into the
-host slot and scattered straight out of it, and the completion is done at once.
+A piece is a few chunks (at least ``PIECE_BYTES`` per kernel pair it launches: one pair for a cache in
+one allocation, one per layer for a cache whose layers were allocated apart, as vLLM's are); pieces
+take turns in the staging buffer's slots, and a slot is written again only after the stream that read
+it is past that read (an event each way). The copy of piece k runs while piece k+1 is gathered (or
+piece k is scattered while piece k+1 arrives), so a transfer costs the copy-engine time plus one
+piece's kernels, not the sum of both, as the CUDA IPC design has it (two copies per chunk: the GPU
+gather, then one DMA to or from pinned host memory). A ``Completion`` says when the copies are done:
+the caller keeps the host slots (and the leases on them) until then. On a CPU device there are no
+streams and no staging: blocks are gathered straight into the host slot and scattered straight out of
+it, and the completion is done at once.
 
 One mover serves one thread at a time per call (a lock covers each call's enqueueing: a save's gathers
 and its copies out of staging must not interleave with a load's copies into it).
@@ -34,7 +36,7 @@ from kvdepot.gpu.paged import DevicePagedCache
 from kvdepot.gpu.runtime import require_torch
 
 DEFAULT_STAGING_BYTES = 256 << 20
-PIECE_BYTES = 8 << 20  # the least a piece moves: fewer, larger copies and kernels below that
+PIECE_BYTES = 8 << 20  # the least a piece moves per kernel pair: below that, launches cost more than they overlap
 
 
 class Completion:
@@ -138,8 +140,11 @@ class BlockMover:
         return [ids[i * bpc : j * bpc] for ids in block_ids]
 
     def _pieces(self, n: int) -> list[tuple[int, int, int]]:
-        """``(first chunk, end, staging slot)`` of each piece of ``n`` chunks."""
-        per_piece = min(self.per_batch, max(1, -(-PIECE_BYTES // self.chunk_bytes)))
+        """``(first chunk, end, staging slot)`` of each piece of ``n`` chunks. A piece moves at least
+        ``PIECE_BYTES`` per kernel pair: a cache of separate layer allocations launches a pair per layer
+        per piece, so its pieces are that many times larger (fewer, with less of the copy overlapped)."""
+        least = PIECE_BYTES * self.cache.kernel_pairs
+        per_piece = min(max(1, self.per_batch // 2), max(1, -(-least // self.chunk_bytes)))  # two slots at least: overlap
         slots = self.per_batch // per_piece
         return [(i, min(i + per_piece, n), (k % slots) * per_piece) for k, i in enumerate(range(0, n, per_piece))]
 

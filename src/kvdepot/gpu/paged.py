@@ -64,6 +64,12 @@ class DevicePagedCache:
     def num_layers(self) -> int:
         return len(self.views)
 
+    @property
+    def kernel_pairs(self) -> int:
+        """Kernel pairs a gather or scatter of any size launches: one for a stacked cache, one per layer
+        for a cache of separate layer allocations (vLLM allocates each layer's cache on its own)."""
+        return 1 if self._stacked is not None else len(self.views)
+
     def close(self) -> None:
         """Let go of the layers (the memory they view is released once nothing else holds it)."""
         self.views = []
