@@ -7,8 +7,8 @@ with ``cudaHostRegister`` (as the L1 arena is), next to the same run's pinned co
 - ``enqueue``: how long the call itself holds the host (it should only queue work);
 - ``done``: until its completion event fires;
 - loads plain and with per-layer events (the layer-by-layer last piece);
-- a cache in one allocation (one kernel pair a piece) and one whose layers were allocated apart, as
-  vLLM allocates them (a pair per layer a piece).
+- a cache in one allocation (two kernels a piece) and one whose layers were allocated apart, as vLLM
+  allocates them (a kernel per layer a piece).
 
     python benchmarks/gpu_mover.py [--sizes-mib 2,32] [--chunks 16]
 """

@@ -35,6 +35,11 @@ def random_layers(fmt: str, dtype: str, device: str, stacked: bool, seed: int = 
     return [whole[i].clone() for i in range(L)]
 
 
+def kv(t, fmt: str):
+    """A layer as ``[K, blocks, block_size, H, D]`` whatever its format."""
+    return t if fmt == "kv_first" else t.transpose(0, 1)
+
+
 def reference_chunks(layers, fmt: str, ids: list[int], bpc: int):
     """What ``gather`` must produce: [n, K, L, T, H, D], block by block, the slow obvious way."""
     n = len(ids) // bpc
@@ -85,6 +90,33 @@ def test_scatter_leaves_skipped_blocks_and_other_layers_alone(device):
     assert not bits(dst[0]).any() and not bits(dst[2]).any()  # other layers: not this call's
     assert not bits(dst[1][:, [5, 6, 7]]).any()
     assert torch.equal(bits(dst[1][:, 8]), bits(src[1][:, 4]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["kv_first", "block_first"])
+@pytest.mark.parametrize("skip", [0, 2, 3, 5, 6])
+def test_a_cache_of_layers_allocated_apart_scatters_like_a_stacked_one(device, fmt, skip):
+    """vLLM's layout (each layer its own allocation) takes the one-kernel-per-layer forms where the skip
+    ends on a chunk's edge (0, 2, 6 of three two-block chunks) and the general form where it does not
+    (3, 5): the same bytes land either way, in both layouts, and skipped blocks stay as they were."""
+    src = random_layers(fmt, "bfloat16", device, True, seed=5)
+    chunks = torch.empty((3, 2, L, 2 * BS, H, D), dtype=torch.bfloat16, device=device)
+    DevicePagedCache(src, fmt, BS).gather(DevicePagedCache(src, fmt, BS).check_ids([[9, 1, 4, 0, 7, 2]], 6), chunks)
+    targets = []
+    for stacked in (True, False):
+        dst = random_layers(fmt, "bfloat16", device, stacked, seed=6)  # the engine's own bytes
+        cache = DevicePagedCache(dst, fmt, BS)
+        assert (cache._stacked is not None) == stacked
+        cache.scatter(chunks, cache.check_ids([[3, 8, 0, 5, 9, 6]], 6), skip_blocks=skip)
+        targets.append(dst)
+    before = random_layers(fmt, "bfloat16", "cpu", False, seed=6)
+    order = [9, 1, 4, 0, 7, 2]
+    for layer in range(L):
+        stacked, apart = (kv(t[layer], fmt) for t in targets)
+        assert torch.equal(bits(stacked), bits(apart))
+        for i, block in enumerate([3, 8, 0, 5, 9, 6]):
+            want = kv(before[layer], fmt)[:, block] if i < skip else kv(src[layer], fmt)[:, order[i]]
+            assert torch.equal(bits(apart[:, block]), bits(want))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -180,8 +212,8 @@ def test_calls_queued_back_to_back_on_one_mover_never_share_staging_early(device
 
 
 def test_pieces_are_larger_for_a_cache_whose_layers_were_allocated_apart(monkeypatch):
-    """A piece moves PIECE_BYTES per kernel pair it launches: one pair for a stacked cache, one per layer
-    otherwise (vLLM's layout), and never more than half the staging, so two pieces always overlap."""
+    """A piece moves PIECE_BYTES per kernel it launches: two for a stacked cache, one per layer otherwise
+    (vLLM's layout), and never more than half the staging, so two pieces always overlap."""
     from kvdepot.gpu import mover as mover_module
 
     bpc = 1
@@ -189,8 +221,8 @@ def test_pieces_are_larger_for_a_cache_whose_layers_were_allocated_apart(monkeyp
     monkeypatch.setattr(mover_module, "PIECE_BYTES", chunk_bytes)
     stacked = BlockMover(DevicePagedCache(random_layers("kv_first", "float16", "cpu", True), "kv_first", BS), bpc, 8 * chunk_bytes)
     apart = BlockMover(DevicePagedCache(random_layers("kv_first", "float16", "cpu", False), "kv_first", BS), bpc, 8 * chunk_bytes)
-    assert stacked.cache.kernel_pairs == 1 and apart.cache.kernel_pairs == L
-    assert stacked._pieces(3) == [(0, 1, 0), (1, 2, 1), (2, 3, 2)]
+    assert stacked.cache.kernels == 2 and apart.cache.kernels == L
+    assert stacked._pieces(5) == [(0, 2, 0), (2, 4, 2), (4, 5, 4)]
     assert apart._pieces(7) == [(0, 3, 0), (3, 6, 3), (6, 7, 0)]  # L=3 chunks a piece; two slots of staging
     tight = BlockMover(DevicePagedCache(random_layers("kv_first", "float16", "cpu", False), "kv_first", BS), bpc, 4 * chunk_bytes)
     assert tight._pieces(5) == [(0, 2, 0), (2, 4, 2), (4, 5, 0)]  # capped at half the staging

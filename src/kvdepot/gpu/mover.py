@@ -8,8 +8,8 @@ scatters (kernels), one for the copies to and from host memory (the copy engine)
            kernels: [wait: the blocks may be written] └─► scatter piece 0 └─► scatter piece 1 ...
                     (the last piece layer by layer, recording each layer's event after it)
 
-A piece is a few chunks (at least ``PIECE_BYTES`` per kernel pair it launches: one pair for a cache in
-one allocation, one per layer for a cache whose layers were allocated apart, as vLLM's are); pieces
+A piece is a few chunks (at least ``PIECE_BYTES`` per kernel it launches: two for a cache in one
+allocation, one per layer for a cache whose layers were allocated apart, as vLLM's are); pieces
 take turns in the staging buffer's slots, and a slot is written again only after the stream that read
 it is past that read (an event each way). The copy of piece k runs while piece k+1 is gathered (or
 piece k is scattered while piece k+1 arrives), so a transfer costs the copy-engine time plus one
@@ -36,7 +36,7 @@ from kvdepot.gpu.paged import DevicePagedCache
 from kvdepot.gpu.runtime import require_torch
 
 DEFAULT_STAGING_BYTES = 256 << 20
-PIECE_BYTES = 8 << 20  # the least a piece moves per kernel pair: below that, launches cost more than they overlap
+PIECE_BYTES = 4 << 20  # the least a piece moves per kernel it launches: below that, launches cost more than they overlap
 
 
 class Completion:
@@ -141,9 +141,9 @@ class BlockMover:
 
     def _pieces(self, n: int) -> list[tuple[int, int, int]]:
         """``(first chunk, end, staging slot)`` of each piece of ``n`` chunks. A piece moves at least
-        ``PIECE_BYTES`` per kernel pair: a cache of separate layer allocations launches a pair per layer
-        per piece, so its pieces are that many times larger (fewer, with less of the copy overlapped)."""
-        least = PIECE_BYTES * self.cache.kernel_pairs
+        ``PIECE_BYTES`` per kernel: a cache of separate layer allocations launches one per layer per
+        piece, so its pieces are that many times larger (fewer, with less of the copy overlapped)."""
+        least = PIECE_BYTES * self.cache.kernels
         per_piece = min(max(1, self.per_batch // 2), max(1, -(-least // self.chunk_bytes)))  # two slots at least: overlap
         slots = self.per_batch // per_piece
         return [(i, min(i + per_piece, n), (k % slots) * per_piece) for k, i in enumerate(range(0, n, per_piece))]

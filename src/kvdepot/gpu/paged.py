@@ -9,7 +9,8 @@ looks at values.
 
 Cost: when every layer is a view into one allocation, evenly spaced (as an engine that allocates the
 whole cache at once lays them out), all layers move in one batched ``index_select`` / ``index_copy_`` and
-one permuting copy; otherwise in one pair of kernels per layer. Never one per block.
+one permuting copy; otherwise in one indexing kernel per layer that reads or writes the chunk layout in
+place (two per layer for a scatter whose skip ends inside a chunk). Never one per block.
 
 Block ids come from the wire on the server, so they are checked on the host before any kernel sees them:
 an index out of range inside a CUDA kernel is a device-side assert that ends the whole CUDA context.
@@ -65,10 +66,11 @@ class DevicePagedCache:
         return len(self.views)
 
     @property
-    def kernel_pairs(self) -> int:
-        """Kernel pairs a gather or scatter of any size launches: one for a stacked cache, one per layer
-        for a cache of separate layer allocations (vLLM allocates each layer's cache on its own)."""
-        return 1 if self._stacked is not None else len(self.views)
+    def kernels(self) -> int:
+        """Kernels a gather or scatter of any size launches: two for a stacked cache (select, permute),
+        one per layer for a cache of separate layer allocations (vLLM allocates each layer's cache on
+        its own; two per layer for a scatter whose skip ends inside a chunk)."""
+        return 2 if self._stacked is not None else len(self.views)
 
     def close(self) -> None:
         """Let go of the layers (the memory they view is released once nothing else holds it)."""
@@ -152,17 +154,21 @@ class DevicePagedCache:
 
     def gather(self, block_ids: Sequence, out) -> None:
         """Copy the blocks of ``out.shape[0]`` chunks (``block_ids[g]``: group g's ids, chunk after chunk,
-        checked numpy arrays or ``device_ids``) into ``out`` ``[n, K, L, T, H, D]`` (the cache's bits dtype or its dtype, on its device)."""
+        checked numpy arrays or ``device_ids``) into ``out`` ``[n, K, L, T, H, D]`` (the cache's bits
+        dtype or its dtype, on its device)."""
         n, k, nl, tokens, h, d = out.shape
         out = out.view(self.views[0].dtype)
         if self._stacked is not None:
             sel = self._stacked.index_select(2, self.device_ids(block_ids[0]))
             out.copy_(sel.view(nl, k, n, tokens, h, d).permute(2, 1, 0, 3, 4, 5))
             return
-        index = [self.device_ids(ids) for ids in block_ids]
+        # Layers allocated apart: one indexing kernel per layer, writing straight into the strided chunk
+        # layout (no second, permuting copy): a layer's blocks [K, n, blocks a chunk, bs, H, D].
+        bpc = tokens // self.block_size
+        index = [self.device_ids(ids).view(n, bpc) for ids in block_ids]
         for layer, view in enumerate(self.views):
-            sel = view.index_select(1, index[self.groups[layer]])
-            out[:, :, layer].copy_(sel.view(k, n, tokens, h, d).transpose(0, 1))
+            into = out[:, :, layer].view(n, k, bpc, self.block_size, h, d).permute(1, 0, 2, 3, 4, 5)
+            self.torch.ops.aten.index.Tensor_out(view, [None, index[self.groups[layer]]], out=into)
 
     def scatter(self, src, block_ids: Sequence, skip_blocks: int = 0, layers: range | None = None) -> None:
         """Copy ``src`` ``[n, K, L, T, H, D]`` into the chunks' blocks, leaving the first ``skip_blocks``
@@ -179,6 +185,15 @@ class DevicePagedCache:
             index = self.device_ids(block_ids[0][skip:])
             part = src[:, :, layers.start : layers.stop].permute(2, 1, 0, 3, 4, 5).reshape(len(layers), k, per, bs, h, d)
             self._stacked[layers.start : layers.stop].index_copy_(2, index, part[:, :, skip:])
+            return
+        bpc = tokens // bs
+        if skip % bpc == 0:
+            # Whole chunks skipped: one indexing kernel per layer, reading the strided chunk layout as is.
+            first = skip // bpc
+            index = [self.device_ids(ids[skip:]).view(n - first, bpc) for ids in block_ids]
+            for layer in layers:
+                values = src[first:, :, layer].view(n - first, k, bpc, bs, h, d).permute(1, 0, 2, 3, 4, 5)
+                self.torch.ops.aten.index_put_(self.views[layer], [None, index[self.groups[layer]]], values)
             return
         index = [self.device_ids(ids[skip:]) for ids in block_ids]
         for layer in layers:
