@@ -232,7 +232,7 @@ class GpuConfig(ConfigStruct, frozen=True, kw_only=True):
         option("the server-driven path (CUDA IPC): auto offers it where torch sees a GPU; on requires one at start; off refuses it"),
     ] = BlockTransfer.AUTO
     staging_mb: Annotated[
-        int, option("device staging buffer per registered worker cache, in MiB (at least one chunk is used whatever this says)", ge=1, le=1 << 20)
+        int, option("device staging buffer per registered worker cache, in MiB, half for stores and half for retrieves (at least one chunk each)", ge=1, le=1 << 20)
     ] = 256
     pin_arena: Annotated[
         bool, option("pin the L1 arena with cudaHostRegister at the first GPU registration (copies are DMA, beside the host)")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvdepot.errors import IllegalTransition, UnknownKVCache
-from kvdepot.gpu.mover import BlockMover
+from kvdepot.gpu.mover import DuplexMover
 from kvdepot.gpu.paged import DevicePagedCache
 from kvdepot.server.modules.blocks import CacheState, CopyWatcher, RegisteredCache
 from kvdepot.types import ClientId
@@ -32,7 +32,7 @@ class Memory:
 def registered() -> tuple[RegisteredCache, Memory]:
     cache = DevicePagedCache([torch.zeros(2, 4, 4, 1, 8) for _ in range(2)], "kv_first", 4)
     mem = Memory()
-    return RegisteredCache(1, ClientId(b"c"), 1, [mem], cache, BlockMover(cache, 1, 1 << 20), [], "host_file"), mem
+    return RegisteredCache(1, ClientId(b"c"), 1, [mem], cache, DuplexMover(cache, 1, 1 << 20), [], "host_file"), mem
 
 
 def test_a_registered_cache_closes_after_its_last_copy_and_refuses_new_ones():

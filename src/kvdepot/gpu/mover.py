@@ -234,3 +234,38 @@ class BlockMover:
                 for event in layer_events:
                     self.lane.record(event)
             return Completion(self.lane.record())
+
+
+class DuplexMover:
+    """A cache's saves and its loads on movers of their own, each with its streams and half the staging:
+    a load (on the engine's critical path: the step waits for it) never queues behind a save's copies,
+    and the two run at once (a save's DMA goes device-to-host, a load's host-to-device: separate copy
+    engines). Safe because a worker never loads into blocks a save still reads (vLLM frees a request's
+    blocks only after its saves are reported done)."""
+
+    def __init__(self, cache: DevicePagedCache, blocks_per_chunk: int, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+        self.cache = cache
+        self.saver = BlockMover(cache, blocks_per_chunk, staging_bytes // 2)
+        self.loader = BlockMover(cache, blocks_per_chunk, staging_bytes // 2)
+        self.blocks_per_chunk = blocks_per_chunk
+        self.chunk_shape = self.saver.chunk_shape
+        self.chunk_bytes = self.saver.chunk_bytes
+        self.bits = self.saver.bits
+
+    def __repr__(self) -> str:
+        return f"DuplexMover(saves: {self.saver!r}; loads: {self.loader.per_batch} chunks of staging, {self.loader.lane!r})"
+
+    @property
+    def on_device(self) -> bool:
+        return self.saver.on_device
+
+    def save(self, block_ids: Sequence[np.ndarray], slots: Sequence, ready=None) -> Completion:
+        return self.saver.save(block_ids, slots, ready)
+
+    def load(self, slots: Sequence, block_ids: Sequence[np.ndarray], skip_blocks: int = 0, layer_events: Sequence | None = None,
+             ready=None) -> Completion:  # fmt: skip
+        return self.loader.load(slots, block_ids, skip_blocks, layer_events, ready)
+
+    def close(self) -> None:
+        self.saver.close()
+        self.loader.close()

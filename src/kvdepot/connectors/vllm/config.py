@@ -50,7 +50,7 @@ class ConnectorConfig(ClientSettings, frozen=True, kw_only=True):
         option("vLLM on CPU: native (vLLM's own block layout, copies at memcpy speed) or shared (per-token K/V that SGLang reads too)"),
     ] = CpuKVLayout.NATIVE
     staging_mb: Annotated[
-        int, option("vLLM on a GPU, shm and inline paths: the worker's device staging buffer in MiB (at least one chunk)", ge=1, le=1 << 20)
+        int, option("vLLM on a GPU, shm and inline paths: the worker's device staging in MiB, half for saves and half for loads (at least one chunk each)", ge=1, le=1 << 20)
     ] = 256
     pin_arena: Annotated[
         bool, option("vLLM on a GPU, shm path: pin this process's mapping of the arena (cudaHostRegister), so copies into it are DMA")

@@ -14,7 +14,8 @@ connected client and said in the log:
   the worker recorded on its stream; a load's kernels wait on the server's per-layer events.
 - ``shm`` (pinned): the worker maps the arena and pins it (``cudaHostRegister``); the *worker* gathers
   blocks into a staging buffer on the GPU and copies them into the arena slot with one DMA on a side
-  stream (and the reverse for loads): ``kvdepot.gpu.mover.BlockMover``.
+  stream (and the reverse for loads): ``kvdepot.gpu.mover.DuplexMover`` (saves and loads on streams of
+  their own).
 - ``inline``: the same mover through pageable host buffers and the socket (another host).
 
 Ordering: a transfer starts after an event recorded on the engine's current stream (the blocks are
@@ -36,7 +37,7 @@ from kvdepot.client.options import Transport
 from kvdepot.errors import KVDepotError, TransportUnavailable
 from kvdepot.gpu import runtime
 from kvdepot.gpu.memory import EventRing
-from kvdepot.gpu.mover import BlockMover, Completion
+from kvdepot.gpu.mover import Completion, DuplexMover
 from kvdepot.gpu.paged import DevicePagedCache
 from kvdepot.layout import PagedFormat
 
@@ -69,7 +70,7 @@ class DeviceKV:
         self.blocks_per_chunk = blocks_per_chunk
         self.transport = Transport(transport)
         self.cache = DevicePagedCache(self.layers, fmt, block_size)
-        self.mover = BlockMover(self.cache, blocks_per_chunk, staging_bytes)
+        self.mover = DuplexMover(self.cache, blocks_per_chunk, staging_bytes)  # loads never queue behind saves
         self.on_gpu = self.cache.device.type == "cuda"
         self._ring = EventRing() if self.on_gpu else None
         self._pin_arena = pin_arena

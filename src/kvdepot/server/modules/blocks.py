@@ -19,9 +19,10 @@ Each registered cache (``RegisteredCache``) moves through::
     OPEN ──unregister / its context gone / its client gone──► CLOSING ──its last copy done──► CLOSED
       └ begin() / end(): copies in flight (refused once CLOSING)      (memory and staging let go)
 
-The copies of one cache run on its stream one request after another (its mover's lock); the arena
-slots are the L1 leases' (toucher SERVER: a lease that ends while a copy runs keeps its space until
-the copy's finish call). Every id from the wire is checked before a kernel sees it.
+The stores of one cache run one after another on streams of their own, and so do its retrieves (a
+retrieve never queues behind a store: ``DuplexMover``); the arena slots are the L1 leases' (toucher
+SERVER: a lease that ends while a copy runs keeps its space until the copy's finish call). Every id
+from the wire is checked before a kernel sees it.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from kvdepot.config import BlockTransfer, GpuConfig
 from kvdepot.errors import BadRequest, IllegalTransition, KVDepotError, KVDepotTimeout, TransportUnavailable, UnknownKVCache
 from kvdepot.gpu import runtime
 from kvdepot.gpu.memory import OpenedMemory, event_handle, layer_tensor, new_event, open_event, open_memory
-from kvdepot.gpu.mover import BlockMover, Completion
+from kvdepot.gpu.mover import Completion, DuplexMover
 from kvdepot.gpu.paged import DevicePagedCache
 from kvdepot.layout import PagedFormat
 from kvdepot.protocol import messages as m
@@ -74,7 +75,7 @@ class RegisteredCache:
     context_id: int
     memories: list[OpenedMemory]
     cache: DevicePagedCache
-    mover: BlockMover
+    mover: DuplexMover  # stores and retrieves on streams of their own
     layer_events: list  # CUDA: the events a retrieve records after each layer (exported to the worker)
     label: str  # the transfer path, for metrics: cuda_ipc or host_file
     state: CacheState = CacheState.OPEN
@@ -326,7 +327,7 @@ class BlockTransferModule:
             on_gpu = memories[0].device_index is not None
             if on_gpu:
                 self._pin_arena()
-            mover = BlockMover(cache, context.chunk_size // body.block_size, self.config.staging_mb << 20)
+            mover = DuplexMover(cache, context.chunk_size // body.block_size, self.config.staging_mb << 20)
             events = []
             if on_gpu:
                 torch = runtime.require_torch("the server-driven path")
