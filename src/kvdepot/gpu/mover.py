@@ -130,10 +130,12 @@ class BlockMover:
         self._staging = None
         self.cache.close()
 
-    def _staging_for(self, n: int):
+    def _staging_buffer(self):
+        """``per_batch`` chunks of device memory, made at the first copy and kept (used on both streams:
+        never freed while a copy may run, so the allocator's per-stream reuse never sees it early)."""
         if self._staging is None:
             self._staging = self.torch.empty((self.per_batch, *self.chunk_shape), dtype=self.bits, device=self.cache.device)
-        return self._staging[:n]
+        return self._staging
 
     def _chunk_ids(self, block_ids: Sequence, i: int, j: int) -> list:
         bpc = self.blocks_per_chunk
@@ -172,7 +174,7 @@ class BlockMover:
                     self.cache.gather(self._chunk_ids(block_ids, i, i + 1), host[None])
                 return Completion()
             torch, kernels, copies = self.torch, self.lane.stream, self.copies.stream
-            staging = self._staging_for(self.per_batch)
+            staging = self._staging_buffer()
             freed: dict[int, object] = {}  # staging slot -> the copy stream is past reading it
             self._fence()
             self.lane.wait(ready)
@@ -205,7 +207,7 @@ class BlockMover:
                     self.cache.scatter(host[None], self._chunk_ids(block_ids, i, i + 1), skip_blocks - i * self.blocks_per_chunk)
                 return Completion()
             torch, kernels, copies = self.torch, self.lane.stream, self.copies.stream
-            staging = self._staging_for(self.per_batch)
+            staging = self._staging_buffer()
             freed: dict[int, object] = {}  # staging slot -> the kernels are past reading it
             pieces = self._pieces(len(hosts))
             self._fence()
