@@ -226,3 +226,29 @@ def test_pieces_are_larger_for_a_cache_whose_layers_were_allocated_apart(monkeyp
     assert apart._pieces(7) == [(0, 3, 0), (3, 6, 3), (6, 7, 0)]  # L=3 chunks a piece; two slots of staging
     tight = BlockMover(DevicePagedCache(random_layers("kv_first", "float16", "cpu", False), "kv_first", BS), bpc, 4 * chunk_bytes)
     assert tight._pieces(5) == [(0, 2, 0), (2, 4, 2), (4, 5, 0)]  # capped at half the staging
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_duplex_movers_save_and_load_run_side_by_side_on_one_cache(device):
+    """A save out of some blocks and a load into others, queued at once on their own streams (on CUDA
+    the two overlap): each moves exactly its own bytes."""
+    from kvdepot.gpu.mover import DuplexMover
+
+    src = random_layers("block_first", "bfloat16", device, False, seed=8)
+    bpc = 2
+    cache = DevicePagedCache(src, "block_first", BS)
+    chunk_bytes = 2 * L * bpc * BS * H * D * 2
+    duplex = DuplexMover(cache, bpc, 4 * chunk_bytes)
+    assert duplex.saver.per_batch == duplex.loader.per_batch == 2 and duplex.chunk_bytes == chunk_bytes
+    incoming = [bits(c).numpy().view(np.uint16) for c in reference_chunks(random_layers("block_first", "bfloat16", "cpu", False, seed=9), "block_first", [1, 2, 3, 4, 5, 6], bpc)]  # fmt: skip
+    saved = [np.zeros((2, L, bpc * BS, H, D), dtype=np.uint16) for _ in range(2)]
+    out = duplex.save(cache.check_ids([[0, 9, 8, 7]], 4), saved)
+    back = duplex.load(incoming, cache.check_ids([[1, 2, 3, 4, 5, 6]], 6))
+    out.wait()
+    back.wait()
+    original = random_layers("block_first", "bfloat16", "cpu", False, seed=8)
+    for got, want in zip(saved, reference_chunks(original, "block_first", [0, 9, 8, 7], bpc), strict=True):
+        assert np.array_equal(got, bits(want).numpy().view(np.uint16))
+    loaded = reference_chunks(src, "block_first", [1, 2, 3, 4, 5, 6], bpc)
+    for got, want in zip(loaded, incoming, strict=True):
+        assert np.array_equal(bits(got).numpy().view(np.uint16), want)
