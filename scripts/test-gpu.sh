@@ -6,6 +6,7 @@
 #   bash scripts/test-gpu.sh                   # the tests marked gpu, and the benchmark
 #   bash scripts/test-gpu.sh --no-bench        # the tests only
 #   bash scripts/test-gpu.sh --json out.json   # arguments after the flag go to `kvdepot bench gpu`
+#   bash scripts/test-gpu.sh --diagnose        # also the benchmarks that take the paths apart (mover, host memory)
 #
 # KVDEPOT_REQUIRE_GPU=1: a test marked gpu is never skipped for want of CUDA here: it runs, and fails.
 # The vLLM connector's GPU cases (tests/e2e/test_connector_device.py) also need vLLM, so they run on a
@@ -14,7 +15,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 bench=1
+diagnose=0
 if [ "${1:-}" = "--no-bench" ]; then bench=0; shift; fi
+if [ "${1:-}" = "--diagnose" ]; then diagnose=1; shift; fi
 
 if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     echo "test-gpu: this needs torch with CUDA and an NVIDIA GPU ($PY)" >&2
@@ -36,4 +39,8 @@ export KVDEPOT_REQUIRE_GPU=1
 "$PY" -m pytest -q -p no:cacheprovider -m gpu -o addopts="-ra --strict-markers" tests/gpu tests/unit/test_gpu_paged.py
 if [ "$bench" = 1 ]; then
     "$PY" -m kvdepot.cli bench gpu "$@"
+fi
+if [ "$diagnose" = 1 ]; then
+    "$PY" benchmarks/gpu_mover.py
+    "$PY" benchmarks/gpu_host_memory.py
 fi
