@@ -12,6 +12,10 @@ figure is printed next to its physical limit measured in the same run on the sam
 - the server-driven path (``cuda_ipc``: the server process gathers and copies the registered cache's
   blocks itself), against pinned D2H / H2D.
 
+The caches have each layer in an allocation of its own, as vLLM allocates them (``--one-allocation``: all
+layers in one). Under the table, where each path's time went: the worker-driven path's prepare, enqueue,
+copies and commit (or release); the server-driven path's reply and, for a retrieve, the copies after it.
+
 Target (issue 25): both paths >= 0.8 x pinned D2H / H2D at 32 MiB chunks. ``--device cpu`` runs the same
 code on the CPU (host cache files for the server-driven path; limits are host memcpy), to check the
 benchmark itself where there is no GPU: its figures say nothing of a GPU. vLLM's hit TTFT through
