@@ -69,9 +69,7 @@ def shm_mapping(size: int, huge: bool) -> tuple[mmap.mmap, mmap.mmap, str]:
     if huge:
         for mm in (creator, user):
             mm.madvise(mmap.MADV_HUGEPAGE)
-        creator.madvise(MADV_POPULATE_WRITE)
-    else:
-        creator.madvise(MADV_POPULATE_WRITE)
+    creator.madvise(MADV_POPULATE_WRITE)  # the creator faults every page in, as the server pre-faults its arena
     return creator, user, path
 
 
@@ -90,7 +88,7 @@ def main() -> None:
     print("|---|---|---|---|")
     device = torch.randint(0, 255, (size,), dtype=torch.uint8, device="cuda")
 
-    def measure(label: str, host, keep=()) -> None:
+    def measure(label: str, host) -> None:
         def d2h() -> None:
             for i in range(n):
                 host[i * chunk : (i + 1) * chunk].copy_(device[i * chunk : (i + 1) * chunk], non_blocking=True)
