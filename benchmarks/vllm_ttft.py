@@ -248,7 +248,7 @@ class FloorRecord:
     loaded_mib: float = 0.0
 
 
-def run_floor(model: TinyModel, s: Scale, work: Path, docs: int, layerwise: bool = False) -> list[FloorRecord]:
+def run_floor(model: TinyModel, s: Scale, work: Path, docs: int, layerwise: bool = False, dtype: str = "float32") -> list[FloorRecord]:
     """kvdepot hit vs vLLM's own prefix-cache hit of the same prompt, in one engine, interleaved.
     ``layerwise``: the connector's layerwise loads (layer N+1 copied while layer N computes)."""
     wd = work / "floor"
@@ -256,7 +256,7 @@ def run_floor(model: TinyModel, s: Scale, work: Path, docs: int, layerwise: bool
     server = kvdepot_server(wd)
     engine = Engine(
         model, connector_config(server.url, chunk_size=CHUNK, model_name=MODEL_NAME, **({"layerwise": True} if layerwise else {})),
-        wd, name="engine-floor",
+        wd, name="engine-floor", dtype=dtype,
         max_model_len=s.max_model_len, llm_kwargs={"max_num_batched_tokens": s.max_model_len}, kvcache_gb=2,
         env_extra={"OMP_NUM_THREADS": "1"},
     )  # fmt: skip
@@ -291,7 +291,7 @@ def run_floor(model: TinyModel, s: Scale, work: Path, docs: int, layerwise: bool
     return recs
 
 
-def report_floor(recs: list[FloorRecord]) -> dict:
+def report_floor(recs: list[FloorRecord], dtype: str = "float32") -> dict:
     by = {k: [r for r in recs if r.kind == k] for k in ("cold", "own", "kvdepot")}
     cold, own, kvd = (statistics.median(r.ttft_s for r in by[k]) for k in ("cold", "own", "kvdepot"))
     load = {k: statistics.median(getattr(r, k) for r in by["kvdepot"]) for k in ("load_ms", "retrieve_ms", "copy_ms", "loaded_mib")}
@@ -300,7 +300,7 @@ def report_floor(recs: list[FloorRecord]) -> dict:
     extra = kvd - own
     same = sum(a.out == b.out for a, b in zip(by["own"], by["kvdepot"]))
     print(f"### the floor: a kvdepot hit vs vLLM's own prefix-cache hit of the same prompt ({len(by['cold'])} documents of "
-          f"{by['cold'][0].prompt_len} tokens, same engine, alternating order)\n")  # fmt: skip
+          f"{by['cold'][0].prompt_len} tokens, {dtype}, same engine, alternating order)\n")  # fmt: skip
     print("| served by | TTFT p50 (ms) | / vLLM's own hit | tokens not computed |")
     print("|---|---:|---:|---:|")
     print(f"| nothing (cold) | {cold * 1e3:.0f} | {cold / own:.2f} | 0 |")
@@ -508,6 +508,7 @@ def main() -> None:
     ap.add_argument("--configs", default="none,kvdepot,lmcache")
     ap.add_argument("--repeats", type=int, default=1, help="run the workloads this many times, with fresh prompts each time")
     ap.add_argument("--floor", type=int, default=4, help="documents for the kvdepot-hit vs vLLM's-own-hit comparison (0: none)")
+    ap.add_argument("--floor-dtype", default="float32", help="the floor engine's dtype (default: %(default)s; users serve bfloat16)")
     ap.add_argument("--floor-layerwise", action="store_true", help="the floor's engine loads layer by layer (connector option layerwise)")
     ap.add_argument("--miss", type=int, default=0, metavar="N",
                     help="the miss path against no connector, request by request: at least N fresh prompts (0: none)")
@@ -528,7 +529,7 @@ def main() -> None:
     floor: list[FloorRecord] = []
     if args.floor:
         print(f"[{time.monotonic() - t_start:6.0f}s] floor ...", flush=True)
-        floor = run_floor(model, s, work, args.floor, args.floor_layerwise)
+        floor = run_floor(model, s, work, args.floor, args.floor_layerwise, args.floor_dtype)
         for r in floor:
             print(f"  doc{r.doc} {r.kind:7} len={r.prompt_len:5} cached={r.cached:5} ttft={1000 * r.ttft_s:7.0f} ms "
                   f"load={r.load_ms:6.1f} ms", flush=True)  # fmt: skip
@@ -574,7 +575,7 @@ def main() -> None:
             f"{sm['throughput']:.0f} | {sm['hit_tokens']}/{sm['hit_prompt_tokens']} |"
         )
     print()
-    floor_summary = report_floor(floor) if floor else None
+    floor_summary = report_floor(floor, args.floor_dtype) if floor else None
     miss_summary = report_miss(miss, args.miss_target, args.miss_dtype) if miss else None
 
     # --- targets
