@@ -136,6 +136,9 @@ def _bench_size(server: ServerProcess, size_mib: int, n: int, transports: list[s
     table = rng.permutation(nblocks + 32)[:nblocks]
     # One allocation holding every layer, each layer a view of it (as vLLM allocates its KV cache).
     paged = np.zeros((layout.num_layers, 2, nblocks + 32, BLOCK_SIZE, layout.num_kv_heads, layout.head_dim), np.float16)
+    # Written, as an engine's cache is: untouched zeros would map one shared zero page, and a gather
+    # reading that page alone runs faster than any memcpy (up to 1.9 x memcpy measured so).
+    paged.fill(1.0)
     caches = [paged[layer] for layer in range(layout.num_layers)]
     per_chunk = cs // BLOCK_SIZE
     block_ids = [table[i * per_chunk : (i + 1) * per_chunk] for i in range(n)]
