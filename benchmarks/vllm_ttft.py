@@ -248,14 +248,16 @@ class FloorRecord:
     loaded_mib: float = 0.0
 
 
-def run_floor(model: TinyModel, s: Scale, work: Path, docs: int, layerwise: bool = False, dtype: str = "float32") -> list[FloorRecord]:
+def run_floor(model: TinyModel, s: Scale, work: Path, docs: int, layerwise: bool = False, dtype: str = "float32",
+              copy_threads: int = 0) -> list[FloorRecord]:  # fmt: skip
     """kvdepot hit vs vLLM's own prefix-cache hit of the same prompt, in one engine, interleaved.
     ``layerwise``: the connector's layerwise loads (layer N+1 copied while layer N computes)."""
     wd = work / "floor"
     wd.mkdir(parents=True, exist_ok=True)
     server = kvdepot_server(wd)
     engine = Engine(
-        model, connector_config(server.url, chunk_size=CHUNK, model_name=MODEL_NAME, **({"layerwise": True} if layerwise else {})),
+        model, connector_config(server.url, chunk_size=CHUNK, model_name=MODEL_NAME, **({"layerwise": True} if layerwise else {}),
+                                **({"copy_threads": copy_threads} if copy_threads else {})),
         wd, name="engine-floor", dtype=dtype,
         max_model_len=s.max_model_len, llm_kwargs={"max_num_batched_tokens": s.max_model_len}, kvcache_gb=2,
         env_extra={"OMP_NUM_THREADS": "1"},
@@ -509,6 +511,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="run the workloads this many times, with fresh prompts each time")
     ap.add_argument("--floor", type=int, default=4, help="documents for the kvdepot-hit vs vLLM's-own-hit comparison (0: none)")
     ap.add_argument("--floor-dtype", default="float32", help="the floor engine's dtype (default: %(default)s; users serve bfloat16)")
+    ap.add_argument("--floor-copy-threads", type=int, default=0, help="the floor's connector option copy_threads (default: 0, its own choice)")
     ap.add_argument("--floor-layerwise", action="store_true", help="the floor's engine loads layer by layer (connector option layerwise)")
     ap.add_argument("--miss", type=int, default=0, metavar="N",
                     help="the miss path against no connector, request by request: at least N fresh prompts (0: none)")
@@ -529,7 +532,7 @@ def main() -> None:
     floor: list[FloorRecord] = []
     if args.floor:
         print(f"[{time.monotonic() - t_start:6.0f}s] floor ...", flush=True)
-        floor = run_floor(model, s, work, args.floor, args.floor_layerwise, args.floor_dtype)
+        floor = run_floor(model, s, work, args.floor, args.floor_layerwise, args.floor_dtype, args.floor_copy_threads)
         for r in floor:
             print(f"  doc{r.doc} {r.kind:7} len={r.prompt_len:5} cached={r.cached:5} ttft={1000 * r.ttft_s:7.0f} ms "
                   f"load={r.load_ms:6.1f} ms", flush=True)  # fmt: skip
