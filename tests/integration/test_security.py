@@ -11,6 +11,7 @@ carry the keys to the socket. Mutating admin requests need the token; reads stay
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 from support.addresses import non_loopback_ipv4
-from support.servers import CHUNK, LAYOUT, MODEL, SMALL_L1, assert_bytes_equal, make_kv, make_tokens, scrape_metric
+from support.servers import CHUNK, LAYOUT, MODEL, SMALL_L1, assert_bytes_equal, make_kv, make_tokens, scrape_metric, wait_until
 
 from kvdepot import ClientOptions, CurveClientKeys, KVClient
 from kvdepot.bench.serverproc import ServerProcess, free_port
@@ -159,6 +160,23 @@ def test_an_admitted_client_stores_and_retrieves_matching_bytes(curve_server, ke
     with _client(curve_server.url, curve=keys.client(), transport="inline") as c:  # a fresh connection
         assert c.lookup(t) == 4 * CHUNK
         assert_bytes_equal(c.retrieve(t), kv)
+
+
+def test_a_connection_closed_mid_handshake_is_counted_as_incomplete_not_as_a_key_problem(curve_server):
+    """A TCP probe, or a client killed while it connects, ends the connection before the handshake:
+    ZeroMQ reports that without detail. It is counted as ``incomplete`` (and logged at info), never as
+    ``protocol``, the reason an operator reads as wrong or missing keys."""
+    host, port = curve_server.url.removeprefix("tcp://").rsplit(":", 1)
+    protocol = scrape_metric(curve_server.http_url, "kvdepot_handshake_failures_total", reason="protocol")
+    incomplete = scrape_metric(curve_server.http_url, "kvdepot_handshake_failures_total", reason="incomplete")
+    for _ in range(3):
+        socket.create_connection((host, int(port)), timeout=5).close()
+    wait_until(
+        lambda: scrape_metric(curve_server.http_url, "kvdepot_handshake_failures_total", reason="incomplete") >= incomplete + 3,
+        what="the three closed connections to be counted",
+    )
+    assert scrape_metric(curve_server.http_url, "kvdepot_handshake_failures_total", reason="protocol") == protocol
+    assert curve_server.proc.poll() is None
 
 
 def test_clients_without_admitted_keys_are_refused_clearly_and_the_server_goes_on(curve_server, keys, stranger, seed):

@@ -44,7 +44,8 @@ class Metrics:
         )
         self.handshake_failures = Counter(
             "kvdepot_handshake_failures",
-            "Connections refused in the security handshake: auth (a CurveZMQ key not admitted) or protocol (no or wrong keys).",
+            "Connections that failed the security handshake: auth (a CurveZMQ key not admitted), protocol (no or wrong "
+            "keys), incomplete (closed before the handshake ended: a client dying while connecting, a TCP probe).",
             ["reason"],
             registry=r,
         )

@@ -266,20 +266,31 @@ class RpcServer:
                     )
 
     def _refused(self, event: int, endpoint: str) -> None:
-        """A connection failed its security handshake: count it, and log it at most every 10 s per
-        reason (ZeroMQ clients retry every 0.1 s)."""
-        reason = "auth" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else "protocol"
+        """A connection failed its security handshake: count it by why, and log it at most every 10 s
+        per reason (ZeroMQ clients retry every 0.1 s).
+
+        ``auth``: a CurveZMQ key not admitted; ``protocol``: no keys, the wrong server key, or another
+        mechanism (ZeroMQ says so: a mismatch or a message that does not decrypt). ``incomplete``: the
+        connection ended before the handshake did, which ZeroMQ reports without detail: a client that
+        died or restarted while connecting, a TCP health check or a port scan. Common and harmless, so
+        it is logged at info, and never blamed on keys."""
+        reason = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth", zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol"}.get(event, "incomplete")
         self._refusals += 1
         self.metrics.handshake_failures.labels(reason).inc()
         now = time.monotonic()
-        if now - self._refusal_logged.get(reason, -1e9) >= 10.0:
-            self._refusal_logged[reason] = now
-            why = (
-                "its CurveZMQ public key is not admitted (--curve-clients)"
-                if reason == "auth"
-                else "it has no keys, the wrong server key, or a different security mechanism"
-            )
-            log.warning("refused a connection in the security handshake (%s): %s", endpoint, why)
+        if now - self._refusal_logged.get(reason, -1e9) < 10.0:
+            return
+        self._refusal_logged[reason] = now
+        if reason == "incomplete":
+            log.info("a connection closed before its security handshake finished (%s): a client that died or restarted "
+                     "while connecting, or a TCP probe; not a key problem", endpoint)  # fmt: skip
+            return
+        why = (
+            "its CurveZMQ public key is not admitted (--curve-clients)"
+            if reason == "auth"
+            else "it has no keys, the wrong server key, or a different security mechanism"
+        )
+        log.warning("refused a connection in the security handshake (%s): %s", endpoint, why)
 
     def _receive(self, router: zmq.Socket) -> None:
         """Handle the next message (blocking up to RCVTIMEO), then any already queued."""
