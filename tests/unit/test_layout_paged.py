@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvdepot.layout import KVLayout, as_numpy, supported_dtypes
-from kvdepot.connectors.paged import PagedFormat, canonical_view, gather_chunk, scatter_chunk
+from kvdepot.connectors.paged import PagedFormat, canonical_view, gather_chunk, gather_chunks, scatter_chunk, scatter_chunks
 
 # --- KVLayout ---------------------------------------------------------------------------------------
 
@@ -287,6 +287,48 @@ def test_out_of_range_block_ids_raise_index_error_and_write_nothing(fmt, bad):
     with pytest.raises(IndexError):
         scatter_chunk(np.ones_like(out), caches, bad, fmt)
     assert all(np.array_equal(c, o) for c, o in zip(caches, originals))
+
+
+def stacked_caches(fmt: str) -> list[np.ndarray]:
+    """The caches of ``make_caches`` as views of one allocation, evenly spaced (as vLLM allocates them)."""
+    whole = np.stack(make_caches(fmt))
+    return [whole[layer] for layer in range(L)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("make", [make_caches, stacked_caches])
+def test_several_chunks_at_once_move_what_one_at_a_time_moves(fmt, make):
+    caches = make(fmt)
+    ids = [[5, 0], [3], [1, 2, 4]]
+    outs = [np.zeros((K, L, len(i) * BS, H, D), dtype=np.uint16) for i in ids]
+    gather_chunks(caches, ids, outs, fmt)
+    for i, out in zip(ids, outs):
+        assert np.array_equal(out, naive_gather(caches, i, fmt))
+    dst = [np.zeros_like(c) for c in caches]
+    scatter_chunks(outs, dst, ids, fmt)
+    one_by_one = [np.zeros_like(c) for c in caches]
+    for i, out in zip(ids, outs):
+        scatter_chunk(out, one_by_one, i, fmt)
+    assert all(np.array_equal(a, b) for a, b in zip(dst, one_by_one))
+    assert any(a.any() for a in dst)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_several_chunks_are_all_checked_before_any_byte_moves(fmt):
+    caches = make_caches(fmt)
+    originals = [c.copy() for c in caches]
+    outs = [np.zeros((K, L, BS, H, D), dtype=np.uint16) for _ in range(3)]
+    with pytest.raises(IndexError):
+        gather_chunks(caches, [[0], [1], [NB]], outs, fmt)  # the last chunk's id is out of range
+    assert not any(o.any() for o in outs)
+    with pytest.raises(IndexError):
+        scatter_chunks([np.ones_like(o) for o in outs], caches, [[0], [1], [NB]], fmt)
+    assert all(np.array_equal(c, o) for c, o in zip(caches, originals))
+    with pytest.raises(ValueError):  # one id list short
+        gather_chunks(caches, [[0], [1]], outs, fmt)
+    with pytest.raises(ValueError):  # chunks of different layer counts
+        gather_chunks(caches, [[0], [1]], [outs[0], np.zeros((K, L - 1, BS, H, D), dtype=np.uint16)], fmt)
+    gather_chunks(caches, [], [], fmt)  # nothing to do
 
 
 def test_block_ids_are_checked_against_every_layer():

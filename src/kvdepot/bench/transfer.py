@@ -20,7 +20,7 @@ import numpy as np
 from kvdepot.bench.rawzmq import round_trips_like
 from kvdepot.bench.serverproc import ServerProcess, bench_server, wait_prefault
 from kvdepot.bench.stats import gbps, loadavg, memcpy_gbps, percentile, sample, timed
-from kvdepot.connectors.paged import gather_chunk, scatter_chunk
+from kvdepot.connectors.paged import gather_chunks, scatter_chunks
 from kvdepot.layout import KVLayout
 
 MiB = 1 << 20
@@ -172,14 +172,12 @@ def _bench_size(server: ServerProcess, size_mib: int, n: int, transports: list[s
 
             def store_gather() -> None:
                 with c.prepare_store(hashes) as slots:
-                    for slot, ids in zip(slots, block_ids):
-                        gather_chunk(caches, ids, slot)
+                    gather_chunks(caches, block_ids, slots)
 
             def retrieve_scatter() -> None:
                 with c.prepare_retrieve(hashes) as views:
                     assert len(views) == n
-                    for view, ids in zip(views, block_ids):
-                        scatter_chunk(view, caches, ids)
+                    scatter_chunks(views, caches, block_ids)
 
             results = {
                 "store": gbps(nbytes, timed(store, reps, warmup, setup=c.clear)),

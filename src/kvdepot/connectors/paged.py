@@ -26,7 +26,7 @@ import numpy as np
 
 from kvdepot.layout import PagedFormat, as_numpy
 
-__all__ = ["PagedFormat", "canonical_view", "gather_chunk", "scatter_chunk", "stack_layers"]
+__all__ = ["PagedFormat", "canonical_view", "gather_chunk", "gather_chunks", "scatter_chunk", "scatter_chunks", "stack_layers"]
 
 
 def canonical_view(layer_cache, fmt: PagedFormat | str, kv_factor: int = 2) -> np.ndarray:
@@ -103,14 +103,14 @@ def _check_ids(block_ids: Sequence[int], num_blocks: int) -> np.ndarray:
     return ids
 
 
-def _block_pairs(views: list[np.ndarray], chunk: np.ndarray, ids: np.ndarray):
+def _block_pairs(views: list[np.ndarray], chunk: np.ndarray, ids: np.ndarray, stacked: np.ndarray | None = None):
     """Yield (cache block view, chunk block view) pairs, each a whole block of every layer when the
-    layers can be stacked, else one layer's block. A per-block copy moves a contiguous
-    block_size*H*D run per (layer, K): measured 3-4x faster than ``np.take`` into a strided chunk."""
+    layers can be stacked (``stacked``, from ``stack_layers``), else one layer's block. A per-block copy
+    moves a contiguous block_size*H*D run per (layer, K): measured 3-4x faster than ``np.take`` into a
+    strided chunk."""
     k, nl, _, h, d = chunk.shape
     bs = views[0].shape[2]
     blocks = np.reshape(chunk.transpose(1, 0, 2, 3, 4), (nl, k, ids.size, bs, h, d), copy=False)
-    stacked = stack_layers(views)
     if stacked is not None:
         for j, b in enumerate(ids):
             yield stacked[:, :, b], blocks[:, :, j]
@@ -120,13 +120,23 @@ def _block_pairs(views: list[np.ndarray], chunk: np.ndarray, ids: np.ndarray):
                 yield view[:, b], blocks[layer, :, j]
 
 
-def _checked(layer_caches: Sequence, block_ids: Sequence[int], chunk: np.ndarray, fmt) -> tuple[list[np.ndarray], np.ndarray]:
-    views = _views(layer_caches, fmt, chunk)
+def _chunk_ids(views: list[np.ndarray], block_ids: Sequence[int], chunk: np.ndarray) -> np.ndarray:
     ids = _check_ids(block_ids, views[0].shape[1])
     bs = views[0].shape[2]
     if chunk.shape[2] != ids.size * bs:
         raise ValueError(f"the chunk holds {chunk.shape[2]} tokens, the blocks give {ids.size * bs}")
-    return views, ids
+    return ids
+
+
+def _resolved(layer_caches: Sequence, fmt, chunks: Sequence[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray | None]:
+    """The layer views (in the chunks' dtype) and their stacked form, worked out once for chunks of one
+    shape and dtype: for 32 layers that is ~60 µs, a third of a 2 MiB chunk's copy."""
+    first = chunks[0]
+    for i, c in enumerate(chunks):
+        if c.shape[:2] != first.shape[:2] or c.shape[3:] != first.shape[3:] or c.dtype != first.dtype:
+            raise ValueError(f"chunk {i} is {c.shape} {c.dtype}, chunk 0 is {first.shape} {first.dtype}")
+    views = _views(layer_caches, fmt, first)
+    return views, stack_layers(views)
 
 
 def gather_chunk(
@@ -134,9 +144,7 @@ def gather_chunk(
 ) -> np.ndarray:
     """Copy the blocks ``block_ids`` of every layer into ``out`` ``[K, L, len(ids)*block_size, H, D]``."""
     out = as_numpy(out)
-    views, ids = _checked(layer_caches, block_ids, out, fmt)
-    for cache_block, chunk_block in _block_pairs(views, out, ids):
-        np.copyto(chunk_block, cache_block)
+    gather_chunks(layer_caches, [block_ids], [out], fmt)
     return out
 
 
@@ -144,7 +152,39 @@ def scatter_chunk(
     chunk: np.ndarray, layer_caches: Sequence, block_ids: Sequence[int], fmt: PagedFormat | str = "kv_first"
 ) -> None:
     """Copy ``chunk`` ``[K, L, T, H, D]`` into the blocks ``block_ids`` of every layer."""
-    chunk = as_numpy(chunk)
-    views, ids = _checked(layer_caches, block_ids, chunk, fmt)
-    for cache_block, chunk_block in _block_pairs(views, chunk, ids):
-        np.copyto(cache_block, chunk_block)
+    scatter_chunks([chunk], layer_caches, [block_ids], fmt)
+
+
+def gather_chunks(
+    layer_caches: Sequence, block_ids: Sequence[Sequence[int]], outs: Sequence, fmt: PagedFormat | str = "kv_first"
+) -> None:
+    """``gather_chunk`` for several chunks of one cache (``block_ids[i]`` into ``outs[i]``, all of one
+    shape but the token count): the layer views are worked out once, not once per chunk. Every chunk's
+    ids are checked before the first byte moves."""
+    outs = [as_numpy(o) for o in outs]
+    if len(block_ids) != len(outs):
+        raise ValueError(f"{len(block_ids)} block id lists for {len(outs)} chunks")
+    if not outs:
+        return
+    views, stacked = _resolved(layer_caches, fmt, outs)
+    ids = [_chunk_ids(views, b, o) for b, o in zip(block_ids, outs)]
+    for out, chunk_ids in zip(outs, ids):
+        for cache_block, chunk_block in _block_pairs(views, out, chunk_ids, stacked):
+            np.copyto(chunk_block, cache_block)
+
+
+def scatter_chunks(
+    chunks: Sequence, layer_caches: Sequence, block_ids: Sequence[Sequence[int]], fmt: PagedFormat | str = "kv_first"
+) -> None:
+    """``scatter_chunk`` for several chunks (``chunks[i]`` into the blocks ``block_ids[i]``), with the
+    layer views worked out once; every chunk's ids are checked before the first byte moves."""
+    chunks = [as_numpy(c) for c in chunks]
+    if len(block_ids) != len(chunks):
+        raise ValueError(f"{len(block_ids)} block id lists for {len(chunks)} chunks")
+    if not chunks:
+        return
+    views, stacked = _resolved(layer_caches, fmt, chunks)
+    ids = [_chunk_ids(views, b, c) for b, c in zip(block_ids, chunks)]
+    for chunk, chunk_ids in zip(chunks, ids):
+        for cache_block, chunk_block in _block_pairs(views, chunk, chunk_ids, stacked):
+            np.copyto(cache_block, chunk_block)
