@@ -329,6 +329,10 @@ def test_several_chunks_are_all_checked_before_any_byte_moves(fmt):
     with pytest.raises(ValueError):  # chunks of different layer counts
         gather_chunks(caches, [[0], [1]], [outs[0], np.zeros((K, L - 1, BS, H, D), dtype=np.uint16)], fmt)
     gather_chunks(caches, [], [], fmt)  # nothing to do
+    gather_chunks(caches, [[0], [NB]], [None, None], fmt)  # prepare_store's None slots: nothing written, nothing checked
+    gather_chunks(caches, [[5], [1], [0]], [outs[0], None, outs[2]], fmt)
+    assert np.array_equal(outs[0], naive_gather(caches, [5], fmt)) and np.array_equal(outs[2], naive_gather(caches, [0], fmt))
+    assert not outs[1].any()
 
 
 def test_block_ids_are_checked_against_every_layer():

@@ -160,12 +160,14 @@ def gather_chunks(
 ) -> None:
     """``gather_chunk`` for several chunks of one cache (``block_ids[i]`` into ``outs[i]``, all of one
     shape but the token count): the layer views are worked out once, not once per chunk. Every chunk's
-    ids are checked before the first byte moves."""
-    outs = [as_numpy(o) for o in outs]
+    ids are checked before the first byte moves. An ``outs`` entry may be None, as ``prepare_store``'s
+    slots are for chunks with nothing to write: that chunk is skipped."""
     if len(block_ids) != len(outs):
         raise ValueError(f"{len(block_ids)} block id lists for {len(outs)} chunks")
-    if not outs:
+    wanted = [(b, as_numpy(o)) for b, o in zip(block_ids, outs) if o is not None]
+    if not wanted:
         return
+    block_ids, outs = [b for b, _ in wanted], [o for _, o in wanted]
     views, stacked = _resolved(layer_caches, fmt, outs)
     ids = [_chunk_ids(views, b, o) for b, o in zip(block_ids, outs)]
     for out, chunk_ids in zip(outs, ids):
