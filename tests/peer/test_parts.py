@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 
 import pytest
 
@@ -248,3 +249,42 @@ def test_a_reader_blocked_mid_page_gives_up_at_its_deadline(sent):
         done.set()
         transport.close()
         listener.close()
+
+
+def test_an_owner_counts_every_refused_reader_and_logs_them_once_in_a_while(caplog):
+    """A node without the secret retries on every read: each refusal is counted, but the owner's log,
+    and the refused reader's, say so once per interval, not once per attempt."""
+    import logging
+
+    from kvdepot.peer.dataplane import TcpTransport, DataServer, PageOutcome, PageRead
+
+    class NoPages:
+        def acquire(self, key, generation=0):
+            return None
+
+        def release(self, entry):
+            pass
+
+        def view(self, entry):
+            raise AssertionError("nothing is served to a refused reader")
+
+    owner = DataServer(NoPages(), b"the-secret")
+    owner.start()
+    stranger = TcpTransport(b"not-the-secret")
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvdepot.peer.dataplane"):
+            for _ in range(5):
+                dest = memoryview(bytearray(16))
+                got = stranger.read("127.0.0.1", owner.port, [PageRead(b"k", 1, 0, 16, b"\0" * 16, dest)], time.monotonic() + 2.0)
+                assert got == [PageOutcome.MISS]
+            deadline = time.monotonic() + 5
+            while owner.refused < 5 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert owner.refused == 5
+        owner_said = [r.getMessage() for r in caplog.records if "was refused" in r.getMessage()]
+        reader_said = [r.getMessage() for r in caplog.records if "does not hold our cluster secret" in r.getMessage()]
+        assert len(owner_said) == 1 and "1 refused so far" in owner_said[0], owner_said
+        assert len(reader_said) == 1, reader_said
+    finally:
+        stranger.close()
+        owner.close()

@@ -98,6 +98,9 @@ class Transport(Protocol):
 # --- the owner's side ---------------------------------------------------------------------------------
 
 
+REFUSAL_LOG_INTERVAL_S = 10.0
+
+
 class DataServer:
     """Accepts readers on ``host:port`` (0 picks a free port) and serves each connection on a thread."""
 
@@ -112,6 +115,7 @@ class DataServer:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.refused = 0  # handshakes that failed
+        self._refusal_logged = -1e9  # when a refusal was last logged (a node without the secret retries per read)
         self.served_pages = 0
         self.served_bytes = 0
 
@@ -177,7 +181,10 @@ class DataServer:
                 conn.settimeout(None)
         except HandshakeFailed as exc:
             self.refused += 1
-            log.warning("peer data plane: %s", exc)
+            now = time.monotonic()
+            if now - self._refusal_logged >= REFUSAL_LOG_INTERVAL_S:  # counted every time, said once in a while
+                self._refusal_logged = now
+                log.warning("peer data plane: %s (%d refused so far)", exc, self.refused)
         except (OSError, ConnectionError, struct.error):
             pass  # the reader went away or stalled past the send timeout
         finally:
@@ -242,6 +249,7 @@ class TcpTransport:
         self._connect_timeout = connect_timeout_s
         self._peers: dict[tuple[str, int], _PeerChannels] = {}
         self._lock = threading.Lock()
+        self._refusal_logged: dict[tuple[str, int], float] = {}  # peer -> when its refusal was last logged
         self.dropped = 0  # connections closed after a failure
         self.garbage = 0  # pages whose bytes did not match their checksum
 
@@ -294,7 +302,10 @@ class TcpTransport:
             conn.settimeout(None)  # blocking from now on; deadlines are the kernel's (_arm)
             return conn
         except HandshakeFailed as exc:
-            log.warning("peer %s:%d: %s", host, port, exc)
+            now = time.monotonic()
+            if now - self._refusal_logged.get((host, port), -1e9) >= REFUSAL_LOG_INTERVAL_S:  # retried on every read
+                self._refusal_logged[(host, port)] = now
+                log.warning("peer %s:%d: %s", host, port, exc)
         except OSError as exc:
             log.info("peer %s:%d: cannot connect (%s)", host, port, exc)
         if conn is not None:
