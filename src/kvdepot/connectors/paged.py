@@ -5,6 +5,8 @@ its block table names. ``gather_chunk`` copies the blocks of one chunk into a co
 ``[K, L, T, H, D]`` buffer (for example a shared-memory slot of the server: the single copy of the shm
 path) and ``scatter_chunk`` copies it back, one block copy per block (of every layer at once when the
 layers are views of one allocation), so their cost is the memory traffic, not Python overhead.
+``gather_chunks`` / ``scatter_chunks`` do several chunks of one cache per call (a request's, a
+``prepare_store``'s slots), working the layer views out once.
 
 Supported per-layer formats (each is viewed, without a copy, as ``[K, num_blocks, block_size, H, D]``):
 
