@@ -82,3 +82,31 @@ def test_a_page_read_again_skips_the_directory_and_a_stale_location_is_looked_up
     finally:
         reader.close()
         owner.close()
+
+
+def test_a_stale_record_on_the_first_replica_does_not_hide_the_fresh_one_on_the_next():
+    """A publish that did not reach one owner of a key's record (it was stalled, or the ring was
+    changing) leaves that shard naming an old generation. A reader that finds the page gone from there
+    asks the next replica instead of taking the same stale record again, and reads the new bytes."""
+    owner = PeerStore(port=0, data_port=0, pool_size_mb=16, **FAST)
+    reader = PeerStore(discovery=owner.node_id, port=0, data_port=0, pool_size_mb=16, **FAST)
+    try:
+        wait_for(lambda: len(reader.status()["members"]) == 2 and len(owner.status()["members"]) == 2, 10, "two members")
+        [name] = keys("stale", 1)
+        key = name.encode()
+        nodes = {owner.node_id: owner.node, reader.node_id: reader.node}
+        first = nodes[reader.node._ring.owners(key, 2)[0]]
+        assert owner.batch_set([name], [page_bytes(name, SIZE, 1)]) == [True]
+        wait_for(lambda: first.shard.resolve([key])[0], 5, "the first owner's record")
+        [old] = first.shard.resolve([key])[0]
+        assert owner.batch_set([name], [page_bytes(name, SIZE, 2)]) == [True]
+        wait_for(lambda: first.shard.resolve([key])[0][0].generation != old.generation, 5, "the new record")
+        [new] = first.shard.resolve([key])[0]
+        # As if the second publish never reached the first owner: it names the old generation only.
+        first.shard.unpublish([key], new.node, [new.generation])
+        assert first.shard.publish([old]) == 1
+        reader.node.located.clear()
+        assert check_names(reader, [name], SIZE, [2]) == {"hit": 1, "miss": 0, "wrong": 0}
+    finally:
+        reader.close()
+        owner.close()

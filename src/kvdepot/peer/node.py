@@ -319,13 +319,17 @@ class PeerNode:
 
     # --- reads ---------------------------------------------------------------------------------------
 
-    def resolve(self, keys: Sequence[bytes], deadline: float, hint: str = "", *, remembered: bool = True) -> list[PeerLocation | None]:
+    def resolve(self, keys: Sequence[bytes], deadline: float, hint: str = "", *, remembered: bool = True,
+                failed: dict[int, PeerLocation] | None = None) -> list[PeerLocation | None]:  # fmt: skip
         """Where each key's page can be read from (None: nowhere known). ``remembered``: a location
         this node read or looked up within ``location_cache_s`` is taken as it is (a read checks it
         anyway); False asks the directory for every key (an existence check, a stale location). What
         is found is remembered either way. ``hint`` (a router's ``host[:port]`` of where the KV lives)
         is asked first, for its own pages; what it does not hold is looked up in the directory as
-        usual (a wrong hint costs one round trip, never an error)."""
+        usual (a wrong hint costs one round trip, never an error). ``failed``: per index, a location
+        just read in vain (its owner no longer has that generation): a shard that still names it is
+        passed over for the next replica, whose record may be newer (a publish that did not reach the
+        first one)."""
         for key in keys:
             _check_key(key)
         ring = self._ring
@@ -346,7 +350,7 @@ class PeerNode:
             for i in pending:
                 if replica < len(owners[i]):
                     by_owner.setdefault(owners[i][replica], []).append(i)
-            pending = self._ask_many(by_owner, keys, found, usable, deadline)
+            pending = self._ask_many(by_owner, keys, found, usable, deadline, failed=failed)
             if not pending or time.monotonic() >= deadline:
                 break
         hit = sum(found[i] is not None for i in asked)
@@ -371,7 +375,7 @@ class PeerNode:
         return pending
 
     def _ask_many(self, by_owner: dict[str, list[int]], keys: Sequence[bytes], found: list[PeerLocation | None], usable: set[str],
-                  deadline: float, own_pages: bool = False) -> list[int]:  # fmt: skip
+                  deadline: float, own_pages: bool = False, failed: dict[int, PeerLocation] | None = None) -> list[int]:  # fmt: skip
         """One resolve at each owner for ``keys[i]`` of its indices (its shard, or with ``own_pages`` its
         own pages), all in flight at once: the remote ones are sent first and this node's own shard is
         served while they answer, so a lookup across N owners costs one round trip, not N. Fills
@@ -392,10 +396,10 @@ class PeerNode:
                     started.append((owner, idx, *begun))
             if local is not None:
                 body = m.PeerResolveRequest(keys=[keys[i] for i in local], own_pages=own_pages)
-                still += self._fill(local, self._serve_shard(body), found, usable)
+                still += self._fill(local, self._serve_shard(body), found, usable, failed)
             while started:
                 owner, idx, ch, pending, t0 = started.pop(0)
-                still += self._fill(idx, self._collect(owner, ch, pending, t0), found, usable)
+                still += self._fill(idx, self._collect(owner, ch, pending, t0), found, usable, failed)
         finally:
             for owner, _, ch, pending, _ in started:  # only on an exception: their replies are never read
                 pending.abandon()
@@ -403,12 +407,18 @@ class PeerNode:
         still.sort()
         return still
 
-    def _fill(self, idx: list[int], reply: m.PeerResolveReply | None, found: list[PeerLocation | None], usable: set[str]) -> list[int]:
-        """``found[i]`` from one resolve reply (None: that owner failed); returns the indices it did not place."""
+    def _fill(self, idx: list[int], reply: m.PeerResolveReply | None, found: list[PeerLocation | None], usable: set[str],
+              failed: dict[int, PeerLocation] | None = None) -> list[int]:  # fmt: skip
+        """``found[i]`` from one resolve reply (None: that owner failed); returns the indices it did not
+        place. A record the same as ``failed[i]`` (read in vain just now) is not placed."""
         locations = reply.locations if reply is not None else ()
         still = []
         for j, i in enumerate(idx):
-            loc = self._best(locations[j], usable) if j < len(locations) else None
+            candidates = locations[j] if j < len(locations) else ()
+            bad = failed.get(i) if failed else None
+            if bad is not None:
+                candidates = [c for c in candidates if (c.node, c.generation, c.resident) != (bad.node, bad.generation, bad.resident)]
+            loc = self._best(candidates, usable) if candidates else None
             if loc is None:
                 still.append(i)
             else:
@@ -503,9 +513,10 @@ class PeerNode:
         if again and time.monotonic() < deadline:
             self.metrics.stale(len(again))
             self.located.forget(keys[i] for i in again)
-            fresh = self.resolve([keys[i] for i in again], deadline, remembered=False)
+            fresh = self.resolve([keys[i] for i in again], deadline, remembered=False, failed={k: sized[i] for k, i in enumerate(again)})  # type: ignore[misc]
             retry = [(i, loc) for i, loc in zip(again, fresh, strict=True)
-                     if loc is not None and loc.length == memoryview(dests[i]).nbytes and (loc.generation, loc.resident) != (sized[i].generation, sized[i].resident)]  # type: ignore[union-attr]  # fmt: skip
+                     if loc is not None and loc.length == memoryview(dests[i]).nbytes
+                     and (loc.node, loc.generation, loc.resident) != (sized[i].node, sized[i].generation, sized[i].resident)]  # type: ignore[union-attr]  # fmt: skip
             if retry:
                 got = self.read_into([loc for _, loc in retry], [dests[i] for i, _ in retry], deadline)
                 for (i, loc), outcome in zip(retry, got, strict=True):
