@@ -166,15 +166,9 @@ def gather_chunks(
     slots are for chunks with nothing to write: that chunk is skipped."""
     if len(block_ids) != len(outs):
         raise ValueError(f"{len(block_ids)} block id lists for {len(outs)} chunks")
-    wanted = [(b, as_numpy(o)) for b, o in zip(block_ids, outs) if o is not None]
-    if not wanted:
-        return
-    block_ids, outs = [b for b, _ in wanted], [o for _, o in wanted]
-    views, stacked = _resolved(layer_caches, fmt, outs)
-    ids = [_chunk_ids(views, b, o) for b, o in zip(block_ids, outs)]
-    for out, chunk_ids in zip(outs, ids):
-        for cache_block, chunk_block in _block_pairs(views, out, chunk_ids, stacked):
-            np.copyto(chunk_block, cache_block)
+    wanted = [(b, o) for b, o in zip(block_ids, outs) if o is not None]
+    for cache_block, chunk_block in _all_block_pairs(layer_caches, [b for b, _ in wanted], [o for _, o in wanted], fmt):
+        np.copyto(chunk_block, cache_block)
 
 
 def scatter_chunks(
@@ -182,13 +176,19 @@ def scatter_chunks(
 ) -> None:
     """``scatter_chunk`` for several chunks (``chunks[i]`` into the blocks ``block_ids[i]``), with the
     layer views worked out once; every chunk's ids are checked before the first byte moves."""
-    chunks = [as_numpy(c) for c in chunks]
     if len(block_ids) != len(chunks):
         raise ValueError(f"{len(block_ids)} block id lists for {len(chunks)} chunks")
+    for cache_block, chunk_block in _all_block_pairs(layer_caches, block_ids, chunks, fmt):
+        np.copyto(cache_block, chunk_block)
+
+
+def _all_block_pairs(layer_caches: Sequence, block_ids: Sequence[Sequence[int]], chunks: Sequence, fmt):
+    """(cache block, chunk block) pairs of every chunk; all chunks are checked before the first pair
+    is yielded, so a bad id in the last chunk is found before a byte moves."""
+    chunks = [as_numpy(c) for c in chunks]
     if not chunks:
         return
     views, stacked = _resolved(layer_caches, fmt, chunks)
     ids = [_chunk_ids(views, b, c) for b, c in zip(block_ids, chunks)]
     for chunk, chunk_ids in zip(chunks, ids):
-        for cache_block, chunk_block in _block_pairs(views, chunk, chunk_ids, stacked):
-            np.copyto(cache_block, chunk_block)
+        yield from _block_pairs(views, chunk, chunk_ids, stacked)
