@@ -261,3 +261,32 @@ def test_evictions_under_concurrent_reads_never_hand_out_wrong_bytes():
         assert not failures, failures[:5]
         assert owner.node.pool.stats().evictions > 100, "the test must actually evict under the readers"
         assert counts["hit"] > 20, counts  # reads did land between evictions
+
+
+def test_publishes_an_owner_missed_reach_it_once_it_answers(nodes):
+    """Pages written while one owner of their records is stalled (SIGSTOP, shorter than the member TTL,
+    so membership never changes and nothing re-publishes for that reason). The first publish to it
+    times out (it may still land when the owner wakes: it sat in a socket), and the writer then skips
+    the suspected owner for a while: the second batch's publish is never sent. The writer owes both and
+    sends them again once the owner answers; without that, the owner's shard would lack the second
+    batch's records for as long as the pages live."""
+    slow_ttl = {"member_ttl_s": 30.0}  # the stall must not end anyone's membership
+    head = nodes(extra=slow_ttl)
+    b = nodes(discovery=head.node_id, extra=slow_ttl)
+    with store(head.node_id, **slow_ttl) as writer:
+        agree(3, [writer], [head, b])
+        first, second = keys("owed-a", 40), keys("owed-b", 40)
+        on_b = [n for n in first + second if b.node_id in writer.node._ring.owners(n.encode(), 2)]
+        assert any(n in on_b for n in second), "the ring put none of the second batch on b: the test proves nothing"
+        before = b.command("status")["directory_records"]
+        b.pause()
+        try:
+            for batch in (first, second):
+                assert writer.batch_set(batch, [page_bytes(n, SIZE) for n in batch]) == [True] * len(batch)
+            assert writer.status()["publish"]["owed"] >= len(on_b)
+        finally:
+            b.resume()
+        wait_for(lambda: b.command("status")["directory_records"] - before == len(on_b), 15, "b's missed records sent again")
+        wait_for(lambda: writer.status()["publish"]["owed"] == 0, 15, "nothing owed")
+        assert writer.status()["publish"]["repaid"] >= len(on_b)
+        assert len(b.command("status")["members"]) == 3

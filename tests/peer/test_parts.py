@@ -12,6 +12,7 @@ import pytest
 from kvdepot.peer.auth import HandshakeFailed, client_handshake, serve_handshake
 from kvdepot.peer.directory import DirectoryShard
 from kvdepot.peer.discovery import MemberTable, masters_of
+from kvdepot.peer.owed import OwedRecords
 from kvdepot.peer.pool import PublishedPool
 from kvdepot.peer.ring import HashRing
 from kvdepot.protocol.messages import PeerLocation, PeerNodeInfo
@@ -288,3 +289,17 @@ def test_an_owner_counts_every_refused_reader_and_logs_them_once_in_a_while(capl
     finally:
         stranger.close()
         owner.close()
+
+
+def test_owed_records_are_taken_once_and_past_the_limit_everything_is_owed():
+    owed = OwedRecords(limit=4)
+    owed.owe([b"a", b"b"])
+    owed.owe([b"b", b"c"])
+    assert len(owed) == 3
+    assert owed.take() == (False, {b"a", b"b", b"c"})
+    assert owed.take() == (False, set()) and len(owed) == 0  # paid: owed again only if it fails again
+    owed.owe(bytes([i]) for i in range(5))  # one past the limit: a full re-publish instead of a key list
+    assert len(owed) == 4
+    owed.owe([b"z"])
+    assert owed.take() == (True, set())
+    assert owed.take() == (False, set())

@@ -350,6 +350,8 @@ _PEER_STATE_GAUGES = (
     ("kvdepot_peer_disk_pages", "Pages on the disk tier.", "disk_pages"),
     ("kvdepot_peer_members", "Members of the cluster as this node sees it.", "members"),
     ("kvdepot_peer_directory_records", "Records in this node's directory shard.", "directory_records"),
+    ("kvdepot_peer_publish_owed", "Keys whose location record some owner missed (a failed or skipped publish), "
+     "to be sent again on the next heartbeat.", "publish_owed"),
 )
 _PEER_STATE_COUNTERS = (
     ("kvdepot_peer_evictions", "Pages evicted from the published pool.", "evictions"),
@@ -358,6 +360,7 @@ _PEER_STATE_COUNTERS = (
     ("kvdepot_peer_served_bytes", "Bytes this node's data plane sent to readers.", "served_bytes"),
     ("kvdepot_peer_refused_connections", "Data-plane connections refused (no cluster secret).", "refused"),
     ("kvdepot_peer_dropped_connections", "Data-plane connections this node closed after a failed read.", "dropped"),
+    ("kvdepot_peer_publish_repaid", "Location records sent again after some owner missed them.", "publish_repaid"),
 )
 
 

@@ -11,7 +11,9 @@ Life cycle::
 
 ``start`` binds both ports, joins (waits up to ``join_timeout_s`` for a master's answer) and starts the
 heartbeat. Every membership change rebuilds the ring, drops the records of nodes that left, and
-re-publishes this node's pages to their owners under the new ring (so the directory re-shards).
+re-publishes this node's pages to their owners under the new ring (so the directory re-shards). A
+publish some owner missed (stalled, timed out, suspected) is owed and sent again on the next
+heartbeat (``owed.py``).
 
 Reads: resolve every key at its owner (a failed or empty answer falls back to the next replica; a node
 that failed a call is skipped for ``SUSPECT_S``), then pull the pages, grouped by the node that holds
@@ -39,6 +41,7 @@ from kvdepot.peer.dataplane import PageOutcome, PageRead, TcpTransport
 from kvdepot.peer.directory import DirectoryShard
 from kvdepot.peer.discovery import MemberTable, masters_of, ordered
 from kvdepot.peer.locations import LocationCache
+from kvdepot.peer.owed import OwedRecords
 from kvdepot.peer.planner import PullPlanner
 from kvdepot.peer.pool import PoolEntry, PublishedPool
 from kvdepot.peer.ring import HashRing
@@ -98,6 +101,8 @@ class PeerNode:
         self.head = ""
         self._table: MemberTable | None = None
         self.republished = 0
+        self.owed = OwedRecords()  # keys whose record some owner missed: sent again on the heartbeat
+        self.repaid = 0
         self.disk = None  # DiskTier, when disk_path is set and usable
         self._disk_only: set[bytes] = set()  # pages on disk and not in the pool (published non-resident)
         self._disk_lock = threading.Lock()
@@ -305,7 +310,8 @@ class PeerNode:
             for owner in ring.owners(rec.key, self.config.directory_replicas):
                 by_owner.setdefault(owner, []).append(rec)
         for owner, group in by_owner.items():
-            self._call_shard(owner, m.PeerPublishRequest(records=group), deadline)
+            if self._call_shard(owner, m.PeerPublishRequest(records=group), deadline) is None:
+                self.owed.owe(rec.key for rec in group)
 
     def _unpublish(self, entries: Sequence[PoolEntry]) -> None:
         assert self.info is not None
@@ -667,6 +673,7 @@ class PeerNode:
             "directory_records": len(self.shard), "evictions": s.evictions, "promotes": self.disk.promoted if self.disk else 0,
             "served_pages": data.served_pages if data else 0, "served_bytes": data.served_bytes if data else 0,
             "refused": data.refused if data else 0, "dropped": self._transport.dropped,
+            "publish_owed": len(self.owed), "publish_repaid": self.repaid,
         }  # fmt: skip
 
     # --- the control plane, client side --------------------------------------------------------------
@@ -822,6 +829,7 @@ class PeerNode:
         rejoined = self._cut_off and bool(views)
         self._cut_off = False
         self._apply(view, republish=rejoined)
+        self._repay()
 
     def _apply(self, view: PeerMembershipReply, republish: bool = False) -> None:
         """Take a membership view; on a change, rebuild the ring and re-shard the directory."""
@@ -865,6 +873,20 @@ class PeerNode:
                 disk_only = list(self._disk_only)
             records = [self._disk_record(key) for key in disk_only]
             self._publish_records([r for r in records if r is not None])
+
+    def _repay(self) -> None:
+        """Publish again what some owner missed (``owed.py``): each key's record as the page is now, to
+        its owners under the current ring; a key gone meanwhile is dropped, one that fails again is owed
+        again. Bounded by one heartbeat interval, so a dead owner cannot hold up the heartbeat."""
+        everything, keys = self.owed.take()
+        if everything:
+            self._republish()
+            return
+        if not keys:
+            return
+        records = [rec for found in self.own_records(list(keys)) for rec in found]
+        self._publish_records(records, time.monotonic() + self.config.heartbeat_interval_s)
+        self.repaid += len(records)
 
     def _disk_record(self, key: bytes) -> PeerLocation | None:
         assert self.info is not None and self.disk is not None
