@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import httpx
-from support.servers import CHUNK, LAYOUT, RawPeer, encode_body, make_kv, make_tokens, raw_header
+from support.servers import CHUNK, LAYOUT, RawPeer, encode_body, make_kv, make_tokens, raw_header, wait_until
 
 import kvdepot
 from kvdepot.errors import ErrorCode
@@ -52,7 +52,15 @@ def test_recent_events_tell_stores_removals_error_replies_and_warnings_newest_la
         assert code == ErrorCode.VERSION_MISMATCH
     assert httpx.post(f"{server.http}/cache/clear", json={}, headers={"Origin": "http://evil.example"}, timeout=10).status_code == 403
 
-    events = _recent(server, after=start, n=512)
+    # L1 changes and error replies reach the ring through the event bus, on its drain thread's next tick
+    # (warnings are logged into it at once): wait for them, then check everything.
+    events = wait_until(
+        lambda: (ev := _recent(server, after=start, n=512))
+        and {"l1_stored", "l1_removed", "error_reply"} <= {e["kind"] for e in ev}
+        and any(e["kind"] == "error_reply" and e["code"] == "VERSION_MISMATCH" for e in ev)
+        and ev,
+        what="the store, the clear and the error reply in /events/recent",
+    )
     seqs = [e["seq"] for e in events]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs), "newest last, each once"
     stored = [e for e in events if e["kind"] == "l1_stored"]

@@ -103,6 +103,8 @@ def test_killed_writer_gives_its_space_back(make_server, spawn, how, endpoint, s
     assert after["l1"]["used_bytes"] == 0
     assert after["contexts"] == 0, "the dead client's context must be dropped"
     if how == "pidfd":  # the server saw the process exit (without a pidfd it can only declare it gone)
+        # (counted just after the leases end, on the server's loop thread: the last count to move is waited for)
+        wait_until(lambda: srv.metric("kvdepot_leases_ended_client_gone_total", how="exited") >= 1, what="the dead writer counted as gone")
         assert srv.metric("kvdepot_clients_gone_total", how="exited") == 1
         assert srv.metric("kvdepot_leases_ended_client_gone_total", how="exited") == 1
 

@@ -112,6 +112,8 @@ def test_a_paused_writer_never_writes_into_the_next_owner_of_its_slots(make_serv
     assert writer.line() == {"ready": True, "transport": "shm", "n": N}
     writer.stop()  # inside prepare_store, slots in hand
     wait_until(lambda: srv.status()["contexts"] == 0, what="the paused writer to be declared gone")
+    # Its contexts go first, its leases next, and then it is counted (on the server's loop thread).
+    wait_until(lambda: srv.metric("kvdepot_leases_ended_client_gone_total", how="revoked") >= 1, what="the revocation to be counted")
     assert srv.metric("kvdepot_clients_gone_total", how="revoked") == 1 and srv.metric("kvdepot_clients_gone_total", how="exited") == 0
     assert srv.metric("kvdepot_leases_ended_client_gone_total", how="revoked") == 1
 
