@@ -114,14 +114,21 @@ def test_two_engines_share_one_server(tiny_model, server, workdir):
         Engine(tiny_model, connector_config(server.url, load_async=True), workdir, name="D-async") as d,
         ApiServer(tiny_model, connector_config(server.url), workdir, name="E-api") as e,
     ):
+        objects = server.status()["l1"]["objects"]
         computed = d.generate(first, MAX_TOKENS)
         assert hits(computed) == [0, 0]
+        # A request's output comes back while its saves may still run on the saver thread (async saves,
+        # the default): the other engine looks it up once they have all landed.
+        want = objects + stored_chunks(900) + stored_chunks(520)
+        assert server.wait_status(lambda st: st["l1"]["objects"] >= want)["l1"]["objects"] == want
         served = [e.complete(p, MAX_TOKENS) for p in first]
         assert [s["num_cached_tokens"] for s in served] == [expected_hit(900), expected_hit(520)] == [896, 512]
         assert [s["token_ids"] for s in served] == tokens(computed)
 
         computed = [e.complete(p, MAX_TOKENS) for p in second]
         assert [s["num_cached_tokens"] for s in computed] == [0]
+        want += stored_chunks(777)
+        assert server.wait_status(lambda st: st["l1"]["objects"] >= want)["l1"]["objects"] == want
         served = d.generate(second, MAX_TOKENS)
         assert hits(served) == [expected_hit(777)] == [768]
         assert tokens(served) == [s["token_ids"] for s in computed]

@@ -21,12 +21,15 @@ def test_metrics_and_the_page_follow_what_the_node_does():
     port = free_port()
     with PeerStore(port=0, data_port=0, pool_size_mb=1, metrics_port=port, **FAST) as owner, \
          PeerStore(discovery=owner.node_id, port=0, data_port=0, pool_size_mb=4, metrics_port=0, **FAST) as reader:  # fmt: skip
-        wait_for(lambda: len(reader.status()["members"]) == 2, 10, "two members")
+        wait_for(lambda: len(reader.status()["members"]) == 2 and len(owner.status()["members"]) == 2, 10, "two members")
         names = [f"m{i}" for i in range(24)]  # 1.5 MiB into a 1 MiB pool: evictions
         assert owner.batch_set(names, [page_bytes(n, 64 << 10) for n in names]) == [True] * 24
         got = reader.batch_get(names[-8:])
         assert all(g is not None for g in got)
         owner.get("not-there")
+        # The owner counts a page served once its last byte is handed to the socket, on its connection's
+        # thread: the reader may hold every byte first. Wait for that count, then read them all at once.
+        wait_for(lambda: samples(port)[("kvdepot_peer_served_pages_total", ())] >= 8, 10, "the owner to count the pages it served")
         s = samples(port)
         assert s[("kvdepot_peer_writes_total", (("outcome", "stored"),))] == 24
         assert s[("kvdepot_peer_write_bytes_total", ())] == 24 * (64 << 10)

@@ -108,6 +108,7 @@ class PeerNode:
         self._disk_lock = threading.Lock()
         self._warmer = None  # a one-thread executor promoting pages that exists() found on disk
         self._cut_off = False  # no master answered the last heartbeat round
+        self._last_heard = 0.0  # when a master last answered this node's heartbeat (monotonic)
         self.metrics = PeerMetrics(self._metrics_state)
         self._metrics_server = None
         self.planner = PullPlanner()
@@ -152,6 +153,7 @@ class PeerNode:
             raise
         self._data_server.start()
         self.state = NodeState.RUNNING
+        self._last_heard = time.monotonic()
         self._tick()
         if self.head != self.info.id and not self._joined.wait(cfg.join_timeout_s):
             log.warning("peer %s: no master answered in %.1f s (is %s up, and is the secret right?); serving own pages, still trying",
@@ -822,11 +824,16 @@ class PeerNode:
                 log.warning("peer %s: no master answers; serving with the membership it knew", self.info.id)
                 self._cut_off = True
             return  # keep the cached membership
+        heard = time.monotonic()
         if views:
             self._joined.set()
-        # Back from a partition: the others dropped this node's records when it left their view,
-        # although this node's own view may not have changed at all: publish everything again.
-        rejoined = self._cut_off and bool(views)
+        # Back from a partition (no master answered), or from a stall this node could not see itself
+        # (SIGSTOP, a VM freeze, a long pause: no round ran at all): past the TTL the masters expired it
+        # and the others dropped its records, although its own view may not have changed at all.
+        # Publish everything again.
+        rejoined = bool(views) and (self._cut_off or heard - self._last_heard > self.config.member_ttl_s)
+        if views:
+            self._last_heard = heard
         self._cut_off = False
         self._apply(view, republish=rejoined)
         self._repay()
