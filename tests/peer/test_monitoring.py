@@ -40,9 +40,10 @@ def test_metrics_and_the_page_follow_what_the_node_does():
         assert s[("kvdepot_peer_lookups_total", (("result", "missing"),))] >= 1
         assert s[("kvdepot_peer_write_latency_seconds", (("quantile", "0.99"),))] > 0
         assert s[("kvdepot_peer_write_seconds_count", ())] == 1
+        assert s[("kvdepot_peer_publish_owed", ())] == 0 and s[("kvdepot_peer_publish_repaid_total", ())] == 0  # no owner missed one
         page = httpx.get(f"http://127.0.0.1:{port}/", timeout=5)
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-        assert owner.node_id in page.text and "hit rate" in page.text and "write latency" in page.text
+        assert owner.node_id in page.text and "hit rate" in page.text and "write latency" in page.text and "publishes owed" in page.text
         assert "<script" not in page.text and "http://" not in page.text.replace("http-equiv", "")  # self-contained
         summary = httpx.get(f"http://127.0.0.1:{port}/summary", timeout=5).json()
         assert summary["writes"]["stored"] == 24 and summary["state"]["pool_pages"] <= 16

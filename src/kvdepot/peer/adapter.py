@@ -111,6 +111,7 @@ class PeerAdapter(BackendAdapter):
             "members": len(self.node.members()),
             "pull_decisions": summary["pull_decisions"],
             "hints": summary["hints"],
+            "publish": {"owed": len(self.node.owed), "repaid": self.node.repaid},
             "peers": self.node.planner.snapshot(),
         }
 

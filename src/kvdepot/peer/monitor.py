@@ -89,6 +89,7 @@ class MetricsServer:
             ("pool", f"{mib(st.get('pool_used_bytes', 0))} of {mib(st.get('pool_capacity_bytes', 0))}, {int(st.get('pool_pages', 0))} pages"),
             ("disk", f"{mib(st.get('disk_used_bytes', 0))}, {int(st.get('disk_pages', 0))} pages"),
             ("directory shard", f"{int(st.get('directory_records', 0))} records"),
+            ("publishes owed / sent again", f"{int(st.get('publish_owed', 0))} / {int(st.get('publish_repaid', 0))}"),
             ("reads", f"{s['reads']} (hit rate {s['read_hit_rate']:.1%}), {mib(s['read_bytes'])}"),
             ("writes", f"{s['writes']}, {mib(s['write_bytes'])}"),
             ("lookups", f"{s['lookups']}"),
