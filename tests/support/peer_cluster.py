@@ -6,6 +6,7 @@ that takes line commands on stdin and answers one JSON line on stdout::
     set PREFIX COUNT SIZE   -> {"stored": n}           pages PREFIX0..PREFIX{COUNT-1} of SIZE bytes
     check PREFIX COUNT SIZE [VERSION]     -> {"hit": h, "miss": m, "wrong": w}   reads them back from wherever they are
     checkany PREFIX COUNT SIZE MAXVERSION -> the same, a hit being any version 0..MAXVERSION
+    held PREFIX COUNT       -> {"held": [names]}       which of PREFIX0..PREFIX{COUNT-1} this node's pool holds now
     status                  -> PeerStore.status()
     quit
 
@@ -154,6 +155,8 @@ def _serve(options: dict) -> int:
             answer = check_pages(store, parts[1], int(parts[2]), int(parts[3]), int(parts[4]) if len(parts) > 4 else 0)
         elif op == "checkany":
             answer = check_pages(store, parts[1], int(parts[2]), int(parts[3]), any_up_to=int(parts[4]))
+        elif op == "held":
+            answer = {"held": [n for n in keys(parts[1], int(parts[2])) if store.node.pool.contains(n.encode())]}
         elif op == "status":
             answer = store.status()
         else:
