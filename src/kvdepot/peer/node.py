@@ -824,15 +824,16 @@ class PeerNode:
                 log.warning("peer %s: no master answers; serving with the membership it knew", self.info.id)
                 self._cut_off = True
             return  # keep the cached membership
-        heard = time.monotonic()
+        rejoined = False
         if views:
             self._joined.set()
-        # Back from a partition (no master answered), or from a stall this node could not see itself
-        # (SIGSTOP, a VM freeze, a long pause: no round ran at all): past the TTL the masters expired it
-        # and the others dropped its records, although its own view may not have changed at all.
-        # Publish everything again.
-        rejoined = bool(views) and (self._cut_off or heard - self._last_heard > self.config.member_ttl_s)
-        if views:
+            # Back from a partition (no master answered), or from a stall this node could not see itself
+            # (SIGSTOP, a VM freeze, a long pause: no round ran at all): the masters may have expired it
+            # and the others dropped its records, although its own view may not have changed at all.
+            # Publish everything again. A master last heard us a reply's flight before we last heard it,
+            # so a silence one interval short of the TTL already counts.
+            heard = time.monotonic()
+            rejoined = self._cut_off or heard - self._last_heard > self.config.member_ttl_s - self.config.heartbeat_interval_s
             self._last_heard = heard
         self._cut_off = False
         self._apply(view, republish=rejoined)
