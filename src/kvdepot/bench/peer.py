@@ -31,7 +31,8 @@ from kvdepot.bench.stats import loadavg, memcpy_seconds
 from kvdepot.bench.transfer import Row
 
 MiB = 1 << 20
-_LEN = struct.Struct("<Q")
+_RAW_REQUEST = struct.Struct("<QQ")  # offset into the payload, bytes
+PAYLOAD_BYTES = 64 * MiB  # the owner's source bytes: twice the L3 of a server CPU, as a pool's pages are
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -54,7 +55,7 @@ def _owner(options: dict) -> int:
     from kvdepot.peer import PeerStore
 
     store = PeerStore(**options)
-    payload = np.random.default_rng(1).bytes(64 * MiB)
+    payload = np.random.default_rng(1).bytes(PAYLOAD_BYTES)
     raw = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_raw_sender, args=(raw, memoryview(payload)), daemon=True).start()
     print(json.dumps({"node": store.node_id, "raw_port": raw.getsockname()[1]}), flush=True)
@@ -65,7 +66,7 @@ def _owner(options: dict) -> int:
         if parts[0] == "set":  # set PREFIX COUNT SIZE
             prefix, count, size = parts[1], int(parts[2]), int(parts[3])
             names = [f"{prefix}{i}" for i in range(count)]
-            pages = [memoryview(payload)[(i * size) % (64 * MiB - size + 1) :][:size] for i in range(count)]
+            pages = [memoryview(payload)[_page_offset(i, size) :][:size] for i in range(count)]
             ok = store.batch_set(names, pages)
             print(json.dumps({"stored": sum(ok)}), flush=True)
         elif parts[0] == "clear":
@@ -75,21 +76,30 @@ def _owner(options: dict) -> int:
     return 0
 
 
+def _page_offset(i: int, size: int) -> int:
+    """Where page ``i`` of ``size`` bytes starts in the owner's payload (its pool copy was made from there)."""
+    return (i * size) % (PAYLOAD_BYTES - size + 1)
+
+
 def _raw_sender(listener: socket.socket, payload: memoryview) -> None:
-    """Per connection: read a length, send that many bytes straight from memory (no protocol)."""
+    """Per connection: read (offset, length), send that many bytes from that offset of the payload,
+    straight from memory (no protocol). The pages' own offsets, so the raw sender reads as many
+    distinct bytes as the data plane does from its pool: a sender that sent the same few MiB again
+    and again would read them from the CPU's cache, a limit no pool of real pages has."""
 
     def serve(conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with conn:
             while True:
-                head = conn.recv(_LEN.size, socket.MSG_WAITALL)
-                if len(head) < _LEN.size:
+                head = conn.recv(_RAW_REQUEST.size, socket.MSG_WAITALL)
+                if len(head) < _RAW_REQUEST.size:
                     return
-                (n,) = _LEN.unpack(head)
+                offset, n = _RAW_REQUEST.unpack(head)
                 while n:
-                    k = min(n, len(payload))
-                    conn.sendall(payload[:k])
-                    n -= k
+                    offset %= len(payload)
+                    k = min(n, len(payload) - offset)
+                    conn.sendall(payload[offset : offset + k])
+                    offset, n = offset + k, n - k
 
     while True:
         conn, _ = listener.accept()
@@ -140,19 +150,21 @@ def _raw_connections(port: int, n: int) -> list[socket.socket]:
 def _raw_read(conns: list[socket.socket], dests: list[memoryview], per_batch: int) -> float:
     """Seconds to receive every destination's bytes over ``conns`` (one thread each, kept open across
     repetitions like the data plane's pooled connections), asking for ``per_batch`` pages at a time
-    (as the data plane does) and receiving each straight into its buffer."""
+    (as the data plane does), each page from its own offset of the owner's payload, and receiving each
+    straight into its buffer."""
+    size = dests[0].nbytes
 
-    def run(conn: socket.socket, mine: list[memoryview]) -> None:
+    def run(conn: socket.socket, mine: list[tuple[int, memoryview]]) -> None:
         for i in range(0, len(mine), per_batch):
             batch = mine[i : i + per_batch]
-            conn.sendall(_LEN.pack(sum(d.nbytes for d in batch)))
-            for d in batch:
+            conn.sendall(_RAW_REQUEST.pack(_page_offset(batch[0][0], size), sum(d.nbytes for _, d in batch)))
+            for _, d in batch:
                 got = 0
                 while got < d.nbytes:  # as the data plane receives: a page per call
                     got += conn.recv_into(d[got:], d.nbytes - got, socket.MSG_WAITALL)
 
     t0 = time.perf_counter()
-    _in_threads(run, conns, dests)
+    _in_threads(run, conns, list(enumerate(dests)))
     return time.perf_counter() - t0
 
 
@@ -163,7 +175,7 @@ def _raw_rtt(port: int, n: int = 200) -> float:
         times = []
         for _ in range(n):
             t0 = time.perf_counter()
-            c.sendall(_LEN.pack(1))
+            c.sendall(_RAW_REQUEST.pack(0, 1))
             c.recv_into(buf)
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
@@ -199,9 +211,9 @@ def _exists_rounds(reader, names: list[str], rounds: int, per_round: int = 60) -
     return statistics.median(exists), statistics.median(rtts), ratios
 
 
-def _in_threads(fn, workers: list, dests: list[memoryview]) -> None:
-    share = -(-len(dests) // len(workers))
-    threads = [threading.Thread(target=fn, args=(w, dests[i * share : (i + 1) * share])) for i, w in enumerate(workers)]
+def _in_threads(fn, workers: list, items: list) -> None:
+    share = -(-len(items) // len(workers))
+    threads = [threading.Thread(target=fn, args=(w, items[i * share : (i + 1) * share])) for i, w in enumerate(workers)]
     for t in threads:
         t.start()
     for t in threads:
