@@ -117,6 +117,32 @@ def test_saves_and_loads_are_bit_exact_on_every_path(server, device, transport, 
     src.close()
 
 
+def test_an_async_load_marks_the_engine_stream_on_the_engine_thread(server, monkeypatch):
+    """An async load runs on a thread of its own, whose current stream is not the engine's (on a GPU
+    past the first, not even on its device): "after the engine's work so far" is marked when the engine
+    asks for the load, on its thread, and the load waits for that mark."""
+    import threading
+
+    src = Caches("cpu", "kv_first", server_shm(server), False, seed=6)
+    dst = Caches("cpu", "kv_first", server_shm(server), False, None)
+    writer = worker(server.url, src, transport="shm")
+    save, load = ops(6, 2, [4, 5, 6, 7, 10, 11, 2, 13], [12, 1, 7, 3, 0, 5, 9, 14], is_async=True)
+    save_now(writer, meta(saves=[save]))
+    reader = worker(server.url, dst, transport="shm")
+    marks, waits = [], []
+    ready = reader.device.ready
+    monkeypatch.setattr(reader.device, "ready", lambda: (marks.append(threading.current_thread()), ready())[1])
+    mover_load = reader.device.mover.load
+    monkeypatch.setattr(reader.device.mover, "load", lambda *a, **k: (waits.append(k.get("ready")), mover_load(*a, **k))[1])
+    run_load_step(reader, "async", load, list(dst.by_name))
+    assert marks == [threading.main_thread()], marks
+    assert len(waits) == 1 and waits[0] is None  # on the CPU the mark is (None, b""): its event
+    assert reader.take_load_errors() == set()
+    assert all(torch.equal(a, b) for a, b in zip(src.blocks([4, 5, 6, 7, 10, 11, 2, 13][1:]), dst.blocks([1, 7, 3, 0, 5, 9, 14])))
+    writer.shutdown()
+    reader.shutdown()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("transport", ["cuda_ipc", "shm"])
 def test_flashinfer_layout_and_chunks_shared_across_paths(server, device, transport):

@@ -30,9 +30,16 @@ def random_layers(fmt: str, dtype: str, device: str, stacked: bool, seed: int = 
     itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     raw = torch.randint(0, 256, (L, *shape[:-1], D * itemsize), generator=gen, dtype=torch.uint8)
     whole = raw.view(getattr(torch, dtype)).to(device)
-    if stacked:
-        return [whole[i] for i in range(L)]  # evenly spaced in one allocation
-    return [whole[i].clone() for i in range(L)]
+    layers = [whole[i] for i in range(L)] if stacked else [whole[i].clone() for i in range(L)]  # stacked: evenly spaced in one allocation
+    return settled(layers)
+
+
+def settled(tensors):
+    """``tensors``, once every kernel queued for them has run: a mover called without ``ready`` works on
+    streams of its own, which do not wait for the default stream's clone or zero-fill."""
+    if tensors and tensors[0].device.type == "cuda":
+        torch.cuda.synchronize()
+    return tensors
 
 
 def kv(t, fmt: str):
@@ -173,7 +180,7 @@ def test_mover_saves_into_host_slots_and_loads_them_back(device, staging_chunks)
     for c in range(5):
         assert np.array_equal(slots[c], bits(ref[c]).numpy().view(np.uint16))
 
-    dst = [torch.zeros_like(t) for t in src]
+    dst = settled([torch.zeros_like(t) for t in src])
     target = DevicePagedCache(dst, "block_first", BS)
     back = BlockMover(target, bpc, staging_chunks * chunk_bytes)
     events = [torch.cuda.Event() for _ in range(L)] if device == "cuda" else None
@@ -252,3 +259,28 @@ def test_a_duplex_movers_save_and_load_run_side_by_side_on_one_cache(device):
     loaded = reference_chunks(src, "block_first", [1, 2, 3, 4, 5, 6], bpc)
     for got, want in zip(loaded, incoming, strict=True):
         assert np.array_equal(bits(got).numpy().view(np.uint16), want)
+
+
+def test_a_scatter_that_deterministic_mode_would_make_rewrite_every_block_is_refused(monkeypatch):
+    """On CUDA, torch's deterministic mode writes an indexed copy into a non-contiguous target by copying
+    all of it out and back, racing the engine's writes to other blocks: refused before any write, with the
+    reason (the load's blocks are recomputed). A contiguous target (kv_first) passes the check."""
+    chunks = torch.zeros((1, 2, L, 2 * BS, H, D), dtype=torch.bfloat16)
+    for fmt, stacked, refused in (("block_first", False, True), ("block_first", True, True), ("kv_first", True, False), ("kv_first", False, False)):
+        dst = random_layers(fmt, "bfloat16", "cpu", stacked, seed=3)
+        before = [t.clone() for t in dst]
+        cache = DevicePagedCache(dst, fmt, BS)
+        monkeypatch.setattr(cache, "device", torch.device("cuda"))  # what the check reads (no GPU is needed to refuse)
+        torch.use_deterministic_algorithms(True)
+        try:
+            if refused:
+                with pytest.raises(RuntimeError, match="use_deterministic_algorithms"):
+                    cache.scatter(chunks, cache.check_ids([[3, 4]], 2))
+                assert all(torch.equal(bits(a), bits(b)) for a, b in zip(before, dst))
+            else:
+                cache._check_write_mode()  # passes (the scatter itself would need a GPU from here on)
+        finally:
+            torch.use_deterministic_algorithms(False)
+        monkeypatch.setattr(cache, "device", torch.device("cpu"))
+        cache.scatter(chunks, cache.check_ids([[3, 4]], 2))  # the same call on the CPU, the mode off: written
+        assert not any(bits(kv(t, fmt)[:, [3, 4]]).any() for t in dst)

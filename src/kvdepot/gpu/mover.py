@@ -132,9 +132,15 @@ class BlockMover:
 
     def _staging_buffer(self):
         """``per_batch`` chunks of device memory, made at the first copy and kept (used on both streams:
-        never freed while a copy may run, so the allocator's per-stream reuse never sees it early)."""
+        never freed while a copy may run, so the allocator's per-stream reuse never sees it early).
+
+        Allocated on the mover's own kernel stream: the caching allocator hands a stream memory that
+        ops on that stream freed. Made on the caller's stream (the engine's), it could be memory the
+        engine freed while kernels still queued there use it, and the mover's streams, which do not
+        wait for the engine's, would write it under them."""
         if self._staging is None:
-            self._staging = self.torch.empty((self.per_batch, *self.chunk_shape), dtype=self.bits, device=self.cache.device)
+            with self.torch.cuda.stream(self.lane.stream):
+                self._staging = self.torch.empty((self.per_batch, *self.chunk_shape), dtype=self.bits, device=self.cache.device)
         return self._staging
 
     def _chunk_ids(self, block_ids: Sequence, i: int, j: int) -> list:

@@ -152,6 +152,21 @@ class DevicePagedCache:
 
     # --- copies --------------------------------------------------------------------------------------
 
+    def _check_write_mode(self) -> None:
+        """Refuse a scatter that torch's deterministic mode would make unsafe: on CUDA it writes an
+        indexed copy into a non-contiguous target (a block_first cache's layers, or the stacked view) by
+        copying the whole target out and back, every block of it, racing the engine's own writes to
+        other blocks. The load fails instead (its blocks are recomputed), saying why."""
+        torch = self.torch
+        if self.device.type != "cuda" or not torch.are_deterministic_algorithms_enabled():
+            return
+        targets = [self._stacked] if self._stacked is not None else self.views
+        if not all(t.is_contiguous() for t in targets):
+            raise RuntimeError(
+                "torch.use_deterministic_algorithms(True) is on: its indexed copy rewrites every block of this "
+                f"{self.format.value} cache, under the engine's own writes; kvdepot does not load into it"
+            )
+
     def gather(self, block_ids: Sequence, out) -> None:
         """Copy the blocks of ``out.shape[0]`` chunks (``block_ids[g]``: group g's ids, chunk after chunk,
         checked numpy arrays or ``device_ids``) into ``out`` ``[n, K, L, T, H, D]`` (the cache's bits
@@ -181,6 +196,7 @@ class DevicePagedCache:
         if skip == per:
             return
         layers = layers if layers is not None else range(nl)
+        self._check_write_mode()
         if self._stacked is not None:
             index = self.device_ids(block_ids[0][skip:])
             part = src[:, :, layers.start : layers.stop].permute(2, 1, 0, 3, 4, 5).reshape(len(layers), k, per, bs, h, d)

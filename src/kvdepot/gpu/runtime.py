@@ -137,6 +137,9 @@ class PinnedRange:
                 _cuda_call(torch.cuda.cudart().cudaHostUnregister(self.address))
 
 
+CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+
+
 def pin(address: int, size: int) -> PinnedRange:
     """Register ``size`` bytes at ``address`` with CUDA (it faults every page in and locks it), or hold the
     registration this process already made of exactly that range. A failure (no CUDA, a memlock limit,
@@ -150,7 +153,9 @@ def pin(address: int, size: int) -> PinnedRange:
         if key in _pins:
             _pins[key] += 1
             return PinnedRange(address, size, True)
-        code = _cuda_call(torch.cuda.cudart().cudaHostRegister(address, size, 0))
+        # Portable: pinned for every device's context, not only the current one (a server pins its arena
+        # once and copies for caches on any of the host's GPUs).
+        code = _cuda_call(torch.cuda.cudart().cudaHostRegister(address, size, CUDA_HOST_REGISTER_PORTABLE))
         if code != 0:
             log.warning("kvdepot: cudaHostRegister of %d MiB failed (CUDA error %d); copies use pageable memory (slower)", size >> 20, code)
             return PinnedRange(address, size, False)

@@ -59,6 +59,9 @@ def device_format(shape: Sequence[int], block_size: int) -> PagedFormat:
     raise NotImplementedError(f"a cache of shape {tuple(shape)} could be either layout (2 blocks?)")
 
 
+Ready = tuple[object | None, bytes]  # an event marking the engine's stream (None on a CPU), its IPC handle
+
+
 class DeviceKV:
     """The worker's paged cache on its device and the path its chunks take (see the module docstring)."""
 
@@ -138,7 +141,7 @@ class DeviceKV:
         if client.transport == "shm":
             self._pin(client)
 
-    def ready(self) -> tuple[object | None, bytes]:
+    def ready(self) -> Ready:
         """Mark "everything queued on the engine's stream so far" (the event, and its IPC handle for the
         server); (None, b"") on a CPU device, whose copies need no ordering."""
         if self._ring is None:

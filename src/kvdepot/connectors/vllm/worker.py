@@ -47,7 +47,7 @@ from kvdepot.client.client import KVClient
 from kvdepot.connectors.common import Breakers, Direction, FailureTally, ResilientClient
 from kvdepot.connectors.vllm.config import ConnectorConfig
 from kvdepot.connectors.vllm.copies import ChunkCopier
-from kvdepot.connectors.vllm.device import DeviceKV, device_format
+from kvdepot.connectors.vllm.device import DeviceKV, Ready, device_format
 from kvdepot.connectors.vllm.metadata import KVDepotConnectorMetadata, KVDepotWorkerMetadata, LoadOp, SaveOp
 from kvdepot.connectors.vllm.paged_layout import PagedKV, choose_format, make_layout, probe_cpu_layout
 from kvdepot.connectors.vllm.saves import SaveQueue
@@ -80,7 +80,7 @@ class WorkerSide:
         self._loaded: set[str] = set()
         self._layerwise: LayerwiseLoad | None = None
         self._device_layerwise: DeviceLayerwiseLoad | None = None
-        self._async_queue: queue.Queue[LoadOp | None] | None = None
+        self._async_queue: queue.Queue[tuple[LoadOp, Ready | None] | None] | None = None
         self._async_thread: threading.Thread | None = None
         self.breakers = Breakers(config.retry_after_s)
         self.tally = FailureTally(log, f"kvdepot worker {kv_rank}")
@@ -212,13 +212,14 @@ class WorkerSide:
             if index is not None:
                 job.wait(index)
 
-    def load(self, op: LoadOp, parallel: bool = False) -> None:
+    def load(self, op: LoadOp, parallel: bool = False, ready: Ready | None = None) -> None:
         """Scatter the chunks of ``op`` into their blocks; blocks left unwritten become load errors.
         ``parallel``: the engine waits for this load (``start_load_kv``), so the copies run on the
         copier's threads; an asynchronous load runs beside the forward and keeps to one. Logged at INFO
-        with its time: the server's answer (views of the chunks) and the copy into the blocks, apart."""
+        with its time: the server's answer (views of the chunks) and the copy into the blocks, apart.
+        ``ready``: on a device, the engine's stream marked when the load was asked for."""
         if self.device is not None:  # (an asynchronous load: this thread waits for the copies, then it is reported)
-            self._device_load(op).finish(engine_waits=False)
+            self._device_load(op, ready=ready).finish(engine_waits=False)
             return
         t0 = time.perf_counter()
         with self.retrieve(op) as views:
@@ -283,13 +284,16 @@ class WorkerSide:
             self._async_queue = queue.Queue()
             self._async_thread = threading.Thread(target=self._async_loop, name="kvdepot-async-load", daemon=True)
             self._async_thread.start()
-        self._async_queue.put(op)
+        # "After the engine's work so far" is marked here, on the engine's thread and stream: the load
+        # thread's own current stream is another one (on another device, for ranks past the first).
+        self._async_queue.put((op, self.device.ready() if self.device is not None else None))
 
     def _async_loop(self) -> None:
         assert self._async_queue is not None
-        while (op := self._async_queue.get()) is not None:
+        while (item := self._async_queue.get()) is not None:
+            op, ready = item
             try:
-                self.load(op)
+                self.load(op, ready=ready)
             except Exception:  # never leave the request waiting forever
                 log.exception("kvdepot: async load for %s failed", op.req_id)
                 with self._lock:
@@ -434,11 +438,12 @@ class WorkerSide:
         with self._lock:
             self._loaded.update(op.req_id for op in sync_ops)
 
-    def _device_load(self, op: LoadOp, layer_events: list | None = None) -> DeviceLoad:
-        """Start ``op``'s copies into its blocks (after the engine's stream's work so far); the returned
-        load's ``finish`` ends it. Chunks not found become load errors (vLLM recomputes them)."""
+    def _device_load(self, op: LoadOp, layer_events: list | None = None, ready: Ready | None = None) -> DeviceLoad:
+        """Start ``op``'s copies into its blocks (after the engine's stream's work so far, or after
+        ``ready``, marked earlier on the engine's thread); the returned load's ``finish`` ends it.
+        Chunks not found become load errors (vLLM recomputes them)."""
         assert self.device is not None
-        event, handle = self.device.ready()
+        event, handle = ready if ready is not None else self.device.ready()
         client = self._resilient.get(Direction.LOAD) if self._resilient is not None else None
         load = DeviceLoad(self, op)
         if client is None:
@@ -480,7 +485,7 @@ class WorkerSide:
             else:
                 self._saves.submit([op.req_id], partial(self._device_save_ops, [op], ready))
 
-    def _device_save_ops(self, ops: Sequence[SaveOp], ready: tuple[object | None, bytes]) -> None:
+    def _device_save_ops(self, ops: Sequence[SaveOp], ready: Ready) -> None:
         """Copy each op's new chunks out of its blocks once ``ready`` (recorded after the forward) has
         passed: by the server (cuda_ipc) or by the mover into arena slots / staging. Returns once the
         blocks were read (vLLM may free them then)."""

@@ -333,6 +333,8 @@ class BlockTransferModule:
                 torch = runtime.require_torch("the server-driven path")
                 with torch.cuda.device(memories[0].device_index):
                     events = [new_event() for _ in range(lay.num_layers)]
+                    for event in events:
+                        event_handle(event)  # torch creates an event at its first use, on the current device: this one
         except BaseException:
             for mem in memories:
                 mem.close()
