@@ -164,10 +164,13 @@ def test_layers_that_disagree_are_refused():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("staging_chunks", [1, 3, 64])
-def test_mover_saves_into_host_slots_and_loads_them_back(device, staging_chunks):
+@pytest.mark.parametrize("stacked", [True, False], ids=["one-allocation", "layers-apart"])
+@pytest.mark.parametrize("skip", [1, 2], ids=["skip-inside-a-chunk", "skip-a-chunk"])
+def test_mover_saves_into_host_slots_and_loads_them_back(device, staging_chunks, stacked, skip):
     """Through the staging buffer on a device (batches of ``staging_chunks``; several batches when fewer
-    than the 5 chunks fit), straight into the slots on the CPU."""
-    src = random_layers("block_first", "bfloat16", device, True, seed=4)
+    than the 5 chunks fit), straight into the slots on the CPU; a load that leaves the first ``skip``
+    blocks alone (ending inside the first chunk, or with it), with an event after each layer."""
+    src = random_layers("block_first", "bfloat16", device, stacked, seed=4)
     bpc = 2
     cache = DevicePagedCache(src, "block_first", BS)
     chunk_bytes = 2 * L * bpc * BS * H * D * 2
@@ -187,11 +190,40 @@ def test_mover_saves_into_host_slots_and_loads_them_back(device, staging_chunks)
     readonly = [s.copy() for s in slots]
     for s in readonly:
         s.flags.writeable = False  # a retrieve's views are read-only
-    done = back.load(readonly, target.check_ids([[0, 1, 2, 3, 4, 5, 6, 7, 8, 9]], 10), skip_blocks=1, layer_events=events)
+    done = back.load(readonly, target.check_ids([[0, 1, 2, 3, 4, 5, 6, 7, 8, 9]], 10), skip_blocks=skip, layer_events=events)
     done.wait()
     for layer in range(L):
-        assert not bits(dst[layer][0]).any()  # skipped
-        assert torch.equal(bits(dst[layer][1:]), bits(src[layer][[8, 7, 6, 5, 4, 3, 2, 1, 0]]))
+        assert not bits(dst[layer][:skip]).any()  # skipped
+        assert torch.equal(bits(dst[layer][skip:]), bits(src[layer][ids[skip:]]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pieces_sized_by_the_bytes_a_kernel_moves_still_move_every_chunk(device, monkeypatch):
+    """With ``PIECE_BYTES`` at one chunk, a cache of layers apart (one kernel per layer) moves
+    ``kernels`` chunks a piece, not half its staging: several pieces through ample staging, layer events on
+    the last."""
+    from kvdepot.gpu import mover as mover_module
+
+    src = random_layers("kv_first", "float16", device, False, seed=10)
+    bpc = 2
+    cache = DevicePagedCache(src, "kv_first", BS)
+    chunk_bytes = 2 * L * bpc * BS * H * D * 2
+    monkeypatch.setattr(mover_module, "PIECE_BYTES", chunk_bytes)
+    mover = BlockMover(cache, bpc, 64 * chunk_bytes)
+    assert cache.kernels == L == 3
+    assert [j - i for i, j, _ in mover._pieces(5)] == [3, 2]
+    ids = [1, 3, 5, 7, 9, 0, 2, 4, 6, 8]
+    slots = [np.zeros((2, L, bpc * BS, H, D), dtype=np.uint16) for _ in range(5)]
+    mover.save(cache.check_ids([ids], NB), slots).wait()
+    for got, want in zip(slots, reference_chunks(src, "kv_first", ids, bpc), strict=True):
+        assert np.array_equal(got, bits(want).numpy().view(np.uint16))
+    dst = settled([torch.zeros_like(t) for t in src])
+    target = DevicePagedCache(dst, "kv_first", BS)
+    back = BlockMover(target, bpc, 64 * chunk_bytes)
+    events = [torch.cuda.Event() for _ in range(L)] if device == "cuda" else None
+    back.load(slots, target.check_ids([list(range(NB))], NB), layer_events=events).wait()
+    for layer in range(L):
+        assert torch.equal(bits(dst[layer]), bits(src[layer][:, ids]))
 
 
 @pytest.mark.parametrize("device", DEVICES)
