@@ -337,7 +337,11 @@ def _bench_size(reader, owner: _Owner, size: int, total: int, threads: list[int]
     for t in threads:
         conns = _raw_connections(owner.raw_port, t)
         _raw_read(conns, views, per_batch)  # warm, as the data plane's pooled connections are
-        raw_s = statistics.median([_raw_read(conns, views, per_batch) for _ in range(reps)])
+        raw_cpu, again_cpu = _CpuMeter(owner.proc.pid), _CpuMeter(owner.proc.pid)
+        raw_cpu.start()
+        raw_times = [_raw_read(conns, views, per_batch) for _ in range(reps)]
+        raw_cpu.stop()
+        raw_s = statistics.median(raw_times)
         for c in conns:
             c.close()
         # First reads (the directory asked for every page) and reads again (where the reader found
@@ -346,15 +350,26 @@ def _bench_size(reader, owner: _Owner, size: int, total: int, threads: list[int]
         for _ in range(reps):
             reader.node.located.clear()
             cold.append(_timed_threads(peer_get, pairs, t))
+            again_cpu.start()
             warm.append(_timed_threads(peer_get, pairs, t))
+            again_cpu.stop()
         raw_gbps = nbytes / raw_s / 1e9
         cold_gbps, warm_gbps = nbytes / statistics.median(cold) / 1e9, nbytes / statistics.median(warm) / 1e9
-        raw[f"{label}_{t}t"] = {"raw_gbps": raw_gbps, "peer_gbps": cold_gbps, "peer_again_gbps": warm_gbps}
+        moved_gb = reps * nbytes / 1e9
+        cpu = {"raw_owner": raw_cpu.owner / moved_gb, "raw_reader": raw_cpu.reader / moved_gb,
+               "owner": again_cpu.owner / moved_gb, "reader": again_cpu.reader / moved_gb}  # fmt: skip
+        raw[f"{label}_{t}t"] = {"raw_gbps": raw_gbps, "peer_gbps": cold_gbps, "peer_again_gbps": warm_gbps, "cpu_s_per_gb": cpu}
         threads_label = f"{t} thread{'s' if t > 1 else ''}"
         rows.append(Row(f"remote get {label} pages, {threads_label}", f"{cold_gbps:.2f} GB/s",
                         f"{raw_gbps:.2f} GB/s raw socket", f"{cold_gbps / raw_gbps:.2f}"))  # fmt: skip
         rows.append(Row(f"remote get {label} pages, {threads_label}, read again", f"{warm_gbps:.2f} GB/s",
                         f"{raw_gbps:.2f} GB/s raw socket", f"{warm_gbps / raw_gbps:.2f}"))  # fmt: skip
+        # What a GB costs in CPU, both ends: where the cores are all busy (two cores, an owner and a
+        # reader on one host), throughput is the cores over this.
+        ours, theirs = cpu["owner"] + cpu["reader"], cpu["raw_owner"] + cpu["raw_reader"]
+        rows.append(Row(f"CPU per GB read again, {label} pages, {threads_label} (owner + reader)",
+                        f"{ours:.3f} core-s ({cpu['owner']:.3f} + {cpu['reader']:.3f})",
+                        f"{theirs:.3f} core-s raw ({cpu['raw_owner']:.3f} + {cpu['raw_reader']:.3f})", f"{ours / theirs:.2f}"))  # fmt: skip
     src = [np.random.default_rng(i).integers(0, 255, size, dtype=np.uint8) for i in range(min(count, 64))]
     set_names = [f"s{i}" for i in range(len(src))]
     set_s = statistics.median([_timed(lambda: reader.batch_set(set_names, src)) for _ in range(reps)])
@@ -364,6 +379,34 @@ def _bench_size(reader, owner: _Owner, size: int, total: int, threads: list[int]
     rows.append(Row(f"set {label} pages (copy into the pool + publish)", f"{set_gbps:.2f} GB/s", f"{copy_gbps:.2f} GB/s memcpy", f"{set_gbps / copy_gbps:.2f}"))
     reader.clear()
     return rows
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU time every thread of ``pid`` has run so far (nanosecond counters of the scheduler; the
+    /proc/PID/stat ticks are 10 ms, too coarse for a repetition of tens of ms)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass  # the thread ended meanwhile (its time goes with it: a thread per call is not ours)
+    return total / 1e9
+
+
+class _CpuMeter:
+    """Core-seconds this process and the owner's spent between ``start`` and ``stop``."""
+
+    def __init__(self, owner_pid: int) -> None:
+        self.owner_pid = owner_pid
+        self.reader = self.owner = 0.0
+
+    def start(self) -> None:
+        self._t0 = (time.process_time(), _cpu_seconds(self.owner_pid))
+
+    def stop(self) -> None:
+        self.reader += time.process_time() - self._t0[0]
+        self.owner += _cpu_seconds(self.owner_pid) - self._t0[1]
 
 
 def _timed(fn) -> float:
