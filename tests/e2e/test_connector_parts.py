@@ -597,6 +597,60 @@ def test_chunks_gone_before_the_load_become_load_errors(server):
     w.shutdown()
 
 
+@pytest.mark.parametrize("mode", ["async", "layerwise_saves", "sync_saves"])
+def test_a_step_whose_load_failed_keeps_its_save_of_that_request_off_the_server(server, mode):
+    """A step loads chunks 0-1 of a request and saves what its forward computed after them; chunk 1
+    is gone from the server, so its blocks stay unwritten and the forward attends to them anyway. vLLM
+    recomputes once it reads the load errors, but the step's save would keep the wrong KV under the
+    right hashes: it is dropped (with layerwise saves, after every layer's hook had let the saver copy),
+    another request's save of that step is kept, and the request is still reported finished."""
+    from kvdepot.connectors.vllm.metadata import LoadOp, SaveOp
+
+    src, dst = cpu_caches(seed=5), cpu_caches(seed=6)
+    toks, other = tokens(4 * CS + 1, seed=5), tokens(2 * CS + 1, seed=55)
+    hashes = chunk_hashes(toks, CS)[:3]
+    save_now(worker(server.url, src), meta(saves=[SaveOp("first", hashes[:1], "", [1])]))  # only chunk 0 is there
+    before = server.status()["l1"]["objects"]
+    options = {"layerwise_saves": True} if mode == "layerwise_saves" else {"async_saves": mode != "sync_saves"}
+    w = worker(server.url, dst, **options)
+    other_save, _ = ops(other, 2, [10, 11], [0, 0], req="other")
+    step = meta(loads=[LoadOp("r", hashes[:2], "", [4, 5])], saves=[SaveOp("r", hashes, "", [4, 5, 6]), other_save])
+    w.start_load_kv(step)
+    for name in dst:  # the forward's hooks: every layer written
+        w.save_kv_layer(name)
+    if mode == "layerwise_saves":
+        time.sleep(0.2)  # the saver has had time to copy every layer (and must not commit yet)
+    if mode == "sync_saves":
+        w.wait_for_save(step)
+    else:
+        save_now(w, step)
+    assert w.take_load_errors() == {5}  # (vLLM reads them after wait_for_save)
+    assert server.status()["l1"]["objects"] == before + (0 if mode == "layerwise_saves" else 2)  # "other": kept unless one job holds the step
+    with KVClient(server.url, w.model_id, layout("bfloat16"), options=ClientOptions(chunk_size=CS)) as c:
+        assert c.lookup(toks[: 3 * CS]) == CS  # chunk 0 only: nothing this step computed
+    w.shutdown()
+
+
+@pytest.mark.parametrize("layerwise_saves", [False, True])
+def test_a_forward_that_raised_commits_none_of_its_saves(server, layerwise_saves):
+    """vLLM calls wait_for_save in a ``finally`` after the forward: when the forward raised, the step's
+    blocks may be half written, so its saves are dropped, and their requests still reported finished."""
+    src = cpu_caches(seed=7)
+    save, _ = ops(tokens(2 * CS + 1, seed=7), 2, [3, 4], [0, 0], req="broken")
+    w = worker(server.url, src, layerwise_saves=layerwise_saves)
+    before = server.status()["l1"]["objects"]
+    step = meta(saves=[save])
+    w.start_load_kv(step)
+    w.save_kv_layer(next(iter(src)))  # one layer was written before the forward raised
+    with pytest.raises(RuntimeError, match="the forward failed"):
+        try:
+            raise RuntimeError("the forward failed")
+        finally:
+            save_now(w, step)
+    assert server.status()["l1"]["objects"] == before
+    w.shutdown()
+
+
 def test_worker_without_a_server_runs_uncached():
     """No server at start-up: the engine starts anyway; saves are skipped, loads become load errors
     (vLLM recomputes those blocks), and nothing waits long."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -304,13 +305,16 @@ class WorkerSide:
     # --- saves ---------------------------------------------------------------------------------------
 
     def wait_for_save(self, meta: KVDepotConnectorMetadata) -> None:
+        # vLLM calls this in a ``finally`` after the forward: an exception on its way out means the
+        # forward raised, and the blocks this step wrote may be half written.
+        forward_failed = sys.exc_info()[0] is not None
         device_job, self._device_layerwise = self._device_layerwise, None
         if device_job is not None:
             device_job.finish()
             with self._lock:
                 self._loaded.update(op.req_id for op in device_job.ops)
         if self.device is not None:
-            self._device_saves(meta)
+            self._device_saves(meta, self._unsafe_saves(meta, forward_failed))
             return
         job, self._layerwise = self._layerwise, None
         if job is not None:
@@ -321,15 +325,44 @@ class WorkerSide:
                 self._to_dump.extend(job.ops)
         if self._to_dump:
             self._dump_loaded()
+        unsafe = self._unsafe_saves(meta, forward_failed)
         gate, self._save_gate = self._save_gate, None
         if gate is not None:
-            gate.open_all()  # the forward is done: every layer's KV is in place (hooks or not)
+            if unsafe:  # one job reads the whole step's blocks: it goes whole, or not at all
+                gate.abandon()
+            else:
+                gate.open_all()  # the forward is done: every layer's KV is in place (hooks or not)
         elif self._saves is None:
             for op in meta.saves:
-                self.save(op)
+                if op.req_id not in unsafe:
+                    self.save(op)
         else:
             for op in meta.saves:
-                self._submit_save([op], None)
+                if op.req_id in unsafe:
+                    self._saves.submit([op.req_id], _nothing)  # still reported once run: vLLM frees its blocks then
+                else:
+                    self._submit_save([op], None)
+
+    def _unsafe_saves(self, meta: KVDepotConnectorMetadata, forward_failed: bool) -> set[str]:
+        """The requests whose saves of this step must not be committed (a future miss, never a wrong
+        hit): every one when the forward raised; else each whose own synchronous load of this step
+        left blocks unwritten. The forward still ran on those blocks, so what it computed after them is
+        wrong; vLLM recomputes it once it reads the load errors, but a save would have kept it."""
+        if not meta.saves:
+            return set()
+        if forward_failed:
+            unsafe = {op.req_id for op in meta.saves}
+            why = "the forward raised"
+        else:
+            with self._lock:
+                errors = set(self._load_errors)
+            saving = {op.req_id for op in meta.saves}
+            unsafe = {op.req_id for op in meta.loads
+                      if not op.is_async and op.req_id in saving and errors.intersection(op.block_ids[op.skip_blocks :])}  # fmt: skip
+            why = "their loads failed in the step that computed them"
+        if unsafe:
+            log.warning("kvdepot: not saving this step's KV of %s: %s (a future miss, never a wrong hit)", ", ".join(sorted(unsafe)), why)
+        return unsafe
 
     def save_kv_layer(self, layer_name: str) -> None:
         """Layer ``layer_name`` of this step is written: its part of the step's saves may go."""
@@ -391,6 +424,8 @@ class WorkerSide:
                         for i, slot in enumerate(slots):
                             if slot is not None:
                                 self.paged.gather(op.block_ids[i * bpc : (i + 1) * bpc], slot, layer)
+                if gate is not None:
+                    gate.wait_done()
                 for op, slots in opened:
                     for i, slot in enumerate(slots):
                         if slot is not None:
@@ -402,6 +437,8 @@ class WorkerSide:
         except KVDepotError as exc:
             self._failed(Direction.SAVE, exc, f"the save for {names} (a future miss)")
             return
+        except SaveAbandoned:
+            return  # its slots were dropped on the way out (said when it was abandoned)
         if copied:
             t3 = time.perf_counter()
             log.info("kvdepot: %s saved %d chunks (%.1f MiB) in %.1f ms: slots %.1f ms, copy out of blocks %.1f ms, commit %.1f ms",
@@ -472,15 +509,19 @@ class WorkerSide:
                 load.missing(0)
         return load
 
-    def _device_saves(self, meta: KVDepotConnectorMetadata) -> None:
-        """After the forward: mark the blocks written, and hand the step's saves over (or run them)."""
+    def _device_saves(self, meta: KVDepotConnectorMetadata, unsafe: set[str]) -> None:
+        """After the forward: mark the blocks written, and hand the step's saves over (or run them),
+        but for those of ``unsafe`` requests (see ``_unsafe_saves``)."""
         if self._to_dump:
             self._dump_loaded()
         if not meta.saves:
             return
         ready = self.device.ready()
         for op in meta.saves:
-            if self._saves is None:
+            if op.req_id in unsafe:
+                if self._saves is not None:
+                    self._saves.submit([op.req_id], _nothing)  # still reported once run: vLLM frees its blocks then
+            elif self._saves is None:
                 self._device_save_ops([op], ready)
             else:
                 self._saves.submit([op.req_id], partial(self._device_save_ops, [op], ready))
@@ -686,15 +727,26 @@ class DeviceLayerwiseLoad:
             load.finish(engine_waits=True)
 
 
+def _nothing() -> None:
+    """A save job that reads no block (its request's save was dropped; it is still reported)."""
+
+
+class SaveAbandoned(Exception):
+    """A step's layerwise save must not be committed (see ``WorkerSide._unsafe_saves``)."""
+
+
 class LayerGate:
     """One step's layerwise saves: layer N opens when ``save_kv_layer`` says its KV is written, and
-    every layer when the forward is done (``wait_for_save``). A step that never ends (its forward
-    failed) gives up after ``WAIT_S``: the save's slots are dropped, never committed half-written."""
+    every layer when the forward is done (``wait_for_save``), or the whole step is abandoned (its forward
+    raised, or a load it depended on failed). A step that never ends gives up after ``WAIT_S``. Either
+    way the save's slots are dropped, never committed half-written or wrong."""
 
     WAIT_S = 300.0
 
     def __init__(self, num_layers: int) -> None:
         self._events = [threading.Event() for _ in range(num_layers)]
+        self._done = threading.Event()  # wait_for_save's verdict: every layer written, or abandoned
+        self._abandoned = False
 
     def open(self, layer: int) -> None:
         self._events[layer].set()
@@ -702,10 +754,25 @@ class LayerGate:
     def open_all(self) -> None:
         for event in self._events:
             event.set()
+        self._done.set()
+
+    def abandon(self) -> None:
+        self._abandoned = True  # before the events: a waiter that wakes sees it
+        self.open_all()
 
     def wait(self, layer: int) -> None:
-        if not self._events[layer].wait(self.WAIT_S):
-            raise TimeoutError(f"layer {layer} of a layerwise save was not written within {self.WAIT_S:.0f} s")
+        self._wait(self._events[layer], f"layer {layer} of a layerwise save was not written")
+
+    def wait_done(self) -> None:
+        """Before the commit: the last layer's hook comes before the step's end, and only the end
+        says whether the step's KV may be kept."""
+        self._wait(self._done, "the step of a layerwise save did not end")
+
+    def _wait(self, event: threading.Event, what: str) -> None:
+        if not event.wait(self.WAIT_S):
+            raise TimeoutError(f"{what} within {self.WAIT_S:.0f} s")
+        if self._abandoned:
+            raise SaveAbandoned("its step was abandoned")
 
 
 def _layer_order(kv_caches: dict) -> list[str]:
