@@ -552,7 +552,7 @@ def test_chunks_in_vllms_own_layout_by_default(server):
     under a model id of their own, so no engine that reads per-token K/V is ever handed them."""
     caches = cpu_caches(seed=9, dtype="float32")
     w = worker(server.url, caches)
-    assert w.model_id.startswith(MODEL + "@vllm-cpu-") and w.model_id.endswith("-native")
+    assert w.model_id.startswith(MODEL + "@vllm-cpu-") and w.model_id.endswith(f"-native-bs{BS}")
     toks = tokens(CS + 1)
     save, _ = ops(toks, 1, [4], [0])
     save_now(w, meta(saves=[save]))

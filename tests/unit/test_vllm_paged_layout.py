@@ -118,6 +118,17 @@ def test_formats_never_share_a_model_id_and_the_setting_picks_one() -> None:
         choose_format(probed, "fast")
 
 
+def test_chunks_that_hold_vllms_blocks_as_they_are_are_kept_apart_by_block_size() -> None:
+    """A ``native`` or raw chunk is vLLM's blocks byte for byte, so an engine with 64-token blocks must
+    never read one written with 128-token blocks (same chunk size, same model); the shared per-token
+    layout does not depend on the block size."""
+    for kind in (NATIVE, RAW):
+        assert CacheFormat(kind, "vec", 64).model_suffix != CacheFormat(kind, "vec", 128).model_suffix
+        assert CacheFormat(kind, "vec", 64).model_suffix.endswith("-bs64")
+    assert CacheFormat(TOKEN_MAJOR, "vec", 64).model_suffix == CacheFormat(TOKEN_MAJOR, "vec", 128).model_suffix == ""
+    assert choose_format(CacheFormat(TOKEN_MAJOR, "vec", 32), "native") == CacheFormat(NATIVE, "vec", 32)
+
+
 def test_a_block_id_outside_the_cache_is_refused_before_anything_is_copied() -> None:
     src = cache(np.float32, 5)
     before = [a.copy() for a in src]

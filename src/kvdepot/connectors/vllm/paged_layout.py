@@ -19,7 +19,7 @@ vLLM's own cache-write kernel into a scratch cache and checks which reading reco
   ``block_size * D`` elements per (K or V, layer, block, head): memcpy speed. Moving per-token keys into
   the ``vec`` layout is a transpose at element granularity, measured at ~4.5 x a memcpy of the same
   bytes (the whole difference between a kvdepot hit and vLLM's own prefix-cache hit). Its model id gets
-  ``@vllm-cpu-<isa>-native``: only an engine with the same layout reads these chunks. ``shared`` keeps
+  ``@vllm-cpu-<isa>-native-bs<block size>``: only an engine with the same layout reads these chunks. ``shared`` keeps
   ``token_major`` (or ``raw``) for engines that must read each other's chunks (vLLM and SGLang on CPU).
 
 ``token_major`` and ``raw`` are expressed as per-K lists of strided ``[1, num_blocks, block_size, H, D]``
@@ -76,19 +76,23 @@ class CacheFormat:
     """What the probe decided: how chunks are read from blocks, and the model-id suffix that keeps
     chunks of incompatible byte layouts apart (empty for ``token_major``)."""
 
-    kind: str  # TOKEN_MAJOR | RAW
+    kind: str  # TOKEN_MAJOR | RAW | NATIVE
     isa: str
+    block_size: int = 0  # vLLM's; 0: not known (then left out of the suffix)
 
     @property
     def model_suffix(self) -> str:
-        if self.kind == NATIVE:
-            return f"@vllm-cpu-{self.isa}-native"
-        return "" if self.kind == TOKEN_MAJOR else f"@vllm-cpu-{self.isa}"
+        """``native`` and raw chunks hold vLLM's blocks as they are, so their bytes depend on the block
+        size too (two engines with other block sizes but one chunk size must never share them)."""
+        if self.kind == TOKEN_MAJOR:
+            return ""
+        bs = f"-bs{self.block_size}" if self.block_size else ""
+        return f"@vllm-cpu-{self.isa}-native{bs}" if self.kind == NATIVE else f"@vllm-cpu-{self.isa}{bs}"
 
 
 def choose_format(probed: CacheFormat, layout: CpuKVLayout | str) -> CacheFormat:
     """The format chunks use: ``probed`` (``probe_cpu_layout``) for ``shared``, vLLM's own for ``native``."""
-    return CacheFormat(NATIVE, probed.isa) if CpuKVLayout(layout) is CpuKVLayout.NATIVE else probed
+    return CacheFormat(NATIVE, probed.isa, probed.block_size) if CpuKVLayout(layout) is CpuKVLayout.NATIVE else probed
 
 
 def _cpu_views(layer: np.ndarray, head_size: int, kind: str) -> list[np.ndarray]:
@@ -116,9 +120,9 @@ def probe_cpu_layout(dtype_str: str, block_size: int, head_size: int, kv_cache_d
         isa = _get_attn_isa(dtype, block_size, head_size, kv_cache_dtype)
     except Exception as exc:  # an unsupported combination: treat the bytes as opaque
         log.warning("kvdepot: cannot tell the CPU attention ISA (%s); storing raw blocks", exc)
-        return CacheFormat(RAW, "unknown")
+        return CacheFormat(RAW, "unknown", block_size)
     if kv_cache_dtype not in ("auto", dtype_str.removeprefix("torch.")):
-        return CacheFormat(RAW, isa)  # quantized caches: opaque bytes
+        return CacheFormat(RAW, isa, block_size)  # quantized caches: opaque bytes
     try:
         from vllm import _custom_ops as ops
 
@@ -134,10 +138,10 @@ def probe_cpu_layout(dtype_str: str, block_size: int, head_size: int, kv_cache_d
         views = _cpu_views(as_numpy(cache), head_size, TOKEN_MAJOR)
         want_k, want_v = as_numpy(key), as_numpy(value)
         if np.array_equal(views[0][0, 1], want_k) and np.array_equal(views[1][0, 1], want_v):
-            return CacheFormat(TOKEN_MAJOR, isa)
+            return CacheFormat(TOKEN_MAJOR, isa, block_size)
     except Exception as exc:
         log.warning("kvdepot: probing vLLM's CPU KV layout failed (%s); storing raw blocks", exc)
-    return CacheFormat(RAW, isa)
+    return CacheFormat(RAW, isa, block_size)
 
 
 class PagedKV:
