@@ -315,6 +315,66 @@ def test_lookup_answers_not_known_yet_while_the_server_prefetches_from_l2(parts_
     s.shutdown()
 
 
+def test_a_request_admitted_while_its_l2_lookup_runs_drops_the_lookup(parts_server, tmp_path):
+    """vLLM may admit a request whose lookup still answers "not known yet": its own prefix cache came to
+    cover what kvdepot could give (then the connector answers 0 before it polls), or it reads no cache
+    for the request. The admission ends the lookup's session and loads nothing (it used to raise)."""
+    srv = parts_server("--l2", f"fs:path={tmp_path / 'l2'}", "--l2-placement", "skip_l1")
+    toks = tokens(3 * CS + 1)
+    store(srv.url, toks, 3)
+    srv.wait_status(lambda st: st["l1"]["objects"] == 0)
+    s = scheduler(srv.url)
+    req = request("racing", toks)
+    assert s.get_num_new_matched_tokens(req, 0) == (None, False)  # the server prefetches from L2
+    assert s.get_num_new_matched_tokens(req, 3 * CS) == (0, False)  # vLLM's own cache holds it all now
+    s.update_state_after_alloc(req, blocks([1, 2, 3, 4]), 0)
+    assert s.build_connector_meta(step(new=[(req, [1, 2, 3, 4], 3 * CS)], scheduled={"racing": 1})).loads == []
+    assert srv.wait_status(lambda st: st["sessions"] == 0)["sessions"] == 0
+    assert srv.wait_status(lambda st: st["l1"]["read_locked"] == 0)["l1"]["read_locked"] == 0
+    s.request_finished(req)
+    s.shutdown()
+
+
+def test_requests_with_a_lora_adapter_are_not_cached(server, caplog):
+    """The adapter changes the KV of the same tokens and kvdepot's keys do not name it: such a request
+    neither reads another's chunks nor saves its own (said once in the log)."""
+    from vllm.lora.request import LoRARequest
+
+    caplog.set_level(logging.INFO, logger="kvdepot.connectors.vllm.scheduler")
+    toks = tokens(2 * CS + 1)
+    store(server.url, toks, 2)
+    s = scheduler(server.url)
+    adapted = request("lora", toks)
+    adapted.lora_request = LoRARequest("my-adapter", 1, "/nonexistent")
+    assert s.get_num_new_matched_tokens(adapted, 0) == (0, False)
+    s.update_state_after_alloc(adapted, blocks([1, 2, 3]), 0)
+    assert s.build_connector_meta(step(new=[(adapted, [1, 2, 3], 0)], scheduled={"lora": 2 * CS + 1})).saves == []
+    assert s.get_num_new_matched_tokens(request("plain", toks), 0) == (2 * CS, False)  # the base model's request hits
+    assert caplog.text.count("LoRA adapter are not cached") == 1
+    s.shutdown()
+
+
+def test_a_model_with_sliding_window_attention_is_refused_at_start():
+    """vLLM frees the blocks that leave a sliding window while a save may still read them: refused,
+    saying so, rather than served with that race."""
+    from types import SimpleNamespace as NS
+
+    import torch
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    from kvdepot.connectors.vllm.connector import KVDepotConnector
+
+    transfer = KVTransferConfig(kv_connector="KVDepotConnector", kv_role="kv_both", kv_connector_extra_config={"url": f"tcp://127.0.0.1:{free_port()}"})
+    config = NS(kv_transfer_config=transfer, parallel_config=NS(pipeline_parallel_size=1, tensor_parallel_size=1),
+                model_config=NS(use_mla=False, model=MODEL), cache_config=NS(block_size=BS, cache_dtype="auto"))  # fmt: skip
+    spec = SlidingWindowSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.bfloat16, sliding_window=4 * BS)
+    groups = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
+    with pytest.raises(NotImplementedError, match="full-attention models; this model's KV cache is SlidingWindowSpec"):
+        KVDepotConnector(config, KVConnectorRole.SCHEDULER, groups)
+
+
 def test_async_loading_is_announced(server):
     toks = tokens(2 * CS + 3)
     store(server.url, toks, 2)

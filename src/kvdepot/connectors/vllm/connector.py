@@ -102,6 +102,15 @@ class KVDepotConnector(KVConnectorBase_V1):
             if len(groups) != 1:
                 raise NotImplementedError(f"kvdepot supports one KV cache group, got {len(groups)}")
             spec = groups[0].kv_cache_spec
+            from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+            if not isinstance(spec, FullAttentionSpec):
+                # Sliding windows: vLLM frees a running request's blocks that leave the window, while an
+                # asynchronous save may still read them, and prefix hits hold null blocks.
+                raise NotImplementedError(
+                    f"kvdepot's vLLM connector supports full-attention models; this model's KV cache is {type(spec).__name__}: "
+                    "serve it without the connector"
+                )
             # On a GPU the cache is per-token K/V already: chunks keep the shared layout and the plain model id
             # (the worker decides the same, from the tensors it is given).
             suffix = ""

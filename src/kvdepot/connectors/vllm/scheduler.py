@@ -120,6 +120,7 @@ class SchedulerSide:
         self.pool = ClientPool(config, model, layout, world_size, self.chunk_size, self._held_sessions)
         self.states: dict[str, RequestState] = {}
         self.prefill_rate = PrefillRate()
+        self._lora_said = False  # that LoRA requests are not cached: logged once
 
     def __repr__(self) -> str:
         return f"SchedulerSide(chunk_size={self.chunk_size}, requests={len(self.states)}, {self.hash_cache!r})"
@@ -128,8 +129,8 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
-        if not st.eligible:
-            return 0, False
+        if not st.eligible or getattr(request, "skip_reading_prefix_cache", False):
+            return 0, False  # (vLLM reads no cache for it: prompt logprobs, for one)
         # vLLM must compute at least one prompt token itself, so the last token is never claimed.
         max_chunks = max(0, request.num_tokens - 1) // self.chunk_size
         if max_chunks * self.chunk_size <= num_computed_tokens:
@@ -152,6 +153,11 @@ class SchedulerSide:
         st.block_ids = list(groups[0]) if groups else []
         if st.phase is Phase.ADMITTED:
             return  # the second call of an async load, once the rest of the prompt gets blocks
+        if st.phase is Phase.LOOKING:
+            # Admitted before its L2 lookup answered (vLLM's own prefix cache came to cover what we
+            # could give, or it reads no cache for this request): the lookup is dropped, nothing loads.
+            self._end_session(st)
+            st.looked(0)
         st.admit()
         hit = st.hit_chunks
         st.stored_chunks = hit
@@ -240,7 +246,13 @@ class SchedulerSide:
     def _state(self, request: Request) -> RequestState:
         st = self.states.get(request.request_id)
         if st is None or st.request is not request:
+            # Keys hold tokens, not what else shapes the KV: images and embeddings, and a LoRA adapter.
             eligible = not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
+            if getattr(request, "lora_request", None) is not None:
+                eligible = False
+                if not self._lora_said:
+                    self._lora_said = True
+                    log.info("kvdepot: requests with a LoRA adapter are not cached (the adapter changes the KV; keys do not name it yet)")
             params = getattr(request, "kv_transfer_params", None)
             st = RequestState(request.request_id, request, request.cache_salt or "", bool(eligible), source_hint(params),
                               agent_session(params))  # fmt: skip
