@@ -375,6 +375,45 @@ def test_a_model_with_sliding_window_attention_is_refused_at_start():
         KVDepotConnector(config, KVConnectorRole.SCHEDULER, groups)
 
 
+def test_a_request_aborted_while_its_async_load_runs_keeps_its_blocks_until_the_load_is_done(server):
+    """Aborted in WAITING_FOR_REMOTE_KVS: the workers may still be writing its blocks, so vLLM must free
+    them only when the load is reported done (finished_recving), not at once."""
+    toks = tokens(2 * CS + 3)
+    store(server.url, toks, 2)
+    s = scheduler(server.url, load_async=True)
+    req = request("aborted", toks)
+    assert s.get_num_new_matched_tokens(req, 0) == (2 * CS, True)
+    s.update_state_after_alloc(req, blocks([3, 4]), 2 * CS)
+    assert [op.req_id for op in s.build_connector_meta(step()).loads] == ["aborted"]  # with the workers now
+    assert s.request_finished(req) == (True, None)  # freed on finished_recving
+    s.shutdown()
+
+
+def test_a_request_preempted_and_admitted_again_within_one_schedule_keeps_its_new_load(server):
+    """vLLM can preempt a request and admit it again in one schedule (resetting the prefix cache of
+    running requests does): the connector sees the re-admission first, looks the request up afresh and
+    plans its load; the preemption that build_connector_meta then reports must not undo that. Its
+    earlier saves were drained: no longer counted."""
+    toks = tokens(3 * CS + 7)
+    store(server.url, toks, 2)
+    s = scheduler(server.url)
+    req = request("again", toks)
+    assert s.get_num_new_matched_tokens(req, 0) == (2 * CS, False)
+    s.update_state_after_alloc(req, blocks([1, 2, 3, 4]), 2 * CS)
+    first = s.build_connector_meta(step(new=[(req, [1, 2, 3, 4], 2 * CS)], scheduled={"again": CS + 7}))
+    assert len(first.loads) == 1 and len(first.saves) == 1
+    s.update_connector_output(worker_meta("again"))
+    # One schedule: preempted, then admitted again (its blocks were freed: new ones).
+    assert s.get_num_new_matched_tokens(req, 0) == (2 * CS, False)
+    s.update_state_after_alloc(req, blocks([9, 8, 7, 6]), 2 * CS)
+    meta = s.build_connector_meta(step(preempted={"again"}, cached=[(req, [9, 8, 7, 6], 2 * CS)], scheduled={"again": CS + 7}))
+    assert meta.preempted == ["again"]  # the workers drain its saves before its old blocks are reused
+    assert [(op.block_ids, op.skip_blocks) for op in meta.loads] == [([9, 8], 0)]
+    assert s.states["again"].saves_planned == len(meta.saves) == 1  # this step's save only
+    s.request_finished(req)
+    s.shutdown()
+
+
 def test_async_loading_is_announced(server):
     toks = tokens(2 * CS + 3)
     store(server.url, toks, 2)

@@ -94,6 +94,23 @@ def test_drain_waits_for_a_save_reading_preempted_blocks(saves):
     assert queue.drain(WAIT_S)
 
 
+def test_a_preempted_request_is_owed_no_report_for_its_drained_saves(saves):
+    """vLLM frees a preempted request's blocks itself; once its saves are drained they are forgotten, so
+    when it finishes later (with no save since) nothing is reported: a report of a request vLLM already
+    let go of fails there. A later save of it is reported as usual."""
+    run, queue = saves
+    run.gate("a").set()
+    run.gate("b").set()
+    submit(queue, run, "a")
+    submit(queue, run, "b")
+    assert queue.drain(WAIT_S)
+    queue.forget(["a"])
+    assert queue.finished({"a", "b"}) == {"b"}
+    submit(queue, run, "a")  # saved again after its re-admission
+    assert queue.drain(WAIT_S)
+    assert queue.finished({"a"}) == {"a"}
+
+
 def test_a_full_queue_makes_the_step_wait_for_room(saves):
     run, queue = saves
     for _ in range(4):

@@ -11,7 +11,8 @@ ways; neither may happen under a save still reading them:
   every save of it has run (``finished``);
 - the request is preempted: vLLM calls ``handle_preemptions`` before the step that may reuse its
   blocks, and that waits until every save handed over so far has run (``drain``). Preemption is rare;
-  waiting for all of them keeps the rule simple.
+  waiting for all of them keeps the rule simple. vLLM freed its blocks itself, so no report is owed
+  for those saves (``forget``); the scheduler half stops counting them too.
 
 Per request, on this worker (a request is reported exactly once, only after its last save ran, and
 only once vLLM has said it finished)::
@@ -96,6 +97,16 @@ class SaveQueue:
             out, self._ready = self._ready, set()
             self._unreported -= out
             return out
+
+    def forget(self, req_ids: Sequence[str]) -> None:
+        """Requests vLLM preempted, after ``drain``: it freed their blocks itself, and the scheduler half
+        no longer counts their saves, so none of them is reported (a report of a request vLLM has
+        already let go of is an error there). One with a save still pending, or that vLLM has said
+        finished (it waits for the report), is kept."""
+        with self._cond:
+            for req_id in req_ids:
+                if not self._pending.get(req_id, 0) and req_id not in self._finishing and req_id not in self._ready:
+                    self._unreported.discard(req_id)
 
     def close(self, timeout: float) -> None:
         """Run what is queued (for up to ``timeout``), then stop the thread."""

@@ -121,6 +121,7 @@ class SchedulerSide:
         self.states: dict[str, RequestState] = {}
         self.prefill_rate = PrefillRate()
         self._lora_said = False  # that LoRA requests are not cached: logged once
+        self._readmitted: set[str] = set()  # preempted and admitted again within this schedule (see _state)
 
     def __repr__(self) -> str:
         return f"SchedulerSide(chunk_size={self.chunk_size}, requests={len(self.states)}, {self.hash_cache!r})"
@@ -188,10 +189,11 @@ class SchedulerSide:
     def build_connector_meta(self, so: SchedulerOutput) -> KVDepotConnectorMetadata:
         self.prefill_rate.step(int(getattr(so, "total_num_scheduled_tokens", 0) or 0))
         meta = KVDepotConnectorMetadata()
-        for req_id in so.preempted_req_ids or ():
+        readmitted, self._readmitted = self._readmitted, set()
+        for req_id in sorted(set(so.preempted_req_ids or ()) | readmitted):
             meta.preempted.append(req_id)  # the workers let their saves read its blocks first
             st = self.states.get(req_id)
-            if st is not None:
+            if st is not None and req_id not in readmitted:  # (those were handled as they came back)
                 self._preempted(st)
         for st in self.states.values():
             if st.locks is Locks.PLANNED:
@@ -230,10 +232,13 @@ class SchedulerSide:
         st = self.states.pop(request.request_id, None)
         if st is None:
             return False, None
+        # An asynchronous load may still write its blocks (it was aborted while waiting for them): vLLM
+        # frees them when the workers report the load done (finished_recving). Asynchronous saves may
+        # still read them: the workers report it in get_finished once every one has run (saves.py).
+        # Never both: a request waiting for its load has computed nothing since its admission.
+        loading = st.locks is Locks.LOADING and self.config.load_async
         self._end_session(st)
-        # Asynchronous saves may still read its blocks: the workers report it in get_finished once
-        # every one of them has run (saves.py). Synchronous ones ran within their step.
-        return self.config.async_saves and st.saves_planned > 0, None
+        return loading or (self.config.async_saves and st.saves_planned > 0), None
 
     def shutdown(self) -> None:
         for st in list(self.states.values()):
@@ -258,7 +263,10 @@ class SchedulerSide:
                               agent_session(params))  # fmt: skip
             self.states[request.request_id] = st
         elif st.phase is Phase.ADMITTED:
-            self._preempted(st)  # admitted again without our seeing the preemption: look up afresh
+            # Admitted again before build_connector_meta told us of its preemption (vLLM preempted and
+            # re-admitted it within one schedule): handled here, once; the workers still hear of it.
+            self._preempted(st)
+            self._readmitted.add(st.req_id)
         return st
 
     def _hashes(self, st: RequestState, n_chunks: int) -> list[ChunkHash]:
@@ -392,8 +400,10 @@ class SchedulerSide:
     # --- locks and sessions --------------------------------------------------------------------------
 
     def _preempted(self, st: RequestState) -> None:
-        """vLLM freed the request's blocks; on re-admission it is looked up afresh."""
+        """vLLM freed the request's blocks; on re-admission it is looked up afresh. Its saves so far were
+        drained by the workers before the blocks could be reused, so none is owed a report any more."""
         self._end_session(st)
+        st.saves_planned = 0
         if st.phase is not Phase.NEW:
             st.preempt()
 

@@ -383,6 +383,7 @@ class WorkerSide:
         """Before a step that may reuse preempted requests' blocks: let every save read its blocks."""
         if meta.preempted and self._saves is not None:
             self._saves.drain()
+            self._saves.forget(meta.preempted)  # vLLM freed their blocks: no report is owed for those saves
 
     def take_finished_saves(self, finished_req_ids: set[str]) -> set[str]:
         """Finished requests whose saves have all run (vLLM may free their blocks now)."""
