@@ -51,9 +51,10 @@ def host_pool(kind: str, layout: str, dtype: str):
     )
 
 
-def backend(url: str, host, *, interface_v1: int = 1, mla: bool = False, tp_rank: int = 0, tp_size: int = 1, model: str = "inproc-model", **more):
+def backend(url: str, host, *, interface_v1: int = 1, mla: bool = False, tp_rank: int = 0, tp_size: int = 1, model: str = "inproc-model",
+            pp_rank: int = 0, pp_size: int = 1, **more):  # fmt: skip
     config = HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=mla,
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, attn_cp_rank=0, attn_cp_size=1, is_mla_model=mla,
         enable_storage_metrics=False, is_page_first_layout=host.layout != "layer_first", model_name=model,
         extra_config=backend_config(url, interface_v1, **more),
     )
@@ -294,10 +295,10 @@ def scenario_whatif_attention(url: str, args: dict) -> dict:
             is not TorchNativeAttnBackend._run_sdpa_forward_extend}  # fmt: skip
 
 
-def peer_backend(host, extra: dict, model: str = "inproc-peer", interface_v1: int = 1):
+def peer_backend(host, extra: dict, model: str = "inproc-peer", interface_v1: int = 1, pp_rank: int = 0, pp_size: int = 1):
     """SGLang's loader building kvdepot's peer-tier backend (no kvdepot server: a peer node in this process)."""
     config = HiCacheStorageConfig(
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+        tp_rank=0, tp_size=1, pp_rank=pp_rank, pp_size=pp_size, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
         enable_storage_metrics=False, is_page_first_layout=host.layout != "layer_first", model_name=model,
         extra_config={"backend_name": "kvdepot-peer", "module_path": "kvdepot.connectors.sglang.peer_backend",
                       "class_name": "PeerHiCacheStorage", "interface_v1": interface_v1, **extra},
@@ -343,6 +344,30 @@ def scenario_peer(url: str, args: dict) -> dict:
     return out
 
 
+def scenario_pipeline_stages(url: str, args: dict) -> dict:
+    """Two pipeline stages of one model, the same number of layers each: the same page keys and layout,
+    other layers' bytes. Neither stage reads the other's pages, over a server or the peer tier."""
+    host = host_pool("mha", "layer_first", "bfloat16")
+    keys = get_storage_hash_str(tokens(2 * PAGE, 31), None, page_size=PAGE)
+    src = torch.arange(0, 2 * PAGE, dtype=torch.int64)
+    fill_random(host, src, 31)
+    first, second = (backend(url, host, model="stages", pp_rank=r, pp_size=2) for r in (0, 1))
+    out = {"server": {"stored": first.batch_set_v1(keys, src), "first": first.batch_exists(keys), "second": second.batch_exists(keys)}}
+    for x in (first, second):
+        x.close()
+    fast = {"secret": "inproc-stages", "heartbeat_interval_s": 0.3, "member_ttl_s": 1.5, "pool_size_mb": 16, "metrics_port": 0}
+    a = peer_backend(host, fast, model="stages", pp_rank=0, pp_size=2)
+    b = peer_backend(host_pool("mha", "layer_first", "bfloat16"), {**fast, "discovery": a.store.node_id}, model="stages", pp_rank=1, pp_size=2)
+    same = peer_backend(host_pool("mha", "layer_first", "bfloat16"), {**fast, "discovery": a.store.node_id}, model="stages", pp_rank=0, pp_size=2)
+    deadline = time.monotonic() + 10
+    while len(b.store.status()["members"]) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out["peer"] = {"stored": page_set(a, host, keys, src, 1), "same_stage": same.batch_exists(keys), "other_stage": b.batch_exists(keys)}
+    for x in (same, b, a):
+        x.close()
+    return out
+
+
 def scenario_all(url: str, args: dict) -> dict:
     """Every scenario in one process (SGLang's imports take seconds): the dead one against ``dead_url``."""
     out = {name: fn(url, args) for name, fn in SCENARIOS.items() if name not in ("all", "dead", "stalled")}
@@ -357,6 +382,7 @@ SCENARIOS = {
     "dead": scenario_dead,
     "config_errors": scenario_config_errors,
     "mla_replicas": scenario_mla_replicas,
+    "pipeline_stages": scenario_pipeline_stages,
     "stalled": scenario_stalled,
     "whatif_attention": scenario_whatif_attention,
     "peer": scenario_peer,

@@ -89,6 +89,14 @@ def test_mla_is_written_once_and_read_by_every_rank(found):
     assert m["writer_set"] == [True, True] and m["after"] == 2  # ... and reads the writer's copy
 
 
+def test_pipeline_stages_never_read_each_others_pages(found):
+    """Stages of one model hold other layers under the same page keys: over a kvdepot server and over
+    the peer tier, a stage finds its own pages (the same stage on another node too), never another's."""
+    server, peer = found["pipeline_stages"]["server"], found["pipeline_stages"]["peer"]
+    assert server["stored"] == [True, True] and server["first"] == 2 and server["second"] == 0, server
+    assert peer["stored"] and peer["same_stage"] == 2 and peer["other_stage"] == 0, peer
+
+
 def test_the_benchmarks_what_if_attention_gives_sglangs_outputs(found):
     """``benchmarks/sglang_ttft.py --attention new-queries`` times hits with SGLang's CPU extend computed
     for the new queries only: the same numbers as SGLang's own, or its figures would not mean anything."""

@@ -42,7 +42,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from kvdepot.connectors.common import Direction, FailureTally, ResilientClient
-from kvdepot.connectors.sglang.pages import PageCodec, page_hash
+from kvdepot.connectors.sglang.pages import PageCodec, model_identity, page_hash
 from kvdepot.connectors.sglang.runtime import SGLangRuntime
 from kvdepot.connectors.sglang.settings import SGLangSettings
 from kvdepot.errors import ErrorCode, KVDepotError
@@ -110,17 +110,11 @@ class KVDepotHiCacheStorage(HiCacheStorage):
         self._client(Direction.CONNECT)
 
     def model_identity(self) -> str:
-        """The model part of every object's identity: the extra-config's ``model_name``, else SGLang's
-        model name, plus the pipeline and context-parallel shard (each holds other layers or tokens)."""
-        cfg = self.storage_config
-        name = self.settings.model_name or cfg.model_name or ""
-        if cfg.pp_size > 1:
-            name += f"|pp{cfg.pp_rank}/{cfg.pp_size}"
-        if cfg.attn_cp_size > 1:
-            name += f"|cp{cfg.attn_cp_rank}/{cfg.attn_cp_size}"
-        if cfg.dcp_size > 1:
-            name += f"|dcp{cfg.dcp_rank}/{cfg.dcp_size}"
-        return name
+        """The model part of every object's identity (``pages.model_identity``): the extra-config's
+        ``model_name``, else SGLang's, with the shard and the KV's own dtype."""
+        assert self.codec is not None
+        name = self.settings.model_name or self.storage_config.model_name or ""
+        return model_identity(name, self.storage_config, self.codec, self.runtime.kv_cache_dtype)
 
     def _client(self, direction: Direction):
         if self._resilient is None:

@@ -71,6 +71,8 @@ class PageCodec:
     permutation: tuple[int, ...]
     add_kv_axis: bool  # MLA: one latent, so K = 1
     pages: PoolPages | None = None  # page views without SGLang or torch (None: through get_data_page)
+    logical_dtype: str = ""  # the KV's own dtype where the pool stores it as another (fp8 variants as uint8)
+    index_step: int = 0  # host indices from one page to the next (SGLang's whole page; 0: page_size)
 
     @classmethod
     def of(cls, pool) -> PageCodec:
@@ -96,7 +98,11 @@ class PageCodec:
         if mla:
             kept = "k" + kept
         permutation = tuple(kept.index(a) for a in _CHUNK_AXES)
-        codec = cls(pool, layout, int(pool.page_size), axes, tuple(page.shape), permutation, mla)
+        device = getattr(getattr(pool, "device_pool", None), "dtype", None)
+        logical = str(device).removeprefix("torch.") if device is not None else ""
+        step = int(getattr(pool, "logical_page_size", None) or pool.page_size)  # decode-CP ranks hold part of a page
+        codec = cls(pool, layout, int(pool.page_size), axes, tuple(page.shape), permutation, mla,
+                    logical_dtype="" if logical == dtype else logical, index_step=step)  # fmt: skip
         return replace(codec, pages=PoolPages.of(codec))  # found through the codec's own (SGLang's) page views
 
     def chunk_view(self, page: torch.Tensor) -> np.ndarray:
@@ -120,9 +126,10 @@ class PageCodec:
 
     def page_starts(self, host_indices: torch.Tensor, pages: int) -> list[int]:
         """The first host index of each of ``pages`` pages (SGLang passes every token's index)."""
-        if host_indices.numel() < pages * self.page_size:
-            raise ValueError(f"{host_indices.numel()} host indices for {pages} pages of {self.page_size}")
-        return host_indices[: pages * self.page_size : self.page_size].tolist()
+        step = self.index_step or self.page_size
+        if host_indices.numel() < pages * step:
+            raise ValueError(f"{host_indices.numel()} host indices for {pages} pages of {step}")
+        return host_indices[: pages * step : step].tolist()
 
 
 @dataclass(frozen=True)
@@ -169,6 +176,30 @@ class PoolPages:
         if rest or not 0 <= index < self.count:
             raise ValueError(f"host index {token_index} does not start one of the pool's {self.count} pages of {self.page_size}")
         return np.ndarray(self.shape, self.dtype, buffer=self.buffer, offset=self.first + index * self.step, strides=self.strides)
+
+
+def model_identity(model_name: str, storage_config, codec: PageCodec, kv_cache_dtype: str = "") -> str:
+    """The model part of every object's identity, over a kvdepot server or the peer tier alike: the model
+    name, the pipeline and context-parallel shard (each holds other layers or tokens), and the KV's own
+    dtype where the pool stores it as another (fp8_e4m3 and fp8_e5m2 are both uint8 bytes): the device
+    pool's, else SGLang's ``--kv-cache-dtype`` (``kv_cache_dtype``)."""
+    cfg = storage_config
+    logical = codec.logical_dtype
+    if not logical and codec.layout.dtype == "uint8" and kv_cache_dtype:
+        logical = kv_cache_dtype
+    if not logical and codec.layout.dtype == "uint8":
+        log.warning("kvdepot (SGLang): the KV is stored as bytes and its own dtype is not known here; name the model with its "
+                    "KV dtype (model_name) so that fp8_e4m3 and fp8_e5m2 deployments never share pages")  # fmt: skip
+    name = model_name
+    if getattr(cfg, "pp_size", 1) > 1:
+        name += f"|pp{cfg.pp_rank}/{cfg.pp_size}"
+    if getattr(cfg, "attn_cp_size", 1) > 1:
+        name += f"|cp{cfg.attn_cp_rank}/{cfg.attn_cp_size}"
+    if getattr(cfg, "dcp_size", 1) > 1:
+        name += f"|dcp{cfg.dcp_rank}/{cfg.dcp_size}"
+    if logical:
+        name += f"|kv:{logical}"
+    return name
 
 
 def page_hash(key: str) -> ChunkHash:

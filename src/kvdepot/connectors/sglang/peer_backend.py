@@ -32,7 +32,7 @@ import numpy as np
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from kvdepot.config import ConfigStruct, option
-from kvdepot.connectors.sglang.pages import PageCodec, page_hash
+from kvdepot.connectors.sglang.pages import PageCodec, model_identity, page_hash
 from kvdepot.connectors.sglang.runtime import SGLangRuntime
 from kvdepot.keys import NamespaceSpec
 from kvdepot.peer.config import PeerConfig
@@ -97,7 +97,10 @@ class PeerHiCacheStorage(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host) -> None:
         super().register_mem_pool_host(mem_pool_host)
         codec = PageCodec.of(mem_pool_host)
-        model = self.settings.model_name or self.storage_config.model_name or ""
+        # The same identity as over a server: pipeline stages, context-parallel ranks and fp8 variants
+        # would otherwise share keys (same names, same page keys, other bytes).
+        name = self.settings.model_name or self.storage_config.model_name or ""
+        model = model_identity(name, self.storage_config, codec, self.runtime.kv_cache_dtype)
         self._prefix = NamespaceSpec(model, self.world_size, self.rank, codec.layout.fingerprint(), codec.page_size).digest()
         self.codec = codec
         log.info("kvdepot: SGLang L3 over the peer tier for %s (rank %d/%d, %s, page %d), node %s, head %s; %s",

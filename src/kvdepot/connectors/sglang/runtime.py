@@ -47,6 +47,7 @@ class SGLangRuntime:
     prefetch_policy: str = DEFAULT_PREFETCH_POLICY
     io_backend: str = DEFAULT_IO_BACKEND
     device: str = ""  # "" when unknown
+    kv_cache_dtype: str = ""  # --kv-cache-dtype ("auto", "fp8_e4m3", ...); "" when unknown
     timeout_base_s: float = DEFAULT_TIMEOUT_BASE_S
     timeout_per_ki_token_s: float = DEFAULT_TIMEOUT_PER_KI_TOKEN_S
     source: str = f"SGLang {TESTED_VERSION}'s defaults"  # where the values came from, for the log
@@ -114,6 +115,10 @@ class SGLangRuntime:
             values["device"] = str(rc.get_device().device or "")
         except Exception as exc:  # noqa: BLE001
             notes.append(f"SGLang's device is not readable ({type(exc).__name__}: {exc})")
+        try:
+            values["kv_cache_dtype"] = str(rc.get_model().kv_cache_dtype or "")
+        except Exception as exc:  # noqa: BLE001
+            notes.append(f"SGLang's --kv-cache-dtype is not readable ({type(exc).__name__}: {exc})")
         base, per_ki, why = _budget_keys(extra)
         if why:
             notes.append(why)
