@@ -31,6 +31,7 @@ class ErrorCode(IntEnum):
     LEASE_REVOKED = 18
     INCOMPATIBLE = 19  # registration: this client's keys could never match what the server (or a live peer) holds
     UNKNOWN_KV_CACHE = 20  # the server-driven path: no paged cache of this client under that id (unregistered, or the server restarted)
+    PREFETCH_TOO_SLOW = 21  # the server answered, but its prefetch from L2 did not finish in the caller's window (that request's miss)
 
 
 class KVDepotError(Exception):
@@ -118,6 +119,14 @@ class TransportUnavailable(KVDepotError):
     code = ErrorCode.TRANSPORT_UNAVAILABLE
 
 
+class PrefetchTooSlow(KVDepotError):
+    """The server answered every poll, but its prefetch from L2 (a slow tier, a peer that stalls) did not
+    finish within the caller's window: that request misses. Not a transport failure: the server works,
+    and lookups of what is in L1 must go on."""
+
+    code = ErrorCode.PREFETCH_TOO_SLOW
+
+
 class UnknownKVCache(KVDepotError):
     """The server holds no registered paged cache under that id for this client: it was unregistered,
     dropped with the client's context, or the server restarted. Registering it again fixes it."""
@@ -139,6 +148,7 @@ _BY_CODE: dict[ErrorCode, type[KVDepotError]] = {
         ServerUnreachable,
         TransportUnavailable,
         UnknownKVCache,
+        PrefetchTooSlow,
     )
 }
 

@@ -181,6 +181,30 @@ def test_a_stuck_tier_never_blocks_stores_and_drops_beyond_the_queue_limit(how, 
             assert_served_whole(c, p)
 
 
+def test_a_prefetch_too_slow_for_its_window_is_that_requests_miss_not_a_transport_failure(own_valkey, make_server, seed):
+    """The server answers every poll while its prefetch from a hung tier runs past the caller's window:
+    that is the request's miss (PrefetchTooSlow), not a failure of the server, so a connector keeps its
+    breaker closed and goes on reading what L1 holds."""
+    from kvdepot.connectors.common import is_transport_failure
+    from kvdepot.errors import PrefetchTooSlow
+    from kvdepot.hashing import chunk_hashes
+
+    srv = start_tier_server(make_server, valkey_spec(own_valkey.url, name="slow", socket_timeout_s=30), extra=("--l2-placement", "skip_l1"))
+    gone, kept = make_prompt(3, seed), make_prompt(2, seed + 1)
+    with srv.client(timeout_s=1.0) as c:
+        store_full(c, gone)
+        wait_until(lambda: srv.status()["l1"]["objects"] == 0, timeout_s=30)  # only the tier holds them now
+        os.kill(own_valkey.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(PrefetchTooSlow) as raised:
+                c.link.stored_chunks(chunk_hashes(gone.tokens, gone.chunk), "")
+            assert not is_transport_failure(raised.value)
+            store_full(c, kept)  # the server itself serves on: (skip_l1 keeps it in L1 while the tier hangs)
+            assert c.lookup(kept.tokens) == kept.n_tokens
+        finally:
+            os.kill(own_valkey.proc.pid, signal.SIGCONT)
+
+
 def test_skip_l1_keeps_in_l1_what_a_tier_failed_to_take(make_server, tmp_path, seed):
     """``skip_l1`` drops an object from L1 only once *every* tier has it: with one tier dead, nothing
     leaves L1, so nothing is lost."""

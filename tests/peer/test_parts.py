@@ -291,6 +291,34 @@ def test_an_owner_counts_every_refused_reader_and_logs_them_once_in_a_while(capl
         owner.close()
 
 
+def test_a_read_of_more_pages_than_an_owner_takes_a_request_goes_in_slices():
+    """An owner closes a request of more than MAX_PAGES_PER_REQUEST pages; a long prompt of small pages
+    asks one owner for more: the reader splits it, and every page arrives, each to its own buffer."""
+    from kvdepot.peer.dataplane import MAX_PAGES_PER_REQUEST, DataServer, PageOutcome, PageRead, TcpTransport
+    from kvdepot.peer.pool import ALIGNMENT, PublishedPool
+
+    n, size = MAX_PAGES_PER_REQUEST + 3, 64
+    pool = PublishedPool((n + 1) * max(size, ALIGNMENT))
+    pages = []
+    for i in range(n):
+        entry, evicted = pool.put(f"k{i}".encode(), bytes([i % 251]) * size)
+        assert entry is not None and not evicted
+        pages.append((f"k{i}".encode(), entry, entry.checksum))
+    owner = DataServer(pool, b"s")
+    owner.start()
+    reader = TcpTransport(b"s")
+    try:
+        dests = [memoryview(bytearray(size)) for _ in range(n)]
+        reads = [PageRead(key, e.generation, e.offset, e.length, digest, d) for (key, e, digest), d in zip(pages, dests, strict=True)]
+        got = reader.read("127.0.0.1", owner.port, reads, time.monotonic() + 20.0)
+        assert got == [PageOutcome.HIT] * n
+        assert all(bytes(d) == bytes([i % 251]) * size for i, d in enumerate(dests))
+        assert reader.dropped == 0
+    finally:
+        reader.close()
+        owner.close()
+
+
 def test_owed_records_are_taken_once_and_past_the_limit_everything_is_owed():
     owed = OwedRecords(limit=4)
     owed.owe([b"a", b"b"])

@@ -43,6 +43,7 @@ def test_error_code_values_are_pinned():
         ("LEASE_REVOKED", 18),
         ("INCOMPATIBLE", 19),
         ("UNKNOWN_KV_CACHE", 20),
+        ("PREFETCH_TOO_SLOW", 21),
     ]
 
 

@@ -23,7 +23,7 @@ from kvdepot.client.options import ClientOptions
 from kvdepot.client.registration import ContextIdentity, Registration, choose_path
 from kvdepot.client.renewal import LeaseRenewer
 from kvdepot.client.transfer import PathChanged, TransferPath
-from kvdepot.errors import KVDepotError, KVDepotTimeout, LeaseExpired, ServerUnreachable, UnknownContext
+from kvdepot.errors import KVDepotError, KVDepotTimeout, LeaseExpired, PrefetchTooSlow, ServerUnreachable, UnknownContext
 from kvdepot.layout import KVLayout
 from kvdepot.protocol import messages as m
 from kvdepot.rpc.channel import RpcChannel
@@ -205,7 +205,7 @@ class ContextLink:
             if time.monotonic() > deadline:
                 with suppress(KVDepotError):  # past the caller's deadline too: not cut short (see finish)
                     self.finish(m.EndSessionRequest(context_id=self.registration.context_id, session_id=session))
-                raise KVDepotTimeout(f"the prefetch from L2 did not finish within {window:.3g} s")
+                raise PrefetchTooSlow(f"the prefetch from L2 did not finish within {window:.3g} s")
             time.sleep(delay)
             delay = min(delay * 2, STATUS_POLL_MAX_S)
             hits = self.request(m.QueryPrefetchStatusRequest(context_id=0, session_id=session)).hits

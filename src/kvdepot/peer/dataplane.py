@@ -266,7 +266,12 @@ class TcpTransport:
                 return out
             healthy = False
             try:
-                healthy = self._exchange(conn, pages, out, deadline)
+                # An owner takes at most MAX_PAGES_PER_REQUEST pages a request (a long prompt of small
+                # pages asks for more): one request per slice, on the same connection.
+                for first in range(0, len(pages), MAX_PAGES_PER_REQUEST):
+                    healthy = self._exchange(conn, pages[first : first + MAX_PAGES_PER_REQUEST], out, deadline, first)
+                    if not healthy:
+                        break
             except (OSError, ConnectionError) as exc:
                 log.info("peer %s:%d: read failed (%s): the rest are misses", host, port, exc)
             finally:
@@ -312,9 +317,10 @@ class TcpTransport:
             conn.close()
         return None
 
-    def _exchange(self, conn: socket.socket, pages: Sequence[PageRead], out: list[PageOutcome], deadline: float) -> bool:
-        """Send one request for every page, receive each into its destination. True: the connection
-        is in a clean state (every reply read whole) and may be reused."""
+    def _exchange(self, conn: socket.socket, pages: Sequence[PageRead], out: list[PageOutcome], deadline: float, first: int = 0) -> bool:
+        """Send one request for every page, receive each into its destination (its outcome goes to
+        ``out[first + i]``). True: the connection is in a clean state (every reply read whole) and may
+        be reused."""
         parts = [_REQUEST.pack(REQUEST_MAGIC, len(pages))]
         for p in pages:
             parts.append(_ITEM.pack(len(p.key), p.generation, p.offset, p.length))
@@ -347,10 +353,10 @@ class TcpTransport:
                     _arm(conn, deadline)
             if running.digest() != p.checksum:
                 self.garbage += 1
-                out[i] = PageOutcome.CORRUPT
+                out[first + i] = PageOutcome.CORRUPT
                 log.warning("peer data plane: a page failed its checksum: a miss, connection dropped")
                 return False
-            out[i] = PageOutcome.HIT
+            out[first + i] = PageOutcome.HIT
         return True
 
     def forget(self, host: str, port: int) -> None:
