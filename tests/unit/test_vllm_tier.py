@@ -163,6 +163,23 @@ def test_the_device_and_the_row_size_are_part_of_the_namespace():
     assert identity(row=ROW).model != identity(row=ROW + 65536).model  # e.g. another host page size
 
 
+def test_fp8_encodings_and_canonical_format_versions_never_share_a_namespace():
+    """fp8 KV is e4m3fn on NVIDIA and e4m3fnuz on some AMD GPUs (one device type, other bits); a
+    canonical layout's byte format has versions of its own. Each is named where it applies, and leaves
+    every other namespace as it was."""
+    from kvdepot.connectors.vllm_tier.identity import TierIdentity, namespace_fields
+
+    def model(config, fp8="", canonical=""):
+        return TierIdentity.of(namespace_fields(config, "cuda", fp8, canonical), ROW, [16]).model
+
+    fp8 = replace(Config(), model=Model(dtype="fp8"))
+    assert model(fp8, "float8_e4m3fn") != model(fp8, "float8_e4m3fnuz")
+    assert model(Config(), "float8_e4m3fn") == model(Config(), "float8_e4m3fnuz") == model(Config())  # not fp8: unchanged
+    canonical = replace(Config(), canonical_layout=True)
+    assert model(canonical, canonical="v1-nhd") != model(canonical, canonical="v2-nhd")
+    assert model(Config(), canonical="v1-nhd") == model(Config())  # not canonical: unchanged
+
+
 def test_a_parallelism_agnostic_row_is_shared_across_topologies():
     one = replace(Config(), parallel=Parallel(is_parallelism_agnostic=True))
     four = replace(Config(), parallel=Parallel(tp_size=4, world_size=4, is_parallelism_agnostic=True))

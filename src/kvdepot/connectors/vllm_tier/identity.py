@@ -48,12 +48,20 @@ def group_of(key: bytes) -> int:
     return int.from_bytes(key[-4:], "big")
 
 
-def namespace_fields(config: Any, device: str) -> dict[str, Any]:
+def namespace_fields(config: Any, device: str, fp8_format: str = "", canonical_format: str = "") -> dict[str, Any]:
     """What decides the meaning of a row's bytes, from vLLM's ``OffloadingConfig`` (read by attribute, so
-    this module does not import vLLM)."""
+    this module does not import vLLM). ``fp8_format``: the platform's fp8 encoding (e4m3fn on NVIDIA,
+    e4m3fnuz on some AMD GPUs: one device type, other bits), named where the KV is fp8;
+    ``canonical_format``: vLLM's canonical byte format id, where the layout is canonical. Each is in the
+    digest only when it applies, so other namespaces keep theirs."""
     par = config.parallel
     agnostic = bool(par.is_parallelism_agnostic)
-    return {
+    extra: dict[str, Any] = {}
+    if fp8_format and "fp8" in str(config.model.dtype).lower():
+        extra["fp8_format"] = fp8_format
+    if canonical_format and getattr(config, "canonical_layout", False):
+        extra["canonical_format"] = canonical_format
+    return extra | {
         "format": NAMESPACE_VERSION,
         "model": config.model.name,
         "dtype": str(config.model.dtype),

@@ -93,9 +93,8 @@ class KVDepotTier(SecondaryTierManager):
         self.locality = Locality(settings.locality.upper()) if settings.locality else None
         config = offloading_spec.config
         self._tokens = tokens_per_chunk(config)
-        self.identity = TierIdentity.of(
-            namespace_fields(config, current_platform.device_type), self.block_size_bytes, list(self._tokens.values()), settings.model_name
-        )
+        fields = namespace_fields(config, current_platform.device_type, _fp8_format(), _canonical_format(config))
+        self.identity = TierIdentity.of(fields, self.block_size_bytes, list(self._tokens.values()), settings.model_name)
         # Rows as bytes; vLLM's view is (num_chunks, row stride) and may be typed int8.
         self._rows = np.asarray(primary_kv_view).view(np.uint8).reshape(len(primary_kv_view), self.block_size_bytes)
         self.tally = FailureTally(log, "kvdepot (vLLM tier)")
@@ -264,3 +263,24 @@ class KVDepotTier(SecondaryTierManager):
             return 0, 0
         log.debug("kvdepot: loaded %d of %d offload chunks (%.1f ms)", copied, len(keys), (time.perf_counter() - t0) * 1e3)
         return copied, copied * self.block_size_bytes
+
+
+def _fp8_format() -> str:
+    """The platform's fp8 encoding, "" where vLLM cannot say (no fp8 there)."""
+    try:
+        return str(current_platform.fp8_dtype()).removeprefix("torch.")
+    except Exception:  # noqa: BLE001 - a platform without fp8
+        return ""
+
+
+def _canonical_format(config) -> str:
+    """vLLM's canonical byte format id for this cache layout, "" where this vLLM has none."""
+    layout = getattr(config, "kv_cache_layout", None)
+    if not layout:
+        return ""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import canonical_format_id
+
+        return canonical_format_id(str(layout))
+    except Exception:  # noqa: BLE001 - another vLLM, or a layout it does not name
+        return ""
