@@ -3,6 +3,8 @@ keeps them, and an unusable path turns the tier off without stopping the node.""
 
 from __future__ import annotations
 
+import time
+
 from support.peer_cluster import check_pages, keys, page_bytes, wait_for
 
 from kvdepot.peer import PeerStore
@@ -43,6 +45,34 @@ def test_a_restarted_node_serves_what_its_disk_kept(tmp_path):
             assert again.status()["disk"]["pages"] == 8
             wait_for(lambda: head.batch_exists(names) == 8, 10, "the restarted node's disk pages in the directory")
             assert check_pages(head, "r", 8, SIZE) == {"hit": 8, "miss": 0, "wrong": 0}
+
+
+def test_a_node_killed_and_restarted_within_the_ttl_serves_what_its_disk_kept(tmp_path):
+    """Killed and back on its port before the others expire it: it keeps its id, and the head still
+    holds its earlier incarnation's records of its pages. The disk's records it publishes again replace
+    them (a generation of 0 did not: the pages stayed unreadable though the disk had them)."""
+    from support.peer_cluster import NodeProcess
+
+    disk = str(tmp_path / "l4")
+    slow = {**FAST, "member_ttl_s": 30.0}  # no one expires the killed node meanwhile
+    with PeerStore(port=0, data_port=0, pool_size_mb=8, **slow) as head, PeerStore(discovery=head.node_id, port=0, data_port=0, pool_size_mb=8, **slow):
+        # (three nodes: most keys' records live on the other two, not on the restarted node's fresh shard)
+        options = {"pool_size_mb": 1, "extra": {"disk_path": disk, "member_ttl_s": 30.0}}
+        owner = NodeProcess(discovery=head.node_id, secret=FAST["secret"], **options).start()
+        try:
+            owner.command(f"set r 8 {SIZE} 0")
+            wait_for(lambda: head.batch_exists(keys("r", 8)) == 8, 10, "the owner's pages in the directory")
+            time.sleep(1.0)  # the write-through (async) reaches the disk
+            port = int(owner.node_id.rsplit(":", 1)[1])
+        finally:
+            owner.kill()
+        again = NodeProcess(discovery=head.node_id, secret=FAST["secret"], port=port, **options).start()
+        try:
+            assert again.node_id == owner.node_id
+            wait_for(lambda: check_pages(head, "r", 8, SIZE)["hit"] == 8, 15, "the restarted node's disk pages readable")
+            assert check_pages(head, "r", 8, SIZE) == {"hit": 8, "miss": 0, "wrong": 0}
+        finally:
+            again.kill()
 
 
 def test_an_unusable_disk_path_turns_the_tier_off_and_the_node_still_serves(tmp_path):

@@ -901,7 +901,10 @@ class PeerNode:
         size = self.disk.size_of(key)
         if size is None:
             return None
-        return PeerLocation(key=key, node=self.info.id, offset=0, length=size, generation=0, checksum=b"", resident=False)
+        # A fresh generation, never 0: a node that restarts within the member TTL keeps its id, and the
+        # owners still hold its earlier incarnation's records of these keys, which a lower one would not replace.
+        return PeerLocation(key=key, node=self.info.id, offset=0, length=size, generation=self.pool.fresh_generation(), checksum=b"",
+                            resident=False)  # fmt: skip
 
 
 def _check_key(key: bytes) -> None:

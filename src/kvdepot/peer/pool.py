@@ -69,6 +69,14 @@ class PublishedPool:
     def capacity(self) -> int:
         return self._alloc.capacity
 
+    def fresh_generation(self) -> int:
+        """A generation newer than every page's so far, from the same sequence (the record of a page kept
+        on disk only: newer than what this node's earlier incarnation published, older than the page's
+        next copy into the pool). The sequence starts at the clock, so a restart starts above it."""
+        with self._lock:
+            self._generation += 1
+            return self._generation
+
     def put(self, key: bytes, data) -> tuple[PoolEntry | None, list[PoolEntry]]:
         """Copy ``data`` in as ``key``'s newest page. Returns the entry (None when it cannot fit: larger
         than the pool, or the pool is full of pages being read) and the pages evicted to make room."""
