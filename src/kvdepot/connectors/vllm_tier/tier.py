@@ -281,6 +281,6 @@ def _canonical_format(config) -> str:
     try:
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import canonical_format_id
 
-        return canonical_format_id(str(layout))
+        return canonical_format_id(getattr(layout, "name", str(layout)))  # an enum member or its name
     except Exception:  # noqa: BLE001 - another vLLM, or a layout it does not name
         return ""
