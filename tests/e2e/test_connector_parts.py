@@ -269,15 +269,23 @@ def test_blocks_wait_for_saves_only_when_there_are_async_saves(server):
         s.shutdown()
 
 
-def test_preemption_ends_the_session_and_the_request_is_looked_up_again(server):
+def running_after_a_hit(server, req_id: str):
+    """A request of 3 chunks + 7 tokens whose first 2 kvdepot holds: looked up, loaded into blocks
+    1-4 and computing the rest (its third chunk saved) in one step. (scheduler, request, tokens, that
+    step's metadata)."""
     toks = tokens(3 * CS + 7)
     store(server.url, toks, 2)
     s = scheduler(server.url)
-    req = request("pre", toks)
+    req = request(req_id, toks)
     assert s.get_num_new_matched_tokens(req, 0) == (2 * CS, False)
     s.update_state_after_alloc(req, blocks([1, 2, 3, 4]), 2 * CS)
-    s.build_connector_meta(step(new=[(req, [1, 2, 3, 4], 2 * CS)], scheduled={"pre": CS + 7}))
-    s.update_connector_output(worker_meta("pre"))
+    first = s.build_connector_meta(step(new=[(req, [1, 2, 3, 4], 2 * CS)], scheduled={req_id: CS + 7}))
+    s.update_connector_output(worker_meta(req_id))
+    return s, req, toks, first
+
+
+def test_preemption_ends_the_session_and_the_request_is_looked_up_again(server):
+    s, req, toks, _ = running_after_a_hit(server, "pre")
     # The step stored chunk 2; then vLLM preempts the request and frees its blocks.
     store(server.url, toks, 3)
     assert s.build_connector_meta(step(preempted={"pre"})).preempted == ["pre"]  # workers drain their saves
@@ -378,13 +386,8 @@ def test_a_model_with_sliding_window_attention_is_refused_at_start():
 def test_a_request_aborted_while_its_async_load_runs_keeps_its_blocks_until_the_load_is_done(server):
     """Aborted in WAITING_FOR_REMOTE_KVS: the workers may still be writing its blocks, so vLLM must free
     them only when the load is reported done (finished_recving), not at once."""
-    toks = tokens(2 * CS + 3)
-    store(server.url, toks, 2)
-    s = scheduler(server.url, load_async=True)
-    req = request("aborted", toks)
-    assert s.get_num_new_matched_tokens(req, 0) == (2 * CS, True)
-    s.update_state_after_alloc(req, blocks([3, 4]), 2 * CS)
-    assert [op.req_id for op in s.build_connector_meta(step()).loads] == ["aborted"]  # with the workers now
+    s, req, meta = async_load_handed_over(server, "aborted")
+    assert [op.req_id for op in meta.loads] == ["aborted"]  # with the workers now
     assert s.request_finished(req) == (True, None)  # freed on finished_recving
     s.shutdown()
 
@@ -394,15 +397,8 @@ def test_a_request_preempted_and_admitted_again_within_one_schedule_keeps_its_ne
     running requests does): the connector sees the re-admission first, looks the request up afresh and
     plans its load; the preemption that build_connector_meta then reports must not undo that. Its
     earlier saves were drained: no longer counted."""
-    toks = tokens(3 * CS + 7)
-    store(server.url, toks, 2)
-    s = scheduler(server.url)
-    req = request("again", toks)
-    assert s.get_num_new_matched_tokens(req, 0) == (2 * CS, False)
-    s.update_state_after_alloc(req, blocks([1, 2, 3, 4]), 2 * CS)
-    first = s.build_connector_meta(step(new=[(req, [1, 2, 3, 4], 2 * CS)], scheduled={"again": CS + 7}))
+    s, req, _, first = running_after_a_hit(server, "again")
     assert len(first.loads) == 1 and len(first.saves) == 1
-    s.update_connector_output(worker_meta("again"))
     # One schedule: preempted, then admitted again (its blocks were freed: new ones).
     assert s.get_num_new_matched_tokens(req, 0) == (2 * CS, False)
     s.update_state_after_alloc(req, blocks([9, 8, 7, 6]), 2 * CS)
@@ -414,14 +410,20 @@ def test_a_request_preempted_and_admitted_again_within_one_schedule_keeps_its_ne
     s.shutdown()
 
 
-def test_async_loading_is_announced(server):
+def async_load_handed_over(server, req_id: str):
+    """A 2-chunk hit announced as an asynchronous load and handed to the workers: (scheduler, request,
+    the step's metadata; the request is not scheduled while it loads)."""
     toks = tokens(2 * CS + 3)
     store(server.url, toks, 2)
     s = scheduler(server.url, load_async=True)
-    req = request("a", toks)
+    req = request(req_id, toks)
     assert s.get_num_new_matched_tokens(req, 0) == (2 * CS, True)
     s.update_state_after_alloc(req, blocks([3, 4]), 2 * CS)
-    meta = s.build_connector_meta(step())  # the request is not scheduled while it loads
+    return s, req, s.build_connector_meta(step())
+
+
+def test_async_loading_is_announced(server):
+    s, req, meta = async_load_handed_over(server, "a")
     assert [op.is_async for op in meta.loads] == [True]
     from vllm.v1.outputs import KVConnectorOutput
 
