@@ -166,7 +166,7 @@ def _handshake(server_secret: bytes, client_secret: bytes) -> tuple[BaseExceptio
 
     def serve():
         try:
-            serve_handshake(a, server_secret)
+            serve_handshake(a, server_secret, time.monotonic() + 5)
         except BaseException as exc:
             errors[0] = exc
             a.close()
@@ -215,7 +215,7 @@ def _stalling_owner(secret: bytes, send: bytes) -> tuple[socket.socket, threadin
     def serve() -> None:
         conn, _ = listener.accept()
         with conn:
-            serve_handshake(conn, secret)
+            serve_handshake(conn, secret, time.monotonic() + 5)
             conn.recv(65536)
             conn.sendall(send)
             done.wait(30)
@@ -288,6 +288,125 @@ def test_an_owner_counts_every_refused_reader_and_logs_them_once_in_a_while(capl
         assert len(reader_said) == 1, reader_said
     finally:
         stranger.close()
+        owner.close()
+
+
+def _one_page_owner(secret: bytes = b"s"):
+    from kvdepot.peer.dataplane import DataServer
+    from kvdepot.peer.pool import PublishedPool
+
+    pool = PublishedPool(1 << 20)
+    entry, _ = pool.put(b"k", b"p" * 4096)
+    assert entry is not None
+    return DataServer(pool, secret), entry
+
+
+def _read_one(transport, port: int, entry):
+    from kvdepot.peer.dataplane import PageRead
+
+    dest = memoryview(bytearray(entry.length))
+    got = transport.read("127.0.0.1", port, [PageRead(b"k", entry.generation, entry.offset, entry.length, entry.checksum, dest)],
+                         time.monotonic() + 5.0)  # fmt: skip
+    return got, bytes(dest)
+
+
+def test_an_owner_keeps_accepting_after_accept_fails_and_after_a_thread_would_not_start():
+    """Out of file descriptors for a moment (EMFILE from accept), or no thread for one connection:
+    that connection is lost, never the accept loop (which used to end quietly, leaving a node that
+    published pages nobody could read)."""
+    import errno
+
+    from kvdepot.peer.dataplane import PageOutcome, TcpTransport
+
+    owner, entry = _one_page_owner()
+
+    class FlakyListener:
+        def __init__(self, real):
+            self.real, self.failures = real, 2
+
+        def accept(self):
+            if self.failures:
+                self.failures -= 1
+                raise OSError(errno.EMFILE, "Too many open files")
+            return self.real.accept()
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+    owner._listener = FlakyListener(owner._listener)
+    real_start, refusals = owner._start_serving, []
+
+    def start_once_refused(conn):
+        if not refusals:
+            refusals.append(conn)
+            raise RuntimeError("can't start new thread")
+        real_start(conn)
+
+    owner._start_serving = start_once_refused
+    owner.start()
+    reader = TcpTransport(b"s", connect_timeout_s=2.0)
+    try:
+        first, _ = _read_one(reader, owner.port, entry)  # its connection is the one no thread served
+        assert first == [PageOutcome.MISS]
+        got, data = _read_one(reader, owner.port, entry)
+        assert got == [PageOutcome.HIT] and data == b"p" * 4096
+        assert owner._listener.failures == 0 and len(refusals) == 1
+        assert owner._thread.is_alive()
+    finally:
+        reader.close()
+        owner.close()
+
+
+def test_a_reader_that_paces_its_handshake_is_closed_at_the_handshake_deadline(monkeypatch):
+    """The handshake has one deadline in all: a byte now and then used to restart the timeout on
+    every receive, holding the connection (and its thread) for as long as the stranger liked."""
+    from kvdepot.peer import dataplane
+
+    monkeypatch.setattr(dataplane, "HANDSHAKE_TIMEOUT_S", 0.5)
+    owner, _ = _one_page_owner()
+    owner.start()
+    try:
+        with socket.create_connection(("127.0.0.1", owner.port), timeout=5) as conn:
+            assert conn.recv(64)  # the owner's hello
+            t0, closed = time.monotonic(), False
+            for _ in range(47):  # one byte short of the 48-byte answer, one every 0.1 s (4.7 s)
+                try:
+                    conn.sendall(b"x")
+                except OSError:
+                    closed = True
+                    break
+                conn.settimeout(0.1)
+                try:
+                    if conn.recv(1) == b"":
+                        closed = True
+                        break
+                except TimeoutError:
+                    pass
+            took = time.monotonic() - t0
+        assert closed and took < 2.5, f"the paced handshake held the connection for {took:.1f} s (limit 0.5 s)"
+    finally:
+        owner.close()
+
+
+def test_data_connections_use_tcp_keep_alive_on_both_ends():
+    """An idle pooled connection to a reader that lost power or sits behind a partition must end (its
+    owner's thread and descriptor with it): TCP keep-alive finds it; nothing else would."""
+    from kvdepot.peer.dataplane import KEEPALIVE_IDLE_S, PageOutcome, TcpTransport
+
+    owner, entry = _one_page_owner()
+    owner.start()
+    reader = TcpTransport(b"s")
+    try:
+        got, _ = _read_one(reader, owner.port, entry)
+        assert got == [PageOutcome.HIT]
+        [idle] = reader._peers[("127.0.0.1", owner.port)].idle
+        with owner._lock:
+            [served] = list(owner._conns)
+        for conn in (idle, served):
+            assert conn.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE_IDLE_S
+    finally:
+        reader.close()
         owner.close()
 
 

@@ -20,6 +20,7 @@ import hmac
 import os
 import socket
 import struct
+import time
 
 MAGIC = b"KVPD"
 VERSION = 1
@@ -34,11 +35,15 @@ def _mac(secret: bytes, label: bytes, a: bytes, b: bytes) -> bytes:
     return hmac.new(secret, label + a + b, hashlib.sha256).digest()
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """``n`` bytes, or ConnectionError (closed) / TimeoutError (``deadline``, monotonic, passed first:
+    the socket's timeout is set from what is left of it before each receive)."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            _bound(sock, deadline)
         k = sock.recv_into(view[got:])
         if k == 0:
             raise ConnectionError("connection closed mid-message")
@@ -46,13 +51,23 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def serve_handshake(sock: socket.socket, secret: bytes) -> None:
+def _bound(sock: socket.socket, deadline: float) -> None:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError("the handshake took too long")
+    sock.settimeout(remaining)
+
+
+def serve_handshake(sock: socket.socket, secret: bytes, deadline: float) -> None:
+    """The owner's half; all of it before ``deadline`` (monotonic), however the reader paces its bytes."""
     server_nonce = os.urandom(16)
+    _bound(sock, deadline)
     sock.sendall(_HELLO.pack(MAGIC, VERSION, server_nonce))
-    answer = recv_exact(sock, 48)
+    answer = recv_exact(sock, 48, deadline)
     client_nonce, proof = answer[:16], answer[16:]
     if not hmac.compare_digest(proof, _mac(secret, b"client", server_nonce, client_nonce)):
         raise HandshakeFailed("a reader without the cluster secret was refused")
+    _bound(sock, deadline)
     sock.sendall(_mac(secret, b"server", client_nonce, server_nonce))
 
 

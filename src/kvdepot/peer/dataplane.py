@@ -44,6 +44,18 @@ MAX_PAGES_PER_REQUEST = 4096
 MAX_KEY_BYTES = 1024
 MAX_CONNECTIONS = 1024  # readers' connections served at once; more are closed at once
 HANDSHAKE_TIMEOUT_S = 5.0  # a connection that does not prove the secret by then is closed
+ACCEPT_RETRY_S = 0.05  # after a failed accept (out of file descriptors): wait, then go on
+# TCP keep-alive on every data connection: an idle pooled connection whose other end lost power or sits
+# behind a partition is found dead (and its thread and descriptor freed) in about 2 minutes, not never.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 60, 10, 6
+
+
+def keep_alive(conn: socket.socket) -> None:
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):  # Linux; elsewhere the system's defaults apply
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
 OK, MISSING = 0, 1
 
 
@@ -141,25 +153,50 @@ class DataServer:
             self._thread.join(timeout=2)
 
     def _accept_loop(self) -> None:
+        """Accept until closed. A failed accept (no file descriptor or memory left for a moment) or a
+        thread that cannot start costs that one connection, never the loop: a node whose loop ended
+        would keep publishing pages nobody could read."""
         while not self._closing.is_set():
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                if len(self._conns) >= MAX_CONNECTIONS:
-                    conn.close()  # one thread per connection: a flood must not take the host's threads
-                    self.refused += 1
-                    continue
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="kvdepot-peer-conn", daemon=True).start()
+            except OSError as exc:
+                if self._closing.is_set():
+                    return
+                self._say_refused(f"cannot accept a connection ({exc})")
+                time.sleep(ACCEPT_RETRY_S)  # EMFILE and the like: they pass as connections close
+                continue
+            try:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                keep_alive(conn)
+                with self._lock:
+                    if len(self._conns) >= MAX_CONNECTIONS:
+                        self.refused += 1  # one thread per connection: a flood must not take the host's threads
+                        self._say_refused(f"{MAX_CONNECTIONS} connections are open: a new one was closed")
+                        conn.close()
+                        continue
+                    self._conns.add(conn)
+                self._start_serving(conn)
+            except (OSError, RuntimeError) as exc:  # RuntimeError: "can't start new thread"
+                with self._lock:
+                    self._conns.discard(conn)
+                conn.close()
+                self._say_refused(f"cannot serve a connection ({type(exc).__name__}: {exc})")
+
+    def _start_serving(self, conn: socket.socket) -> None:
+        threading.Thread(target=self._serve, args=(conn,), name="kvdepot-peer-conn", daemon=True).start()
+
+    def _say_refused(self, why: str) -> None:
+        now = time.monotonic()
+        if now - self._refusal_logged >= REFUSAL_LOG_INTERVAL_S:  # counted every time, said once in a while
+            self._refusal_logged = now
+            log.warning("peer data plane: %s (%d refused so far)", why, self.refused)
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            conn.settimeout(HANDSHAKE_TIMEOUT_S)
-            serve_handshake(conn, self._secret)
-            conn.settimeout(None)  # an idle pooled connection waits for its next request
+            # The whole handshake within HANDSHAKE_TIMEOUT_S, not each receive: a byte now and then
+            # must not hold a connection (and its thread) that never proves the secret.
+            serve_handshake(conn, self._secret, deadline=time.monotonic() + HANDSHAKE_TIMEOUT_S)
+            conn.settimeout(None)  # an idle pooled connection waits for its next request (keep-alive ends a dead one)
             while not self._closing.is_set():
                 head = conn.recv(_REQUEST.size, socket.MSG_WAITALL)
                 if len(head) < _REQUEST.size:
@@ -181,10 +218,7 @@ class DataServer:
                 conn.settimeout(None)
         except HandshakeFailed as exc:
             self.refused += 1
-            now = time.monotonic()
-            if now - self._refusal_logged >= REFUSAL_LOG_INTERVAL_S:  # counted every time, said once in a while
-                self._refusal_logged = now
-                log.warning("peer data plane: %s (%d refused so far)", exc, self.refused)
+            self._say_refused(str(exc))
         except (OSError, ConnectionError, struct.error):
             pass  # the reader went away or stalled past the send timeout
         finally:
@@ -303,6 +337,7 @@ class TcpTransport:
         try:
             conn = socket.create_connection((host, port), timeout=min(remaining, self._connect_timeout))
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            keep_alive(conn)
             client_handshake(conn, self._secret)
             conn.settimeout(None)  # blocking from now on; deadlines are the kernel's (_arm)
             return conn
