@@ -81,3 +81,76 @@ def test_an_unusable_disk_path_turns_the_tier_off_and_the_node_still_serves(tmp_
     with PeerStore(port=0, data_port=0, pool_size_mb=2, disk_path=str(blocker / "l4"), **FAST) as node:
         assert node.status()["disk"] is None
         assert node.set("x", b"y" * 5000) and node.get("x") == b"y" * 5000
+
+
+def _gated_disk(store):
+    """Hold the store's disk writer inside its next write (of the page named "gate") until released."""
+    import threading
+
+    disk = store.node.disk
+    gate, inside = threading.Event(), threading.Event()
+    real = disk._fs.put_now
+
+    def put_now(key, data):
+        if bytes(key).startswith(b"gate"):
+            inside.set()
+            assert gate.wait(10)
+        return real(key, data)
+
+    disk._fs.put_now = put_now
+    return disk, gate, inside
+
+
+def _in_thread(fn):
+    import threading
+
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_page_deleted_or_cleared_while_queued_for_the_disk_never_comes_back(tmp_path):
+    """A delete or a clear (how an operator invalidates KV) that comes while the page still waits for
+    the disk writer: the writer used to store it afterwards, and a promote, or the node's next start,
+    served the deleted bytes again."""
+    with PeerStore(port=0, data_port=0, pool_size_mb=8, disk_path=str(tmp_path / "l4"), **FAST) as store:
+        for finish in ("delete", "clear"):
+            disk, gate, inside = _gated_disk(store)
+            assert store.set("gate", page_bytes("gate", SIZE))
+            assert inside.wait(10)  # the writer is busy; what comes next waits in its queue
+            assert store.set("k", page_bytes("k", SIZE))
+            done = _in_thread(lambda: store.delete("k") if finish == "delete" else store.clear())
+            time.sleep(0.2)
+            gate.set()
+            done.join(10)
+            wait_for(lambda: disk.pending() == 0, 10, "the disk queue to drain")
+            time.sleep(0.2)  # the writer's last page, taken off the queue, ends
+            assert not disk.has(b"k"), f"a page {finish}d while queued reached the disk"
+            assert not store.exists("k") and store.get("k") is None
+        assert store.status()["disk"]["skipped"] >= 1
+
+
+def test_a_newer_page_that_misses_the_disk_takes_the_older_one_off_it(tmp_path, monkeypatch):
+    """A key written again while the disk queue is full: the new page is in the pool, the old one on
+    disk. Once the pool lets the new one go, a promote used to serve the old bytes."""
+    from kvdepot.peer import disk as disk_module
+
+    monkeypatch.setattr(disk_module, "QUEUE_PAGES", 1)
+    with PeerStore(port=0, data_port=0, pool_size_mb=1, disk_path=str(tmp_path / "l4"), **FAST) as store:
+        old, new = page_bytes("old", SIZE), page_bytes("new", SIZE)
+        assert store.set("k", old)
+        wait_for(lambda: store.status()["disk"]["written"] == 1, 10, "the first page on disk")
+        disk, gate, inside = _gated_disk(store)
+        assert store.set("gate", page_bytes("gate", SIZE))
+        assert inside.wait(10)
+        assert store.set("filler", page_bytes("filler", SIZE))  # the queue's one place
+        writing = _in_thread(lambda: store.set("k", new))  # its disk write is dropped: the queue is full
+        time.sleep(0.2)
+        gate.set()
+        writing.join(10)
+        wait_for(lambda: disk.pending() == 0, 10, "the disk queue to drain")
+        assert store.status()["disk"]["dropped"] >= 1
+        for i in range(40):  # 2.5 MiB through a 1 MiB pool: "k" leaves it
+            assert store.set(f"push{i}", page_bytes(f"push{i}", SIZE))
+        got = store.get("k")
+        assert got in (None, new), "the page written before the newest one came back from disk"

@@ -7,6 +7,12 @@ evict a page before the disk has it. A full queue drops the write (counted): the
 leaves with its eviction. A page evicted from the pool but on disk stays in the directory as
 non-resident; a read promotes it (one disk read and one copy into the pool, under a new generation).
 An unusable path turns the tier off with a warning; the node then deletes records on eviction.
+
+What the disk holds for a key is only ever the pool's current page of it, or nothing: a queued page that
+was replaced, deleted or cleared before the writer reached it is not written (the pool retired it), a
+delete waits for a write in progress and then removes it, and where the newest page of a key does not
+reach the disk (a full queue, a failed write) the older one there is deleted. Otherwise a page deleted
+or cleared (how an operator invalidates KV) could come back from disk through a promote or a restart.
 """
 
 from __future__ import annotations
@@ -36,7 +42,11 @@ class DiskTier:
         self._pool = pool
         self._queue: queue.Queue[PoolEntry | None] = queue.Queue(QUEUE_PAGES)
         self._thread: threading.Thread | None = None
+        # Held by the writer from "is this page still current?" to the end of its write, and by every
+        # delete: a delete never slips in between (and is never undone by the write that was under way).
+        self._io = threading.Lock()
         self.written = 0
+        self.skipped = 0  # queued pages replaced, deleted or cleared before their turn
         self.dropped = 0
         self.promoted = 0
         self.corrupt = 0
@@ -68,6 +78,7 @@ class DiskTier:
         except queue.Full:
             self.dropped += 1
             self._pool.release(entry)
+            self.delete(entry.key)  # an older page of this key must not outlive the newer one on disk
 
     def pending(self) -> int:
         """Pages queued for the disk (each pins its page in the pool)."""
@@ -97,7 +108,9 @@ class DiskTier:
         return self._fs.payload_size(ObjectKey(key))
 
     def delete(self, key: bytes) -> None:
-        self._fs.delete_now(ObjectKey(key))
+        """Remove ``key``'s page from disk; a write of it under way finishes first, then goes."""
+        with self._io:
+            self._fs.delete_now(ObjectKey(key))
 
     def usage(self) -> tuple[int, int, int]:
         """(bytes used, capacity, pages)."""
@@ -110,12 +123,24 @@ class DiskTier:
             if entry is None:
                 return
             try:
-                self._fs.put_now(ObjectKey(entry.key), self._pool.view(entry))
-                self.written += 1
-            except Exception as exc:  # a full or failing disk: the page just is not on disk
-                log.warning("peer disk: cannot write a page (%s: %s)", type(exc).__name__, exc)
+                with self._io:
+                    if not entry.published:  # replaced, deleted or cleared while queued
+                        self.skipped += 1
+                        continue
+                    try:
+                        self._fs.put_now(ObjectKey(entry.key), self._pool.view(entry))
+                        self.written += 1
+                    except Exception as exc:  # a full or failing disk: the page just is not on disk
+                        log.warning("peer disk: cannot write a page (%s: %s)", type(exc).__name__, exc)
+                        self._forget_quietly(entry.key)  # nor an older page of its key
             finally:
                 self._pool.release(entry)
+
+    def _forget_quietly(self, key: bytes) -> None:
+        try:
+            self._fs.delete_now(ObjectKey(key))
+        except Exception as exc:
+            log.warning("peer disk: cannot delete an outdated page (%s: %s)", type(exc).__name__, exc)
 
 
 def open_disk(path: str, size_bytes: int, pool: PublishedPool) -> tuple[DiskTier | None, list[bytes]]:

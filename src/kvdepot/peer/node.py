@@ -271,12 +271,14 @@ class PeerNode:
         self.located.forget([key])
         entry = self.pool.remove(key)
         found = entry is not None
-        if self.disk is not None and self.disk.has(key):
-            self.disk.delete(key)
+        if self.disk is not None:
+            on_disk = self.disk.has(key)
+            self.disk.delete(key)  # even when not there yet: a queued or running write of it is undone
             with self._disk_lock:
                 self._disk_only.discard(key)
-            found = True
-            entry = entry or PoolEntry(key, 0, 0, ANY_GENERATION, b"", published=False)
+            if on_disk:
+                found = True
+                entry = entry or PoolEntry(key, 0, 0, ANY_GENERATION, b"", published=False)
         if entry is not None:
             self._unpublish([entry])
         return found

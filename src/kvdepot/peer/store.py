@@ -146,4 +146,4 @@ class PeerStore:
             return None
         used, capacity, pages = disk.usage()
         return {"used_bytes": used, "capacity_bytes": capacity, "pages": pages, "written": disk.written, "promoted": disk.promoted,
-                "dropped": disk.dropped, "corrupt": disk.corrupt}  # fmt: skip
+                "dropped": disk.dropped, "skipped": disk.skipped, "corrupt": disk.corrupt}  # fmt: skip
