@@ -272,6 +272,16 @@ class ObservabilityConfig(ConfigStruct, frozen=True, kw_only=True):
     def _check_together(self) -> None:
         if self.otlp_endpoint and not self.otlp_endpoint.startswith(("http://", "https://")):
             raise ConfigError(f"--otlp-endpoint {self.otlp_endpoint}: give an OTLP/HTTP URL, e.g. http://collector:4318/v1/traces")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ConfigError("--kv-events-replay-endpoint replays what --kv-events-endpoint publishes: give that too")
+
+
+def zmq_endpoint_host(endpoint: str) -> str | None:
+    """The host a tcp:// ZeroMQ endpoint binds (``*`` for every interface); None for ipc:// and the like,
+    which stay on this machine."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    return endpoint[len("tcp://") :].rsplit(":", 1)[0]
 
 
 # --- runtime plugins (kvdepot.server.plugins runs them; kvdepot.plugins is what a plugin reads) -----
@@ -342,6 +352,16 @@ class ServerConfig(ConfigStruct, frozen=True, kw_only=True):
                 f"--http-host {http.host} is not loopback and the admin API has no token: give --admin-token TOKEN "
                 f"(or ${ADMIN_TOKEN_ENV}), or --insecure on a trusted network"
             )
+        # The KV-event stream names every model, chunk hash and tenant's cache_salt (and token ids where
+        # clients opt in), and has no authentication of its own.
+        obs = self.observability
+        for flag, endpoint in (("--kv-events-endpoint", obs.kv_events_endpoint), ("--kv-events-replay-endpoint", obs.kv_events_replay_endpoint)):
+            host = zmq_endpoint_host(endpoint)
+            if host is not None and not is_loopback(host):
+                raise ConfigError(
+                    f"{flag} {endpoint} is not loopback and KV events have no authentication (they name every chunk hash and "
+                    f"tenant's cache_salt): bind it to 127.0.0.1 or ipc://, or give --insecure on a trusted network"
+                )
 
 
 # --- constraints ---------------------------------------------------------------------------------

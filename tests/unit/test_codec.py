@@ -309,6 +309,17 @@ def test_malformed_body_is_bad_request(rtype, body):
     assert info.value.request_id == 12
 
 
+@pytest.mark.parametrize("body", [{"scope": "A" * (4 << 20)}, {"B" * (4 << 20): 1}], ids=["huge-value", "huge-field-name"])
+def test_a_malformed_body_is_described_briefly_however_large_its_bad_value(body):
+    """The decoder's message quotes the offending value whole: it went back to the client, into the
+    log and into the recent-events ring (512 of them kept), megabytes each."""
+    header = decode_request_header(header_frame(rtype=RequestType.CLEAR.value, request_id=14))
+    with pytest.raises(ProtocolViolation) as info:
+        decode_request_body(header, msgspec.msgpack.encode(body))
+    assert info.value.code is ErrorCode.BAD_REQUEST
+    assert len(info.value.message) < 600 and "characters in all" in info.value.message
+
+
 def test_body_too_large_is_message_too_large():
     header = decode_request_header(header_frame(rtype=RequestType.PING.value, request_id=13))
     with pytest.raises(ProtocolViolation) as info:

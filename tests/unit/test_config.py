@@ -5,6 +5,7 @@ and in code alike."""
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import msgspec
 import pytest
@@ -230,6 +231,26 @@ def test_off_loopback_the_zeromq_port_needs_curve_or_insecure(host, monkeypatch)
         server_from_args(parse("--host", host, *curve))  # the HTTP port follows --host off loopback
     assert server_from_args(parse("--host", host, *curve, "--http-host", "127.0.0.1")).http.admin_token == ""
     assert server_from_args(parse("--host", host, "--insecure")).insecure
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://*:5557", "tcp://0.0.0.0:5557", "tcp://10.1.2.3:5557", "tcp://kv.example:5557"])
+@pytest.mark.parametrize("flag", ["--kv-events-endpoint", "--kv-events-replay-endpoint"])
+def test_off_loopback_the_kv_event_sockets_need_insecure(flag, endpoint):
+    """They name every chunk hash and tenant's cache_salt and have no authentication: the same rule as
+    the RPC and HTTP ports (they used to bind anywhere without a word)."""
+    local = ("--kv-events-endpoint", "tcp://127.0.0.1:5557")
+    args = (flag, endpoint) if flag == "--kv-events-endpoint" else (*local, flag, endpoint)
+    with pytest.raises(ConfigError, match=rf"{re.escape(flag)} {re.escape(endpoint)} is not loopback .*--insecure"):
+        server_from_args(parse(*args))
+    assert server_from_args(parse(*args, "--insecure")).insecure
+    for here in ("tcp://127.0.0.1:5558", "tcp://localhost:5558", "ipc:///tmp/kv-events"):
+        server_from_args(parse(*local, "--kv-events-replay-endpoint", here))
+
+
+def test_a_replay_endpoint_without_the_event_stream_is_refused():
+    """It replays what --kv-events-endpoint publishes: alone it used to be accepted and bind nothing."""
+    with pytest.raises(ConfigError, match="--kv-events-replay-endpoint replays what --kv-events-endpoint publishes"):
+        server_from_args(parse("--kv-events-replay-endpoint", "tcp://127.0.0.1:5558"))
 
 
 def test_curve_needs_both_flags():

@@ -166,6 +166,10 @@ class KVEventsPublisher:
             if self.replay_endpoint:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                # A ROUTER drops what a subscriber's queue cannot take: room for a whole replay and its end
+                # marker, or a subscriber busy when it starts gets a gappy replay and waits for an end for ever.
+                self._replay.setsockopt(zmq.SNDHWM, (self._buffer.maxlen or 0) + 16)
+                self._replay.setsockopt(zmq.MAXMSGSIZE, 64)  # a request is an empty frame and 8 bytes
                 self._replay.bind(self.replay_endpoint)
         except zmq.ZMQError as exc:
             self.close()

@@ -52,13 +52,22 @@ def encode_request(request_id: int, body: msgspec.Struct, timeout_ms: int = 0) -
     return [_encoder.encode(header), _encoder.encode(body)]
 
 
+MAX_ERROR_TEXT = 300  # of a decoder's message, which may quote the whole offending value (megabytes)
+
+
+def _brief(exc: BaseException) -> str:
+    """``exc``'s message, cut short: it goes back to the client, into the log and the recent-events ring."""
+    text = str(exc)
+    return text if len(text) <= MAX_ERROR_TEXT else f"{text[:MAX_ERROR_TEXT]}... ({len(text)} characters in all)"
+
+
 def decode_request_header(frame: bytes | memoryview) -> RequestHeader:
     if len(frame) > 256:
         raise ProtocolViolation(f"request header of {len(frame)} bytes", ErrorCode.BAD_REQUEST)
     try:
         header = _req_header_decoder.decode(frame)
     except Exception as exc:  # msgspec raises more than DecodeError (e.g. UnicodeDecodeError)
-        raise ProtocolViolation(f"undecodable request header: {type(exc).__name__}: {exc}", ErrorCode.BAD_REQUEST) from None
+        raise ProtocolViolation(f"undecodable request header: {type(exc).__name__}: {_brief(exc)}", ErrorCode.BAD_REQUEST) from None
     if header.version != PROTOCOL_VERSION:
         raise ProtocolViolation(
             f"protocol version {header.version} is not supported (server speaks {PROTOCOL_VERSION})",
@@ -84,7 +93,7 @@ def decode_request_body(header: RequestHeader, frame: bytes | memoryview) -> tup
         return rtype, _request_decoders[rtype].decode(frame)
     except Exception as exc:  # msgspec raises more than DecodeError (e.g. UnicodeDecodeError)
         raise ProtocolViolation(
-            f"malformed {rtype.name} body: {type(exc).__name__}: {exc}", ErrorCode.BAD_REQUEST, header.request_id
+            f"malformed {rtype.name} body: {type(exc).__name__}: {_brief(exc)}", ErrorCode.BAD_REQUEST, header.request_id
         ) from None
 
 
