@@ -17,15 +17,24 @@ import os
 from kvdepot.events import ChunkRequestDone
 
 
+class _PrivateRotatingFile(logging.handlers.RotatingFileHandler):
+    """Every file it opens, the first and each one after a rotation, is the owner's alone (mode 0600,
+    whatever the umask): the log names every tenant's salt."""
+
+    def _open(self):
+        fd = os.open(self.baseFilename, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        os.fchmod(fd, 0o600)  # also a file that was there before
+        return open(fd, self.mode, encoding=self.encoding, errors=self.errors)
+
+
 class LookupLog:
     KINDS = (ChunkRequestDone,)
 
     def __init__(self, path: str, max_mb: int = 100, backups: int = 5) -> None:
         """Opens (creates) the file now: a path that cannot be written is an OSError at start-up."""
         self.path = path
-        self._handler = logging.handlers.RotatingFileHandler(path, maxBytes=max_mb << 20, backupCount=backups, encoding="utf-8")
+        self._handler = _PrivateRotatingFile(path, maxBytes=max_mb << 20, backupCount=backups, encoding="utf-8")
         self._handler.setFormatter(logging.Formatter("%(message)s"))
-        os.chmod(path, 0o600)  # it names every tenant's salt
 
     def handle(self, events: list) -> None:
         for e in events:
