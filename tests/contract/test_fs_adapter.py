@@ -267,21 +267,34 @@ def full_disk(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("o_direct", [False, True], ids=["buffered", "o_direct"])
 @pytest.mark.parametrize("allow", [0, 100], ids=["at_once", "part_way"])
-def test_a_full_disk_fails_the_store_and_leaves_nothing(tmp_path, open_tiers, rng, full_disk, o_direct, allow) -> None:
+def test_a_full_disk_refuses_that_object_alone_and_the_tier_shrinks_to_fit(tmp_path, open_tiers, rng, full_disk, o_direct, allow) -> None:
+    """A disk that fills before size_gb does: the write is refused and leaves nothing; the tier stays up
+    (it used to open its breaker on every write, so the objects it held could not be read either),
+    keeps at most what it holds, and makes room for later writes by evicting its own oldest."""
     full_disk["allow"] = 1 << 30  # room for the O_DIRECT probe and a first object
     tier = open_tiers(tmp_path, o_direct=o_direct)
     keep = make_keys(1)[0]
-    store(tier, [(keep, make_payload(rng, 5000))])
+    kept = make_payload(rng, 5000)
+    store(tier, [(keep, kept)])
     before = tier.usage()
 
     full_disk["allow"] = 4096 if o_direct and allow else allow  # O_DIRECT writes whole blocks
     key = make_keys(1)[0]
     r = store(tier, [(key, make_payload(rng, 20_000))])
-    assert not r.ok and r.value == [False] and "No space" in r.error, r
+    assert r.ok and r.value == [False], r
     after = tier.usage()
     assert (after.objects, after.used_bytes, after.stored) == (before.objects, before.used_bytes, before.stored)
+    assert after.capacity_bytes == before.used_bytes < before.capacity_bytes
     assert not os.path.exists(tier.path_of(key))
     assert files_under(tmp_path) == [Path(tier.path_of(keep))]  # no temporary file left behind
+    out = np.zeros_like(kept)
+    assert lookup(tier, [keep]) == 1 and load(tier, [keep], [out]) == [True] and np.array_equal(out, kept)
+    unlock(tier, [keep])
+
+    full_disk["allow"] = 1 << 30  # room again: a new object takes the place of the oldest
+    newer = make_keys(1)[0]
+    assert store(tier, [(newer, make_payload(rng, 5000))]).value == [True]
+    assert present(tier, newer) and not present(tier, keep)
 
 
 # --- O_DIRECT --------------------------------------------------------------------------------------

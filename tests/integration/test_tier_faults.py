@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import resource
 import signal
+import time
 
 import pytest
 
@@ -92,16 +93,14 @@ def test_a_remote_tier_that_dies_degrades_to_l1_and_recovers(remote_backend: Rem
         assert tier_of(srv.status(), "remote")["corrupt"] == 0
 
 
-@pytest.mark.parametrize("how", ["disk_full", "file_size_limit"])
-def test_an_fs_tier_that_cannot_write_degrades_to_l1_and_recovers(how, request, make_server, tmp_path, seed):
-    """``disk_full``: the tier lives on a 1 MiB tmpfs (ENOSPC), later grown. ``file_size_limit``: the
-    server process gets RLIMIT_FSIZE below an object's size (EFBIG; works without root), later lifted."""
-    tier_dir = request.getfixturevalue("small_tmpfs") if how == "disk_full" else tmp_path / "disk"
+def test_an_fs_tier_that_cannot_write_degrades_to_l1_and_recovers(make_server, tmp_path, seed):
+    """The server process gets RLIMIT_FSIZE below an object's size (EFBIG; works without root), later
+    lifted: every write fails, the tier is down (L1 serves), and it recovers by itself."""
+    tier_dir = tmp_path / "disk"
     srv = start_tier_server(make_server, fs_spec(tier_dir), chunk=BIG_CHUNK)
     pid = srv.proc.proc.pid
     soft, hard = resource.prlimit(pid, resource.RLIMIT_FSIZE)
-    if how == "file_size_limit":
-        resource.prlimit(pid, resource.RLIMIT_FSIZE, (16 << 10, hard))  # a 32 KiB object no longer fits
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (16 << 10, hard))  # a 32 KiB object no longer fits
 
     prompts: list = []
     with srv.client() as c:
@@ -115,18 +114,13 @@ def test_an_fs_tier_that_cannot_write_degrades_to_l1_and_recovers(how, request, 
 
         wait_until(tier_failed, timeout_s=60, interval_s=0, what="the fs tier to fail its writes")
         t = tier_of(srv.status(), "disk")
-        assert ("No space left on device" if how == "disk_full" else "File too large") in t["last_error"]
+        assert "File too large" in t["last_error"]
         assert store_stats(srv.status())["failed"] >= 1
-        if how == "disk_full":
-            assert len(prompts) > 1  # some objects fit before the disk filled
         for p in prompts:
             assert_served_whole(c, p)  # L1 serves all of it
         assert [f for f in tier_dir.glob("??/.tmp-*")] == []  # failed writes leave nothing behind
 
-        if how == "disk_full":
-            resize_tmpfs(tier_dir, "64m")
-        else:
-            resource.prlimit(pid, resource.RLIMIT_FSIZE, (soft, hard))
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, (soft, hard))
         _store_until_recovered(srv, c, "disk", seed * 1000 + 500, BIG_CHUNK)
         final = make_prompt(4, seed * 1000 + 999, BIG_CHUNK)
         store_full(c, final)
@@ -138,6 +132,42 @@ def test_an_fs_tier_that_cannot_write_degrades_to_l1_and_recovers(how, request, 
             assert_consistent(c, p)  # what reached the tier before the failure is whole, or absent
         t = tier_of(srv.status(), "disk")
         assert (t["healthy"], t["corrupt"]) == (True, 0)
+
+
+def test_an_fs_tier_on_a_disk_that_fills_keeps_what_fits_and_grows_back(small_tmpfs, make_server, seed):
+    """The tier (size_gb 1) on a 1 MiB tmpfs (ENOSPC long before its size), later grown to 64 MiB. A
+    full disk is not a failure: the write that meets it is refused alone, the tier stays up and keeps
+    at most what the disk holds (its newest objects), and it grows back once the disk has room. (It
+    used to go down on every write, its objects on disk unreadable, until the disk grew.)"""
+    from kvdepot.storage.l2.fs_adapter import ROOM_CHECK_S
+
+    srv = start_tier_server(make_server, fs_spec(small_tmpfs), chunk=BIG_CHUNK)
+    prompts = [make_prompt(4, seed * 1000 + i, BIG_CHUNK) for i in range(24)]  # 3 MiB through a 1 MiB disk
+    with srv.client() as c:
+        for p in prompts:
+            store_full(c, p)
+            wait_store_idle(srv)
+        t = tier_of(srv.status(), "disk")
+        assert t["healthy"] and t["failures"] == 0, t
+        assert 0 < t["used_bytes"] <= t["capacity_bytes"] < 1 << 20, t  # size_gb was 1 GiB
+        assert [f for f in small_tmpfs.glob("??/.tmp-*")] == []  # refused writes leave nothing behind
+        for p in prompts:
+            assert_served_whole(c, p)  # L1 took everything
+        srv.clear()
+        for p in prompts:
+            assert_consistent(c, p)  # from the tier: whole, or absent
+        assert c.lookup(prompts[-1].tokens) > 0, "the newest objects stay on the tier"
+
+        resize_tmpfs(small_tmpfs, "64m")
+        time.sleep(ROOM_CHECK_S)  # a write looks for room again at most this often
+        big = make_prompt(64, seed * 1000 + 999, BIG_CHUNK)  # 2 MiB: more than the 1 MiB disk ever held
+        store_full(c, big)
+        wait_store_idle(srv)
+        t = tier_of(srv.status(), "disk")
+        assert t["capacity_bytes"] > 2 << 20 and t["healthy"], t
+        srv.clear()
+        assert_served_whole(c, big)  # from the tier
+        assert tier_of(srv.status(), "disk")["corrupt"] == 0
 
 
 @pytest.mark.parametrize("how", ["hung", "dead"])

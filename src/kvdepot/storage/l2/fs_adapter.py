@@ -20,6 +20,13 @@ Locks: ``_mu`` guards the index and byte counts and is never held over I/O. Rena
 unlinking are paired with their index update under a per-key *name lock* (a stripe of 64), which is
 held over that one metadata call and never over data I/O; it keeps an eviction's unlink from removing
 an object that a concurrent put has just renamed into place.
+
+A disk that fills before ``size_gb`` does (other data on it, a size larger than the disk) is not a
+backend failure: the write that met ENOSPC/EDQUOT is refused alone, and the tier's capacity comes down
+to what it holds then (said in the log and in its usage), so later writes evict its own oldest objects
+to fit. Treated as a failure, it opened the tier's breaker on every write, and the objects already on
+disk could not be read either. While it is smaller, a write looks at the disk's free space (at most every
+few seconds) and grows it back towards ``size_gb`` as room comes back.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import mmap
 import os
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from typing import Annotated, ClassVar
 
@@ -42,6 +50,7 @@ from kvdepot.storage.l2.envelope import HEADER_BYTES, CorruptObject, Destination
 from kvdepot.types import NAMESPACE_BYTES, ObjectKey
 
 log = logging.getLogger(__name__)
+ROOM_CHECK_S = 5.0  # while the disk is fuller than size_gb allows: how often a write looks for room again
 
 ALIGN = 4096  # O_DIRECT buffer, offset and length alignment
 TMP_PREFIX = ".tmp-"
@@ -72,6 +81,8 @@ class FsAdapter(BackendAdapter):
         super().__init__(name, workers=config.workers, services=services)
         self._root = os.path.abspath(config.path)
         self._capacity = int(config.size_gb * (1 << 30))
+        self._configured = self._capacity  # _capacity is less while the disk has no room for it all
+        self._room_checked = 0.0  # when the disk's free space was last looked at (monotonic)
         self._o_direct = config.o_direct
         self._fsync = config.fsync
         self._index: OrderedDict[ObjectKey, int] = OrderedDict()  # key -> file bytes, oldest first
@@ -191,6 +202,8 @@ class FsAdapter(BackendAdapter):
         total = len(head) + data.nbytes
         final = self._path(key)
         directory = os.path.dirname(final)
+        if self._capacity < self._configured:
+            self._regrow()
         with self._mu:
             victims = self._make_room(total)
             self._reserved += total
@@ -198,7 +211,13 @@ class FsAdapter(BackendAdapter):
         tmp = os.path.join(directory, f"{TMP_PREFIX}{secrets.token_hex(8)}")
         try:
             self._unlink_victims(victims)
-            self._write_file(tmp, head, data, total)
+            try:
+                self._write_file(tmp, head, data, total)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                self._shrink_to_what_fits(total, exc)
+                raise RejectedObject(f"the disk is full ({exc.strerror}): this object is not stored") from None
             with self._name_lock(key):
                 os.rename(tmp, final)
                 with self._mu:
@@ -217,6 +236,39 @@ class FsAdapter(BackendAdapter):
                 with self._mu:
                     self._reserved -= total
                 _unlink_quiet(tmp)
+
+    def _shrink_to_what_fits(self, attempted: int, exc: OSError) -> None:
+        """The disk ran out before ``size_gb``: keep at most what the tier holds now (this write aside)."""
+        with self._mu:
+            fits = max(0, self._used + self._reserved - attempted)
+            if fits >= self._capacity:
+                return
+            was, self._capacity = self._capacity, fits
+            self._room_checked = time.monotonic()
+        log.warning(
+            "L2 %s: the disk under %s is full (%s) with the tier at %.3f GiB of its %.3f GiB: it keeps at most that, "
+            "evicting its oldest objects to fit, and grows back as the disk has room again",
+            self.name, self._root, exc.strerror, fits / (1 << 30), was / (1 << 30),
+        )  # fmt: skip
+
+    def _regrow(self) -> None:
+        """Towards ``size_gb`` again, by what the disk has free now (keeping a sixteenth of it spare)."""
+        now = time.monotonic()
+        if now - self._room_checked < ROOM_CHECK_S:
+            return
+        self._room_checked = now
+        try:
+            st = os.statvfs(self._root)
+        except OSError:
+            return
+        free = st.f_bavail * st.f_frsize
+        with self._mu:
+            fits = min(self._configured, self._used + self._reserved + free - free // 16)
+            if fits <= self._capacity:
+                return
+            self._capacity = fits
+        log.info("L2 %s: the disk has room again: the tier keeps up to %.3f GiB (size_gb %.3f)",
+                 self.name, fits / (1 << 30), self._configured / (1 << 30))  # fmt: skip
 
     def _dirty_dirs(self) -> set[str]:
         dirs = getattr(self._local, "dirty", None)
