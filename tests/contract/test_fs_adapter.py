@@ -297,6 +297,29 @@ def test_a_full_disk_refuses_that_object_alone_and_the_tier_shrinks_to_fit(tmp_p
     assert present(tier, newer) and not present(tier, keep)
 
 
+def test_a_failed_usage_query_does_not_take_the_tier_down(tmp_path, open_tiers, rng) -> None:
+    """/status and /healthcheck ask every tier for its usage: a backend that refuses only that query (a
+    Valkey account without INFO, an S3 key without ListBucket) used to open the breaker on each probe,
+    so lookups, loads and stores failed while the backend served objects fine."""
+    tier = open_tiers(tmp_path)
+    key = make_keys(1)[0]
+    value = make_payload(rng, 5000)
+    store(tier, [(key, value)])
+    before = tier.usage()
+
+    def refused():
+        raise PermissionError("NOPERM this user has no permissions to run the 'info' command")
+
+    tier._usage = refused
+    for _ in range(3):
+        during = tier.usage()
+        assert during.healthy and during.failures == 0
+        assert (during.used_bytes, during.objects) == (before.used_bytes, before.objects)  # the last known
+    out = np.zeros_like(value)
+    assert lookup(tier, [key]) == 1 and load(tier, [key], [out]) == [True] and np.array_equal(out, value)
+    unlock(tier, [key])
+
+
 # --- O_DIRECT --------------------------------------------------------------------------------------
 
 

@@ -184,6 +184,33 @@ def test_valkey_store_that_fails_before_its_commit_is_invisible(valkey_adapter_f
     assert result.value == [False]
 
 
+def test_valkey_part_evicted_before_its_commit_fails_that_object_alone(valkey_adapter_factory, raw_valkey) -> None:
+    """A part gone between its SET and the commit (Valkey's volatile-* eviction takes keys with a TTL
+    first; a clear's SCAN): that one object is not stored. It used to count as a backend failure that
+    took the whole tier down, and the rest of the batch with it."""
+    adapter = valkey_adapter_factory("vanishing", max_value_mib=1)
+    adapter.start()
+    assert lookup(adapter, [new_key()]).value == 0  # connected: its scripts are registered
+    real_commit = adapter._commit
+
+    def commit_after_an_eviction(*, keys, args, client):
+        raw_valkey.delete(keys[-1])  # a part
+        return real_commit(keys=keys, args=args, client=client)
+
+    adapter._commit = commit_after_an_eviction
+    key, value = new_key(), os.urandom(2 * MiB)
+    result = store(adapter, key, value)
+    assert result.ok and result.value == [False], result
+    usage = adapter.usage()
+    assert (usage.healthy, usage.failures, usage.objects) == (True, 0, 0)
+    assert lookup(adapter, [key]).value == 0
+    adapter._commit = real_commit
+    other, again = new_key(), os.urandom(2 * MiB)
+    assert store(adapter, other, again).value == [True]
+    result, got = load(adapter, other, len(again))
+    assert result.value == [True] and got == again
+
+
 def test_valkey_overwrite_swaps_generations_and_drops_the_old_parts(valkey_adapter_factory, raw_valkey) -> None:
     adapter = valkey_adapter_factory("overwrite", max_value_mib=1)
     adapter.start()

@@ -31,6 +31,7 @@ from kvdepot.types import ObjectKey, leading_run
 log = logging.getLogger(__name__)
 
 USAGE_WAIT_S = 0.5  # the longest usage() waits for a backend's answer
+USAGE_FAILURE_LOG_S = 60.0  # a usage query that keeps failing is logged once a minute (/status asks often)
 
 
 class _PartlyDone(Exception):
@@ -60,6 +61,7 @@ class BackendAdapter(ABC):
         self._stats = {"stored": 0, "loaded": 0, "corrupt": 0, "failures": 0}
         self._pins: dict[ObjectKey, int] = {}
         self._usage_cache: tuple[int, int, int] = (0, 0, 0)
+        self._usage_failure_logged = -1e9
         self._usage_future: Future | None = None
         self._announce_lock = threading.Lock()  # TierStored and TierCleared take turns (see _announce_stored)
         self._clear_epoch = 0
@@ -153,8 +155,14 @@ class BackendAdapter(ABC):
             figures = fut.result(timeout=USAGE_WAIT_S)
         except FutureTimeout:
             return self._usage_cache
-        except Exception as exc:  # a backend that cannot even say its size is down
-            self._mark_down(exc)
+        except Exception as exc:
+            # Not a reason to take the tier down: a backend may refuse only this query (an account
+            # without INFO or ListBucket) and serve objects fine; a dead one fails its next task anyway.
+            now = time.monotonic()
+            if now - self._usage_failure_logged >= USAGE_FAILURE_LOG_S:
+                self._usage_failure_logged = now
+                log.warning("L2 %s (%s) cannot report its usage (the figures shown are the last known): %s: %s",
+                            self.name, self.kind, type(exc).__name__, exc)  # fmt: skip
             return self._usage_cache
         self._usage_cache = figures
         return figures

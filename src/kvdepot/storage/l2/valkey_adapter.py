@@ -43,7 +43,7 @@ from kvdepot.config import ConfigError, ConfigStruct, option
 from kvdepot.storage.l2 import envelope
 from kvdepot.storage.l2.backend import BackendAdapter
 from kvdepot.storage.l2.contract import AdapterType, TierServices
-from kvdepot.storage.l2.envelope import CorruptObject, DestinationMismatch
+from kvdepot.storage.l2.envelope import CorruptObject, DestinationMismatch, RejectedObject
 from kvdepot.types import ObjectKey
 
 _META = struct.Struct("<4sII8s")  # magic, part count (0: payload inline), part size, generation
@@ -227,12 +227,21 @@ class ValkeyAdapter(BackendAdapter):
                 pipe.set(name, data[i * self._part_bytes : (i + 1) * self._part_bytes], ex=ORPHAN_TTL_S)
             pipe.execute()
             value = meta + head
-        if self._in_cluster:
-            old = self._commit(keys=[mkey, *parts], args=[value, ttl, _META.size, 0], client=client)
-            if not old:
-                client.incr(self._counter)
-        else:
-            old = self._commit(keys=[mkey, self._counter, *parts], args=[value, ttl, _META.size, 1], client=client)
+        from valkey.exceptions import ResponseError  # imported with the client, at start
+
+        try:
+            if self._in_cluster:
+                old = self._commit(keys=[mkey, *parts], args=[value, ttl, _META.size, 0], client=client)
+                if not old:
+                    client.incr(self._counter)
+            else:
+                old = self._commit(keys=[mkey, self._counter, *parts], args=[value, ttl, _META.size, 1], client=client)
+        except ResponseError as exc:
+            if "vanished before commit" not in str(exc):
+                raise
+            # Valkey evicted a part (a volatile-* maxmemory policy takes keys with a TTL first) or a clear
+            # removed it: this object is not stored, and the server is fine.
+            raise RejectedObject(str(exc)) from None
         if old and old != meta:
             self._delete_parts(key, old)
 
