@@ -167,6 +167,31 @@ def test_killed_reader_without_clear_leaves_data_evictable(make_server, spawn, s
         assert srv.clear()["removed"] == n  # and unlocked
 
 
+def test_a_client_that_unregisters_with_space_in_quarantine_stays_watched(make_server, seed):
+    """Its write lease expired into quarantine (it may still write those slots); then it unregisters its
+    last context and goes on running. The server used to stop watching it, and the next quarantine
+    check, finding no record, freed slots the client could still write into another client's objects."""
+    srv = make_server("--lease-ttl-s", "1")
+    n = 3
+    tokens = make_tokens(n * CHUNK, seed)
+    chunk_bytes = LAYOUT.chunk_bytes(CHUNK)
+    c = srv.client()
+    try:
+        reply = c.link.request(m.PrepareStoreRequest(context_id=0, keys=c.hashes(tokens)))
+        assert reply.statuses == [int(SlotStatus.ALLOCATED)] * n
+        wait_until(lambda: srv.status()["quarantine"]["leases"] == 1, what="the abandoned write lease to go to quarantine")
+        assert c.link.request(m.UnregisterContextRequest(context_id=0)).ok  # this process runs on
+        time.sleep(1.0)  # ten housekeeping rounds
+        status = srv.status()
+        assert status["contexts"] == 0
+        assert status["quarantine"]["leases"] == 1 and status["l1"]["used_bytes"] == n * chunk_bytes, status["quarantine"]
+        with srv.client() as other:
+            offsets = other.link.request(m.PrepareStoreRequest(context_id=0, keys=other.hashes(make_tokens(n * CHUNK, seed + 1)))).offsets
+            assert not set(offsets) & set(reply.offsets), "slots the unregistered client may still write were handed out"
+    finally:
+        c.close()
+
+
 def test_lease_ttl_ends_an_abandoned_store_but_keeps_its_slots_from_reuse(make_server, seed):
     """A live client that never commits: the TTL ends the lease (its objects vanish and the keys are
     free again), but the client still maps those slots and could write into them, so their space is

@@ -648,6 +648,50 @@ def test_server_touched_leases_are_quarantined_whatever_the_owner(make_table, cl
     assert t.stats().used_bytes == 0
 
 
+@pytest.mark.parametrize("expired", [False, True], ids=["active", "quarantined"])
+def test_a_lease_the_server_is_copying_is_ended_by_the_server_only(make_table, clock, expired):
+    """Lease ids are a counter: a client that names the lease of its own inline store (or block store,
+    or inline retrieve) in a COMMIT or release used to free the slots while the server's copy still
+    wrote or read them, and the next reservation, another client's, got them."""
+    t = make_table(2)
+    store(t, [9])
+    w = t.reserve_write(ks(1), SLOT, A, toucher=Toucher.SERVER)  # an inline store still copying
+    r = t.acquire_read(ks(9), A, toucher=Toucher.SERVER)  # an inline retrieve still sending
+    if expired:
+        clock.now += TTL
+        assert t.expire() == 2 and t.stats().quarantined_leases == 2
+    for finish in (lambda: t.commit_write(w.lease_id, A, by_client=True), lambda: t.abort_write(w.lease_id, A, by_client=True),
+                   lambda: t.release_read(r.lease_id, A, by_client=True)):  # fmt: skip
+        with pytest.raises(IllegalTransition, match="server's own copy"):
+            finish()
+    assert t.reserve_write(ks(2), SLOT, B).statuses == [NS]  # nothing was freed
+    assert t.get(k(9)).readers == 1
+    t.check_invariants()
+    if expired:  # the server's own finish, once its copy is over
+        with pytest.raises(LeaseExpired):
+            t.commit_write(w.lease_id, A)
+        t.release_read(r.lease_id, A)
+        assert t.stats().quarantined_leases == 0
+    else:
+        assert t.commit_write(w.lease_id, A) == 1
+        assert t.release_read(r.lease_id, A) == 1
+    assert t.get(k(9)).readers == 0
+    t.check_invariants()
+
+
+def test_quarantined_leases_count_as_the_owners_leases(make_table, clock, alive):
+    """While a client has space in quarantine the server must keep watching its process (only its exit
+    ends the quarantine): an unregister that saw no leases used to forget it, and the next check freed
+    space the client could still write."""
+    t = make_table(2)
+    alive.add(A)
+    t.reserve_write(ks(1), SLOT, A)
+    clock.now += TTL
+    assert t.expire() == 1
+    assert t.stats().leases == 0 and t.stats().quarantined_leases == 1
+    assert t.leases_of(A) == 1 and t.leases_of(B) == 0
+
+
 def test_lookup_locks_end_at_once_whoever_holds_them(make_table, clock, alive):
     t = make_table(2)
     store(t, [1])

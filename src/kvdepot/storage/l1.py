@@ -28,7 +28,10 @@ SERVER itself (an inline copy, a send in flight, an L2 task). Space that a possi
 still reach is never reused: a quarantined write keeps its extents allocated (its objects are gone, so
 nothing it writes can become visible), and a quarantined read keeps its pins (the bytes it reads stay
 what they were, so finishing it afterwards is still a correct read). The table asks ``holder_alive``
-whether a CLIENT toucher's process may still run; SERVER touchers always may.
+whether a CLIENT toucher's process may still run; SERVER touchers always may. A SERVER-touched lease is
+ended by the server's own finish only: a client naming it in a COMMIT or release is refused
+(``by_client``), since lease ids are a counter anyone can guess. A client with quarantined leases counts
+as holding leases (``leases_of``), so the server keeps watching it until they end.
 
 Events: every object gets a generation number when it is created, and an object becoming READY (``stored``)
 or a READY object leaving (``removed``: evicted, cleared, discarded, over quota) queues an ``ObjectEvent``
@@ -344,17 +347,18 @@ class ObjectTable:
                 lease_id = NO_LEASE
         return Reservation(lease_id, offsets, statuses)
 
-    def commit_write(self, lease_id: LeaseId, owner: ClientId) -> int:
-        """WRITING -> READY for every object of the lease; returns how many became visible."""
-        return self.finish_write(lease_id, owner, publish=None)
+    def commit_write(self, lease_id: LeaseId, owner: ClientId, by_client: bool = False) -> int:
+        """WRITING -> READY for every object of the lease; returns how many became visible.
+        ``by_client``: the owner asked for it by lease id (see ``_check_finisher``)."""
+        return self.finish_write(lease_id, owner, publish=None, by_client=by_client)
 
-    def finish_write(self, lease_id: LeaseId, owner: ClientId, publish: set[ObjectKey] | None) -> int:
+    def finish_write(self, lease_id: LeaseId, owner: ClientId, publish: set[ObjectKey] | None, by_client: bool = False) -> int:
         """End a write lease, publishing the keys in ``publish`` (all when None) and dropping the rest:
         a loader whose backend failed for some keys must not publish what it did not write."""
         if lease_id == NO_LEASE:
             return 0
         with self._locked():
-            lease = self._take_lease_locked(lease_id, owner, LeaseKind.WRITE)
+            lease = self._take_lease_locked(lease_id, owner, LeaseKind.WRITE, by_client)
             hold = self._hold_for_l2 is not None and self._hold_for_l2(owner)  # one writer: asked once
             ready: list[ObjectKey] = []
             for key in lease.keys:
@@ -375,12 +379,12 @@ class ObjectTable:
             self._tell_ready_locked(ready)
         return len(ready)
 
-    def abort_write(self, lease_id: LeaseId, owner: ClientId) -> int:
+    def abort_write(self, lease_id: LeaseId, owner: ClientId, by_client: bool = False) -> int:
         """Drop a reservation: its objects vanish and their space is free again."""
         if lease_id == NO_LEASE:
             return 0
         with self._locked():
-            lease = self._take_lease_locked(lease_id, owner, LeaseKind.WRITE)
+            lease = self._take_lease_locked(lease_id, owner, LeaseKind.WRITE, by_client)
             return self._drop_write_locked(lease)
 
     # --- reads -----------------------------------------------------------------------------------
@@ -466,7 +470,7 @@ class ObjectTable:
                 lease.toucher = toucher
             return out
 
-    def release_read(self, lease_id: LeaseId, owner: ClientId, start: int = 0, end: int | None = None) -> int:
+    def release_read(self, lease_id: LeaseId, owner: ClientId, start: int = 0, end: int | None = None, by_client: bool = False) -> int:
         """Release the read locks on ``keys[start:end]`` of a lease (all by default); returns how many.
 
         The lease ends when none of its locks is left. A quarantined read lease is released whole: its
@@ -477,8 +481,10 @@ class ObjectTable:
         with self._locked():
             held = self._quarantine.get(lease_id)
             if held is not None and held.owner == owner and held.kind is LeaseKind.READ:
+                self._check_finisher(held, by_client)
                 return self._let_go_locked(held)
             lease = self._get_lease_locked(lease_id, owner, LeaseKind.READ)
+            self._check_finisher(lease, by_client)
             keys = lease.keys
             start = max(0, start)
             stop = len(keys) if end is None or end < 0 else min(end, len(keys))
@@ -558,8 +564,11 @@ class ObjectTable:
             return len(victims)
 
     def leases_of(self, owner: ClientId) -> int:
+        """The owner's leases, active or quarantined: while any is left, its process must stay watched
+        (a quarantine ends when the process is gone, which only a watched process can show)."""
         with self._lock:
-            return len(self._by_owner.get(owner, ()))
+            quarantined = sum(1 for lease in self._quarantine.values() if lease.owner == owner)
+            return len(self._by_owner.get(owner, ())) + quarantined
 
     def quarantine(self) -> list[QuarantineEntry]:
         """Quarantined leases per owner: what is held back from reuse, and why."""
@@ -847,13 +856,23 @@ class ObjectTable:
             raise IllegalTransition(f"lease {lease_id} is a {lease.kind.value} lease, not {kind.value}")
         return lease
 
-    def _take_lease_locked(self, lease_id: LeaseId, owner: ClientId, kind: LeaseKind) -> Lease:
+    @staticmethod
+    def _check_finisher(lease: Lease, by_client: bool) -> None:
+        """A lease the server itself touches (an inline copy, a send, a GPU copy in flight) ends when the
+        server's copy is over, never because its owner named it in a COMMIT or a release: lease ids are
+        a counter, so a client could otherwise free space the server is still writing or reading."""
+        if by_client and lease.toucher is Toucher.SERVER:
+            raise IllegalTransition(f"lease {lease.id} is the server's own copy in progress: only the server ends it")
+
+    def _take_lease_locked(self, lease_id: LeaseId, owner: ClientId, kind: LeaseKind, by_client: bool = False) -> Lease:
         held = self._quarantine.get(lease_id)
         if held is not None and held.owner == owner and held.kind is kind:
+            self._check_finisher(held, by_client)
             # The late finisher of a quarantined write: its block is over, so its space can go back.
             # Nothing it wrote was kept (the objects went when the lease ended).
             self._let_go_locked(held)
         lease = self._get_lease_locked(lease_id, owner, kind)
+        self._check_finisher(lease, by_client)
         self._forget_lease_locked(lease)
         return lease
 

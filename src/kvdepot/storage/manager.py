@@ -268,11 +268,13 @@ class StorageManager:
         self._eviction.kick()
         return res
 
-    def commit(self, lease: LeaseId, owner: ClientId) -> int:
-        return self._table.commit_write(lease, owner)
+    def commit(self, lease: LeaseId, owner: ClientId, by_client: bool = False) -> int:
+        """``by_client``: the owner named the lease in a request (a COMMIT); the server's own finish of
+        its copies passes False. A client may not end a lease the server is still copying into."""
+        return self._table.commit_write(lease, owner, by_client)
 
-    def abort(self, lease: LeaseId, owner: ClientId) -> int:
-        return self._table.abort_write(lease, owner)
+    def abort(self, lease: LeaseId, owner: ClientId, by_client: bool = False) -> int:
+        return self._table.abort_write(lease, owner, by_client)
 
     def copy_into(self, offset: int, frames: Sequence) -> None:
         """Copy received payload frames, in order, into the slot at ``offset`` (the inline store)."""
@@ -295,8 +297,8 @@ class StorageManager:
         """The offsets under a lease taken earlier (a session's lookup), now told to ``toucher``."""
         return self._table.read_lease_offsets(lease, owner, start, toucher)
 
-    def release(self, lease: LeaseId, owner: ClientId, start: int = 0, end: int | None = None) -> int:
-        return self._table.release_read(lease, owner, start, end)
+    def release(self, lease: LeaseId, owner: ClientId, start: int = 0, end: int | None = None, by_client: bool = False) -> int:
+        return self._table.release_read(lease, owner, start, end, by_client)
 
     def payload(self, offset: int, size: int):
         """The bytes of the object at ``offset``, without a copy (under a read lock: for a send)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from kvdepot.errors import BadRequest, ErrorCode, KVDepotError, LeaseExpired, UnknownLease
+from kvdepot.errors import BadRequest, ErrorCode, IllegalTransition, KVDepotError, LeaseExpired, UnknownLease
 from kvdepot.limits import MAX_KEYS
 from kvdepot.observability.metrics import L1
 from kvdepot.protocol import messages as m
@@ -117,7 +117,9 @@ class LookupModule:
             return Reply(m.FreeLookupLocksReply(released=0))
         end = None if body.end < 0 else body.end
         try:
-            released = self.storage.release(lease, call.client, body.start, end)
+            released = self.storage.release(lease, call.client, body.start, end, by_client=True)
+        except IllegalTransition:
+            released = 0  # a retrieve took the session's locks over meanwhile: they are its to end now
         except (UnknownLease, LeaseExpired):
             # Ended already (TTL, or this client was revoked): there is nothing left to free. Freeing is
             # idempotent, and a request's expired lock is that request's business, never an error that

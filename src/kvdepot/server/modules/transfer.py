@@ -74,11 +74,11 @@ class TransferModule:
     def commit_store(self, call: Call) -> Reply:
         body: m.CommitStoreRequest = call.body
         lease = LeaseId(body.lease_id)
-        context = self._context_for_finish(call, lambda: self.storage.abort(lease, call.client))
+        context = self._context_for_finish(call, lambda: self.storage.abort(lease, call.client, by_client=True))
         if body.abort:
-            self.storage.abort(lease, call.client)
+            self.storage.abort(lease, call.client, by_client=True)
             return Reply(m.CommitStoreReply(committed=0))
-        committed = self.storage.commit(lease, call.client)
+        committed = self.storage.commit(lease, call.client, by_client=True)
         self.ctx.metrics.stored(context.spec.model, committed, committed * context.chunk_bytes, "shm")
         return Reply(m.CommitStoreReply(committed=committed))
 
@@ -126,10 +126,10 @@ class TransferModule:
     def commit_retrieve(self, call: Call) -> Reply:
         body: m.CommitRetrieveRequest = call.body
         lease = LeaseId(body.lease_id)
-        self._context_for_finish(call, lambda: self.storage.release(lease, call.client))
+        self._context_for_finish(call, lambda: self.storage.release(lease, call.client, by_client=True))
         # A lease that ended while its reader could still read kept its pins, so that read was sound;
         # LeaseExpired here means the pins did go (the reader could not be watched): the reads were unsafe.
-        self.storage.release(lease, call.client)
+        self.storage.release(lease, call.client, by_client=True)
         return Reply(m.Ack())
 
     def retrieve_inline(self, call: Call) -> Reply:
