@@ -490,3 +490,47 @@ def test_every_chunk_a_tier_pinned_is_unpinned_when_l1_has_room_for_part_of_it(m
     settle(rig, [pf.step])
     assert pinned(rig, keys(3)) == [[False, False, False]]
     rig.table.release_read(lock.lease_id, A)
+
+
+def test_a_load_that_outlives_its_lease_ends_its_prefetch_with_nothing_kept(make_rig):
+    """A backend that hangs past BACKGROUND_LEASE_TTL_S: the L1 lease ended meanwhile, and publishing
+    raised LeaseExpired on the driver thread. The job was lost: its lookup never got an answer, the
+    tier's pins stayed for good and ``running`` never came down."""
+    rig = make_rig()
+    pf = prefetch_controller(rig)
+    rig.put(0, [(k, content(i)) for i, k in enumerate(keys(3))])
+
+    def late(results):
+        if any(r.kind is TaskKind.LOAD for _, r in results):
+            rig.table.expire(now=time.monotonic() + 100_000)  # the load came back after its lease's TTL
+        pf.step(results)
+
+    assert prefetch(rig, pf, keys(3), steps=[late]) == 0
+    assert rig.table.lookup(keys(3)) == 0  # nothing of a load past its lease is published
+    s = pf.snapshot()
+    assert (s.running, s.chunks_loaded, s.chunks_failed) == (0, 0, 3)
+    assert rig.table.stats().used_bytes == 0 and rig.table.stats().quarantined_leases == 0
+    unpinned(rig, [pf.step], keys(3))
+
+
+def test_a_step_that_fails_for_one_prefetch_ends_that_one_and_serves_the_others(make_rig):
+    rig = make_rig()
+    pf = prefetch_controller(rig)
+    rig.put(0, [(k, content(i)) for i, k in enumerate(keys(2))])
+    real = rig.tiers[0].submit_lookup_and_lock
+    calls = []
+
+    def lookup_once_broken(ks, hints=None):
+        calls.append(ks)
+        if len(calls) == 1:
+            raise RuntimeError("the tier's pool is gone")
+        return real(ks, hints)
+
+    rig.tiers[0].submit_lookup_and_lock = lookup_once_broken
+    told: list[Prefetched] = []
+    pf.submit(PrefetchJob(keys(2, b"x"), 0, SIZE, "", told.append))  # asked first: its lookup raises
+    pf.submit(PrefetchJob(keys(2), 0, SIZE, "", told.append))
+    rig.run([pf.step], lambda: len(told) == 2)
+    assert sorted(t.chunks for t in told) == [0, 2]
+    assert pf.snapshot().running == 0
+    assert rig.table.lookup(keys(2)) == 2

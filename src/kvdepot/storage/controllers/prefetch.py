@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from kvdepot.errors import IllegalTransition
+from kvdepot.errors import IllegalTransition, KVDepotError
 from kvdepot.shm import SharedArena
 from kvdepot.storage.controllers.owners import BACKGROUND_LEASE_TTL_S, PREFETCH_OWNER
 from kvdepot.storage.l1 import ObjectTable, Toucher
@@ -143,16 +143,26 @@ class PrefetchController:
             new = list(self._incoming)
             self._incoming.clear()
         for job in new:
-            self._ask(job)
+            self._guarded(job, lambda job=job: self._ask(job))
         for tier_index, result in results:
             with self._lock:
                 job = self._tasks.pop((tier_index, result.task_id), None)
             if job is None:
                 continue
             if job.state is PrefetchState.LOOKUP and result.kind is TaskKind.LOOKUP:
-                self._after_lookup(job, result)
+                self._guarded(job, lambda job=job, result=result: self._after_lookup(job, result))
             elif job.state is PrefetchState.LOAD and result.kind is TaskKind.LOAD:
-                self._after_load(job, result)
+                self._guarded(job, lambda job=job, result=result: self._after_load(job, result))
+
+    def _guarded(self, job: PrefetchJob, move: Callable[[], None]) -> None:
+        """One job's step: whatever goes wrong ends that job with what it has (its LOOKUP answered,
+        its count right), never the other jobs of this step, and never silently."""
+        try:
+            move()
+        except Exception:
+            log.exception("a prefetch from L2 failed: that lookup ends with the chunks it had")
+            if job.state is not PrefetchState.DONE:
+                self._finish(job)
 
     def _ask(self, job: PrefetchJob) -> None:
         """Ask the job's current tier how many of the missing chunks it holds."""
@@ -188,8 +198,14 @@ class PrefetchController:
 
     def _after_load(self, job: PrefetchJob, result: TaskResult) -> None:
         loaded = {k for k, ok in zip(job.load_keys, result.value) if ok}
-        published = self._table.finish_write(job.lease, PREFETCH_OWNER, loaded)
         self._unlock(job, job.keys[job.start : job.start + job.found])  # every pin the tier took, used or not
+        try:
+            published = self._table.finish_write(job.lease, PREFETCH_OWNER, loaded)
+        except KVDepotError as exc:
+            # The load outlived its lease (a backend that hung for BACKGROUND_LEASE_TTL_S): nothing of it
+            # was published, and the lookup still gets its answer.
+            log.warning("a prefetch's load from L2 %s ended after its lease: nothing of it is kept (%s)", self._tiers[job.tier].name, exc)
+            published, loaded = 0, set()
         with self._lock:
             self.stats.chunks_loaded += published
             self.stats.chunks_failed += len(job.load_keys) - len(loaded)
