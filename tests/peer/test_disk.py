@@ -75,6 +75,36 @@ def test_a_node_killed_and_restarted_within_the_ttl_serves_what_its_disk_kept(tm
             again.kill()
 
 
+def test_a_node_restarted_within_the_ttl_without_its_pages_leaves_no_records_of_them(tmp_path):
+    """Killed and back on its port (its id) before the others expire it, with an empty pool and no disk:
+    the records of its earlier run named pages nobody holds, and nothing ever unpublished them. They
+    read as present for good (``batch_exists``), cost every read a round trip and a miss, and in a
+    server's tier list hid the copies in the tiers below."""
+    from support.peer_cluster import NodeProcess
+
+    slow = {**FAST, "member_ttl_s": 30.0}  # no one expires the killed node meanwhile
+    names = keys("g", 8)
+    with PeerStore(port=0, data_port=0, pool_size_mb=8, **slow) as head, PeerStore(discovery=head.node_id, port=0, data_port=0, pool_size_mb=8, **slow):
+        options = {"pool_size_mb": 4, "extra": {"member_ttl_s": 30.0}}
+        owner = NodeProcess(discovery=head.node_id, secret=FAST["secret"], **options).start()
+        try:
+            owner.command(f"set g 8 {SIZE} 0")
+            wait_for(lambda: head.batch_exists(names) == 8, 10, "the owner's pages in the directory")
+            port = int(owner.node_id.rsplit(":", 1)[1])
+        finally:
+            owner.kill()
+        again = NodeProcess(discovery=head.node_id, secret=FAST["secret"], port=port, **options).start()
+        try:
+            assert again.node_id == owner.node_id
+            wait_for(lambda: not any(head.exists(n) for n in names), 15, "the earlier run's records to go")
+            assert check_pages(head, "g", 8, SIZE) == {"hit": 0, "miss": 8, "wrong": 0}
+            again.command(f"set g 8 {SIZE} 0")  # written again: found again
+            wait_for(lambda: head.batch_exists(names) == 8, 10, "the new run's pages in the directory")
+            assert check_pages(head, "g", 8, SIZE) == {"hit": 8, "miss": 0, "wrong": 0}
+        finally:
+            again.kill()
+
+
 def test_an_unusable_disk_path_turns_the_tier_off_and_the_node_still_serves(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")

@@ -55,6 +55,10 @@ class DirectoryShard:
         with self._lock:
             return [list(self._records.get(key, {}).values()) for key in keys]
 
+    def drop_incarnations_before(self, node: str, incarnation: int) -> int:
+        """Drop ``node``'s records from its runs before ``incarnation``; returns how many went."""
+        return self._drop(lambda key, rec: rec.node == node and rec.incarnation < incarnation)
+
     def keep_nodes(self, live: Collection[str]) -> int:
         """Drop every record of a node not in ``live``; returns how many went."""
         return self._drop(lambda key, rec: rec.node not in live)

@@ -302,7 +302,7 @@ class PeerNode:
     def _record(self, e: PoolEntry, resident: bool = True) -> PeerLocation:
         assert self.info is not None
         return PeerLocation(key=e.key, node=self.info.id, offset=e.offset, length=e.length, generation=e.generation, checksum=e.checksum,
-                            resident=resident)  # fmt: skip
+                            resident=resident, incarnation=self.info.incarnation)  # fmt: skip
 
     def _publish(self, entries: Sequence[PoolEntry], deadline: float | None = None) -> None:
         self._publish_records([self._record(e) for e in entries], deadline)
@@ -865,6 +865,11 @@ class PeerNode:
                 self._suspects.pop(nid, None)
                 self._drop_channels(nid)
                 self._transport.forget(old.host, old.data_port)
+                if nid in members:
+                    # Restarted within the TTL (same id): its earlier run's records name pages its new
+                    # pool never held, which nothing would ever unpublish; what it still has (its disk)
+                    # it publishes again, under its new incarnation, and those stay.
+                    self.shard.drop_incarnations_before(nid, members[nid].incarnation)
         if before:
             log.info("peer %s: membership now %s", self.info.id, sorted(members))
         self._republish()
@@ -906,7 +911,7 @@ class PeerNode:
         # A fresh generation, never 0: a node that restarts within the member TTL keeps its id, and the
         # owners still hold its earlier incarnation's records of these keys, which a lower one would not replace.
         return PeerLocation(key=key, node=self.info.id, offset=0, length=size, generation=self.pool.fresh_generation(), checksum=b"",
-                            resident=False)  # fmt: skip
+                            resident=False, incarnation=self.info.incarnation)  # fmt: skip
 
 
 def _check_key(key: bytes) -> None:

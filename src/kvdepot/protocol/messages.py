@@ -544,6 +544,7 @@ class PeerLocation(_Body):
     generation: int
     checksum: bytes
     resident: bool = True
+    incarnation: int = 0  # of the node that published it: a restarted node's earlier records are dropped
 
 
 class PeerPublishRequest(_Body):
