@@ -216,6 +216,26 @@ def test_any_other_exception_is_internal_and_the_loop_keeps_serving(serve, chann
     assert server.alive
 
 
+def test_a_request_whose_dispatch_fails_is_answered_under_its_own_id(serve, channel, monkeypatch):
+    """The loop's last line of defence (a failure outside any handler) used to answer with request id 0,
+    which no caller waits for: the caller sat out its whole deadline instead of hearing at once."""
+    server = serve(ping_handler())
+    real, failed = server._dispatch, []
+
+    def dispatch_failing_once(router, frames):
+        if not failed:
+            failed.append(frames)
+            raise RuntimeError("a bug outside any handler")
+        return real(router, frames)
+
+    monkeypatch.setattr(server, "_dispatch", dispatch_failing_once)
+    t0 = time.monotonic()
+    with pytest.raises(KVDepotError) as info:
+        channel.call(m.PingRequest(), timeout_s=REPLY_S)
+    assert info.value.code == ErrorCode.INTERNAL and time.monotonic() - t0 < REPLY_S / 2
+    assert channel.ping() is True and server.alive
+
+
 @pytest.mark.parametrize("mode", [SYNC, BLOCKING])
 def test_a_reply_that_cannot_be_encoded_is_an_internal_error_for_that_request(serve, raw, mode):
     """A handler's reply the codec cannot encode (here a numpy integer where an int belongs) is the

@@ -315,7 +315,8 @@ class RpcServer:
                     log.exception("dispatching a request failed")
                     self._errors[ErrorCode.INTERNAL].inc()
                     try:
-                        self._send_error(router, frames[0], 0, ErrorCode.INTERNAL, "the server failed to handle this request")
+                        rid = _request_id_of(frames)  # so the caller hears now, not at its own deadline
+                        self._send_error(router, frames[0], rid, ErrorCode.INTERNAL, "the server failed to handle this request")
                     except zmq.ZMQError:
                         pass
             if not router.getsockopt(zmq.EVENTS) & _POLLIN:
@@ -451,3 +452,11 @@ class RpcServer:
         if keep:
             with self._tracker_lock:
                 self._trackers.extendleft(reversed(keep))
+
+
+def _request_id_of(frames: list) -> int:
+    """The request id in a message's header frame, or 0 where there is none to read."""
+    try:
+        return codec.decode_request_header(frames[1]).request_id
+    except Exception:
+        return 0
