@@ -32,6 +32,7 @@ class ErrorCode(IntEnum):
     INCOMPATIBLE = 19  # registration: this client's keys could never match what the server (or a live peer) holds
     UNKNOWN_KV_CACHE = 20  # the server-driven path: no paged cache of this client under that id (unregistered, or the server restarted)
     PREFETCH_TOO_SLOW = 21  # the server answered, but its prefetch from L2 did not finish in the caller's window (that request's miss)
+    REPLIES_UNREAD = 22  # this client has not read earlier replies that pin KV (MAX_UNSENT_BYTES): refused until it does
 
 
 class KVDepotError(Exception):

@@ -11,3 +11,8 @@ MAX_CHUNK_TOKENS = 1 << 16
 
 MAX_KEYS = 1 << 16
 """The most chunk keys (or leases to renew) one request may name."""
+
+MAX_UNSENT_BYTES = 1 << 30
+"""Payload bytes of one client's replies that ZeroMQ may still hold unsent (each pins the L1 objects it
+sends from) before that client's next request of such a reply is refused (REPLIES_UNREAD): a client
+that stops reading cannot pin the cache. A reader pipelining inline retrieves keeps ~4 x 32 MiB."""

@@ -236,6 +236,43 @@ def test_a_request_whose_dispatch_fails_is_answered_under_its_own_id(serve, chan
     assert channel.ping() is True and server.alive
 
 
+def test_a_client_that_stops_reading_pinning_replies_is_refused_more_until_it_reads(serve, url, closing):
+    """Replies that pin memory until sent (an inline retrieve pins its L1 objects) queue without limit
+    for a client that never reads them: it could pin the whole cache. Past max_unsent_bytes of them its
+    next such request is refused (REPLIES_UNREAD); once it reads, it is served again."""
+    released = []
+    size = 1 << 20
+
+    def pinning(call: Call) -> Reply:
+        return Reply(m.PingReply(), [np.full(size, 7, np.uint8)], on_sent=lambda: released.append(call.request_id))
+
+    serve(HandlerSpec(RequestType.PING, pinning, SYNC, pins_until_sent=True), max_unsent_bytes=4 * size)
+    slow = zmq.Context.instance().socket(zmq.DEALER)
+    closing.append(slow)
+    slow.setsockopt(zmq.LINGER, 0)
+    slow.setsockopt(zmq.RCVHWM, 1)
+    slow.setsockopt(zmq.RCVBUF, 64 << 10)
+    slow.connect(url)
+    for rid in range(1, 200):  # 199 MiB asked for, nothing read
+        slow.send_multipart(codec.encode_request(rid, m.PingRequest(), 0))
+        time.sleep(0.005)
+    # Read everything now: some replies, then refusals once 4 MiB were unsent.
+    statuses = []
+    slow.setsockopt(zmq.RCVTIMEO, int(REPLY_S * 1000))
+    for _ in range(199):
+        header, *rest = slow.recv_multipart()
+        statuses.append(codec.decode_reply_header(header).status)
+    refused = [i for i, st in enumerate(statuses) if st == ErrorCode.REPLIES_UNREAD]
+    served = [i for i, st in enumerate(statuses) if st == 0]
+    assert refused and served, statuses
+    assert len(served) < 40, f"{len(served)} replies of 1 MiB queued for a client that did not read (limit 4 MiB)"
+    wait_for("every sent reply to let go of what it pinned", lambda: len(released) == len(served))
+    # It read them: served again.
+    slow.send_multipart(codec.encode_request(500, m.PingRequest(), 0))
+    header, *rest = slow.recv_multipart()
+    assert (codec.decode_reply_header(header).request_id, codec.decode_reply_header(header).status) == (500, 0)
+
+
 @pytest.mark.parametrize("mode", [SYNC, BLOCKING])
 def test_a_reply_that_cannot_be_encoded_is_an_internal_error_for_that_request(serve, raw, mode):
     """A handler's reply the codec cannot encode (here a numpy integer where an int belongs) is the

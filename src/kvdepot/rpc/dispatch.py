@@ -57,3 +57,6 @@ class HandlerSpec:
     rtype: RequestType
     fn: Handler
     mode: HandlerMode
+    # Its replies carry payload sent zero-copy from memory the reply pins until ZeroMQ is done with it:
+    # refused for a client whose earlier such replies are unsent past MAX_UNSENT_BYTES (it stopped reading).
+    pins_until_sent: bool = False

@@ -32,7 +32,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvdepot.errors import EndpointInUse, ErrorCode, KVDepotError
 from kvdepot.events import NO_EVENTS, EventSink, RequestDone
-from kvdepot.limits import MAX_FRAME_BYTES
+from kvdepot.limits import MAX_FRAME_BYTES, MAX_UNSENT_BYTES
 from kvdepot.observability.metrics import Metrics
 from kvdepot.protocol import codec
 from kvdepot.protocol.messages import RequestType
@@ -81,6 +81,7 @@ class RpcServer:
         metrics: Metrics | None = None,
         security: SocketSecurity | None = None,
         events: EventSink = NO_EVENTS,
+        max_unsent_bytes: int = MAX_UNSENT_BYTES,
     ) -> None:
         """``goodbyes``: request types after which a client closes its connection on purpose (its
         disconnect is then counted as a goodbye, not as a client that died). ``io_threads``: ZeroMQ's
@@ -111,8 +112,12 @@ class RpcServer:
         self._local = threading.local()
         self._reply_addr = f"inproc://kvdepot-replies-{id(self)}"
         self._worker_prefix = b"\x00" + os.urandom(15)  # routing ids of worker reply sockets
-        self._trackers: deque[tuple[zmq.MessageTracker, Callable[[], None]]] = deque()
+        self._trackers: deque[tuple[zmq.MessageTracker, Callable[[], None], bytes, int]] = deque()
         self._tracker_lock = threading.Lock()
+        # Per client (routing id): payload bytes of its tracked replies ZeroMQ has not sent yet. The ROUTER
+        # queues without a limit (SNDHWM 0), so a client that never reads would pin L1 for ever.
+        self._unsent: dict[bytes, int] = {}
+        self._max_unsent = max_unsent_bytes
         self._claims = [IpcClaim(ep.removeprefix("ipc://")) for ep in endpoints if ep.startswith("ipc://")]
         self._goodbyes = 0  # clean UNREGISTERs whose disconnect has not been seen yet (loop thread)
         self._refusals = 0  # failed handshakes whose disconnect has not been seen yet (loop thread)
@@ -353,6 +358,12 @@ class RpcServer:
             self._send_error(router, ident, header.request_id, ErrorCode.UNKNOWN_REQUEST_TYPE, f"{rtype.name} is not served here")
             return
         self._requests[rtype].inc()
+        if spec.pins_until_sent and self._unsent.get(ident, 0) >= self._max_unsent:
+            self._errors[ErrorCode.REPLIES_UNREAD].inc()
+            self._send_error(router, ident, header.request_id, ErrorCode.REPLIES_UNREAD,
+                             f"{self._unsent.get(ident, 0)} bytes of earlier replies to this client are not read yet "
+                             f"(over {self._max_unsent}): this request is refused until it reads them")  # fmt: skip
+            return
         if rtype in self._goodbye_types:
             self._goodbyes += 1
         deadline = received + header.timeout_ms / 1000 if header.timeout_ms > 0 else float("inf")
@@ -409,8 +420,10 @@ class RpcServer:
                 except BaseException:
                     reply.on_sent()
                     raise
+                nbytes = sum(memoryview(f).nbytes for f in reply.payload)
                 with self._tracker_lock:
-                    self._trackers.append((tracker, reply.on_sent))
+                    self._trackers.append((tracker, reply.on_sent, ident, nbytes))
+                    self._unsent[ident] = self._unsent.get(ident, 0) + nbytes
                 return
             sock.send_multipart(out, copy=False)
         else:
@@ -440,18 +453,26 @@ class RpcServer:
         with self._tracker_lock:
             pending = list(self._trackers)
             self._trackers.clear()
-        keep = []
-        for tracker, callback in pending:
+        keep, sent = [], []
+        for entry in pending:
+            tracker, callback, _, _ = entry
             if force or tracker.done:
+                sent.append(entry)
                 try:
                     callback()
                 except Exception:
                     log.exception("post-send callback failed")
             else:
-                keep.append((tracker, callback))
-        if keep:
-            with self._tracker_lock:
+                keep.append(entry)
+        with self._tracker_lock:
+            if keep:
                 self._trackers.extendleft(reversed(keep))
+            for _, _, ident, nbytes in sent:
+                left = self._unsent.get(ident, 0) - nbytes
+                if left > 0:
+                    self._unsent[ident] = left
+                else:
+                    self._unsent.pop(ident, None)
 
 
 def _request_id_of(frames: list) -> int:

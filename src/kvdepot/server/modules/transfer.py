@@ -35,7 +35,7 @@ class TransferModule:
             HandlerSpec(R.PREPARE_RETRIEVE, self.prepare_retrieve, S),
             HandlerSpec(R.COMMIT_RETRIEVE, self.commit_retrieve, S),
             HandlerSpec(R.STORE_INLINE, self.store_inline, B),
-            HandlerSpec(R.RETRIEVE_INLINE, self.retrieve_inline, S),
+            HandlerSpec(R.RETRIEVE_INLINE, self.retrieve_inline, S, pins_until_sent=True),
         ]
 
     # --- store ---------------------------------------------------------------------------------------
