@@ -52,7 +52,7 @@ class PathHost(Protocol):
     def registration(self) -> Registration: ...
     def request(self, body, payload: Sequence = (), *, path: TransferPath | None = None, want_payload: bool = False): ...
     def finish(self, body): ...
-    def pipeline(self, requests: list[tuple[object, Sequence]], on_reply=None) -> list: ...
+    def pipeline(self, requests: list[tuple[object, Sequence]], on_reply=None, borrowed: bool = False) -> list: ...
     def stored_chunks(self, hashes: list[ChunkHash], salt: str, probe: bool = False) -> int: ...
     def holding(self, lease_id: int) -> AbstractContextManager[None]: ...
 
@@ -212,10 +212,11 @@ class InlinePath:
         return lay.kv_factor * lay.num_layers
 
     def _send_store(self, hashes: list[ChunkHash], salt: str, first: int, chunk_frames: list[list], rpf: int,
-                    agent_session: str = "", token_ids: Sequence[int] = ()) -> list[SlotStatus]:  # fmt: skip
+                    agent_session: str = "", token_ids: Sequence[int] = (), borrowed: bool = False) -> list[SlotStatus]:  # fmt: skip
         """Store chunks ``hashes[first:]`` whose frames are ``chunk_frames`` as pipelined messages of
         about INLINE_BATCH_BYTES each: bounded memory on both ends, and the server copies one batch
-        into L1 while the next is still on the wire."""
+        into L1 while the next is still on the wire. ``borrowed``: the frames are the caller's memory,
+        which ZeroMQ must hold no more once this returns or raises."""
         h = self._host
         reg = h.registration
         per_batch = max(1, INLINE_BATCH_BYTES // reg.chunk_bytes)
@@ -227,7 +228,7 @@ class InlinePath:
                 agent_session=agent_session, token_ids=_tokens_of(token_ids, i, j, reg.chunk_size),
             )
             requests.append((body, [f for frames in chunk_frames[i - first : j - first] for f in frames]))
-        replies = h.pipeline(requests)
+        replies = h.pipeline(requests, borrowed=borrowed)
         return [SlotStatus(s) for r in replies for s in r.statuses]
 
     @contextmanager
@@ -275,7 +276,9 @@ class InlinePath:
         for i in range(first, len(hashes)):
             rows = np.reshape(kv[:, :, i * cs : (i + 1) * cs], (self._rows, -1), copy=False)
             frames.append([memoryview(r).cast("B") for r in rows])
-        statuses = [SlotStatus.EXISTS] * first + self._send_store(hashes, salt, first, frames, 1, agent_session, token_ids)
+        # The caller's memory: after an error or a timeout it may reuse it at once, so none of it may stay
+        # queued in ZeroMQ (it would be sent later, new bytes under these keys).
+        statuses = [SlotStatus.EXISTS] * first + self._send_store(hashes, salt, first, frames, 1, agent_session, token_ids, borrowed=True)
         return leading_stored(statuses)
 
     def _fetch(self, hashes: list[ChunkHash], salt: str, session_id: str, start: int, consume, n_found: int | None = None) -> int:

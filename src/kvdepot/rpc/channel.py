@@ -39,6 +39,7 @@ from kvdepot.protocol.messages import RequestType
 from kvdepot.rpc.security import SocketSecurity
 
 OnReply = Callable[[int, object, list], None]  # (request index, typed reply, payload frames)
+BORROWED_GRACE_S = 2.0  # past an error or the deadline: how long a server that answers may take to read what was sent
 Answered = Callable[[RequestType], None]
 
 _HANDSHAKE_EVENTS = (
@@ -75,7 +76,19 @@ class RpcChannel:
         self._monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
         sock.connect(self.url)
         self._sock = sock
+        self._rcvtimeo = -1
         return self
+
+    def _replace_socket(self) -> None:
+        """Drop the connection and everything queued on it, and connect afresh (a new routing id: to
+        the server a new client, which registers again). Called with the lock held."""
+        if self._sock is not None:
+            if self._monitor is not None:
+                self._sock.disable_monitor()
+                self._monitor.close(linger=0)
+                self._monitor = None
+            self._sock.close(linger=0)
+        self.open()
 
     def close(self) -> None:
         with self._lock:
@@ -127,35 +140,68 @@ class RpcChannel:
             result = codec.decode_reply_body(rtype, header, reply_body)
             return (result, frames) if want_payload else result
 
-    def pipeline(self, requests: list[tuple[object, Sequence]], on_reply: OnReply | None = None, timeout_s: float = 10.0, window: int = 4) -> list:
+    def pipeline(self, requests: list[tuple[object, Sequence]], on_reply: OnReply | None = None, timeout_s: float = 10.0, window: int = 4,
+                 borrowed: bool = False) -> list:  # fmt: skip
         """Send ``requests`` with up to ``window`` in flight and collect every reply (in request order).
 
         ``on_reply(index, result, frames)`` runs as each reply arrives, so a caller can consume one
         reply's payload while ZeroMQ is still receiving the next. The first error is raised (the other
         replies are then discarded as stale when they arrive).
+
+        ``borrowed``: the payload is the caller's memory, sent without a copy. Then nothing of it is
+        still ZeroMQ's when this returns or raises: what was sent is waited for (the server takes it),
+        and where the server does not (hung, gone) past the deadline, the connection is dropped with
+        what it still queues. Else a caller that reuses its buffer after an error or a timeout would
+        have ZeroMQ send the new bytes later, stored under the old request's keys.
         """
         deadline = time.monotonic() + timeout_s
         with self._exclusive(requests[0][0] if requests else None, timeout_s):
-            results: list = [None] * len(requests)
-            pending: dict[int, int] = {}
-            sent = 0
-            while sent < len(requests) or pending:
-                while sent < len(requests) and len(pending) < window:
-                    body, payload = requests[sent]
-                    pending[self._send(body, payload, timeout_s)] = sent
-                    sent += 1
-                header, reply_body, frames = self._recv(requests[0][0], deadline)
-                index = pending.pop(header.request_id, None)
-                if index is None:
-                    continue
-                rtype = codec.request_type_of(requests[index][0])
-                if self.answered is not None:
-                    self.answered(rtype)
-                result = codec.decode_reply_body(rtype, header, reply_body)
-                results[index] = result
-                if on_reply is not None:
-                    on_reply(index, result, frames)
-            return results
+            trackers: list[zmq.MessageTracker] | None = [] if borrowed else None
+            try:
+                return self._pipeline(requests, on_reply, timeout_s, window, deadline, trackers)
+            finally:
+                if trackers:
+                    self._let_go(trackers, deadline)
+
+    def _let_go(self, trackers: list[zmq.MessageTracker], deadline: float) -> None:
+        """Return once ZeroMQ holds none of the borrowed frames. Called with the lock held."""
+        waiting = [t for t in trackers if not t.done]
+        end = max(deadline, time.monotonic() + BORROWED_GRACE_S)
+        while waiting and time.monotonic() < end:
+            try:
+                waiting[0].wait(timeout=max(0.0, end - time.monotonic()))
+                waiting.pop(0)
+            except zmq.NotDone:
+                break
+        if not waiting:
+            return
+        self._replace_socket()  # its queue goes with it: ZeroMQ frees those frames now, unsent
+        for t in waiting:
+            t.wait()  # prompt: the messages are being discarded
+
+    def _pipeline(self, requests, on_reply: OnReply | None, timeout_s: float, window: int, deadline: float,
+                  trackers: list[zmq.MessageTracker] | None) -> list:  # fmt: skip
+        """``pipeline``'s exchange. Called with the lock held."""
+        results: list = [None] * len(requests)
+        pending: dict[int, int] = {}
+        sent = 0
+        while sent < len(requests) or pending:
+            while sent < len(requests) and len(pending) < window:
+                body, payload = requests[sent]
+                pending[self._send(body, payload, timeout_s, trackers=trackers)] = sent
+                sent += 1
+            header, reply_body, frames = self._recv(requests[0][0], deadline)
+            index = pending.pop(header.request_id, None)
+            if index is None:
+                continue
+            rtype = codec.request_type_of(requests[index][0])
+            if self.answered is not None:
+                self.answered(rtype)
+            result = codec.decode_reply_body(rtype, header, reply_body)
+            results[index] = result
+            if on_reply is not None:
+                on_reply(index, result, frames)
+        return results
 
     @contextmanager
     def _exclusive(self, body, timeout_s: float) -> Iterator[None]:
@@ -167,8 +213,9 @@ class RpcChannel:
         finally:
             self._lock.release()
 
-    def _send(self, body, payload: Sequence, timeout_s: float, closing: bool = False) -> int:
-        """Send one request; returns its id. Called with the lock held."""
+    def _send(self, body, payload: Sequence, timeout_s: float, closing: bool = False, trackers: list | None = None) -> int:
+        """Send one request; returns its id. Called with the lock held. ``trackers``: collect one per
+        payload frame, done once ZeroMQ has let go of it (borrowed memory)."""
         if self.closed and not closing:
             raise KVDepotError("client is closed", ErrorCode.CONNECTION)
         sock = self._sock
@@ -180,7 +227,12 @@ class RpcChannel:
         if payload:
             sock.send(header, zmq.SNDMORE)
             sock.send(encoded, zmq.SNDMORE)
-            sock.send_multipart(payload, copy=False)
+            if trackers is None:
+                sock.send_multipart(payload, copy=False)
+            else:
+                frames = [zmq.Frame(p, track=True) for p in payload]
+                sock.send_multipart(frames, copy=False)
+                trackers.extend(f.tracker for f in frames)
         else:
             sock.send_multipart((header, encoded))
         self.last_request = time.monotonic()
