@@ -9,6 +9,7 @@ import pytest
 from support.servers import CHUNK, LAYOUT, assert_bytes_equal, make_kv, make_tokens, wait_until
 
 from kvdepot.errors import ErrorCode, LeaseExpired
+from kvdepot.protocol import messages as m
 
 
 @pytest.mark.parametrize("endpoint", ["tcp", "ipc"])
@@ -89,6 +90,44 @@ def test_heartbeats_survive_a_restart(make_server, seed):
         t = make_tokens(2 * CHUNK, seed)
         kv = make_kv(LAYOUT, len(t), seed)
         wait_until(lambda: c.store(t, kv) == 2 * CHUNK, what="a store after the restart")
+        assert_bytes_equal(c.retrieve(t), kv)
+
+
+def test_the_heartbeat_renewing_after_a_restart_leaves_registering_to_the_requests(make_server, seed):
+    """The heartbeat renews its sessions' locks holding the channel. After a restart its renewal used to
+    register the client again right there, waiting for the registration lock while a worker thread,
+    registering too, waited for the channel: both stood still until a timeout, and the worker's call
+    failed as a transport error. Now a renewal the server cannot place just fails (those locks went
+    with the old server) and the next request registers."""
+    srv = make_server("--lease-ttl-s", "1")  # renewals every 0.25 s
+    t = make_tokens(2 * CHUNK, seed)
+    kv = make_kv(LAYOUT, len(t), seed)
+    with srv.client() as c:
+        c.renew_sessions = lambda: ["a-queued-request"]
+        srv.restart()
+        time.sleep(1.5)  # several renewals against the new server
+        assert srv.status()["contexts"] == 0, "the heartbeat registered the client again"
+        assert c.store(t, kv) == 2 * CHUNK  # the request registers
+        assert srv.status()["contexts"] == 1
+        assert_bytes_equal(c.retrieve(t), kv)
+
+
+def test_a_request_for_a_path_another_thread_replaced_is_not_sent(make_server, seed):
+    """Re-registering (after a restart) replaces the path, a new arena's; a thread that chose the old
+    path just before used to send its PREPARE anyway under the new registration, got the new arena's
+    offsets, failed mapping them on the closed old arena (ValueError) and left the lease to its TTL.
+    It is told PathChanged before sending, and the client's call goes again on the new path."""
+    from kvdepot.client.transfer import PathChanged
+
+    srv = make_server()
+    t = make_tokens(2 * CHUNK, seed)
+    kv = make_kv(LAYOUT, len(t), seed)
+    with srv.client() as c:
+        stale = object()  # a path the client no longer uses
+        with pytest.raises(PathChanged):
+            c.link.request(m.PrepareStoreRequest(context_id=0, keys=c.hashes(t)), path=stale)
+        assert srv.status()["leases"] == 0, "the request was sent: its lease waits for the TTL"
+        assert c.store(t, kv) == 2 * CHUNK
         assert_bytes_equal(c.retrieve(t), kv)
 
 

@@ -134,6 +134,10 @@ class ContextLink:
         path's to read). ``timeout_s``: this request's own patience instead of ``timeout_s`` (a one-off
         that takes long, such as registering a GPU cache)."""
         reg = self.registration
+        if path is not None and self.path is not path:
+            # Another thread registered again since the caller chose its path (re-registering sets the
+            # path before the registration): the answer would be the new path's offsets.
+            raise PathChanged()
         body.context_id = reg.context_id
         try:
             return self.channel.call(body, payload, timeout_s=timeout_s or self._timeout(), want_payload=want_payload)
@@ -155,16 +159,17 @@ class ContextLink:
             raise LeaseExpired(f"the server no longer knows this client's context (it declared the client gone after a silence, "
                                f"or it restarted), so the lease ended with it: {exc.message}") from None  # fmt: skip
 
-    def pipeline(self, requests: list[tuple[object, Sequence]], on_reply=None) -> list:
-        """Pipelined requests on our context, registering again once if the server forgot it."""
+    def pipeline(self, requests: list[tuple[object, Sequence]], on_reply=None, borrowed: bool = False) -> list:
+        """Pipelined requests on our context, registering again once if the server forgot it.
+        ``borrowed``: the payload is the caller's own memory (see ``RpcChannel.pipeline``)."""
         reg = self.registration
         try:
-            return self.channel.pipeline(requests, on_reply, timeout_s=self._timeout())
+            return self.channel.pipeline(requests, on_reply, timeout_s=self._timeout(), borrowed=borrowed)
         except UnknownContext:
             new = self._reregister(reg)
             for body, _ in requests:
                 body.context_id = new.context_id
-            return self.channel.pipeline(requests, on_reply, timeout_s=self._timeout())
+            return self.channel.pipeline(requests, on_reply, timeout_s=self._timeout(), borrowed=borrowed)
 
     def lookup(
         self, hashes: list[ChunkHash], salt: str, session_id: str = "", lock: bool = True, prefetch: bool = True, probe: bool = False
@@ -211,13 +216,19 @@ class ContextLink:
             hits = self.request(m.QueryPrefetchStatusRequest(context_id=0, session_id=session)).hits
         return hits
 
-    def renew(self, sessions: Iterable[str] = (), lease_ids: Iterable[int] = ()) -> int:
+    def renew(self, sessions: Iterable[str] = (), lease_ids: Iterable[int] = (), reregister: bool = True) -> int:
         """Push the TTL of these sessions' locks and of these leases (this client's own) to now + TTL;
-        returns how many leases were renewed (ended ones are skipped, not an error)."""
+        returns how many leases were renewed (ended ones are skipped, not an error). ``reregister=False``
+        (the heartbeat): a server that forgot the context is not registered with again here. Those
+        leases went with it, and the heartbeat holds the channel: registering would wait for a worker
+        thread that is itself registering and waits for the channel (both until a timeout)."""
         req = m.RenewLeasesRequest(context_id=0, lease_ids=list(lease_ids), sessions=list(sessions))
         if not req.lease_ids and not req.sessions:
             return 0
-        return self.request(req).renewed
+        if reregister:
+            return self.request(req).renewed
+        req.context_id = self.registration.context_id
+        return self.channel.call(req, timeout_s=self._timeout()).renewed
 
     def holding(self, lease_id: int):
         """While the block runs, the heartbeat renews ``lease_id``."""

@@ -34,7 +34,7 @@ class Renewing(Protocol):
     @property
     def registration(self) -> Registration: ...
 
-    def renew(self, sessions: Iterable[str] = (), lease_ids: Iterable[int] = ()) -> int: ...
+    def renew(self, sessions: Iterable[str] = (), lease_ids: Iterable[int] = (), reregister: bool = True) -> int: ...
 
 
 class LeaseRenewer:
@@ -113,7 +113,7 @@ class LeaseRenewer:
             if not got:
                 return False
             try:
-                self._client.renew(sessions, leases)
+                self._client.renew(sessions, leases, reregister=False)
             except KVDepotError as exc:
                 log.debug("lease renewal failed: %s", exc)
         return True
