@@ -338,3 +338,56 @@ def test_delete_removes_the_named_objects_and_says_how_many_were_there(adapter, 
     assert wait(adapter, adapter.submit_delete([keys[1]])).value == 0  # gone already: not an error
     dest = np.zeros_like(payloads[0])
     assert load(adapter, [keys[0]], [dest]) == [True] and np.array_equal(dest, payloads[0])
+
+
+@pytest.mark.parametrize("local_kind", ["memory", "fs"])
+@pytest.mark.parametrize("when", ["before_the_write", "during_the_write"])
+@pytest.mark.parametrize("how", ["delete", "clear"])
+def test_a_delete_or_clear_after_a_store_was_submitted_is_not_undone_by_its_write(local_kind, when, how, tmp_path, rng) -> None:
+    """An operator's DELETE of a prefix (or a tier clear) while the store controller's push of it is in
+    flight: the delete found nothing yet, the write landed after it, and the deleted KV came back for
+    every later lookup. Now the write does not happen, or deletes itself when it ends."""
+    import time
+
+    from kvdepot.storage.l2.fs_adapter import FsAdapter, FsConfig
+    from kvdepot.storage.l2.memory_adapter import MemoryAdapter, MemoryConfig
+
+    if local_kind == "memory":
+        tier = MemoryAdapter("m", MemoryConfig(size_gb=0.01, workers=2))
+    else:
+        tier = FsAdapter("f", FsConfig(path=str(tmp_path / "fs"), size_gb=0.01, workers=2))
+    tier.start()
+    try:
+        keys = make_keys(3)
+        items = [(k, make_payload(rng, 4096)) for k in keys]
+        gate, inside = threading.Event(), threading.Event()
+        real_put = tier._put
+
+        def slow_put(key, payload):
+            inside.set()
+            assert gate.wait(10)
+            return real_put(key, payload)
+
+        tier._put = slow_put
+        if when == "before_the_write":  # the pool's workers are busy: the store waits its turn
+            blockers = [tier.submit_store([(k, make_payload(rng, 64))]) for k in make_keys(2)]
+            assert inside.wait(10)
+            stored = tier.submit_store([(k, memoryview(p)) for k, p in items])
+        else:
+            stored = tier.submit_store([(k, memoryview(p)) for k, p in items])
+            assert inside.wait(10)  # its first write is under way
+        end = tier.submit_delete(keys) if how == "delete" else tier.submit_clear()
+        time.sleep(0.2)
+        gate.set()
+        wait(tier, end)
+        r = wait(tier, stored)
+        if when == "during_the_write":
+            assert r.value == [False] * 3, r  # not stored: the first write deleted itself, the rest skipped
+        assert [present(tier, k) for k in keys] == [False] * 3, "a deleted object came back with a write in flight"
+        if when == "before_the_write":
+            for b in blockers:
+                wait(tier, b)
+        tier._put = real_put  # and the tier works on
+        assert store(tier, items[:1]).value == [True] and present(tier, keys[0])
+    finally:
+        tier.close()

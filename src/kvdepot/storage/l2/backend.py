@@ -61,6 +61,10 @@ class BackendAdapter(ABC):
         self._stats = {"stored": 0, "loaded": 0, "corrupt": 0, "failures": 0}
         self._pins: dict[ObjectKey, int] = {}
         self._usage_cache: tuple[int, int, int] = (0, 0, 0)
+        # Keys with a store submitted and not finished, and those of them deleted meanwhile: their write
+        # must not bring back what the delete removed (``_store_all``).
+        self._writing: dict[ObjectKey, int] = {}
+        self._voided: set[ObjectKey] = set()
         self._usage_failure_logged = -1e9
         self._usage_future: Future | None = None
         self._announce_lock = threading.Lock()  # TierStored and TierCleared take turns (see _announce_stored)
@@ -79,8 +83,21 @@ class BackendAdapter(ABC):
         self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix=f"kvdepot-l2-{self.name}")
 
     def submit_store(self, items: Sequence[tuple[ObjectKey, memoryview]]) -> TaskId:
+        """Store these objects. A delete of one of them, or a clear, that comes after this call and
+        before its write ends is not undone by the write: the object does not stay (see ``_store_all``)."""
         items = list(items)
-        return self._submit(TaskKind.STORE, lambda: self._store_all(items), [False] * len(items))
+        with self._lock:
+            epoch = self._clear_epoch  # now: a clear between this call and the task's start counts too
+            for key, _ in items:
+                self._writing[key] = self._writing.get(key, 0) + 1
+
+        def store() -> list[bool]:
+            try:
+                return self._store_all(items, epoch)
+            finally:
+                self._done_writing(items)
+
+        return self._submit(TaskKind.STORE, store, [False] * len(items), skipped=lambda: self._done_writing(items))
 
     def submit_lookup_and_lock(self, keys: Sequence[ObjectKey], hints: LookupHints | None = None) -> TaskId:
         keys = list(keys)
@@ -255,15 +272,41 @@ class BackendAdapter(ABC):
 
     # --- machinery -----------------------------------------------------------------------------------
 
-    def _submit(self, kind: TaskKind, work: Callable[[], Any], miss: Any, always: bool = False) -> TaskId:
+    def _submit(self, kind: TaskKind, work: Callable[[], Any], miss: Any, always: bool = False,
+                skipped: Callable[[], None] | None = None) -> TaskId:  # fmt: skip
+        """``skipped``: called when ``work`` will never run (the tier is down, or not started)."""
         task_id = next(self._ids)
         if self._pool is None:
+            if skipped is not None:
+                skipped()
             raise RuntimeError(f"L2 adapter {self.name} is not started")
         if not always and not self._breaker.admit():
+            if skipped is not None:
+                skipped()
             self._finish(TaskResult(task_id, kind, miss, ok=False, error=f"{self.name} is down: {self._breaker.last_error}"))
             return task_id
-        self._pool.submit(self._run, task_id, kind, work, miss)
+        try:
+            self._pool.submit(self._run, task_id, kind, work, miss)
+        except RuntimeError:  # shut down meanwhile
+            if skipped is not None:
+                skipped()
+            raise
         return task_id
+
+    def _done_writing(self, items: list[tuple[ObjectKey, memoryview]]) -> None:
+        with self._lock:
+            for key, _ in items:
+                left = self._writing.get(key, 0) - 1
+                if left > 0:
+                    self._writing[key] = left
+                else:
+                    self._writing.pop(key, None)
+                    self._voided.discard(key)
+
+    def _void(self, key: ObjectKey, epoch: int) -> bool:
+        """Was ``key`` deleted, or the tier cleared, since its store was submitted (at ``epoch``)?"""
+        with self._lock:
+            return key in self._voided or epoch != self._clear_epoch
 
     def _run(self, task_id: TaskId, kind: TaskKind, work: Callable[[], Any], miss: Any) -> None:
         started = time.monotonic()
@@ -316,14 +359,22 @@ class BackendAdapter(ABC):
         """For the adapters' own status calls: never ask a backend that is down."""
         return self._breaker.up
 
-    def _store_all(self, items: list[tuple[ObjectKey, memoryview]]) -> list[bool]:
+    def _store_all(self, items: list[tuple[ObjectKey, memoryview]], epoch: int | None = None) -> list[bool]:
         """Per-key outcome, counted once it is durable. A rejected object fails alone; when the backend
         fails midway, the objects stored before are still reported (and counted) as stored, so the
-        tier's count and its store controller's always agree."""
-        epoch = self._clear_epoch
+        tier's count and its store controller's always agree.
+
+        An object deleted (an operator's DELETE of its prefix) or cleared after its store was submitted
+        (``epoch``: the clear count then) is not written, or, when that came during its write, deleted
+        again right after: the delete ran before the write existed and found nothing, and the write
+        would otherwise bring the deleted KV back for every later lookup."""
+        epoch = self._clear_epoch if epoch is None else epoch
         out: list[bool] = []
         failure: Exception | None = None
         for key, payload in items:
+            if self._void(key, epoch):
+                out.append(False)
+                continue
             try:
                 self._put(key, payload)
             except RejectedObject as exc:
@@ -333,6 +384,15 @@ class BackendAdapter(ABC):
             except Exception as exc:
                 failure = exc
                 break
+            if self._void(key, epoch):
+                try:
+                    self._delete(key)
+                except Exception as exc:
+                    failure = exc
+                    out.append(False)
+                    break
+                out.append(False)
+                continue
             out.append(True)
         out += [False] * (len(items) - len(out))
         try:
@@ -373,13 +433,16 @@ class BackendAdapter(ABC):
 
     def _clear_counted(self) -> int:
         with self._announce_lock:
+            with self._lock:
+                self._clear_epoch += 1  # first: a write that ends while the clear runs deletes itself
             n = self._clear()
-            self._clear_epoch += 1
             self.services.sink.publish(TierCleared(self.name, self.kind))
         log.info("L2 %s (%s) cleared: %d objects", self.name, self.kind, n)
         return n
 
     def _delete_present(self, keys: list[ObjectKey]) -> int:
+        with self._lock:
+            self._voided.update(k for k in keys if k in self._writing)  # those writes must not bring them back
         present = [k for k, there in zip(keys, self._contains(keys)) if there]
         for key in present:
             self._delete(key)
