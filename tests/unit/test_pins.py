@@ -184,7 +184,7 @@ def test_a_salt_is_part_of_the_session_identity(prot):
 
 
 def table(prot: Protections, slots: int = 4, policy: str = "lru") -> ObjectTable:
-    return ObjectTable(ExtentAllocator(slots * SLOT, alignment=SLOT), make_policy(policy), protected=prot.is_protected)
+    return ObjectTable(ExtentAllocator(slots * SLOT, alignment=SLOT), make_policy(policy), protected=prot.is_protected, pinned=prot.is_pinned)
 
 
 def store(t: ObjectTable, ids, salt: str = "") -> None:
@@ -219,6 +219,38 @@ def test_pinned_bytes_count_against_the_quota_and_the_others_go(prot):
     t.policy.set_quota("t", 1 * SLOT)  # below what is pinned: every unpinned one goes, the pinned stay
     t.enforce_quotas()
     assert t.lookup(keys(1, 2)) == 2 and t.policy.used("t") == 2 * SLOT
+    t.check_invariants()
+
+
+def test_a_tenant_makes_room_in_its_quota_from_its_own_objects_never_from_the_others(prot):
+    """A batch larger than its tenant's quota used to be reserved whole, evicting other tenants' objects
+    to make room (then trimmed back to the quota): one small tenant could flush everyone's cache."""
+    t = table(prot, slots=10, policy="isolated_lru")
+    store(t, range(100, 110), salt="b")  # L1 full of tenant b
+    t.policy.set_quota("a", 2 * SLOT)
+    res = t.reserve_write(keys(1, 2, 3, 4, 5), SLOT, OWNER, "a")
+    AL, OQ = SlotStatus.ALLOCATED, SlotStatus.OVER_QUOTA
+    assert res.statuses == [AL, AL, OQ, OQ, OQ]
+    t.commit_write(res.lease_id, OWNER)
+    assert t.policy.used("b") == 8 * SLOT and t.policy.used("a") == 2 * SLOT  # b lost two objects, not five
+    store(t, [6, 7], salt="a")  # at its quota: its own oldest make room
+    assert t.lookup(keys(1)) == 0 and t.lookup(keys(2)) == 0 and t.lookup(keys(6, 7)) == 2
+    assert t.policy.used("b") == 8 * SLOT and t.policy.used("a") == 2 * SLOT
+    t.check_invariants()
+
+
+def test_agent_sessions_keep_a_tenant_within_its_quota_not_beyond_it(prot):
+    """Agent sessions protected keys without limit, and eviction, the quota trim and make-room all
+    spared them: a tenant could hold L1 past its quota for as long as it kept its sessions going."""
+    t = table(prot, slots=10, policy="isolated_lru")
+    prot.touch("a", "conversation", keys(1, 2, 3, 4))
+    t.policy.set_quota("a", 4 * SLOT)
+    store(t, [1, 2, 3, 4], salt="a")
+    res = t.reserve_write(keys(5), SLOT, OWNER, "a")  # its own are all its session's: no room in its quota
+    assert res.statuses == [SlotStatus.OVER_QUOTA]
+    t.policy.set_quota("a", 2 * SLOT)  # lowered: the session does not hold it past it
+    assert t.enforce_quotas() == 2
+    assert t.policy.used("a") == 2 * SLOT
     t.check_invariants()
 
 

@@ -48,6 +48,13 @@ class EvictionPolicy(Protocol):
         """Can an object of ``size`` bytes of ``salt`` never be kept? (then it is refused, not stored
         and evicted at once)"""
 
+    def over_quota_by(self, salt: str, extra: int) -> int:
+        """Bytes by which ``salt``'s READY objects plus ``extra`` more would exceed its quota (0 or less:
+        they fit, or it has none)."""
+
+    def oldest_of(self, salt: str) -> Iterator[ObjectKey]:
+        """``salt``'s keys, first victim first (the table makes room in a tenant's own quota with them)."""
+
 
 class LRUPolicy:
     name = EvictionPolicyName.LRU
@@ -86,6 +93,12 @@ class LRUPolicy:
     def refuses(self, salt: str, size: int) -> bool:
         return False
 
+    def over_quota_by(self, salt: str, extra: int) -> int:
+        return 0
+
+    def oldest_of(self, salt: str) -> Iterator[ObjectKey]:
+        return iter(())
+
 
 class NoopPolicy:
     """Never evicts: a full L1 refuses new stores instead."""
@@ -112,6 +125,12 @@ class NoopPolicy:
 
     def refuses(self, salt: str, size: int) -> bool:
         return False
+
+    def over_quota_by(self, salt: str, extra: int) -> int:
+        return 0
+
+    def oldest_of(self, salt: str) -> Iterator[ObjectKey]:
+        return iter(())
 
 
 class IsolatedLRUPolicy(LRUPolicy):
@@ -154,6 +173,13 @@ class IsolatedLRUPolicy(LRUPolicy):
     def quotas(self) -> dict[str, int]:
         with self._quota_lock:
             return dict(self._quotas)
+
+    def over_quota_by(self, salt: str, extra: int) -> int:
+        quota = self.quota(salt)
+        return 0 if quota is None else self._used.get(salt, 0) + extra - quota
+
+    def oldest_of(self, salt: str) -> Iterator[ObjectKey]:
+        return (k for k in self._order if self._salt.get(k) == salt)
 
     def on_ready(self, key: ObjectKey, salt: str = "", size: int = 0) -> None:
         super().on_ready(key)

@@ -210,9 +210,13 @@ class ObjectTable:
         clock: Callable[[], float] = time.monotonic,
         holder_alive: HolderAlive = _always_alive,
         protected: Protected = _never_protected,
+        pinned: Protected | None = None,
     ) -> None:
+        """``protected``: kept from eviction (pinned, or an agent session's); ``pinned``: of those, the
+        ones a tenant's quota does not override either (default: all of them)."""
         self._alloc = allocator
         self._protected = protected  # called under the lock: it must not call back into the table
+        self._pinned = pinned or protected
         self._policy = policy
         self._ttl = lease_ttl_s
         self._clock = clock
@@ -311,6 +315,7 @@ class ObjectTable:
             keep: set[ObjectKey] = set(protect)
             out_of_space = False
             over_quota = self._policy.refuses(salt, size)
+            reserving = 0  # bytes this batch has reserved for the salt so far
             for key in keys:
                 obj = self._objects.get(key)
                 if obj is not None:
@@ -322,6 +327,11 @@ class ObjectTable:
                         self._policy.on_access(key)
                     offsets.append(-1)
                     continue
+                if not over_quota and not out_of_space:
+                    # Within its quota, a tenant makes room from its own oldest objects, never from other
+                    # tenants' (a batch larger than its quota used to flush everyone's cache, then be
+                    # trimmed back); what its own cannot make room for is refused, this key and the rest.
+                    over_quota = not self._room_in_quota_locked(salt, reserving + size, keep)
                 if over_quota:
                     statuses.append(SlotStatus.OVER_QUOTA)
                     offsets.append(-1)
@@ -337,6 +347,7 @@ class ObjectTable:
                     key, offset, size, ObjectState.WRITING, salt, writer=lease_id, generation=next(self._generations)
                 )
                 reserved.append(key)
+                reserving += size
                 statuses.append(SlotStatus.ALLOCATED)
                 offsets.append(offset)
             if reserved:
@@ -604,10 +615,11 @@ class ObjectTable:
             return self._alloc.stats().used
 
     def enforce_quotas(self) -> int:
-        """Evict what the policy says is over a per-salt quota (unlocked READY objects only)."""
+        """Evict what the policy says is over a per-salt quota (unlocked READY objects only). An agent
+        session's protection does not outweigh its tenant's quota (a pin does: pins are refused past it)."""
         with self._locked():
             victims = []
-            for key in self._policy.quota_excess(self._evictable_locked):
+            for key in self._policy.quota_excess(self._evictable_over_quota_locked):
                 victims.append(self._objects[key])
             for obj in victims:
                 self._remove_locked(obj, RemovedBecause.OVER_QUOTA)
@@ -786,6 +798,37 @@ class ObjectTable:
             and (take_held or not obj.awaiting_l2)
             and not self._protected(key)
         )
+
+    def _evictable_over_quota_locked(self, key: ObjectKey) -> bool:
+        """As ``_evictable_locked``, but only a pin protects: a tenant's agent sessions keep its objects
+        within its quota, not beyond it."""
+        obj = self._objects.get(key)
+        return (
+            obj is not None and obj.state is ObjectState.READY and not obj.readers and not obj.doomed
+            and not obj.awaiting_l2 and not self._pinned(key)
+        )  # fmt: skip
+
+    def _room_in_quota_locked(self, salt: str, extra: int, keep: set[ObjectKey]) -> bool:
+        """Can ``extra`` more bytes of ``salt`` fit its quota, evicting its own oldest objects (never
+        ``keep``, the batch's prefix) if needed? True when the salt has no quota."""
+        excess = self._policy.over_quota_by(salt, extra)
+        if excess <= 0:
+            return True
+        victims, freed = [], 0
+        for key in self._policy.oldest_of(salt):
+            if key in keep or not self._evictable_locked(key):
+                continue
+            obj = self._objects[key]
+            victims.append(obj)
+            freed += obj.size
+            if freed >= excess:
+                break
+        if freed < excess:
+            return False
+        for obj in victims:
+            self._remove_locked(obj, RemovedBecause.OVER_QUOTA)
+        self._counters.evicted += len(victims)
+        return True
 
     def _remove_locked(self, obj: L1Object, because: RemovedBecause = RemovedBecause.EVICTED) -> None:
         del self._objects[obj.key]

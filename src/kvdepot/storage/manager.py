@@ -166,7 +166,8 @@ class StorageManager:
         quota_of = policy.quota if isinstance(policy, IsolatedLRUPolicy) else (lambda salt: None)
         self._protections = Protections(config.agent_session_ttl_s, quota_of)
         self._table = ObjectTable(
-            allocator, policy, lease_ttl_s=config.lease_ttl_s, protected=self._protections.is_protected, **extra
+            allocator, policy, lease_ttl_s=config.lease_ttl_s, protected=self._protections.is_protected,
+            pinned=self._protections.is_pinned, **extra
         )
         services = TierServices(node=node, arena=self._arena, events=self._table, sink=events)
         try:

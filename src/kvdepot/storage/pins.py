@@ -144,6 +144,10 @@ class Protections:
     def session_ttl_s(self) -> float:
         return self._session_ttl
 
+    def is_pinned(self, key: ObjectKey) -> bool:
+        """Held by a pin (not only by an agent session); like ``is_protected``, lock-free."""
+        return self._pinned.get(key, 0) > 0
+
     def is_protected(self, key: ObjectKey) -> bool:
         """Called for every eviction candidate under the object table's lock: a dict membership test,
         atomic under the GIL, so it takes no lock of its own."""
