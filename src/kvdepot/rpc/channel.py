@@ -82,23 +82,23 @@ class RpcChannel:
     def _replace_socket(self) -> None:
         """Drop the connection and everything queued on it, and connect afresh (a new routing id: to
         the server a new client, which registers again). Called with the lock held."""
+        self._close_socket()
+        if not self.closed:
+            self.open()
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            self._close_socket()
+
+    def _close_socket(self) -> None:
+        """Close the socket (LINGER 0: what it still queues is dropped) and its monitor. Lock held."""
         if self._sock is not None:
             if self._monitor is not None:
                 self._sock.disable_monitor()
                 self._monitor.close(linger=0)
                 self._monitor = None
             self._sock.close(linger=0)
-        self.open()
-
-    def close(self) -> None:
-        with self._lock:
-            self.closed = True
-            if self._sock is not None:
-                if self._monitor is not None:
-                    self._sock.disable_monitor()
-                    self._monitor.close(linger=0)
-                    self._monitor = None
-                self._sock.close(linger=0)
 
     def held(self, timeout_s: float):
         """The channel's lock, for a caller that wants it only if it comes within ``timeout_s``
