@@ -4,6 +4,7 @@ keeps them, and an unusable path turns the tier off without stopping the node.""
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 from support.peer_cluster import check_pages, keys, page_bytes, wait_for
 
@@ -47,32 +48,42 @@ def test_a_restarted_node_serves_what_its_disk_kept(tmp_path):
             assert check_pages(head, "r", 8, SIZE) == {"hit": 8, "miss": 0, "wrong": 0}
 
 
-def test_a_node_killed_and_restarted_within_the_ttl_serves_what_its_disk_kept(tmp_path):
-    """Killed and back on its port before the others expire it: it keeps its id, and the head still
-    holds its earlier incarnation's records of its pages. The disk's records it publishes again replace
-    them (a generation of 0 did not: the pages stayed unreadable though the disk had them)."""
+@contextmanager
+def _owner_restarted_within_the_ttl(name: str, options: dict, settle_s: float = 0.0):
+    """A head and a second node (member TTL 30 s: nobody expires the killed node meanwhile; three nodes,
+    so most keys' records live on the other two, not on the restarted node's fresh shard), and an owner
+    process that sets 8 pages named ``name``, is killed ``settle_s`` after they are in the directory,
+    and starts again on its port, so with its id. Yields (head, the restarted owner)."""
     from support.peer_cluster import NodeProcess
 
-    disk = str(tmp_path / "l4")
-    slow = {**FAST, "member_ttl_s": 30.0}  # no one expires the killed node meanwhile
+    slow = {**FAST, "member_ttl_s": 30.0}
+    options = {**options, "extra": {**options.get("extra", {}), "member_ttl_s": 30.0}}
     with PeerStore(port=0, data_port=0, pool_size_mb=8, **slow) as head, PeerStore(discovery=head.node_id, port=0, data_port=0, pool_size_mb=8, **slow):
-        # (three nodes: most keys' records live on the other two, not on the restarted node's fresh shard)
-        options = {"pool_size_mb": 1, "extra": {"disk_path": disk, "member_ttl_s": 30.0}}
         owner = NodeProcess(discovery=head.node_id, secret=FAST["secret"], **options).start()
         try:
-            owner.command(f"set r 8 {SIZE} 0")
-            wait_for(lambda: head.batch_exists(keys("r", 8)) == 8, 10, "the owner's pages in the directory")
-            time.sleep(1.0)  # the write-through (async) reaches the disk
+            owner.command(f"set {name} 8 {SIZE} 0")
+            wait_for(lambda: head.batch_exists(keys(name, 8)) == 8, 10, "the owner's pages in the directory")
+            time.sleep(settle_s)
             port = int(owner.node_id.rsplit(":", 1)[1])
         finally:
             owner.kill()
         again = NodeProcess(discovery=head.node_id, secret=FAST["secret"], port=port, **options).start()
         try:
             assert again.node_id == owner.node_id
-            wait_for(lambda: check_pages(head, "r", 8, SIZE)["hit"] == 8, 15, "the restarted node's disk pages readable")
-            assert check_pages(head, "r", 8, SIZE) == {"hit": 8, "miss": 0, "wrong": 0}
+            yield head, again
         finally:
             again.kill()
+
+
+def test_a_node_killed_and_restarted_within_the_ttl_serves_what_its_disk_kept(tmp_path):
+    """Killed and back on its port before the others expire it: it keeps its id, and the head still
+    holds its earlier incarnation's records of its pages. The disk's records it publishes again replace
+    them (a generation of 0 did not: the pages stayed unreadable though the disk had them)."""
+    options = {"pool_size_mb": 1, "extra": {"disk_path": str(tmp_path / "l4")}}
+    # settle: the write-through (async) reaches the disk before the kill
+    with _owner_restarted_within_the_ttl("r", options, settle_s=1.0) as (head, _):
+        wait_for(lambda: check_pages(head, "r", 8, SIZE)["hit"] == 8, 15, "the restarted node's disk pages readable")
+        assert check_pages(head, "r", 8, SIZE) == {"hit": 8, "miss": 0, "wrong": 0}
 
 
 def test_a_node_restarted_within_the_ttl_without_its_pages_leaves_no_records_of_them(tmp_path):
@@ -80,29 +91,13 @@ def test_a_node_restarted_within_the_ttl_without_its_pages_leaves_no_records_of_
     the records of its earlier run named pages nobody holds, and nothing ever unpublished them. They
     read as present for good (``batch_exists``), cost every read a round trip and a miss, and in a
     server's tier list hid the copies in the tiers below."""
-    from support.peer_cluster import NodeProcess
-
-    slow = {**FAST, "member_ttl_s": 30.0}  # no one expires the killed node meanwhile
     names = keys("g", 8)
-    with PeerStore(port=0, data_port=0, pool_size_mb=8, **slow) as head, PeerStore(discovery=head.node_id, port=0, data_port=0, pool_size_mb=8, **slow):
-        options = {"pool_size_mb": 4, "extra": {"member_ttl_s": 30.0}}
-        owner = NodeProcess(discovery=head.node_id, secret=FAST["secret"], **options).start()
-        try:
-            owner.command(f"set g 8 {SIZE} 0")
-            wait_for(lambda: head.batch_exists(names) == 8, 10, "the owner's pages in the directory")
-            port = int(owner.node_id.rsplit(":", 1)[1])
-        finally:
-            owner.kill()
-        again = NodeProcess(discovery=head.node_id, secret=FAST["secret"], port=port, **options).start()
-        try:
-            assert again.node_id == owner.node_id
-            wait_for(lambda: not any(head.exists(n) for n in names), 15, "the earlier run's records to go")
-            assert check_pages(head, "g", 8, SIZE) == {"hit": 0, "miss": 8, "wrong": 0}
-            again.command(f"set g 8 {SIZE} 0")  # written again: found again
-            wait_for(lambda: head.batch_exists(names) == 8, 10, "the new run's pages in the directory")
-            assert check_pages(head, "g", 8, SIZE) == {"hit": 8, "miss": 0, "wrong": 0}
-        finally:
-            again.kill()
+    with _owner_restarted_within_the_ttl("g", {"pool_size_mb": 4}) as (head, again):
+        wait_for(lambda: not any(head.exists(n) for n in names), 15, "the earlier run's records to go")
+        assert check_pages(head, "g", 8, SIZE) == {"hit": 0, "miss": 8, "wrong": 0}
+        again.command(f"set g 8 {SIZE} 0")  # written again: found again
+        wait_for(lambda: head.batch_exists(names) == 8, 10, "the new run's pages in the directory")
+        assert check_pages(head, "g", 8, SIZE) == {"hit": 8, "miss": 0, "wrong": 0}
 
 
 def test_an_unusable_disk_path_turns_the_tier_off_and_the_node_still_serves(tmp_path):

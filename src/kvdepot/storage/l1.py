@@ -619,7 +619,7 @@ class ObjectTable:
         session's protection does not outweigh its tenant's quota (a pin does: pins are refused past it)."""
         with self._locked():
             victims = []
-            for key in self._policy.quota_excess(self._evictable_over_quota_locked):
+            for key in self._policy.quota_excess(lambda key: self._evictable_locked(key, protected=self._pinned)):
                 victims.append(self._objects[key])
             for obj in victims:
                 self._remove_locked(obj, RemovedBecause.OVER_QUOTA)
@@ -786,9 +786,10 @@ class ObjectTable:
         self._counters.evicted += evicted
         return evicted
 
-    def _evictable_locked(self, key: ObjectKey, take_held: bool = False) -> bool:
-        """READY, unlocked, neither pinned nor held by an agent session, and not awaiting its L2 push
-        (unless ``take_held``: the last resort)."""
+    def _evictable_locked(self, key: ObjectKey, take_held: bool = False, protected: Protected | None = None) -> bool:
+        """READY, unlocked, not ``protected`` (default: neither pinned nor held by an agent session; the
+        quota trim passes ``_pinned``: a tenant's agent sessions keep its objects within its quota, not
+        beyond it), and not awaiting its L2 push (unless ``take_held``: the last resort)."""
         obj = self._objects.get(key)
         return (
             obj is not None
@@ -796,17 +797,8 @@ class ObjectTable:
             and not obj.readers
             and not obj.doomed
             and (take_held or not obj.awaiting_l2)
-            and not self._protected(key)
+            and not (protected or self._protected)(key)
         )
-
-    def _evictable_over_quota_locked(self, key: ObjectKey) -> bool:
-        """As ``_evictable_locked``, but only a pin protects: a tenant's agent sessions keep its objects
-        within its quota, not beyond it."""
-        obj = self._objects.get(key)
-        return (
-            obj is not None and obj.state is ObjectState.READY and not obj.readers and not obj.doomed
-            and not obj.awaiting_l2 and not self._pinned(key)
-        )  # fmt: skip
 
     def _room_in_quota_locked(self, salt: str, extra: int, keep: set[ObjectKey]) -> bool:
         """Can ``extra`` more bytes of ``salt`` fit its quota, evicting its own oldest objects (never
