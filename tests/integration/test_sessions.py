@@ -7,7 +7,7 @@ import pytest
 
 from kvdepot.errors import ErrorCode, KVDepotError
 
-from support.servers import CHUNK, LAYOUT, assert_bytes_equal, make_kv, make_tokens
+from support.servers import CHUNK, LAYOUT, assert_bytes_equal, make_kv, make_tokens, wait_until
 
 
 @pytest.fixture
@@ -211,3 +211,31 @@ def test_prepare_retrieve_limit_caps_the_chunks_locked(srv, seed, limit, expecte
         assert srv.status()["leases"] == 1
         c.link.request(m.CommitRetrieveRequest(context_id=0, lease_id=reply.lease_id))
         assert srv.status()["leases"] == 0
+
+
+def test_a_session_nobody_ends_goes_with_its_lock_and_a_renewed_one_stays(make_server, seed):
+    """An engine that gave up on a LOOKUP's reply never ends its session: the server drops it once its
+    lock has expired (it used to keep it for the client's lifetime), while a session whose locks the
+    client renews stays however long the request queues."""
+    srv = make_server("--lease-ttl-s", "1", "--heartbeat-interval-s", "0.2")
+    with srv.client() as c:
+        tokens, kv = _stored(c, 3, seed)
+        hashes = c.hashes(tokens)
+        c.renew_sessions = lambda: ["kept"]
+        assert c.lookup_chunks(hashes, session_id="lost") == 3
+        assert c.lookup_chunks(hashes[:2], session_id="kept") == 2
+        assert srv.status()["sessions"] == 2
+        wait_until(lambda: srv.status()["sessions"] == 1, 10, what="the abandoned session to be dropped")
+        st = srv.status()
+        assert st["leases"] == 1 and st["l1"]["read_locked"] == 2  # the renewed one holds its locks still
+        assert c.query_prefetch_status("kept") == 2
+        with pytest.raises(KVDepotError) as err:
+            c.query_prefetch_status("lost")
+        assert err.value.code == ErrorCode.UNKNOWN_SESSION
+        with c.prepare_retrieve(hashes, session_id="lost") as views:  # a late retrieve locks afresh
+            assert len(views) == 3
+            for i, v in enumerate(views):
+                assert_bytes_equal(v, kv[:, :, i * CHUNK : (i + 1) * CHUNK])
+        c.end_session("kept")
+        st = srv.status()
+        assert (st["sessions"], st["leases"], st["l1"]["read_locked"]) == (0, 0, 0)

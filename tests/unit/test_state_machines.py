@@ -151,6 +151,26 @@ def test_ending_a_context_ends_its_sessions_only():
     assert len(t) == 1 and t.lease((ContextId(2), "a")) == 3
 
 
+def test_sessions_nobody_ends_expire_and_live_ones_stay():
+    now = [0.0]
+    t = SessionTable(clock=lambda: now[0])
+    alive = {LeaseId(1)}
+    t.open((ContextId(1), "held"), LeaseId(1), KEYS[:1], 1, lock=True, prefetch_keys=None)  # its lease lives
+    t.open((ContextId(1), "dead"), LeaseId(2), KEYS[:1], 1, lock=True, prefetch_keys=None)  # its lease expired
+    s, _ = t.open((ContextId(1), "known"), NO_LEASE, [], 0, lock=False, prefetch_keys=KEYS)
+    t.prefetched((ContextId(1), "known"), s, 2, lambda keys: (NO_LEASE, 0))  # KNOWN, never asked
+    t.open((ContextId(2), "loading"), LeaseId(3), KEYS[:1], 1, lock=True, prefetch_keys=KEYS)
+    assert t.expire(60, 600, alive.__contains__) == [(ContextId(1), LeaseId(2))]  # only the dead lease's, at once
+    assert t.hand_over((ContextId(1), "dead"), KEYS[:1], 0) == NO_LEASE  # a retrieve locks afresh
+    now[0] = 61.0
+    assert t.expire(60, 600, alive.__contains__) == [(ContextId(1), NO_LEASE)]  # the KNOWN one, idle a TTL
+    now[0] = 659.0
+    assert t.expire(60, 600, alive.__contains__) == []  # a prefetch has its own bound first
+    now[0] = 661.0
+    assert t.expire(60, 600, alive.__contains__) == [(ContextId(2), LeaseId(3))]
+    assert len(t) == 1 and t.lease((ContextId(1), "held")) == 1  # renewed: it stays however old
+
+
 # --- prefetch jobs --------------------------------------------------------------------------------------
 
 

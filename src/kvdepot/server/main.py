@@ -11,6 +11,7 @@ import logging
 import signal
 import socket
 import threading
+import time
 from collections.abc import Sequence
 
 from kvdepot import __version__
@@ -39,6 +40,7 @@ from kvdepot.storage.manager import QuotaControl, StorageManager
 from kvdepot.types import ClearScope, ClientId, NodeId
 
 log = logging.getLogger(__name__)
+SESSION_SWEEP_S = 1.0  # how often lookup sessions nobody ended are looked for
 
 DEFAULT_MODULES: tuple[ModuleFactory, ...] = (ManagementModule, LookupModule, TransferModule, LifecycleModule, BlockTransferModule)
 
@@ -89,6 +91,7 @@ class KVDepotServer:
         h = config.http
         self.prometheus = PrometheusServer(metrics.text, h.host, h.prometheus_port, h.allowed_hosts) if h.prometheus_port else None
         self._stopped = threading.Event()
+        self._next_session_sweep = 0.0
         self.plugins = PluginSupervisor(config)  # a plugin module that is not there fails here, before any port is taken
         self._bind()
         try:
@@ -156,6 +159,10 @@ class KVDepotServer:
         if pins or sessions:
             log.info("%d soft pins and %d agent sessions reached their deadline: their prefixes are evictable again", pins, sessions)
         self.observers.housekeeping()
+        if (now := time.monotonic()) >= self._next_session_sweep:
+            self._next_session_sweep = now + SESSION_SWEEP_S
+            if ended := self.ctx.expire_sessions():
+                log.info("%d lookup sessions nobody ended were dropped (their locks had ended, or they sat idle for a lease TTL)", ended)
         released = self.storage.recheck_quarantine()
         if released:
             log.info("%d quarantined leases released: their holders are gone", released)

@@ -9,6 +9,7 @@
                                     └──know (no lock)──► KNOWN ──answered──► ENDED
 
     PREFETCHING, LOCKED or KNOWN ──end: END_SESSION, a new LOOKUP under the same id, its context gone──► ENDED
+                                 ──expire: nobody ended it (see ``SessionTable.expire``)───────────────► ENDED
 
 - PREFETCHING: the final hit count is not known yet (QUERY_PREFETCH_STATUS answers None); the L1 part
   may already be locked under a first lease.
@@ -17,6 +18,11 @@
 - KNOWN: the count is known, nothing is locked; the session ends once the count was answered.
 - ENDED: the session is out of the table; its lease went to whoever ended it (the caller releases it,
   or a retrieve owns it from then on). Nothing moves an ended session.
+
+A session nobody ends (an engine that gave up on the LOOKUP's reply, a client that forgot it) expires:
+a LOCKED one as soon as its lease is gone (expired unrenewed, or every lock freed), a KNOWN one after an
+idle TTL, a PREFETCHING one once its prefetch has had its own bound on top. Without that, each would stay
+in the table for the client's lifetime, and a later retrieve under its id would take over a dead lease.
 
 ``Session`` owns the transitions: each checks the state it leaves and raises IllegalTransition, changing
 nothing, from any other. ``SessionTable`` keeps the sessions by (context, session id); every read and
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -51,6 +58,7 @@ class Session:
     lock: bool  # the lookup asked for locks
     all_keys: list[ObjectKey] | None = None  # the whole prompt's keys, while PREFETCHING
     in_l1: int = 0  # leading chunks that were in L1 at the lookup (the rest of ``hits`` came from L2)
+    since: float = 0.0  # monotonic time of its last transition (for expiry)
 
     def __repr__(self) -> str:
         return f"Session({self.state.value}, hits={self.hits}, lease={self.lease_id}, locked={len(self.keys)})"
@@ -105,8 +113,9 @@ LockPrefix = Callable[[list[ObjectKey]], tuple[LeaseId, int]]  # keys -> (lease,
 
 
 class SessionTable:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
+        self._clock = clock
         self._sessions: dict[Key, Session] = {}
 
     def __len__(self) -> int:
@@ -125,6 +134,7 @@ class SessionTable:
             session = Session(SessionState.PREFETCHING, lease, keys, None, lock, prefetch_keys, in_l1=hits)
         else:
             session = Session(SessionState.LOCKED, lease, keys, hits, lock, in_l1=hits)
+        session.since = self._clock()
         with self._lock:
             old = self._sessions.get(key)
             self._sessions[key] = session
@@ -138,6 +148,7 @@ class SessionTable:
         with self._lock:
             if self._sessions.get(key) is not session:
                 return None
+            session.since = self._clock()
             if not session.lock:
                 session.know(total)
                 return NO_LEASE
@@ -196,3 +207,24 @@ class SessionTable:
         with self._lock:
             session = self._sessions.get(key)
             return None if session is None else session.state
+
+    def expire(self, idle_s: float, prefetch_bound_s: float, lease_alive: Callable[[LeaseId], bool]) -> list[tuple[ContextId, LeaseId]]:
+        """End the sessions nobody will end: LOCKED ones whose lease is gone (and lock-free LOCKED ones
+        idle for ``idle_s``), KNOWN ones idle for ``idle_s``, PREFETCHING ones idle for ``prefetch_bound_s``
+        + ``idle_s``. Returns (context, lease still recorded) for each, for the caller to release quietly
+        (NO_LEASE where none). ``lease_alive`` asks the object table (its lock is taken under this one)."""
+        now = self._clock()
+        gone: list[tuple[ContextId, LeaseId]] = []
+        with self._lock:
+            for key, session in list(self._sessions.items()):
+                idle = now - session.since
+                if session.state is SessionState.PREFETCHING:
+                    due = idle >= prefetch_bound_s + idle_s
+                elif session.state is SessionState.LOCKED and session.lease_id:
+                    due = not lease_alive(session.lease_id)
+                else:
+                    due = idle >= idle_s
+                if due:
+                    del self._sessions[key]
+                    gone.append((key[0], session.end()))
+        return gone

@@ -98,6 +98,10 @@ class ContextRegistry:
             raise UnknownContext(f"context {context_id} is not registered by this client")
         return ctx
 
+    def owner_of(self, context_id: ContextId) -> ClientId | None:
+        ctx = self._contexts.get(context_id)
+        return None if ctx is None else ctx.owner
+
     def remove(self, context_id: int, owner: ClientId) -> Context:
         with self._lock:
             ctx = self.get(context_id, owner)

@@ -574,6 +574,11 @@ class ObjectTable:
                 self._let_go_locked(lease)
             return len(victims)
 
+    def lease_active(self, lease_id: LeaseId) -> bool:
+        """Does this lease still hold what it took (not ended, expired, released or quarantined)?"""
+        with self._lock:
+            return lease_id in self._leases
+
     def leases_of(self, owner: ClientId) -> int:
         """The owner's leases, active or quarantined: while any is left, its process must stay watched
         (a quarantine ends when the process is gone, which only a watched process can show)."""

@@ -27,6 +27,7 @@ from kvdepot.events import NO_EVENTS, EventListener, EventSink
 from kvdepot.shm import HEADER_BYTES, Prefaulter, SharedArena, liveness_offset
 from kvdepot.storage.allocator import ExtentAllocator
 from kvdepot.storage.controllers import (
+    BACKGROUND_LEASE_TTL_S,
     EvictionController,
     PrefetchController,
     Prefetched,
@@ -331,6 +332,14 @@ class StorageManager:
 
     def leases_of(self, owner: ClientId) -> int:
         return self._table.leases_of(owner)
+
+    def lease_active(self, lease_id: LeaseId) -> bool:
+        return self._table.lease_active(lease_id)
+
+    @property
+    def prefetch_bound_s(self) -> float:
+        """How long an L2 prefetch may run at most (its lease's TTL: a hung backend ends there)."""
+        return BACKGROUND_LEASE_TTL_S
 
     def quarantine(self) -> list[QuarantineEntry]:
         return self._table.quarantine()

@@ -114,6 +114,18 @@ class ServerContext:
         except KVDepotError:
             pass  # already expired or released
 
+    def expire_sessions(self) -> int:
+        """End the lookup sessions nobody will end (``SessionTable.expire``), releasing what they still
+        hold; idle means one lease TTL. Returns how many ended."""
+        gone = self.sessions.expire(self.config.storage.lease_ttl_s, self.storage.prefetch_bound_s, self.storage.lease_active)
+        for context_id, lease in gone:
+            owner = self.contexts.owner_of(context_id)
+            if owner is not None:
+                self.release_quietly(lease, owner)
+        if gone:
+            self.metrics.request_failures.labels("sessions_expired").inc(len(gone))
+        return len(gone)
+
     def client_gone(self, client: ClientId, why: str, exited: bool) -> None:
         """The client's process exited or it went silent (``liveness.ClientWatch``, on the loop thread):
         drop its contexts and sessions and end its leases. What it may still touch (it went silent, but
