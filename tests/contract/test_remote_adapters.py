@@ -132,6 +132,20 @@ def test_valkey_splits_a_large_value_behind_a_manifest(valkey_adapter_factory, r
     assert adapter.usage().objects == 1
 
 
+def test_valkey_clear_leaves_keys_it_did_not_write_under_its_prefix(valkey_adapter_factory, raw_valkey) -> None:
+    adapter = valkey_adapter_factory("shared", max_value_mib=1)
+    adapter.start()
+    prefix = adapter._config.prefix
+    foreign = [f"{prefix}notes", f"{prefix}session:42", f"{prefix}{{user}}", f"{prefix}x#objects"]
+    for name in foreign:
+        raw_valkey.set(name, b"not kvdepot's")
+    keys = [new_key() for _ in range(3)]
+    assert all(store(adapter, k, os.urandom(n)).ok for k, n in zip(keys, (100, 2 * MiB + 7, 5000)))  # one in parts
+    assert run(adapter, adapter.submit_clear()).ok
+    assert lookup(adapter, keys).value == 0
+    assert sorted(n.decode() for n in raw_valkey.scan_iter(match=f"{prefix}*")) == sorted(foreign)
+
+
 def test_valkey_keeps_a_small_value_in_its_manifest(valkey_adapter_factory, raw_valkey) -> None:
     from kvdepot.storage.l2.valkey_adapter import INLINE_VALUE_BYTES
 
@@ -327,6 +341,30 @@ def test_s3_creates_its_bucket_on_first_use_and_counts_objects(s3_server) -> Non
         usage = adapter.usage()
         assert usage.objects == 3 and usage.used_bytes > 3000 and usage.healthy
         assert lookup(adapter, keys + [new_key()] + keys).value == 3
+    finally:
+        adapter.close()
+
+
+@pytest.mark.parametrize("prefix", ["", "kvd-{pid}"])
+def test_s3_clear_and_usage_leave_objects_it_did_not_write(s3_server, prefix) -> None:
+    """An empty prefix, or one without a trailing "/", lists other applications' objects too: a clear
+    deletes, and the usage counts, only the key-named objects this tier writes."""
+    prefix = prefix.format(pid=os.getpid())
+    adapter = S3Adapter("shared", s3_config(s3_server.endpoint, bucket=f"kvd-shared-{os.getpid()}-{len(prefix)}", prefix=prefix))
+    adapter.start()
+    try:
+        keys = [new_key() for _ in range(2)]
+        for k in keys:
+            assert store(adapter, k, os.urandom(1000)).ok
+        client, bucket = adapter._client, adapter._config.bucket
+        foreign = [f"{prefix}-backups/day1", f"{prefix}notes.txt", f"{prefix}ab/cd", f"{prefix}abc"]
+        for name in foreign:
+            client.put_object(Bucket=bucket, Key=name, Body=b"not kvdepot's")
+        assert adapter.usage().objects == 2
+        assert run(adapter, adapter.submit_clear()).ok
+        assert lookup(adapter, keys).value == 0
+        left = [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]
+        assert sorted(left) == sorted(foreign)
     finally:
         adapter.close()
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import logging
 import math
+import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, ClassVar
 
@@ -32,6 +33,10 @@ MAX_PARTS = 10_000  # S3's most parts in one upload
 _MISSING = {"404", "NoSuchKey", "NotFound"}
 _BUCKET_EXISTS = {"BucketAlreadyOwnedByYou", "BucketAlreadyExists"}
 _READ_PIECE = 4 << 20
+# The only names this tier writes after its prefix. A clear deletes, and the usage counts, only these: an
+# empty prefix, or one without a trailing "/" ("kvdepot" also lists "kvdepot-backups/..."), must never
+# make a clear delete another application's objects in a shared bucket.
+_OUR_NAME = re.compile(r"(?:[0-9a-f]{2})+")
 
 
 class S3Config(ConfigStruct, frozen=True, kw_only=True):
@@ -191,11 +196,11 @@ class S3Adapter(BackendAdapter):
         self._client.delete_object(Bucket=self._config.bucket, Key=self.object_name(key))
 
     def _clear(self) -> int:
-        """Every object under our prefix, listed and deleted a thousand at a time."""
+        """Every object of ours under our prefix (``_OUR_NAME``), listed and deleted a thousand at a time."""
         self._ensure_bucket()
         bucket, removed = self._config.bucket, 0
         for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=self._config.prefix):
-            names = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            names = [{"Key": o["Key"]} for o in self._ours(page)]
             if names:
                 self._client.delete_objects(Bucket=bucket, Delete={"Objects": names, "Quiet": True})
                 removed += len(names)
@@ -209,10 +214,15 @@ class S3Adapter(BackendAdapter):
         resp = self._client.list_objects_v2(Bucket=self._config.bucket, Prefix=self._config.prefix, MaxKeys=1000)
         if resp.get("IsTruncated"):
             return 0, 0, 0
-        contents = resp.get("Contents", [])
+        contents = self._ours(resp)
         return sum(int(o.get("Size", 0)) for o in contents), 0, len(contents)
 
     # --- helpers -------------------------------------------------------------------------------------
+
+    def _ours(self, listing: dict) -> list[dict]:
+        """The listed objects this tier wrote (a key's hex right after the prefix)."""
+        skip = len(self._config.prefix)
+        return [o for o in listing.get("Contents", []) if _OUR_NAME.fullmatch(o["Key"], skip)]
 
     def _head(self, key: ObjectKey) -> bool:
         try:

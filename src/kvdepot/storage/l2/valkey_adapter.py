@@ -35,6 +35,7 @@ from __future__ import annotations
 import enum
 import math
 import os
+import re
 import struct
 import threading
 from typing import Annotated, Any, ClassVar
@@ -51,6 +52,10 @@ _META_MAGIC = b"KVV1"
 ORPHAN_TTL_S = 600  # parts of a store that never committed expire after this
 _MGET_BYTES = 64 << 20  # read at most this much per round trip on load
 _MAX_PARTS = 1 << 20  # more than this in a manifest means it is damaged
+# What this tier writes after its prefix: a manifest (hash-tagged in a cluster), a part, the counter. A
+# clear deletes only these: a prefix that another application's keys (or another tier's longer prefix)
+# happen to share is never a reason to delete them.
+_OUR_NAME = re.compile(rb"(?:\{[0-9a-f]+\}|[0-9a-f]+)(?::[0-9a-f]+:[0-9]+)?|#objects")
 
 # KEYS: manifest, [counter,] parts...; ARGV: manifest value, ttl (0: none), meta length, "1" when KEYS[2]
 # is the counter (one server), "0" when it is not (a cluster: the counter lives in another slot).
@@ -295,11 +300,14 @@ class ValkeyAdapter(BackendAdapter):
 
     def _clear(self) -> int:
         """Every key under our prefix (manifests, parts and the counter) goes; another prefix's keys,
-        or the rest of the server's, are never touched."""
+        the rest of the server's, or keys of another shape that start with our prefix are never touched."""
         client = self._valkey
         count = int(client.get(self._counter) or 0)
         batch: list[bytes] = []
+        skip = len(self._prefix)
         for name in client.scan_iter(match=_glob_escape(self._prefix) + b"*", count=1000):  # every primary, in a cluster
+            if not _OUR_NAME.fullmatch(name, skip):
+                continue
             batch.append(name)
             if len(batch) >= 512:
                 client.unlink(*batch)  # split by slot in a cluster
