@@ -80,3 +80,28 @@ def test_deadlines_nest_and_stay_with_their_thread(make_server, seed):
             t.join(30)
             assert found == [0]
         assert c.lookup(tokens) == 0  # the block is over: no deadline
+
+
+def test_registering_again_inside_a_deadline_waits_no_longer_than_the_deadline(make_server, seed):
+    """The server forgot the context (a restart, a revocation): the request registers again, and that
+    registration is bounded by the caller's deadline too, not by the client's own timeout."""
+    from kvdepot.protocol import messages as m
+
+    srv = make_server()
+    tokens = make_tokens(CHUNK, seed)
+    with srv.client(timeout_s=TIMEOUT_S, heartbeat=False) as c:
+        assert c.store(tokens, make_kv(LAYOUT, len(tokens), seed)) == CHUNK
+        link = c.link
+        link.channel.call(m.UnregisterContextRequest(context_id=link.registration.context_id))  # forgotten
+        waits: list[float] = []
+        call = link.channel.call
+
+        def spy(body, *args, **kwargs):
+            if isinstance(body, m.RegisterContextRequest):
+                waits.append(kwargs.get("timeout_s"))
+            return call(body, *args, **kwargs)
+
+        link.channel.call = spy
+        with c.deadline(DEADLINE_S * 20):
+            assert c.lookup(tokens) == CHUNK
+        assert len(waits) == 1 and waits[0] <= DEADLINE_S * 20

@@ -241,7 +241,7 @@ class ContextLink:
         with self._reg_lock:
             if self._reg is failed:
                 log.warning("kvdepot: the server forgot context %d; registering again", failed.context_id)
-                self._reg = self._register()
+                self._reg = self._register(timeout_s=self._timeout())  # within the caller's deadline, if any
             return self._reg
 
     def _register(self, timeout_s: float | None = None) -> Registration:
