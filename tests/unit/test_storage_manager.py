@@ -430,6 +430,37 @@ def test_an_aborted_write_tells_subscribers_nothing(make_manager):
 # --- L2: write-through and prefetch --------------------------------------------------------------------
 
 
+def test_a_prefetch_while_a_delete_waits_on_its_tier_does_not_bring_the_deleted_back(make_manager):
+    """DELETE empties L1, then waits for the tiers: a lookup's prefetch that ran in between loaded the
+    tier's copy back into L1 before the tier deleted it, and the deleted KV stayed servable."""
+    m = make_manager(TIER)
+    ks = keys("p", 3)
+    store(m, ks, fill=1)
+    wait_for("write-through", tier_settled(m, 3))
+    assert m.clear(ClearScope.L1) == ClearResult(3, {})
+    tier = m._tiers[0]
+    deleting, go = threading.Event(), threading.Event()
+    delete_one = tier._delete
+
+    def slow_delete(k):
+        deleting.set()
+        assert go.wait(WAIT_S)
+        delete_one(k)
+
+    tier._delete = slow_delete
+    result: list = []
+    deleter = threading.Thread(target=lambda: result.append(m.delete(ks)))
+    deleter.start()
+    assert deleting.wait(WAIT_S)
+    loaded = threading.Event()
+    assert m.prefetch(ks, 0, SIZE, "", lambda p: loaded.set()) is True  # a lookup between the two passes
+    assert loaded.wait(WAIT_S)
+    go.set()
+    deleter.join(WAIT_S + 5)
+    assert result and result[0].tiers_removed == {TIER_NAME: 3}
+    assert m.lookup(ks) == 0 and l1(m).objects == 0
+
+
 def test_prefetch_without_tiers_says_so(make_manager):
     m = make_manager()
     called: list[int] = []

@@ -368,6 +368,11 @@ class StorageManager:
         tiers: dict[str, int] = {}
         if scope in (ClearScope.TIERS, ClearScope.ALL) and keys:
             tiers = self._on_every_tier(lambda tier: tier.submit_delete(keys))
+            if scope is ClearScope.ALL:
+                # A lookup's prefetch may have loaded a tier's copy back into L1 while the tiers were
+                # deleting: L1 again, now that they have (a load still running is doomed by this pass).
+                again, doomed_again = self._table.remove(keys)
+                removed, doomed = removed + again, doomed + doomed_again
         return DeleteResult(removed, doomed, tiers)
 
     def _on_every_tier(self, submit: Callable) -> dict[str, int]:
