@@ -264,3 +264,52 @@ def test_the_token_comes_before_the_content_type_and_reads_need_none(tokened):
 def test_without_a_token_no_authorization_is_asked(loopback):
     assert loopback.check("POST", with_auth(None)) is None
     assert TOKEN not in repr(AdminGuard("127.0.0.1", PORT, admin_token=TOKEN))
+
+
+def test_refusals_are_logged_at_most_once_a_minute_with_a_count(caplog):
+    import logging
+
+    from kvdepot.admin.http import RefusalLog
+
+    now = [100.0]
+    refusals = RefusalLog(60.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="kvdepot.admin.http"):
+        for _ in range(600):
+            refusals.refused("POST", "/cache/clear", "bad token")
+        refusals.refused("PUT", "/quota/a", "bad token")  # another path has its own minute
+        for i in range(100):  # ... up to a few dozen paths; the rest share one
+            refusals.refused("GET", f"/x{i}", "bad host")
+        now[0] += 61
+        refusals.refused("POST", "/cache/clear", "bad token")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[:2] == ["admin API refused POST /cache/clear: bad token", "admin API refused PUT /quota/a: bad token"]
+    assert len(lines) == 2 + (RefusalLog.MAX_PATHS - 2) + 1 + 1
+    assert lines[-1] == "admin API refused POST /cache/clear: bad token (599 more refused since the last one logged)"
+
+
+def test_a_host_or_origin_that_is_no_url_is_refused_not_an_error():
+    g = AdminGuard("127.0.0.1", 8080)
+    assert g.check("GET", {"host": "[::1"}).status == 421
+    refusal = g.check("POST", {"host": "127.0.0.1:8080", "content-type": "application/json", "origin": "http://[zz"})
+    assert refusal is not None and refusal.status == 403
+
+
+def test_the_prometheus_port_lets_go_of_a_connection_that_sends_half_a_request(monkeypatch):
+    """An idle connection used to hold one thread of the server for ever."""
+    from kvdepot.admin import prometheus
+
+    monkeypatch.setattr(prometheus, "IDLE_TIMEOUT_S", 0.5)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = prometheus.PrometheusServer(lambda: b"x 1\n", "127.0.0.1", port)
+    server.start()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=20) as conn:
+            conn.sendall(b"GET /metr")
+            assert conn.recv(1024) == b""  # closed by the server, not left waiting
+        with socket.create_connection(("127.0.0.1", port), timeout=20) as conn:
+            conn.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nConnection: close\r\n\r\n" % port)
+            assert b"200" in conn.recv(1024).split(b"\r\n", 1)[0]
+    finally:
+        server.close()

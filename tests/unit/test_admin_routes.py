@@ -80,3 +80,82 @@ def test_a_module_added_as_a_file_is_served(tmp_path, monkeypatch):
     assert client.get("/echo").json() == {"echo": "hello"}
     assert client.get("/echo", headers={"Host": "evil.example"}).status_code == 421, "an added route is guarded too"
     sys.modules.pop("kvdepot.admin.routes.zz_echo", None)
+
+
+class _QuotaBackend:
+    def __init__(self) -> None:
+        self.set_calls: list[tuple[str, int | None]] = []
+
+    def quotas(self):
+        calls = self.set_calls
+
+        class Q:
+            def get(self, salt):
+                return None
+
+            def used(self, salt):
+                return 0
+
+            def all(self):
+                return []
+
+            def set(self, salt, value):
+                calls.append((salt, value))
+
+        return Q()
+
+    def largest_chunk_bytes(self) -> int:
+        return 1 << 20
+
+
+def test_a_quota_url_without_a_salt_is_refused_not_read_as_the_default_tenant():
+    backend = _QuotaBackend()
+    client = TestClient(build_app(backend, AdminGuard("127.0.0.1", 8080)), base_url="http://127.0.0.1:8080")
+    for method in ("put", "get", "delete"):
+        kwargs = {"json": {"quota_bytes": 0}} if method == "put" else {"headers": {"Content-Type": "application/json"}}
+        r = getattr(client, method)("/quota/", **kwargs)
+        assert r.status_code == 400 and "__default__" in r.json()["detail"], (method, r.text)
+    assert backend.set_calls == []
+    assert client.put("/quota/__default__", json={"quota_bytes": 5 << 20}).status_code == 200
+    assert backend.set_calls == [("", 5 << 20)]
+
+
+def test_the_healthcheck_answers_while_slow_calls_hold_every_thread_they_may_have():
+    """Forty prefetches waiting on a slow tier used to hold every thread of the pool the endpoints
+    share, and /healthcheck queued behind them (a liveness probe then restarts the server)."""
+    import threading
+
+    from kvdepot.admin.routes._slow import SLOW_CALL_THREADS
+
+    release = threading.Event()
+    started = threading.Semaphore(0)
+
+    class Backend:
+        def rpc_alive(self) -> bool:
+            return True
+
+        def degraded_reasons(self) -> list[str]:
+            return []
+
+        def clear(self, scope) -> dict:
+            started.release()
+            assert release.wait(60)
+            return {"removed": 0, "tiers_removed": {}}
+
+    client = TestClient(build_app(Backend(), AdminGuard("127.0.0.1", 8080)), base_url="http://127.0.0.1:8080")
+    with client:
+        callers = [threading.Thread(target=client.post, args=("/cache/clear",), kwargs={"json": {}}) for _ in range(45)]
+        for t in callers:
+            t.start()
+        try:
+            for _ in range(SLOW_CALL_THREADS):
+                assert started.acquire(timeout=30), "the slow calls did not start"
+            health: list[int] = []
+            probe = threading.Thread(target=lambda: health.append(client.get("/healthcheck").status_code))
+            probe.start()
+            probe.join(30)
+            assert health == [200], "the healthcheck queued behind the slow calls"
+        finally:
+            release.set()
+            for t in callers:
+                t.join(60)

@@ -41,8 +41,12 @@ class Refusal:
 
 
 def _split_host(value: str) -> tuple[str, int | None]:
-    """'example:8080' -> ('example', 8080); '[::1]:80' -> ('::1', 80); bad ports -> port -1."""
-    parts = urlsplit("//" + value)
+    """'example:8080' -> ('example', 8080); '[::1]:80' -> ('::1', 80); bad ports -> port -1; a value
+    that is no host at all ('[::1') -> ('', -1), which no allowed host matches."""
+    try:
+        parts = urlsplit("//" + value)
+    except ValueError:
+        return "", -1
     try:
         port = parts.port
     except ValueError:
@@ -103,7 +107,10 @@ class AdminGuard:
         return None
 
     def _own_origin(self, origin: str) -> bool:
-        parts = urlsplit(origin)
+        try:
+            parts = urlsplit(origin)
+        except ValueError:  # 'http://[zz': no origin of ours
+            return False
         if parts.scheme not in ("http", "https") or not parts.hostname:
             return False  # includes the opaque origin "null"
         try:

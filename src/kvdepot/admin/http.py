@@ -19,6 +19,7 @@ import errno
 import logging
 import socket
 import threading
+import time
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -36,14 +37,43 @@ __all__ = ["AdminBackend", "HttpServer", "Quotas", "build_app"]
 log = logging.getLogger(__name__)
 
 
+REFUSAL_LOG_EVERY_S = 60.0
+
+
+class RefusalLog:
+    """Refusals are logged at most once a minute per method and path (a few dozen paths, then one for
+    all others), with how many went unlogged: a peer sending hundreds of bad requests used to fill the
+    log, and the dashboard's recent warnings, with nothing else."""
+
+    MAX_PATHS = 32
+
+    def __init__(self, every_s: float = REFUSAL_LOG_EVERY_S, clock=time.monotonic) -> None:
+        self._every, self._clock = every_s, clock
+        self._by_path: dict[tuple[str, str], list] = {}  # (method, path) -> [next log time, unlogged]
+
+    def refused(self, method: str, path: str, reason: str) -> None:
+        key = (method, path)
+        if key not in self._by_path and len(self._by_path) >= self.MAX_PATHS:
+            key = (method, "(other paths)")
+        entry = self._by_path.setdefault(key, [0.0, 0])
+        now = self._clock()
+        if now < entry[0]:
+            entry[1] += 1
+            return
+        more = f" ({entry[1]} more refused since the last one logged)" if entry[1] else ""
+        entry[0], entry[1] = now + self._every, 0
+        log.warning("admin API refused %s %s: %s%s", method, path, reason, more)
+
+
 def build_app(server: AdminBackend, guard: AdminGuard) -> FastAPI:
     app = FastAPI(title="kvdepot", version=__version__, docs_url=None, redoc_url=None)
+    refusals = RefusalLog()
 
     @app.middleware("http")
     async def admin_guard(request: Request, call_next):
         refusal = guard.check(request.method, request.headers)
         if refusal is not None:
-            log.warning("admin API refused %s %s: %s", request.method, request.url.path, refusal.reason)
+            refusals.refused(request.method, request.url.path, refusal.reason)
             return JSONResponse({"detail": refusal.reason}, status_code=refusal.status, headers=dict(refusal.headers))
         return await call_next(request)
 

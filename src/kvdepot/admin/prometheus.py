@@ -59,6 +59,9 @@ class PrometheusServer:
         self._server = None
 
 
+IDLE_TIMEOUT_S = 10.0
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True  # as uvicorn does: TIME_WAIT is no conflict
@@ -71,6 +74,10 @@ class _Server(ThreadingHTTPServer):
 
 def _handler(text: Callable[[], bytes], guard: AdminGuard) -> type[BaseHTTPRequestHandler]:
     class MetricsHandler(BaseHTTPRequestHandler):
+        # A connection that sends nothing (or half a request) gives its thread back after this long; with
+        # no timeout, a peer that can reach the port held one thread of the server per idle connection.
+        timeout = IDLE_TIMEOUT_S
+
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             refusal = guard.check("GET", self.headers)
             if refusal is not None:

@@ -8,6 +8,7 @@ from typing import Protocol
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvdepot.admin.routes._slow import run_slow
 from kvdepot.types import ClearScope
 
 
@@ -24,11 +25,11 @@ def routes(backend: Clearer) -> APIRouter:
     router = APIRouter()
 
     @router.post("/cache/clear")
-    def clear(body: ClearBody | None = None) -> dict:
-        return backend.clear((body or ClearBody()).scope)
+    async def clear(body: ClearBody | None = None) -> dict:
+        return await run_slow(lambda: backend.clear((body or ClearBody()).scope))
 
     @router.post("/clear-cache")
-    def clear_alias(body: ClearBody | None = None) -> dict:
-        return backend.clear((body or ClearBody()).scope)
+    async def clear_alias(body: ClearBody | None = None) -> dict:
+        return await run_slow(lambda: backend.clear((body or ClearBody()).scope))
 
     return router

@@ -27,6 +27,7 @@ from typing import Annotated, Protocol, TypeVar
 from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from kvdepot.admin.routes._slow import run_slow
 from kvdepot.errors import ErrorCode, KVDepotError
 from kvdepot.types import ClearScope
 
@@ -159,11 +160,11 @@ def routes(backend: LifecycleBackend) -> APIRouter:
         return {"sessions": backend.lifecycle().sessions()}
 
     @router.post("/cache/prefetch")
-    def prefetch(body: PrefetchBody) -> dict:
-        return _answer(lambda: backend.lifecycle().prefetch(targets(body), body.cache_salt, body.wait_s))
+    async def prefetch(body: PrefetchBody) -> dict:
+        return await run_slow(lambda: _answer(lambda: backend.lifecycle().prefetch(targets(body), body.cache_salt, body.wait_s)))
 
     @router.delete("/cache/prefix")
-    def delete_prefix(body: DeletePrefixBody) -> dict:
-        return _answer(lambda: backend.lifecycle().delete(targets(body), body.scope))
+    async def delete_prefix(body: DeletePrefixBody) -> dict:
+        return await run_slow(lambda: _answer(lambda: backend.lifecycle().delete(targets(body), body.scope)))
 
     return router

@@ -29,6 +29,10 @@ class QuotaBody(BaseModel):
 
 
 def salt_of(name: str) -> str:
+    """The cache_salt a URL names. An empty name is refused: ``PUT /quota/$SALT`` with ``$SALT`` unset
+    would otherwise set the quota of the salt-less tenant, most deployments' whole traffic."""
+    if not name:
+        raise HTTPException(400, f"name the cache_salt in the path; the tenant without one is {DEFAULT_SALT_NAME}")
     return "" if name == DEFAULT_SALT_NAME else name
 
 
