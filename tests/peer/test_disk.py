@@ -179,3 +179,23 @@ def test_a_newer_page_that_misses_the_disk_takes_the_older_one_off_it(tmp_path, 
             assert store.set(f"push{i}", page_bytes(f"push{i}", SIZE))
         got = store.get("k")
         assert got in (None, new), "the page written before the newest one came back from disk"
+
+
+def test_pages_the_disk_drops_to_stay_within_its_bound_leave_the_directory(tmp_path):
+    """Pages evicted from the pool are published as on disk; the disk tier in turn drops its oldest to
+    stay within ``disk_size_gb``. The node used to go on publishing those: its memory of them and its
+    directory records grew for good, and ``exists`` counted pages no read could deliver."""
+    with PeerStore(port=0, data_port=0, pool_size_mb=1, disk_path=str(tmp_path / "l4"), disk_size_gb=1 / 1024, **FAST) as store:
+        names = keys("b", 48)  # 3 MiB through a 1 MiB pool onto a 1 MiB disk
+        for n in names:
+            assert store.set(n, page_bytes(n, SIZE))
+        node = store.node
+        wait_for(lambda: node.disk.pending() == 0 and store.status()["disk"]["written"] == 48, 10, "the write-through")
+
+        def held() -> set[bytes]:
+            return {e.key for e in node.pool.entries()} | {bytes(k) for k in node.disk._fs.keys()}
+
+        assert len(held()) < 40, "the disk kept nearly everything: the test proves nothing"
+        wait_for(lambda: len(node.shard) == len(held()), 10, "one record per page still held")
+        assert len(node._disk_only) <= store.status()["disk"]["pages"]
+        assert b"b0" not in held() and not store.exists("b0") and store.get("b0") is None

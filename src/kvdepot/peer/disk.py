@@ -8,6 +8,10 @@ leaves with its eviction. A page evicted from the pool but on disk stays in the 
 non-resident; a read promotes it (one disk read and one copy into the pool, under a new generation).
 An unusable path turns the tier off with a warning; the node then deletes records on eviction.
 
+Pages the tier lets go of on its own (its LRU under ``disk_size_gb``, an object found corrupt) are told
+to the node (``on_dropped``), off the fs tier's locks: a page that was only here is then gone, and its
+record with it; otherwise the directory would keep naming pages no read can deliver.
+
 What the disk holds for a key is only ever the pool's current page of it, or nothing: a queued page that
 was replaced, deleted or cleared before the writer reached it is not written (the pool retired it), a
 delete waits for a write in progress and then removes it, and where the newest page of a key does not
@@ -24,7 +28,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvdepot.events import TierRemoved
 from kvdepot.peer.pool import PoolEntry, PublishedPool
+from kvdepot.storage.l2.contract import TierServices
 from kvdepot.storage.l2.envelope import CorruptObject
 from kvdepot.storage.l2.fs_adapter import FsAdapter, FsConfig
 from kvdepot.types import ObjectKey
@@ -34,11 +40,37 @@ log = logging.getLogger(__name__)
 QUEUE_PAGES = 4096
 
 
+class _Dropped:
+    """The fs tier's event sink: the keys it removed on its own, collected (it tells them under its
+    index lock, where nothing may call back into it) until the tier hands them on."""
+
+    def __init__(self) -> None:
+        self._keys: list[bytes] = []
+        self._lock = threading.Lock()
+
+    def publish(self, event: object) -> None:
+        if isinstance(event, TierRemoved):
+            with self._lock:
+                self._keys += [bytes(k) for k in event.keys]
+
+    def wants(self, kind: type) -> bool:
+        return kind is TierRemoved
+
+    def take(self) -> list[bytes]:
+        with self._lock:
+            keys, self._keys = self._keys, []
+            return keys
+
+
 class DiskTier:
-    def __init__(self, path: str, size_bytes: int, pool: PublishedPool) -> None:
+    def __init__(self, path: str, size_bytes: int, pool: PublishedPool, on_dropped: Callable[[list[bytes]], None] | None = None) -> None:
+        """``on_dropped``: called with the keys the tier let go of on its own (never under its locks)."""
+        self._dropped = _Dropped()
+        self._on_dropped = on_dropped
         # No fsync: a cache page lost to a power cut is a miss, and a page damaged by one fails its checksum
         # (a miss too); the write is still to a temporary name renamed whole, so a crash never shows a torn page.
-        self._fs = FsAdapter("peer-disk", FsConfig(path=path, size_gb=size_bytes / (1 << 30), workers=1, fsync=False))
+        self._fs = FsAdapter("peer-disk", FsConfig(path=path, size_gb=size_bytes / (1 << 30), workers=1, fsync=False),
+                             TierServices(sink=self._dropped))  # fmt: skip
         self._pool = pool
         self._queue: queue.Queue[PoolEntry | None] = queue.Queue(QUEUE_PAGES)
         self._thread: threading.Thread | None = None
@@ -100,6 +132,7 @@ class DiskTier:
         except CorruptObject as exc:
             self.corrupt += 1
             log.warning("peer disk: page %s failed its checksum (%s): deleted, a miss", key.hex()[:16], exc)
+            self._tell_dropped()
             return None
         self.promoted += 1
         return into(buf)
@@ -135,6 +168,16 @@ class DiskTier:
                         self._forget_quietly(entry.key)  # nor an older page of its key
             finally:
                 self._pool.release(entry)
+            self._tell_dropped()  # what that write evicted to fit (after _io: the node may call delete)
+
+    def _tell_dropped(self) -> None:
+        keys = self._dropped.take()
+        if not keys or self._on_dropped is None:
+            return
+        try:
+            self._on_dropped(keys)
+        except Exception:  # the writer goes on; the records are found stale on a read instead
+            log.exception("peer disk: telling the node of %d dropped pages failed", len(keys))
 
     def _forget_quietly(self, key: bytes) -> None:
         try:
@@ -143,9 +186,10 @@ class DiskTier:
             log.warning("peer disk: cannot delete an outdated page (%s: %s)", type(exc).__name__, exc)
 
 
-def open_disk(path: str, size_bytes: int, pool: PublishedPool) -> tuple[DiskTier | None, list[bytes]]:
+def open_disk(path: str, size_bytes: int, pool: PublishedPool,
+              on_dropped: Callable[[list[bytes]], None] | None = None) -> tuple[DiskTier | None, list[bytes]]:  # fmt: skip
     """The disk tier, or None (with a warning naming why) where ``path`` cannot be used."""
-    tier = DiskTier(path, size_bytes, pool)
+    tier = DiskTier(path, size_bytes, pool, on_dropped)
     try:
         return tier, tier.start()
     except (OSError, ValueError) as exc:

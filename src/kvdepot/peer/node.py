@@ -138,7 +138,7 @@ class PeerNode:
 
             from kvdepot.peer.disk import open_disk
 
-            self.disk, on_disk = open_disk(cfg.disk_path, int(cfg.disk_size_gb * (1 << 30)), self.pool)
+            self.disk, on_disk = open_disk(cfg.disk_path, int(cfg.disk_size_gb * (1 << 30)), self.pool, self._disk_dropped)
             self._disk_only = set(on_disk)
             self._warmer = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-peer-warm")
         self._rpc = RpcServer([f"tcp://{cfg.host}:{port}"], self._handlers(), workers=4, security=self._security)
@@ -258,14 +258,39 @@ class PeerNode:
 
     def _evicted(self, entries: Sequence[PoolEntry]) -> None:
         """Pages the pool let go: non-resident where the disk has them, else gone from the directory."""
-        on_disk = [e for e in entries if self.disk is not None and self.disk.has(e.key)]
-        gone = [e for e in entries if not (self.disk is not None and self.disk.has(e.key))]
+        with self._disk_lock:  # one step with _disk_dropped's check: a page the disk drops meanwhile is not kept
+            kept = {e.key for e in entries if self.disk is not None and self.disk.has(e.key)}
+            self._disk_only.update(kept)
+        on_disk = [e for e in entries if e.key in kept]
+        gone = [e for e in entries if e.key not in kept]
         if on_disk:
-            with self._disk_lock:
-                self._disk_only.update(e.key for e in on_disk)
-            self._publish_records([self._record(e, resident=False) for e in on_disk])
+            self._publish_non_resident([self._record(e, resident=False) for e in on_disk])
         if gone:
             self._unpublish(gone)
+
+    def _publish_non_resident(self, records: Sequence[PeerLocation]) -> None:
+        """Publish the records of pages kept on disk only; one the disk dropped while its record was on
+        the way (``_disk_dropped``'s unpublish may have landed first) is unpublished again."""
+        self._publish_records(records)
+        with self._disk_lock:
+            late = [r for r in records if r.key not in self._disk_only and self.pool.peek(r.key) is None]
+        if late:
+            self._unpublish([PoolEntry(r.key, 0, 0, r.generation, b"", published=False) for r in late])
+
+    def _disk_dropped(self, keys: Sequence[bytes]) -> None:
+        """The disk let pages go on its own (its size bound, a corrupt object): each that is in neither
+        the pool nor the disk now is forgotten and unpublished. The unpublish names a generation taken
+        before the check, so a page put since (newer) is never unpublished, and one put before it is
+        in the pool, so not taken for gone."""
+        if self.disk is None:
+            return
+        bound = self.pool.fresh_generation()
+        with self._disk_lock:
+            gone = [key for key in dict.fromkeys(keys) if self.pool.peek(key) is None and not self.disk.has(key)]
+            self._disk_only.difference_update(gone)
+        if gone:
+            self.located.forget(gone)
+            self._unpublish([PoolEntry(key, 0, 0, bound, b"", published=False) for key in gone])
 
     def delete(self, key: bytes) -> bool:
         self.located.forget([key])
@@ -624,9 +649,7 @@ class PeerNode:
                 continue
             result = self.disk.load(key, lambda buf, key=key: self.pool.put(key, buf))
             if result is None:
-                with self._disk_lock:
-                    self._disk_only.discard(key)
-                self._unpublish([PoolEntry(key, 0, 0, ANY_GENERATION, b"", published=False)])  # gone from disk too
+                self._disk_dropped([key])  # gone from disk too
                 out.append([])
                 continue
             entry, evicted = result
@@ -887,7 +910,7 @@ class PeerNode:
             with self._disk_lock:
                 disk_only = list(self._disk_only)
             records = [self._disk_record(key) for key in disk_only]
-            self._publish_records([r for r in records if r is not None])
+            self._publish_non_resident([r for r in records if r is not None])
 
     def _repay(self) -> None:
         """Publish again what some owner missed (``owed.py``): each key's record as the page is now, to
