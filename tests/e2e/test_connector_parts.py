@@ -852,3 +852,46 @@ def test_a_request_problem_on_the_worker_leaves_both_directions_on(server):
     w.start_load_kv(meta(loads=[load]))
     assert w.take_load_errors() == set() and blocks_equal(src, [1, 2, 3], dst, [4, 5, 6])
     w.shutdown()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "uint8"])
+def test_engines_whose_kv_caches_encode_bytes_differently_never_share_chunks(dtype):
+    """vLLM allocates every fp8 encoding as uint8: an fp8_e5m2 engine used to share chunks with an
+    fp8_e4m3 one of the same model (same layout, same model id) and load bytes it decodes wrongly."""
+    from types import SimpleNamespace as NS
+
+    import torch
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from kvdepot.connectors.vllm.connector import KVDepotConnector
+
+    def model_id(cache_dtype: str) -> str:
+        transfer = KVTransferConfig(kv_connector="KVDepotConnector", kv_role="kv_both", kv_connector_extra_config={"url": f"tcp://127.0.0.1:{free_port()}"})
+        config = NS(kv_transfer_config=transfer, parallel_config=NS(pipeline_parallel_size=1, tensor_parallel_size=1),
+                    model_config=NS(use_mla=False, model=MODEL), cache_config=NS(block_size=BS, cache_dtype=cache_dtype))  # fmt: skip
+        spec = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=getattr(torch, dtype))
+        groups = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
+        connector = KVDepotConnector(config, KVConnectorRole.SCHEDULER, groups)
+        try:
+            return connector._scheduler.pool.ranks[0].model
+        finally:
+            connector._scheduler.shutdown()
+
+    if dtype == "uint8":
+        ids = {name: model_id(name) for name in ("fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head")}
+        assert ids["fp8"] == ids["fp8_e4m3"]  # vLLM's fp8 is e4m3: the same bytes
+        assert len({ids["fp8_e4m3"], ids["fp8_e5m2"], ids["int8_per_token_head"]}) == 3
+        assert all(i.startswith(MODEL) for i in ids.values())
+    else:
+        assert model_id("auto") == model_id("bfloat16")  # the layout's dtype tells plain caches apart already
+
+
+def test_layerwise_loads_ask_vllm_for_piecewise_cuda_graphs():
+    """A full CUDA graph's replay skips wait_for_layer_load: with layer-by-layer loads on, attention
+    would read blocks before their copies landed."""
+    from kvdepot.connectors.vllm.connector import KVDepotConnector
+
+    assert KVDepotConnector.requires_piecewise_for_cudagraph({"url": "tcp://127.0.0.1:1", "layerwise": True}) is True
+    assert KVDepotConnector.requires_piecewise_for_cudagraph({"url": "tcp://127.0.0.1:1"}) is False

@@ -50,7 +50,7 @@ from kvdepot.connectors.common import ensure_logging
 from kvdepot.connectors.vllm.config import ConnectorConfig
 from kvdepot.connectors.vllm.hash_cache import SAFE_VLLM_HASHES, ChunkHashCache
 from kvdepot.connectors.vllm.metadata import KVDepotConnectorMetadata
-from kvdepot.connectors.vllm.paged_layout import choose_format, make_layout, probe_cpu_layout
+from kvdepot.connectors.vllm.paged_layout import cache_dtype_tag, choose_format, make_layout, probe_cpu_layout
 from kvdepot.connectors.vllm.scheduler import SchedulerSide
 from kvdepot.connectors.vllm.worker import WorkerSide
 
@@ -89,9 +89,12 @@ class KVDepotConnector(KVConnectorBase_V1):
                 "kvdepot's vLLM connector does not support MLA models yet (their cache is one latent tensor per layer, with no K/V "
                 "split, which kvdepot's chunks do not describe): serve this model without the connector"
             )
-        model = self.config.model_name or (model_config.model if model_config is not None else "")
         block_size = vllm_config.cache_config.block_size
         cache_dtype = str(vllm_config.cache_config.cache_dtype)
+        # Both halves name chunks alike: the model, and how a quantized cache encodes them.
+        model = (self.config.model_name or (model_config.model if model_config is not None else "")) + cache_dtype_tag(
+            cache_dtype, getattr(vllm_config.cache_config, "kv_cache_dtype_skip_layers", ()) or ()
+        )
         tp = parallel.tensor_parallel_size
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -123,6 +126,12 @@ class KVDepotConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             self._worker = WorkerSide(self.config, model, block_size, cache_dtype, get_tensor_model_parallel_rank(), tp)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-by-layer loads make the forward wait per layer (``wait_for_layer_load``); a full CUDA
+        graph's replay skips that Python call, and attention would read blocks still being loaded."""
+        return ConnectorConfig.from_extra(extra_config or {}).layerwise
 
     @property
     def requires_kv_delivery(self) -> bool:

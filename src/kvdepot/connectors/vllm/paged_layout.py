@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -236,6 +237,21 @@ class _NativeBlocks:
                 # Gathered in C into a block-sized temporary (it stays in the cache), then laid out as
                 # the chunk's. (np.take on the cache's halves copies the whole cache first: not that.)
                 np.copyto(rows.transpose(1, 2, 0, 3), half[ids])
+
+
+_PLAIN_CACHE_DTYPES = frozenset({"auto", "float16", "bfloat16", "float32"})  # the layout's dtype names these
+
+
+def cache_dtype_tag(cache_dtype: str, skip_layers: Sequence[str] = ()) -> str:
+    """A model-id suffix for a quantized KV cache (``--kv-cache-dtype``): vLLM allocates every fp8 and
+    int encoding as uint8, so the layout alone would let an ``fp8_e5m2`` engine load ``fp8_e4m3`` bytes.
+    Empty for the plain dtypes, which the layout's dtype already tells apart. vLLM's ``fp8`` is e4m3."""
+    if cache_dtype in _PLAIN_CACHE_DTYPES:
+        return ""
+    tag = "@kv-" + ("fp8_e4m3" if cache_dtype == "fp8" else cache_dtype)
+    if skip_layers:  # those layers keep the model's dtype: another mix of bytes per chunk
+        tag += "-skip" + hashlib.sha256(",".join(sorted(skip_layers)).encode()).hexdigest()[:8]
+    return tag
 
 
 def make_layout(num_layers: int, num_kv_heads: int, head_size: int, torch_dtype) -> KVLayout:
