@@ -15,6 +15,7 @@ from support.peer_cluster import NodeProcess, check_pages, keys, page_bytes, wai
 
 from kvdepot.peer import PeerStore
 from kvdepot.peer.dataplane import PageOutcome, PageRead
+from kvdepot.protocol import messages as m
 
 SIZE = 64 << 10
 SECRET = "cluster-test-secret"
@@ -165,6 +166,48 @@ def test_a_stalled_peer_is_a_timely_miss_and_serves_again_after(nodes):
         finally:
             a.resume()
         wait_for(lambda: check_pages(reader, "p", 20, SIZE)["hit"] == 20, 15, "service back after the stall")
+
+
+def _stall_resolves(s: PeerStore, gate: threading.Event) -> None:
+    """``s`` answers directory lookups only once ``gate`` is set (its other calls go on)."""
+    real = s.node._serve_shard
+
+    def stalled(body):
+        if isinstance(body, m.PeerResolveRequest):
+            assert gate.wait(10)
+        return real(body)
+
+    s.node._serve_shard = stalled
+
+
+def test_a_lookup_cut_short_by_its_own_deadline_does_not_suspect_the_owner():
+    """SGLang gives a lookup a share of its budget; a directory call that ran out of *that* says nothing
+    of the owner. It used to mark the owner suspect for a while, and every page the owner held read as
+    a miss meanwhile. A call that times out after the full ``control_timeout_s`` still suspects it."""
+    with store() as a, store(a.node_id) as b:
+        wait_for(lambda: members_of(a) == 2 and members_of(b) == 2, 10, "two members")
+        names = [n for n in keys("cut", 40) if b.node._ring.owners(n.encode(), 2)[0] == a.node_id]
+        assert names, "the ring put no key's first record on a: the test proves nothing"
+        assert a.batch_set(names, [page_bytes(n, SIZE) for n in names]) == [True] * len(names)
+        assert b.batch_exists(names) == len(names)
+
+        def suspected() -> bool:
+            return b.node._suspects.get(a.node_id, 0.0) > time.monotonic()
+
+        gate = threading.Event()
+        _stall_resolves(a, gate)
+        try:
+            b.batch_exists(names, timeout_s=0.1)  # a's answer cannot come within the caller's 0.1 s
+            assert not suspected(), "a healthy owner was suspected for the caller's own short deadline"
+        finally:
+            gate.set()
+        assert b.batch_exists(names) == len(names)
+        gate.clear()
+        try:
+            b.batch_exists(names, timeout_s=5.0)  # the call to a runs its full control_timeout_s
+            assert suspected()
+        finally:
+            gate.set()
 
 
 def test_a_node_stalled_past_the_ttl_publishes_its_pages_again_when_it_wakes(nodes):

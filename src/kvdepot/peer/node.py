@@ -16,7 +16,8 @@ publish some owner missed (stalled, timed out, suspected) is owed and sent again
 heartbeat (``owed.py``).
 
 Reads: resolve every key at its owner (a failed or empty answer falls back to the next replica; a node
-that failed a call is skipped for ``SUSPECT_S``), then pull the pages, grouped by the node that holds
+that failed a call, or did not answer within the full ``control_timeout_s``, is skipped for
+``SUSPECT_S``), then pull the pages, grouped by the node that holds
 them, straight into the caller's buffers; a page held here is one memcpy. Every failure is a miss. A
 read remembers where it found pages (``locations.py``) for ``location_cache_s``: reading one again
 skips the directory; a remembered location that went stale is one miss on the data plane, then a
@@ -34,7 +35,7 @@ from collections.abc import Sequence
 
 import zmq
 
-from kvdepot.errors import KVDepotError
+from kvdepot.errors import KVDepotError, KVDepotTimeout
 from kvdepot.observability.metrics import PeerMetrics
 from kvdepot.peer.config import PeerConfig
 from kvdepot.peer.dataplane import PageOutcome, PageRead, TcpTransport
@@ -418,7 +419,7 @@ class PeerNode:
         assert self.info is not None
         still: list[int] = []
         local: list[int] | None = None
-        started: list[tuple[str, list[int], RpcChannel, PendingCall, float]] = []
+        started: list[tuple[str, list[int], RpcChannel, PendingCall, float, float]] = []
         try:
             for owner, idx in by_owner.items():
                 if owner == self.info.id:
@@ -433,10 +434,10 @@ class PeerNode:
                 body = m.PeerResolveRequest(keys=[keys[i] for i in local], own_pages=own_pages)
                 still += self._fill(local, self._serve_shard(body), found, usable, failed)
             while started:
-                owner, idx, ch, pending, t0 = started.pop(0)
-                still += self._fill(idx, self._collect(owner, ch, pending, t0), found, usable, failed)
+                owner, idx, ch, pending, t0, timeout = started.pop(0)
+                still += self._fill(idx, self._collect(owner, ch, pending, t0, timeout), found, usable, failed)
         finally:
-            for owner, _, ch, pending, _ in started:  # only on an exception: their replies are never read
+            for owner, _, ch, pending, _, _ in started:  # only on an exception: their replies are never read
                 pending.abandon()
                 self._return_channel(owner, ch, False)
         still.sort()
@@ -460,9 +461,10 @@ class PeerNode:
                 found[i] = loc
         return still
 
-    def _begin(self, owner: str, body, deadline: float) -> tuple[RpcChannel, PendingCall, float] | None:
-        """A directory request sent to ``owner`` on a leased channel, its reply not yet read (None: the
-        owner is suspect, the deadline has passed, or the send failed)."""
+    def _begin(self, owner: str, body, deadline: float) -> tuple[RpcChannel, PendingCall, float, float] | None:
+        """A directory request sent to ``owner`` on a leased channel, its reply not yet read, when it
+        was sent and the timeout it has (None: the owner is suspect, the deadline has passed, or the
+        send failed)."""
         now = time.monotonic()
         if self._suspects.get(owner, 0.0) > now:
             return None
@@ -471,17 +473,18 @@ class PeerNode:
             return None
         ch = self._lease_channel(owner)
         try:
-            return ch, ch.begin(body, timeout), time.perf_counter()
+            return ch, ch.begin(body, timeout), time.perf_counter(), timeout
         except KVDepotError as exc:
             self._return_channel(owner, ch, False)
-            self._suspect(owner, body, exc)
+            self._suspect(owner, body, exc, timeout)
             return None
         except BaseException:
             self._return_channel(owner, ch, False)  # closed, never leaked
             raise
 
-    def _collect(self, owner: str, ch: RpcChannel, pending: PendingCall, t0: float):
-        """The reply to a request ``_begin`` sent (None when it failed or timed out); the channel goes back."""
+    def _collect(self, owner: str, ch: RpcChannel, pending: PendingCall, t0: float, timeout_s: float):
+        """The reply to a request ``_begin`` sent with ``timeout_s`` (None when it failed or timed out);
+        the channel goes back."""
         ok = False
         try:
             reply = pending.result()
@@ -489,13 +492,20 @@ class PeerNode:
             ok = True
             return reply
         except KVDepotError as exc:
-            self._suspect(owner, pending.body, exc)
+            self._suspect(owner, pending.body, exc, timeout_s)
             return None
         finally:
             self._return_channel(owner, ch, ok)
 
-    def _suspect(self, owner: str, what, exc: Exception) -> None:
+    def _suspect(self, owner: str, what, exc: Exception, timeout_s: float) -> None:
+        """Skip ``owner`` for ``SUSPECT_S`` after a call to it failed: a transport failure, or no reply
+        within the full ``control_timeout_s``. A timeout the caller's own deadline cut shorter says
+        nothing of the owner (SGLang passes a share of its budget), and suspecting it would make every
+        page it holds or indexes a miss for the whole process meanwhile."""
         assert self.info is not None
+        if isinstance(exc, KVDepotTimeout) and timeout_s < self.config.control_timeout_s:
+            log.debug("peer %s: %s to %s ran out of the caller's %.3g s", self.info.id, type(what).__name__, owner, timeout_s)
+            return
         self._suspects[owner] = time.monotonic() + SUSPECT_S
         log.info("peer %s: %s to %s failed (%s): its replica is asked instead", self.info.id, type(what).__name__, owner, exc)
 
@@ -756,7 +766,7 @@ class PeerNode:
         try:
             return self._call(owner, body, timeout)
         except KVDepotError as exc:
-            self._suspect(owner, body, exc)
+            self._suspect(owner, body, exc, timeout)
             return None
 
     # --- the control plane, server side --------------------------------------------------------------
