@@ -168,6 +168,16 @@ def test_a_stalled_peer_is_a_timely_miss_and_serves_again_after(nodes):
         wait_for(lambda: check_pages(reader, "p", 20, SIZE)["hit"] == 20, 15, "service back after the stall")
 
 
+def test_a_batch_larger_than_the_pool_reports_only_the_pages_it_kept():
+    """A later page of the same call evicts an earlier one from a full pool: the call used to report
+    that one stored anyway, and SGLang took it for backed up though no node had it."""
+    with store(pool_size_mb=1) as s:
+        names = keys("big", 8)  # 2 MiB through a 1 MiB pool
+        stored = s.batch_set(names, [page_bytes(n, 256 << 10) for n in names])
+        assert 0 < sum(stored) < len(names) and not stored[0]
+        assert stored == s.exists_many(names)
+
+
 def _stall_resolves(s: PeerStore, gate: threading.Event) -> None:
     """``s`` answers directory lookups only once ``gate`` is set (its other calls go on)."""
     real = s.node._serve_shard

@@ -212,10 +212,12 @@ class PeerNode:
     # --- writes --------------------------------------------------------------------------------------
 
     def put_many(self, items: Sequence[tuple[bytes, object]]) -> list[bool]:
-        """Copy each page into the pool and publish where it is; False where the pool cannot take it."""
+        """Copy each page into the pool and publish where it is. Per page: True only where the page is
+        still held when the call ends (in the pool, or on the disk it was evicted to); False where the
+        pool could not take it, or a later page of the same call evicted it again (a batch larger than
+        the pool keeps its last pages, as an LRU would) and no disk kept it."""
         t0 = time.perf_counter()
-        out: list[bool] = []
-        published: list[PoolEntry] = []
+        entries: list[PoolEntry | None] = []
         evicted: list[PoolEntry] = []
         self.located.forget(key for key, _ in items)  # a copy here now: read that, not a remote one
         for key, data in items:
@@ -224,16 +226,25 @@ class PeerNode:
             evicted += gone
             if entry is None and self.disk is not None:
                 entry = self._put_after_disk_catches_up(key, data, evicted)
-            out.append(entry is not None)
+            entries.append(entry)
             if entry is not None:
-                published.append(entry)
                 self._write_through(entry)
         if evicted:
             self._evicted(evicted)
         # A page a later page of this batch evicted again is not announced (its record would be stale).
-        self._publish([e for e in published if e.published])
-        self.metrics.write_done(time.perf_counter() - t0, len(published), len(out) - len(published), sum(e.length for e in published))
+        self._publish([e for e in entries if e is not None and e.published])
+        newest = {e.key: e for e in entries if e is not None}  # a key given twice: its last page counts
+        out = [e is not None and self._held(newest[e.key]) for e in entries]
+        kept = [e for e, ok in zip(entries, out, strict=True) if ok and e is not None]
+        self.metrics.write_done(time.perf_counter() - t0, len(kept), len(out) - len(kept), sum(e.length for e in kept))
         return out
+
+    def _held(self, entry: PoolEntry) -> bool:
+        """Is ``entry``'s page still held: in the pool, or on the disk it was evicted to?"""
+        if entry.published:
+            return True
+        with self._disk_lock:
+            return entry.key in self._disk_only
 
     def _put_after_disk_catches_up(self, key: bytes, data, evicted: list[PoolEntry]) -> PoolEntry | None:
         """The pool is full of pages still queued for the disk (pinned until written): wait for the

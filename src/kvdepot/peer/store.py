@@ -60,9 +60,11 @@ class PeerStore:
         return self.batch_set([key], [value])[0]
 
     def batch_set(self, keys: Sequence[Key], values: Sequence) -> list[bool]:
-        """Per key: stored in this node's pool and published (False: larger than the pool, or the pool
-        is full of pages being read). A value is any contiguous buffer, or a strided numpy array (a
-        page of a layer-first host pool), gathered straight into the pool."""
+        """Per key: stored in this node's pool and published, and still held when the call ends (False:
+        larger than the pool, the pool is full of pages being read, or a later page of this call
+        evicted it: a batch larger than the pool keeps its last pages, or those a disk tier took). A
+        value is any contiguous buffer, or a strided numpy array (a page of a layer-first host pool),
+        gathered straight into the pool."""
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys for {len(values)} values")
         return self.node.put_many([(_key(k), v) for k, v in zip(keys, values, strict=True)])
