@@ -178,6 +178,22 @@ def test_a_batch_larger_than_the_pool_reports_only_the_pages_it_kept():
         assert stored == s.exists_many(names)
 
 
+def test_an_unpublish_an_owner_missed_reaches_it_once_it_answers():
+    """A clear while the writer suspects the other owner of the records: its unpublish to that owner
+    is skipped. The stale records used to stay for good (nothing sent them again), and every existence
+    check counted pages no node held."""
+    with store() as a, store(a.node_id) as b:
+        wait_for(lambda: members_of(a) == 2 and members_of(b) == 2, 10, "two members")
+        names = keys("ghost", 40)
+        assert b.batch_set(names, [page_bytes(n, 4096) for n in names]) == [True] * 40
+        assert sum(a.exists_many(names)) == 40 and len(a.node.shard) == 40
+        b.node._suspects[a.node_id] = time.monotonic() + 1.0  # as after a failed call: skipped for a while
+        assert b.clear() == 40
+        wait_for(lambda: len(a.node.shard) == 0, 15, "the skipped unpublishes to reach a once it is no longer suspected")
+        assert sum(a.exists_many(names)) == 0
+        assert b.status()["publish"]["unpublish_owed"] == 0 and b.status()["publish"]["unpublish_dropped"] == 0
+
+
 def _stall_resolves(s: PeerStore, gate: threading.Event) -> None:
     """``s`` answers directory lookups only once ``gate`` is set (its other calls go on)."""
     real = s.node._serve_shard

@@ -12,7 +12,7 @@ import pytest
 from kvdepot.peer.auth import HandshakeFailed, client_handshake, serve_handshake
 from kvdepot.peer.directory import DirectoryShard
 from kvdepot.peer.discovery import MemberTable, masters_of
-from kvdepot.peer.owed import OwedRecords
+from kvdepot.peer.owed import OwedRecords, OwedUnpublishes
 from kvdepot.peer.pool import PublishedPool
 from kvdepot.peer.ring import HashRing
 from kvdepot.protocol.messages import PeerLocation, PeerNodeInfo
@@ -450,3 +450,13 @@ def test_owed_records_are_taken_once_and_past_the_limit_everything_is_owed():
     owed.owe([b"z"])
     assert owed.take() == (True, set())
     assert owed.take() == (False, set())
+
+
+def test_owed_unpublishes_keep_the_newest_generation_per_owner_and_key_and_count_what_the_bound_drops():
+    owed = OwedUnpublishes(limit=3)
+    owed.owe("n1", [(b"a", 5), (b"b", 1)])
+    owed.owe("n1", [(b"a", 3)])  # an older generation adds nothing: the newer one covers it
+    owed.owe("n2", [(b"a", 2), (b"c", 1)])  # the fourth entry: over the bound, dropped and counted
+    assert len(owed) == 3 and owed.dropped == 1
+    assert owed.take() == {"n1": [(b"a", 5), (b"b", 1)], "n2": [(b"a", 2)]}
+    assert owed.take() == {} and len(owed) == 0  # sent: owed again only if it fails again

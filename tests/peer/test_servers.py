@@ -116,4 +116,4 @@ def test_the_server_path_takes_a_routers_hint_and_skips_pulls_that_would_lose(cl
     assert decisions.get("pull/no_estimate", 0) >= 1 and decisions["recompute/pull_slower"] == 1 and decisions["pull/pull_faster"] == 1, decisions
     assert details["hints"]["found"] == 4, details["hints"]
     assert details["peers"][a_node]["bandwidth_bytes_per_s"] > 0
-    assert set(details["publish"]) == {"owed", "repaid"} and details["publish"]["owed"] >= 0
+    assert set(details["publish"]) == {"owed", "repaid", "unpublish_owed", "unpublish_dropped"} and details["publish"]["owed"] >= 0

@@ -111,7 +111,8 @@ class PeerAdapter(BackendAdapter):
             "members": len(self.node.members()),
             "pull_decisions": summary["pull_decisions"],
             "hints": summary["hints"],
-            "publish": {"owed": len(self.node.owed), "repaid": self.node.repaid},
+            "publish": {"owed": len(self.node.owed), "repaid": self.node.repaid, "unpublish_owed": len(self.node.unpublish_owed),
+                        "unpublish_dropped": self.node.unpublish_owed.dropped},
             "peers": self.node.planner.snapshot(),
         }
 

@@ -13,7 +13,7 @@ Life cycle::
 heartbeat. Every membership change rebuilds the ring, drops the records of nodes that left, and
 re-publishes this node's pages to their owners under the new ring (so the directory re-shards). A
 publish some owner missed (stalled, timed out, suspected) is owed and sent again on the next
-heartbeat (``owed.py``).
+heartbeat (``owed.py``), and so is an unpublish.
 
 Reads: resolve every key at its owner (a failed or empty answer falls back to the next replica; a node
 that failed a call, or did not answer within the full ``control_timeout_s``, is skipped for
@@ -42,7 +42,7 @@ from kvdepot.peer.dataplane import PageOutcome, PageRead, TcpTransport
 from kvdepot.peer.directory import DirectoryShard
 from kvdepot.peer.discovery import MemberTable, masters_of, ordered
 from kvdepot.peer.locations import LocationCache
-from kvdepot.peer.owed import OwedRecords
+from kvdepot.peer.owed import OwedRecords, OwedUnpublishes
 from kvdepot.peer.planner import PullPlanner
 from kvdepot.peer.pool import PoolEntry, PublishedPool
 from kvdepot.peer.ring import HashRing
@@ -104,6 +104,7 @@ class PeerNode:
         self.republished = 0
         self.owed = OwedRecords()  # keys whose record some owner missed: sent again on the heartbeat
         self.repaid = 0
+        self.unpublish_owed = OwedUnpublishes()  # (owner, key, generation) some owner missed: sent again on the heartbeat
         self.disk = None  # DiskTier, when disk_path is set and usable
         self._disk_only: set[bytes] = set()  # pages on disk and not in the pool (published non-resident)
         self._disk_lock = threading.Lock()
@@ -355,14 +356,19 @@ class PeerNode:
                 self.owed.owe(rec.key for rec in group)
 
     def _unpublish(self, entries: Sequence[PoolEntry]) -> None:
+        """Remove these pages' records at their owners; an owner that fails or is skipped (suspect) is
+        owed the unpublish, sent again on the heartbeat (``_repay``). What is owed names a generation,
+        never "any": a bound taken now stands for it, so a page of the key written later is spared."""
         assert self.info is not None
+        bound = self.pool.fresh_generation()
         by_owner: dict[str, list[PoolEntry]] = {}
         for e in entries:
             for owner in self._ring.owners(e.key, self.config.directory_replicas):
                 by_owner.setdefault(owner, []).append(e)
         for owner, group in by_owner.items():
             req = m.PeerUnpublishRequest(keys=[e.key for e in group], node=self.info.id, generations=[e.generation for e in group])
-            self._call_shard(owner, req, None)
+            if self._call_shard(owner, req, None) is None:
+                self.unpublish_owed.owe(owner, ((e.key, min(e.generation, bound)) for e in group))
 
     # --- reads ---------------------------------------------------------------------------------------
 
@@ -934,9 +940,11 @@ class PeerNode:
             self._publish_non_resident([r for r in records if r is not None])
 
     def _repay(self) -> None:
-        """Publish again what some owner missed (``owed.py``): each key's record as the page is now, to
-        its owners under the current ring; a key gone meanwhile is dropped, one that fails again is owed
-        again. Bounded by one heartbeat interval, so a dead owner cannot hold up the heartbeat."""
+        """Send again what some owner missed (``owed.py``): the unpublishes, then each owed key's record
+        as the page is now, to its owners under the current ring; a key gone meanwhile is dropped, one
+        that fails again is owed again. Each bounded by one heartbeat interval, so a dead owner cannot
+        hold up the heartbeat."""
+        self._repay_unpublishes(time.monotonic() + self.config.heartbeat_interval_s)
         everything, keys = self.owed.take()
         if everything:
             self._republish()
@@ -946,6 +954,20 @@ class PeerNode:
         records = [rec for found in self.own_records(list(keys)) for rec in found]
         self._publish_records(records, time.monotonic() + self.config.heartbeat_interval_s)
         self.repaid += len(records)
+
+    def _repay_unpublishes(self, deadline: float) -> None:
+        """Each owed unpublish to the owner that missed it (the stale record is there, and only there:
+        other owners got records only of pages held); an owner that left took its shard along."""
+        assert self.info is not None
+        owed = self.unpublish_owed.take()
+        with self._view_lock:
+            live = set(self._members)
+        for owner, items in owed.items():
+            if owner not in live:
+                continue
+            req = m.PeerUnpublishRequest(keys=[k for k, _ in items], node=self.info.id, generations=[g for _, g in items])
+            if self._call_shard(owner, req, deadline) is None:
+                self.unpublish_owed.owe(owner, items)
 
     def _disk_record(self, key: bytes) -> PeerLocation | None:
         assert self.info is not None and self.disk is not None

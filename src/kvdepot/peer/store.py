@@ -136,7 +136,8 @@ class PeerStore:
             "masters": self.node.masters(),
             "pool": {"capacity_bytes": s.capacity_bytes, "used_bytes": s.used_bytes, "keys": s.keys, "evictions": s.evictions},
             "directory_records": len(self.node.shard),
-            "publish": {"owed": len(self.node.owed), "repaid": self.node.repaid},  # records some owner missed, sent again
+            "publish": {"owed": len(self.node.owed), "repaid": self.node.repaid, "unpublish_owed": len(self.node.unpublish_owed),
+                        "unpublish_dropped": self.node.unpublish_owed.dropped},  # records some owner missed, sent again
             "disk": self._disk_status(),
             "peers": self.node.planner.snapshot(),
             "pull_decisions": self.node.metrics.summary()["pull_decisions"],
