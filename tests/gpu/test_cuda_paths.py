@@ -1,7 +1,8 @@
 """The CUDA-only parts of the GPU paths, on a real GPU (``bash scripts/test-gpu.sh``): CUDA IPC handles
 and events between a worker (this process) and a real server process, bit-exact in both layouts and
 every cache dtype, the ordering both ways (a test that reads stale bytes if either wait were missing),
-and a worker killed with its handles registered. Skipped, and counted, where there is no CUDA; the
+a worker killed with its handles registered, and a registration whose declared range reaches past the
+allocation its handle maps (refused by the driver's extent of the mapping). Skipped, and counted, where there is no CUDA; the
 same code's CPU form runs everywhere (tests/integration/test_block_transfer.py, tests/e2e/test_connector_device.py).
 """
 
@@ -14,11 +15,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
 from kvdepot import ClientOptions, KVClient, KVLayout
-from kvdepot.gpu.memory import EventRing
+from kvdepot.errors import BadRequest
+from kvdepot.gpu.memory import EventRing, ExportedCache, allocation_range, export_cache
 from kvdepot.types import SlotStatus
 
 from support.devices import gpu
@@ -150,6 +153,24 @@ def test_a_worker_killed_with_its_handles_registered(gpu_server):
         rc.wait_all()
         torch.cuda.synchronize()
         assert fresh[0][:, 4:8].abs().sum().item() > 0
+
+
+def test_a_registered_range_must_lie_inside_the_allocation_its_handle_maps(gpu_server):
+    """The driver's extent of an allocation holds torch's tensor in it; a worker that declares more than
+    its handle maps (a larger size, an offset past its end) is refused, and a true registration of the
+    same memory is taken after."""
+    t = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
+    base, extent = allocation_range(torch.cuda.current_device(), t.data_ptr())
+    assert base <= t.data_ptr() and t.data_ptr() + t.numel() <= base + extent
+    with KVClient(gpu_server.url, "doctored", layout(2, "bfloat16"), options=ClientOptions(chunk_size=CHUNK, timeout_s=30)) as c:
+        layers = cuda_layers(2, "kv_first", "bfloat16", None)
+        exported = export_cache(layers, "kv_first")
+        mem = exported.memories[0]
+        for doctored in (msgspec.structs.replace(mem, size=mem.size + (64 << 20)), msgspec.structs.replace(mem, offset=mem.offset + (64 << 20))):
+            request = ExportedCache([doctored, *exported.memories[1:]], exported.layers).request(BS)
+            with pytest.raises(BadRequest, match="inside the allocation|does not place it"):
+                c.link.request(request, timeout_s=60)
+        assert c.register_kv_cache(layers, "kv_first", BS).kind == "cuda_ipc"
 
 
 @pytest.mark.parametrize("transport", ["shm", "inline"])

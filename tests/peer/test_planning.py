@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+from types import SimpleNamespace
+
 from support.peer_cluster import keys, page_bytes, wait_for
 
-from kvdepot.peer import PeerStore
+from kvdepot.peer import PeerStore, planner
+from kvdepot.peer.planner import PullPlanner, Reason
 
 SIZE = 512 << 10
 FAST = {"heartbeat_interval_s": 0.3, "member_ttl_s": 1.5, "control_timeout_s": 0.5, "secret": "planning", "metrics_port": 0}
@@ -64,3 +68,45 @@ def test_pulls_that_would_lose_to_recomputing_are_skipped_and_counted():
     finally:
         reader.close()
         a.close()
+
+
+def test_a_read_cut_short_by_its_deadline_teaches_the_planner_nothing():
+    """A page that does not come within the read's deadline: the hit bytes over the whole wait made a
+    sample that said the peer was slow, and the planner then refused every pull from it."""
+    a, reader = cluster(2)
+    try:
+        names = ["fast", "slow"]
+        assert a.batch_set(names, [page_bytes(n, SIZE) for n in names]) == [True, True]
+        gate = threading.Event()
+        real = a.node.pool.acquire
+
+        def acquire(key: bytes, generation: int = 0):
+            if key == b"slow":  # the owner's data plane stalls on this page until released
+                gate.wait(10)
+            return real(key, generation)
+
+        a.node.pool.acquire = acquire
+        bufs = [bytearray(SIZE) for _ in names]
+        try:
+            assert reader.batch_get_into(names, bufs, timeout_s=0.5) == [True, False]
+        finally:
+            gate.set()
+        assert reader.status()["peers"].get(a.node_id, {}).get("bandwidth_bytes_per_s", 0.0) == 0.0
+    finally:
+        reader.close()
+        a.close()
+
+
+def test_an_estimate_with_no_sample_for_a_while_lets_a_pull_probe_and_starts_afresh(monkeypatch):
+    """An estimate that refuses every pull gets no new sample (no pull, no sample): once it is
+    ``STALE_S`` old, a pull is let through to measure again, and that sample replaces it."""
+    now = [1000.0]
+    monkeypatch.setattr(planner, "time", SimpleNamespace(monotonic=lambda: now[0]), raising=False)
+    p = PullPlanner()
+    p.read_measured("B", 1 << 20, 0.8)  # slow once: 1.3 MB/s
+    assert p.decide({"B": 64 << 20}, 0.05).reason is Reason.SLOWER
+    now[0] += getattr(planner, "STALE_S", 60.0) + 1
+    probe = p.decide({"B": 64 << 20}, 0.05)
+    assert probe.pull and probe.reason is Reason.NO_ESTIMATE
+    p.read_measured("B", 64 << 20, 0.01)  # the probe: 6.7 GB/s
+    assert p.decide({"B": 64 << 20}, 0.05).reason is Reason.FASTER

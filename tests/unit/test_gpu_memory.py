@@ -1,9 +1,16 @@
 """``kvdepot.gpu.memory`` and ``runtime``: what a worker exports of its cache, and the checks the server
 makes before it maps a byte of it. A host cache in a ``HostCacheFile`` is the CPU form of the same path
-(CUDA IPC handles are exercised on a GPU, in tests/gpu)."""
+(CUDA IPC handles are exercised on a GPU, in tests/gpu).
+
+A CUDA memory's checks run here with torch's two CUDA calls faked (``FakeIpc``: ``_new_shared_cuda``
+hands back a CPU storage, and the driver's ``cuMemGetAddressRange`` answers from the test): the handle's
+form, the offset's alignment, the declared range against the extent of the mapping, and the fields of
+the worker's that never reach torch. What only a GPU shows (the driver's real extent of an IPC mapping,
+a doctored registration refused by a real server) is in tests/gpu/test_cuda_paths.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -12,6 +19,7 @@ import pytest
 import torch
 
 from kvdepot.errors import BadRequest, TransportUnavailable
+from kvdepot.gpu import memory
 from kvdepot.gpu.memory import HOST_FILE_PREFIX, HostCacheFile, export_cache, layer_tensor, open_memory
 from kvdepot.protocol import messages as m
 
@@ -88,6 +96,99 @@ def test_cuda_memory_on_a_gpu_the_server_does_not_see_is_refused_by_name():
     mem = m.CudaIpcMemory(device_uuid="GPU-not-here", handle=b"\x00" * 64, size=4096, offset=0)
     with pytest.raises(TransportUnavailable, match="GPU-not-here"):
         open_memory(mem, {"GPU-other": 0}, "/dev/shm")
+
+
+HANDLE = bytes([2]) + b"c" + bytes(range(64))  # torch's shareable handle of cudaMalloc memory: version, kind, cudaIpcMemHandle_t
+
+
+class FakeIpc:
+    """torch's CUDA IPC open and the driver's extent query, on the CPU: ``_new_shared_cuda`` returns a CPU
+    storage of the declared size (placed as torch places it: ``offset`` bytes past the mapping's start),
+    and the allocation holding an address is ``extent`` bytes from that start (``base`` to move it)."""
+
+    def __init__(self, monkeypatch, extent: int, base_shift: int = 0, fails: bool = False) -> None:
+        self.opened: list[tuple] = []
+        self.extent, self.base_shift, self.fails = extent, base_shift, fails
+        self.mapping = 0
+        monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+        monkeypatch.setattr(torch.UntypedStorage, "_new_shared_cuda", self.new_shared_cuda, raising=False)
+        monkeypatch.setattr(memory, "allocation_range", self.allocation_range)
+
+    def new_shared_cuda(self, index, handle, size, offset, rc_handle, rc_offset, event_handle, event_sync):
+        self.opened.append((index, handle, size, offset, rc_handle, rc_offset, event_handle, event_sync))
+        storage = torch.UntypedStorage(size)
+        self.mapping = storage.data_ptr() - offset
+        return storage
+
+    def allocation_range(self, index: int, address: int) -> tuple[int, int]:
+        if self.fails:
+            raise OSError("cuMemGetAddressRange failed (CUDA driver error 1)")
+        return self.mapping + self.base_shift, self.extent
+
+
+def cuda_memory(**fields) -> m.CudaIpcMemory:
+    spec = {"device_uuid": "GPU-here", "handle": HANDLE, "size": 4096, "offset": 512} | fields
+    return m.CudaIpcMemory(**spec)
+
+
+def test_cuda_memory_inside_its_allocation_opens_as_the_declared_range(monkeypatch):
+    fake = FakeIpc(monkeypatch, extent=8192)
+    opened = open_memory(cuda_memory(), {"GPU-here": 0}, None)
+    assert opened.data.numel() == 4096 and opened.device_index == 0 and len(fake.opened) == 1
+    raw = FakeIpc(monkeypatch, extent=4096)  # torch before its shareable handles: the 64 bytes alone
+    assert open_memory(cuda_memory(handle=bytes(64), offset=0), {"GPU-here": 0}, None).data.numel() == 4096
+    assert raw.opened[0][1] == bytes(64)
+
+
+@pytest.mark.parametrize(
+    ("fields", "extent", "shift", "why"),
+    [
+        ({"size": 8192}, 8192, 0, "allocation"),  # declares more than the allocation holds past its offset
+        ({"offset": 8192}, 8192, 0, "allocation"),  # starts at the end of it
+        ({"offset": 1 << 40}, 1 << 50, 4096, "allocation"),  # walked out into another allocation of the server's
+        ({"offset": 100}, 1 << 20, 0, "multiples of 256"),  # not where any allocation of torch's starts
+        ({"size": 0}, 8192, 0, "4096|0 bytes"),
+        ({"offset": -512}, 8192, 0, "-512"),
+    ],
+)
+def test_cuda_memory_outside_its_allocation_is_refused_before_a_kernel_sees_it(monkeypatch, fields, extent, shift, why):
+    """The server's kernels read and write wherever a registered range points: the worker's declared size
+    and offset count only where the driver's extent of the mapping holds them."""
+    FakeIpc(monkeypatch, extent=extent, base_shift=shift)
+    with pytest.raises(BadRequest, match=why):
+        open_memory(cuda_memory(**fields), {"GPU-here": 0}, None)
+
+
+def test_cuda_memory_the_driver_cannot_place_is_refused(monkeypatch):
+    FakeIpc(monkeypatch, extent=8192, fails=True)
+    with pytest.raises(BadRequest, match="driver does not place it"):
+        open_memory(cuda_memory(), {"GPU-here": 0}, None)
+
+
+@pytest.mark.parametrize(
+    ("handle", "error", "why"),
+    [
+        (bytes(63), BadRequest, "63 bytes"),
+        (bytes([2]) + b"c" + bytes(63), BadRequest, "65 bytes"),
+        (bytes([2]) + b"x" + bytes(64), BadRequest, "66 bytes"),
+        (b"", BadRequest, "0 bytes"),
+        (bytes([2]) + b"e" + bytes(200), TransportUnavailable, "expandable_segments"),
+    ],
+    ids=["short", "cut", "unknown-kind", "empty", "expandable-segment"],
+)
+def test_a_cuda_handle_of_another_form_is_refused_before_torch_opens_it(monkeypatch, handle, error, why):
+    fake = FakeIpc(monkeypatch, extent=8192)
+    with pytest.raises(error, match=why):
+        open_memory(cuda_memory(handle=handle), {"GPU-here": 0}, None)
+    assert fake.opened == []
+
+
+def test_the_extent_check_alone():
+    spec = cuda_memory(size=4096, offset=512)
+    memory.check_cuda_extent(spec, 10_512, 10_000, 4608)  # ends exactly at the allocation's end
+    for address, base, extent in ((10_512, 10_000, 4607), (10_512, 10_256, 1 << 30), (10_000, 10_000, 1 << 30)):
+        with pytest.raises(BadRequest):
+            memory.check_cuda_extent(spec, address, base, extent)
 
 
 def test_without_torch_the_path_says_what_to_install():

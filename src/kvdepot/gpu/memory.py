@@ -11,11 +11,14 @@
   that allocates its cache in shared memory).
 
 The server checks what it is given before it reads a byte: a layer must lie inside its memory, the file
-inside its directory, the device among its own.
+inside its directory, the device among its own, and a CUDA memory inside the allocation its handle maps
+(the extent the driver reports for the mapping, never the size the worker declared: see
+``check_cuda_extent``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -24,6 +27,7 @@ import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 
 from kvdepot.errors import BadRequest, TransportUnavailable
 from kvdepot.gpu.runtime import device_uuid, dtype_name, require_torch, torch_dtype
@@ -33,6 +37,12 @@ from kvdepot.protocol import messages as m
 log = logging.getLogger(__name__)
 
 HOST_FILE_PREFIX = "kvdepot-kvcache-"
+CUDA_IPC_HANDLE_BYTES = 64  # a cudaIpcMemHandle_t
+CUDA_IPC_ALIGNMENT = 256  # cudaMalloc's least alignment (torch's blocks start at multiples of 512 bytes in a segment)
+# torch's shareable handle (``_share_cuda_``): a version byte, a kind byte, then the kind's data; torch
+# before it sent the 64 bytes of a cudaIpcMemHandle_t alone.
+_SHAREABLE_CUDA_MALLOC = ord("c")
+_SHAREABLE_EXPANDABLE_SEGMENT = ord("e")
 
 
 @dataclass(frozen=True)
@@ -200,7 +210,7 @@ class OpenedMemory:
 def open_memory(spec: m.CacheMemory, devices: dict[str, int], shm_dir: str | None) -> OpenedMemory:
     """Open one memory a worker registered. ``devices``: UUID -> this process's CUDA index; ``shm_dir``:
     where host files may be (None: they are refused). BadRequest / TransportUnavailable say why not."""
-    torch = require_torch("the server-driven path")
+    require_torch("the server-driven path")
     if isinstance(spec, m.CudaIpcMemory):
         index = devices.get(spec.device_uuid)
         if index is None:
@@ -208,20 +218,107 @@ def open_memory(spec: m.CacheMemory, devices: dict[str, int], shm_dir: str | Non
                 f"this server does not see GPU {spec.device_uuid} (it sees {sorted(devices) or 'none'}): run it on the worker's "
                 f"host with that GPU visible (CUDA_VISIBLE_DEVICES)"
             )
-        if spec.size <= 0 or spec.offset < 0:
-            raise BadRequest(f"CUDA memory of {spec.size} bytes at {spec.offset}")
-        with torch.cuda.device(index):
-            # torch's own reader of these fields: it maps the allocation once per handle in this process, and
-            # decrements the worker's cross-process reference count (a file) when the last tensor goes.
-            storage = torch.UntypedStorage._new_shared_cuda(
-                index, spec.handle, spec.size, spec.offset, spec.ref_counter_handle, spec.ref_counter_offset,
-                spec.event_handle or None, spec.event_sync_required,
-            )  # fmt: skip
-            data = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}").set_(storage, 0, (spec.size,), (1,))
-        return OpenedMemory(data, index)
+        return _open_cuda(spec, index)
     if shm_dir is None:
         raise TransportUnavailable("this server does not map host cache files (no torch, or the server-driven path is off)")
     return _open_host_file(spec, shm_dir)
+
+
+def check_cuda_handle(handle: bytes) -> None:
+    """A memory handle as torch's ``_share_cuda_`` makes one for memory from ``cudaMalloc`` (the caching
+    allocator's segments): a cudaIpcMemHandle_t, alone or after torch's version and kind bytes. Memory of
+    an expandable segment (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``) is refused: the server
+    could not check that a registered range lies inside what such a handle maps."""
+    if len(handle) == CUDA_IPC_HANDLE_BYTES:
+        return
+    kind = handle[1] if len(handle) > 1 else None
+    if kind == _SHAREABLE_CUDA_MALLOC and len(handle) == 2 + CUDA_IPC_HANDLE_BYTES:
+        return
+    if kind == _SHAREABLE_EXPANDABLE_SEGMENT:
+        raise TransportUnavailable(
+            "this cache is in torch's expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), which the "
+            "server does not open: allocate the KV cache without them, or use the shm transport"
+        )
+    raise BadRequest(f"a CUDA memory handle of {len(handle)} bytes is not one torch makes for cudaMalloc memory")
+
+
+def check_cuda_extent(spec: m.CudaIpcMemory, address: int, base: int, extent: int) -> None:
+    """The registered range against the allocation CUDA mapped for its handle. torch put the storage at
+    ``address`` (the mapping's start plus ``spec.offset``); ``base`` and ``extent`` are the allocation
+    that holds ``address`` as the driver reports it. The storage must start ``spec.offset`` bytes into
+    that allocation (else the offset walked out of the mapping, into other memory of this process: another
+    worker's cache, the server's staging) and end inside it. Sizes and offsets a worker declares are never
+    trusted alone: the server's kernels would read and write wherever they point."""
+    if address - base != spec.offset or spec.offset + spec.size > extent:
+        raise BadRequest(
+            f"CUDA memory of {spec.size} bytes at offset {spec.offset} does not lie inside the allocation its handle maps "
+            f"({extent} bytes)"
+        )
+
+
+@cache
+def _libcuda():
+    lib = ctypes.CDLL("libcuda.so.1")  # the driver torch loaded: the same library, mapped once
+    lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+    lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+    lib.cuDevicePrimaryCtxRelease_v2.argtypes = [ctypes.c_int]
+    lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
+    lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+    lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+    return lib
+
+
+def _driver_call(code: int, what: str) -> None:
+    if code != 0:
+        raise OSError(f"{what} failed (CUDA driver error {code})")
+
+
+def allocation_range(device_index: int, address: int) -> tuple[int, int]:
+    """``(base, size)`` of the device allocation that holds ``address`` (``cuMemGetAddressRange``), asked in
+    device ``device_index``'s primary context (torch's, where it opened the handle), pushed on this thread
+    for the call. TransportUnavailable where the driver library cannot be loaded; OSError where the
+    driver does not know the address."""
+    try:
+        lib = _libcuda()
+    except (OSError, AttributeError) as exc:
+        raise TransportUnavailable(f"the CUDA driver library cannot be used here to check registered memory ({exc})") from None
+    device, context = ctypes.c_int(), ctypes.c_void_p()
+    _driver_call(lib.cuDeviceGet(ctypes.byref(device), device_index), "cuDeviceGet")
+    _driver_call(lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain")
+    try:
+        _driver_call(lib.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
+        try:
+            base, size = ctypes.c_uint64(), ctypes.c_size_t()
+            _driver_call(lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(address)), "cuMemGetAddressRange")
+        finally:
+            lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+    finally:
+        lib.cuDevicePrimaryCtxRelease_v2(device)
+    return int(base.value), int(size.value)
+
+
+def _open_cuda(spec: m.CudaIpcMemory, index: int) -> OpenedMemory:
+    torch = require_torch("the server-driven path")
+    check_cuda_handle(spec.handle)
+    if spec.size <= 0 or spec.offset < 0 or spec.offset % CUDA_IPC_ALIGNMENT:
+        raise BadRequest(f"CUDA memory of {spec.size} bytes at offset {spec.offset} (offsets are multiples of {CUDA_IPC_ALIGNMENT})")
+    with torch.cuda.device(index):
+        # torch's own reader of these fields: it maps the allocation once per handle in this process, and
+        # decrements the worker's cross-process reference count (a file) when the last tensor goes.
+        storage = torch.UntypedStorage._new_shared_cuda(
+            index, spec.handle, spec.size, spec.offset, spec.ref_counter_handle, spec.ref_counter_offset,
+            spec.event_handle or None, spec.event_sync_required,
+        )  # fmt: skip
+        # torch took the size and offset as given: nothing is read or written through the storage before
+        # the driver's extent of the mapping confirms them (a refused storage is let go, unmapped).
+        address = storage.data_ptr()
+        try:
+            base, extent = allocation_range(index, address)
+        except OSError as exc:
+            raise BadRequest(f"CUDA memory of {spec.size} bytes at offset {spec.offset}: the driver does not place it ({exc})") from None
+        check_cuda_extent(spec, address, base, extent)
+        data = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (spec.size,), (1,))
+    return OpenedMemory(data, index)
 
 
 def _open_host_file(spec: m.HostFileMemory, shm_dir: str) -> OpenedMemory:
