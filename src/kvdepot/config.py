@@ -252,6 +252,11 @@ class ObservabilityConfig(ConfigStruct, frozen=True, kw_only=True):
         str, option("answer replay requests here (ZeroMQ ROUTER): a subscriber sends a sequence number and gets the batches from it")
     ] = ""
     kv_events_buffer: Annotated[int, option("KV-event batches kept for replay", ge=1, le=1 << 22)] = 10000
+    kv_events_topic: Annotated[
+        str,
+        option("each model's KV-event topic: a template of {model} and {node} (this server's HOST:PORT); llm-d's indexer "
+               "reads kv@{node}@{model}, or kv@POD_IP@{model}", cli={"metavar": "TEMPLATE"}),
+    ] = "{model}"
     trace_record: Annotated[str, option("record every LOOKUP/STORE/RETRIEVE to this file (replay it with `kvdepot replay`)")] = ""
     lookup_log: Annotated[str, option("write one JSON line per engine lookup to this file (rotated)")] = ""
     lookup_log_max_mb: Annotated[int, option("rotate the lookup log at this size in MiB", ge=1, le=1 << 20)] = 100

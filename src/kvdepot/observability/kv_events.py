@@ -12,8 +12,11 @@ kvdepot's the same way:
 
 What kvdepot puts in them:
 
-- The topic is the model name (a router subscribes to one model's prefix, or to ``b""`` for all);
-  a batch holds one model's events. The sequence is shared by all topics and never goes back: it
+- The topic is ``--kv-events-topic`` made for the batch's model: a template of ``{model}`` and
+  ``{node}`` (this server's ``HOST:PORT``), by default ``{model}``: the model name (a router
+  subscribes to one model's prefix, or to ``b""`` for all). llm-d's indexer subscribes to ``kv@`` and
+  reads ``kv@<pod>@<model>``: ``kv@{node}@{model}``, or the pod's IP in place of ``{node}``. A batch
+  holds one model's events. The sequence is shared by all topics and never goes back: it
   starts at the server's start time in microseconds, so a restarted server never reuses a number.
 - ``block_hashes`` are kvdepot's chunk hashes (the chain the client computed: sha256 by default, so
   equal to SGLang HiCache's page keys when a chunk is a page), ``block_size`` the chunk's tokens,
@@ -40,6 +43,7 @@ from __future__ import annotations
 import array
 import itertools
 import logging
+import string
 import threading
 import time
 from collections import OrderedDict, deque
@@ -58,6 +62,8 @@ END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 L1_MEDIUM = "CPU"
 MAX_NAMESPACES = 65536
 MAX_TOKEN_CHUNKS = 8192  # chunks whose token ids are kept for their BlockStored (1 KiB each at 256 tokens)
+TOPIC_FIELDS = ("model", "node")
+MAX_TOPICS_CACHED = 4096  # models whose topic is kept made; past it the cache starts again
 
 
 # --- the wire format (vLLM's field names and order; our own structs) ---------------------------------
@@ -126,6 +132,21 @@ class _Generations:
 
 
 
+def topic_template_problem(template: str) -> str:
+    """Why ``template`` is no topic template, or "": its only placeholders are ``{model}`` and
+    ``{node}``, bare (no format spec or conversion), and ``{{``/``}}`` are literal braces."""
+    try:
+        fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(template) if name is not None]
+    except ValueError as exc:
+        return str(exc)
+    for name, spec, conv in fields:
+        if name not in TOPIC_FIELDS:
+            return f"unknown placeholder {{{name}}}: use {{model}} and {{node}}"
+        if spec or conv:
+            return f"{{{name}}} takes no format spec or conversion"
+    return ""
+
+
 def tier_media(tiers: Sequence[tuple[str, str]]) -> dict[str, str]:
     """Each tier's ``medium`` by tier name: its kind in capitals, or its name where kinds repeat."""
     kinds = [kind for _, kind in tiers]
@@ -136,8 +157,18 @@ class KVEventsPublisher:
     """A bus subscriber (``handle`` runs on the drain thread, the only user of the PUB socket); replay
     requests are answered on a thread of their own."""
 
-    def __init__(self, endpoint: str, replay_endpoint: str = "", buffer: int = 10000, metrics: Any = None) -> None:
+    def __init__(
+        self, endpoint: str, replay_endpoint: str = "", buffer: int = 10000, metrics: Any = None, topic: str = "{model}", node: str = ""
+    ) -> None:
+        """``topic``: the template of each model's topic (``topic_template_problem`` says why one is
+        refused: a ValueError); ``node``: what ``{node}`` stands for, this server's ``HOST:PORT``."""
+        problem = topic_template_problem(topic)
+        if problem:
+            raise ValueError(problem)
         self.endpoint = endpoint
+        self._topic_template = topic
+        self._node = node
+        self._topic_of: dict[str, bytes] = {}  # model -> its topic
         self.replay_endpoint = replay_endpoint
         self._media: dict[str, str] = {}
         self._metrics = metrics
@@ -259,6 +290,14 @@ class KVEventsPublisher:
             out.setdefault(ns_digest, (ns, []))[1].append(bytes(key[NAMESPACE_BYTES:]))
         return out
 
+    def _topic(self, model: str) -> bytes:
+        topic = self._topic_of.get(model)
+        if topic is None:
+            if len(self._topic_of) >= MAX_TOPICS_CACHED:
+                self._topic_of.clear()
+            topic = self._topic_of[model] = self._topic_template.format(model=model, node=self._node).encode()
+        return topic
+
     def _remember_tokens(self, e: ChunkTokens) -> None:
         step = e.chunk_tokens * 4
         for i, key in enumerate(e.keys):
@@ -279,11 +318,11 @@ class KVEventsPublisher:
         for ns_digest, (ns, hashes) in self._blocks(keys).items():
             extra = [(ns.salt,)] * len(hashes) if ns.salt else None
             tokens = self._token_ids(ns_digest, hashes)
-            by_topic.setdefault(ns.model.encode(), []).append(BlockStored(hashes, None, tokens, ns.chunk_tokens, None, medium, None, extra))
+            by_topic.setdefault(self._topic(ns.model), []).append(BlockStored(hashes, None, tokens, ns.chunk_tokens, None, medium, None, extra))
 
     def _removed(self, by_topic: dict[bytes, list], keys: Iterable[ObjectKey], medium: str) -> None:
         for ns, hashes in self._blocks(keys).values():
-            by_topic.setdefault(ns.model.encode(), []).append(BlockRemoved(hashes, medium))
+            by_topic.setdefault(self._topic(ns.model), []).append(BlockRemoved(hashes, medium))
 
     def _flush(self, by_topic: dict[bytes, list]) -> None:
         for topic, events in by_topic.items():

@@ -15,6 +15,7 @@ path. ``close`` comes after every producer has stopped, so what they said last i
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from typing import TYPE_CHECKING
 
@@ -25,7 +26,7 @@ from kvdepot.events import ChunkRequestDone, L1Changed, NamespaceSeen
 from kvdepot.observability import recent
 from kvdepot.observability.alarm import SilentMissAlarm
 from kvdepot.observability.bus import EventBus
-from kvdepot.observability.kv_events import KVEventsPublisher
+from kvdepot.observability.kv_events import KVEventsPublisher, topic_template_problem
 from kvdepot.observability.lookup_log import LookupLog
 from kvdepot.observability.metrics import Metrics
 from kvdepot.observability.tenants import TenantTally
@@ -53,8 +54,24 @@ def otlp_export(config: ObservabilityConfig) -> OtlpExport | None:
     return OtlpExport(config.otlp_endpoint, config.otlp_service_name, config.otlp_sample_ratio, __version__)
 
 
+def kv_events_publisher(config: ObservabilityConfig, metrics: Metrics, node: str) -> KVEventsPublisher | None:
+    """The publisher of KV events for routers, or None without ``--kv-events-endpoint``. A topic
+    template with another placeholder than {model} and {node} is a ConfigError naming the flag,
+    given or not with an endpoint (a typo found when the endpoint is added later is found late)."""
+    problem = topic_template_problem(config.kv_events_topic)
+    if problem:
+        raise ConfigError(f"--kv-events-topic {config.kv_events_topic!r}: {problem}")
+    if not config.kv_events_endpoint:
+        return None
+    return KVEventsPublisher(
+        config.kv_events_endpoint, config.kv_events_replay_endpoint, config.kv_events_buffer, metrics, topic=config.kv_events_topic, node=node
+    )
+
+
 class Observers:
-    def __init__(self, config: ObservabilityConfig, metrics: Metrics) -> None:
+    def __init__(self, config: ObservabilityConfig, metrics: Metrics, node: str = "") -> None:
+        """``node``: this server's name in a fleet (``HOST:PORT``), the ``{node}`` of
+        ``--kv-events-topic``; the host name alone when not given."""
         self.config = config
         self.bus = EventBus(config.event_queue_size)
         if not self.bus.enabled:
@@ -72,11 +89,7 @@ class Observers:
         self.alarm = SilentMissAlarm(config.silent_miss_window_s, on_change=lambda model, firing: metrics.silent_miss.labels(model).set(int(firing)))
         self.bus.subscribe("alarm", self.alarm.handle, SilentMissAlarm.KINDS)
         self._next_alarm_check = 0.0
-        self.kv_events = (
-            KVEventsPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint, config.kv_events_buffer, metrics)
-            if config.kv_events_endpoint
-            else None
-        )
+        self.kv_events = kv_events_publisher(config, metrics, node or socket.gethostname())
         self.otlp = otlp_export(config)  # spans from the bus's request records; exported from start() on
         if self.otlp is not None:
             self.bus.subscribe("otlp", self.otlp.spans.handle, self.otlp.spans.KINDS)

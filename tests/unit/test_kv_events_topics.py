@@ -1,0 +1,117 @@
+"""KV events' topics and the stream's safety, on the publisher alone: the bus's records handed to
+``handle`` as the drain thread would, and what a router's SUB socket gets, decoded with vLLM's classes."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import zmq
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+from kvdepot.config import ObservabilityConfig
+from kvdepot.errors import ConfigError
+from kvdepot.events import EventKind, L1Changed, NamespaceSeen, ObjectEvent
+from kvdepot.observability.kv_events import KVEventsPublisher
+from kvdepot.observability.metrics import Metrics
+from kvdepot.server.observers import Observers
+from kvdepot.types import NAMESPACE_BYTES, ObjectKey
+
+PROBE = b"\x00probe"
+decode = msgspec.msgpack.Decoder(KVEventBatch).decode
+
+
+def namespace(n: int) -> bytes:
+    return bytes([n]) * NAMESPACE_BYTES
+
+
+def seen(ns: bytes, model: str, rank: int = 0) -> NamespaceSeen:
+    return NamespaceSeen(ns, model, 2, rank, "", 16)
+
+
+def block(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+def l1(kind: EventKind, ns: bytes, blocks: range, generation: int = 1) -> L1Changed:
+    return L1Changed(tuple(ObjectEvent(kind, ObjectKey(ns + block(i)), generation, 0, "") for i in blocks))
+
+
+class Router:
+    """A SUB socket that has joined (a probe sent on the raw PUB socket came back: no sleep, no race),
+    and reads what comes as (topic, seq, batch)."""
+
+    def __init__(self, ctx: zmq.Context, pub: KVEventsPublisher, prefix: bytes) -> None:
+        self.sock = ctx.socket(zmq.SUB)
+        self.sock.connect(pub.bound_endpoints[0])
+        self.sock.subscribe(prefix)
+        while True:
+            pub._pub.send_multipart((prefix + PROBE, b"", b""))
+            if self.sock.poll(50):
+                break
+
+    def read(self, quiet_ms: int = 500) -> list[tuple[bytes, int, KVEventBatch]]:
+        out = []
+        while self.sock.poll(quiet_ms):
+            topic, seq, payload = self.sock.recv_multipart()
+            if not topic.endswith(PROBE):
+                out.append((topic, int.from_bytes(seq, "big"), decode(payload)))
+        return out
+
+
+@pytest.fixture
+def make(tmp_path):
+    ctx = zmq.Context()
+    made: list[KVEventsPublisher] = []
+
+    def make(**kwargs) -> KVEventsPublisher:
+        pub = KVEventsPublisher(f"ipc://{tmp_path}/pub{len(made)}", f"ipc://{tmp_path}/replay{len(made)}", **kwargs)
+        made.append(pub)
+        pub.bind()
+        return pub
+
+    make.ctx = ctx
+    yield make
+    for pub in made:
+        pub.close()
+    ctx.destroy(linger=0)
+
+
+def test_a_topic_template_names_the_node_and_the_model_as_llm_d_reads_them(make):
+    """llm-d's indexer subscribes to "kv@" and splits the topic "kv@<pod>@<model>"; each batch used to
+    go on the bare model name, so it received nothing."""
+    pub = make(topic="kv@{node}@{model}", node="host-1:5555")
+    router = Router(make.ctx, pub, b"kv@")
+    pub.start()
+    pub.handle([seen(namespace(1), "llama"), seen(namespace(2), "qwen"), l1(EventKind.STORED, namespace(1), range(3)),
+                l1(EventKind.STORED, namespace(2), range(3, 5))])  # fmt: skip
+    got = router.read()
+    stored = {}
+    for topic, _, batch in got:
+        prefix, pod, model = topic.decode().split("@")
+        assert (prefix, pod) == ("kv", "host-1:5555")
+        for e in batch.events:
+            if isinstance(e, BlockStored):
+                stored.setdefault(model, []).extend(e.block_hashes)
+    assert stored == {"llama": [block(0), block(1), block(2)], "qwen": [block(3), block(4)]}
+
+
+def test_the_default_topic_is_the_model_name_as_before(make):
+    pub = make()
+    router = Router(make.ctx, pub, b"llama")
+    pub.start()
+    pub.handle([seen(namespace(1), "llama"), l1(EventKind.STORED, namespace(1), range(2))])
+    assert [e.block_hashes for _, _, b in router.read() for e in b.events if isinstance(e, BlockStored)] == [[block(0), block(1)]]
+
+
+@pytest.mark.parametrize("template", ["kv@{pod}@{model}", "{model!r}", "{model:>9}", "{0}", "kv@{model", "kv@}"])
+def test_a_topic_template_that_is_not_one_is_refused_at_start_naming_the_flag(template):
+    with pytest.raises(ConfigError, match="--kv-events-topic"):
+        Observers(ObservabilityConfig(kv_events_endpoint="ipc:///tmp/kvdepot-never-bound", kv_events_topic=template), Metrics())
+
+
+def test_a_topic_template_with_literal_braces_is_one(make):
+    pub = make(topic="{{kv}}@{model}")
+    router = Router(make.ctx, pub, b"{kv}@")
+    pub.start()
+    pub.handle([seen(namespace(1), "m"), l1(EventKind.STORED, namespace(1), range(1))])
+    assert {topic for topic, _, _ in router.read()} == {b"{kv}@m"}
