@@ -183,6 +183,16 @@ def test_a_cuda_handle_of_another_form_is_refused_before_torch_opens_it(monkeypa
     assert fake.opened == []
 
 
+def test_the_workers_reference_count_fields_never_reach_torch(monkeypatch):
+    """torch's deleter of an opened storage shm_opens the reference count's name in the server and
+    decrements an int64 at its offset: a worker could name the arena (its header) or any file of the
+    server's user. The server hands torch no name (the deleter's failed open is caught) and offset 0."""
+    fake = FakeIpc(monkeypatch, extent=8192)
+    for name, offset in ((b"/kvdepot-arena-1234-abcdef", 3), (b"/torch_99_1_0", 1 << 40), (b"", 0)):
+        open_memory(cuda_memory(ref_counter_handle=name, ref_counter_offset=offset), {"GPU-here": 0}, None)
+    assert [(o[4], o[5]) for o in fake.opened] == [(b"", 0)] * 3
+
+
 def test_the_extent_check_alone():
     spec = cuda_memory(size=4096, offset=512)
     memory.check_cuda_extent(spec, 10_512, 10_000, 4608)  # ends exactly at the allocation's end

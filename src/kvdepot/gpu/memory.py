@@ -3,7 +3,10 @@
 - **CUDA** (``CudaIpcMemory``): each distinct allocation under the worker's layer tensors is exported with
   torch's CUDA IPC sharing (``UntypedStorage._share_cuda_``: the memory handle, the storage's place in the
   allocation, torch's cross-process reference count) as plain fields; the server opens it on its own
-  device with the same UUID (``_new_shared_cuda``). Nothing is pickled either way.
+  device with the same UUID (``_new_shared_cuda``). Nothing is pickled either way. The reference count's
+  fields are still sent (older servers read them) but ignored: the server never decrements the worker's
+  count, so torch in the worker keeps a freed cache's memory (its "limbo") for the worker's life rather
+  than reuse it while the server may still map it; a worker frees its cache at its end anyway.
 - **Host files** (``HostFileMemory``): a host cache that lives in a shared-memory file the server may
   map: ``kvdepot-kvcache-*`` directly in the server's shm directory, owned by the server's user (the same
   trust the arena has). ``HostCacheFile`` makes one; ``export_cache`` finds the file under any CPU tensor
@@ -303,11 +306,13 @@ def _open_cuda(spec: m.CudaIpcMemory, index: int) -> OpenedMemory:
     if spec.size <= 0 or spec.offset < 0 or spec.offset % CUDA_IPC_ALIGNMENT:
         raise BadRequest(f"CUDA memory of {spec.size} bytes at offset {spec.offset} (offsets are multiples of {CUDA_IPC_ALIGNMENT})")
     with torch.cuda.device(index):
-        # torch's own reader of these fields: it maps the allocation once per handle in this process, and
-        # decrements the worker's cross-process reference count (a file) when the last tensor goes.
+        # torch's own reader of these fields: it maps the allocation once per handle in this process. The
+        # worker's cross-process reference count is never handed on: torch's deleter would shm_open that
+        # name in this process and decrement an int64 at that offset in it, both the worker's to choose (the
+        # arena's header, any shared-memory file of the server's user). With no name its open fails, which
+        # the deleter catches and ignores.
         storage = torch.UntypedStorage._new_shared_cuda(
-            index, spec.handle, spec.size, spec.offset, spec.ref_counter_handle, spec.ref_counter_offset,
-            spec.event_handle or None, spec.event_sync_required,
+            index, spec.handle, spec.size, spec.offset, b"", 0, spec.event_handle or None, spec.event_sync_required,
         )  # fmt: skip
         # torch took the size and offset as given: nothing is read or written through the storage before
         # the driver's extent of the mapping confirms them (a refused storage is let go, unmapped).
