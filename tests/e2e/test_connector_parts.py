@@ -895,3 +895,73 @@ def test_layerwise_loads_ask_vllm_for_piecewise_cuda_graphs():
 
     assert KVDepotConnector.requires_piecewise_for_cudagraph({"url": "tcp://127.0.0.1:1", "layerwise": True}) is True
     assert KVDepotConnector.requires_piecewise_for_cudagraph({"url": "tcp://127.0.0.1:1"}) is False
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_kv_computed_over_a_failed_load_is_never_saved_by_the_next_step_another_request_or_another_rank(server, world):
+    """A synchronous load left blocks 4-5 unwritten (chunk 1 was gone). The forward ran over them, and
+    so did what the scheduler planned before it knew (async scheduling: the next step), another request
+    that vLLM's prefix cache gave the same blocks, and, with TP, the ranks whose own load went fine (the
+    bad heads reach their layers through the all-reduce). None of those saves may be committed; a save
+    that does not depend on those blocks is."""
+    from kvdepot.connectors.vllm.config import ConnectorConfig
+    from kvdepot.connectors.vllm.metadata import LoadOp, SaveOp
+    from kvdepot.connectors.vllm.worker import WorkerSide
+
+    def make(caches, rank_failed_elsewhere=False):
+        w = WorkerSide(ConnectorConfig(url=server.url, chunk_size=CS), MODEL, BS, "auto", 0, world)
+        w.register_kv_caches(caches)
+        if rank_failed_elsewhere:  # another rank's load of chunk 1 failed; this one's went fine
+            w._any_rank = lambda flags: [True] * len(flags)
+        return w
+
+    toks, other = tokens(4 * CS + 1, seed=15 + world), tokens(2 * CS + 1, seed=150 + world)
+    hashes = chunk_hashes(toks, CS)
+    stored = 2 if world == 2 else 1  # with TP, this rank's load finds both chunks
+    src = make(cpu_caches(seed=9))
+    save_now(src, meta(saves=[SaveOp("first", hashes[:stored], "", [1, 2][:stored])]))
+    src.shutdown()
+    w = make(cpu_caches(seed=10), rank_failed_elsewhere=world == 2)
+    before = server.status()["l1"]["objects"]
+    load = LoadOp("r", hashes[:2], "", [4, 5])
+    # Step N: the load (and its request's save, over its own loaded blocks).
+    step_n = meta(loads=[load], saves=[SaveOp("r", hashes[2:3], "", [6], over_loaded_blocks=[4, 5])])
+    w.start_load_kv(step_n)
+    save_now(w, step_n)
+    # Step N+1, planned before the errors were known: the request's next chunk, another request over
+    # the same blocks, and a request that shares nothing.
+    other_save, _ = ops(other, 2, [10, 11], [0, 0], req="other")
+    step_n1 = meta(saves=[SaveOp("r", hashes[3:4], "", [7], over_loaded_blocks=[4, 5]),
+                          SaveOp("sharer", chunk_hashes(tokens(3 * CS, seed=99), CS)[2:3], "", [8], over_loaded_blocks=[4]),
+                          other_save])  # fmt: skip
+    w.start_load_kv(step_n1)
+    save_now(w, step_n1)
+    assert server.status()["l1"]["objects"] == before + 2  # "other"'s two chunks, nothing else
+    with KVClient(server.url, w.model_id, layout("bfloat16"), options=ClientOptions(chunk_size=CS), world_size=world) as c:
+        assert c.lookup(toks[: 4 * CS]) == stored * CS  # nothing computed over the failed blocks
+    w.shutdown()
+
+
+def test_saves_name_the_blocks_of_recent_synchronous_loads_their_kv_was_computed_over(server):
+    """The scheduler cannot know in time whether a load failed (the workers find out during the step,
+    and async scheduling plans the next step before that): each save names the blocks of loads of this
+    schedule and the last that lie under its chunks, its own request's or another's it shares."""
+    s, req, toks, first = running_after_a_hit(server, "over")
+    assert [op.over_loaded_blocks for op in first.saves] == [[1, 2]]  # computed over its own load
+
+    def sharer(req_id: str, seed: int):
+        """A request whose first two chunks vLLM's prefix cache holds: blocks 1-2, shared."""
+        r = request(req_id, toks[: 2 * CS] + tokens(CS + 5, seed=seed))
+        assert s.get_num_new_matched_tokens(r, 2 * CS) == (0, False)
+        s.update_state_after_alloc(r, blocks([1, 2, seed, seed + 1]), 0)
+        return r
+
+    a = sharer("sharer-a", 20)
+    m2 = s.build_connector_meta(step(new=[(a, [1, 2, 20, 21], 2 * CS)], scheduled={"sharer-a": CS + 5}))
+    assert [(op.req_id, op.over_loaded_blocks) for op in m2.saves] == [("sharer-a", [1, 2])]
+    b = sharer("sharer-b", 30)
+    m3 = s.build_connector_meta(step(new=[(b, [1, 2, 30, 31], 2 * CS)], scheduled={"sharer-b": CS + 5}))
+    assert [(op.req_id, op.over_loaded_blocks) for op in m3.saves] == [("sharer-b", [])]  # the verdict is in by now
+    for r in (req, a, b):
+        s.request_finished(r)
+    s.shutdown()

@@ -34,6 +34,10 @@ class SaveOp:
     cache_salt: str
     block_ids: list[int]
     token_ids: list[int] = field(default_factory=list)  # the chunks' tokens, with kv_events_token_ids; else none
+    # Blocks in the request's table before these chunks' end that a synchronous load of this step or the
+    # last one wrote (the request's own, or another's it shares): the chunks' KV was computed over them,
+    # so if any of those loads failed on any rank the save must not be committed (see worker.py).
+    over_loaded_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass

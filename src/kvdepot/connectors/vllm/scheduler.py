@@ -122,6 +122,11 @@ class SchedulerSide:
         self.prefill_rate = PrefillRate()
         self._lora_said = False  # that LoRA requests are not cached: logged once
         self._readmitted: set[str] = set()  # preempted and admitted again within this schedule (see _state)
+        # Blocks that synchronous loads of this schedule and the last one write -> the schedule's number. A
+        # save computed over one must wait for the workers' verdict on that load (SaveOp.over_loaded_blocks):
+        # with async scheduling the next step is planned before this one's load errors are known.
+        self._schedule = 0
+        self._sync_loaded: dict[int, int] = {}
 
     def __repr__(self) -> str:
         return f"SchedulerSide(chunk_size={self.chunk_size}, requests={len(self.states)}, {self.hash_cache!r})"
@@ -195,9 +200,15 @@ class SchedulerSide:
             st = self.states.get(req_id)
             if st is not None and req_id not in readmitted:  # (those were handled as they came back)
                 self._preempted(st)
+        self._schedule += 1
+        if self._sync_loaded:
+            self._sync_loaded = {b: n for b, n in self._sync_loaded.items() if n >= self._schedule - 1}
         for st in self.states.values():
             if st.locks is Locks.PLANNED:
-                meta.loads.append(st.hand_to_workers())
+                op = st.hand_to_workers()
+                meta.loads.append(op)
+                if not op.is_async:  # an async load's request computes nothing before its verdict is in
+                    self._sync_loaded.update(dict.fromkeys(op.block_ids[op.skip_blocks :], self._schedule))
         block_state = so.kv_connector_block_state
         for new in so.scheduled_new_reqs:
             st = self.states.get(new.req_id)
@@ -393,7 +404,9 @@ class SchedulerSide:
         first = st.stored_chunks
         cs = self.chunk_size
         tokens = list(request.all_token_ids[first * cs : full * cs]) if self.config.kv_events_token_ids else []
-        meta.saves.append(SaveOp(st.req_id, list(hashes[first:full]), st.salt, st.block_ids[first * bpc : full * bpc], tokens))
+        loaded = self._sync_loaded
+        over = [b for b in st.block_ids[: full * bpc] if b in loaded] if loaded else []
+        meta.saves.append(SaveOp(st.req_id, list(hashes[first:full]), st.salt, st.block_ids[first * bpc : full * bpc], tokens, over))
         st.stored_chunks = full
         st.saves_planned += 1
 

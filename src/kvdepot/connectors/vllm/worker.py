@@ -77,6 +77,9 @@ class WorkerSide:
         self.layer_index: dict[str, int] = {}
         self._lock = threading.Lock()  # guards the three result sets below (loader threads add to them)
         self._load_errors: set[int] = set()
+        self._errors_taken: set[int] = set()  # this step's load errors vLLM already took (take_load_errors)
+        self._failed_loaded: dict[int, int] = {}  # blocks whose synchronous load failed (any rank) -> step
+        self._step = 0
         self._finished_async: set[str] = set()
         self._loaded: set[str] = set()
         self._layerwise: LayerwiseLoad | None = None
@@ -180,6 +183,9 @@ class WorkerSide:
     # --- loads ---------------------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KVDepotConnectorMetadata) -> None:
+        self._step += 1
+        with self._lock:
+            self._errors_taken = set()
         if self.device is not None:
             self._device_start_load(meta)
             return
@@ -345,24 +351,59 @@ class WorkerSide:
 
     def _unsafe_saves(self, meta: KVDepotConnectorMetadata, forward_failed: bool) -> set[str]:
         """The requests whose saves of this step must not be committed (a future miss, never a wrong
-        hit): every one when the forward raised; else each whose own synchronous load of this step
-        left blocks unwritten. The forward still ran on those blocks, so what it computed after them is
-        wrong; vLLM recomputes it once it reads the load errors, but a save would have kept it."""
+        hit): every one when the forward raised; else each whose chunks were computed over a block that
+        a synchronous load of this step or the last one failed to write, on any rank. The forward still
+        ran over that block, so what it computed after it is wrong; vLLM recomputes it once it reads the
+        load errors, but a save would have kept it. That covers the request's own load, another request
+        sharing the block (vLLM's prefix cache hands out a loading request's blocks), the step after
+        (async scheduling plans it before the errors are known), and the other TP ranks (their layers
+        past the first mixed the bad heads in through the all-reduce)."""
+        failed = self._record_failed_loads(meta)  # every rank, every step with sync loads: a collective
         if not meta.saves:
             return set()
         if forward_failed:
             unsafe = {op.req_id for op in meta.saves}
             why = "the forward raised"
         else:
-            with self._lock:
-                errors = set(self._load_errors)
-            saving = {op.req_id for op in meta.saves}
-            unsafe = {op.req_id for op in meta.loads
-                      if not op.is_async and op.req_id in saving and errors.intersection(op.block_ids[op.skip_blocks :])}  # fmt: skip
-            why = "their loads failed in the step that computed them"
+            unsafe = {op.req_id for op in meta.saves if failed and not failed.keys().isdisjoint(op.over_loaded_blocks)}
+            # (and, whatever the scheduler named, a request whose own load of this step failed here)
+            unsafe |= {op.req_id for op in meta.loads if not op.is_async and not failed.keys().isdisjoint(op.block_ids[op.skip_blocks :])}
+            unsafe &= {op.req_id for op in meta.saves}
+            why = "the KV they hold was computed over blocks whose load failed"
         if unsafe:
             log.warning("kvdepot: not saving this step's KV of %s: %s (a future miss, never a wrong hit)", ", ".join(sorted(unsafe)), why)
         return unsafe
+
+    def _record_failed_loads(self, meta: KVDepotConnectorMetadata) -> dict[int, int]:
+        """Blocks of this step's synchronous loads that failed on any rank join those of the last step;
+        older ones are dropped (the scheduler names only the last two steps' loads in a save)."""
+        sync_ops = [op for op in meta.loads if not op.is_async]
+        if sync_ops:
+            with self._lock:
+                errors = self._load_errors | self._errors_taken
+            failed = [not errors.isdisjoint(op.block_ids[op.skip_blocks :]) for op in sync_ops]
+            if self.kv_world > 1:
+                failed = self._any_rank(failed)
+            for op, bad in zip(sync_ops, failed):
+                if bad:
+                    self._failed_loaded.update(dict.fromkeys(op.block_ids[op.skip_blocks :], self._step))
+        if self._failed_loaded:
+            self._failed_loaded = {b: n for b, n in self._failed_loaded.items() if n >= self._step - 1}
+        return self._failed_loaded
+
+    def _any_rank(self, flags: list[bool]) -> list[bool]:
+        """Each flag OR-ed over the tensor-parallel group (every rank runs the same loads in the same
+        order, from the same metadata). Replaced in tests; without torch.distributed, this rank's own."""
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            return flags
+        from vllm.distributed.parallel_state import get_tp_group
+
+        t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=get_tp_group().cpu_group)
+        return [bool(v) for v in t.tolist()]
 
     def save_kv_layer(self, layer_name: str) -> None:
         """Layer ``layer_name`` of this step is written: its part of the step's saves may go."""
@@ -597,6 +638,7 @@ class WorkerSide:
     def take_load_errors(self) -> set[int]:
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
+            self._errors_taken |= errors  # (vLLM may ask before wait_for_save: the saves still need them)
         return errors
 
     def take_worker_meta(self) -> KVDepotWorkerMetadata | None:
