@@ -215,6 +215,29 @@ def test_without_torch_the_path_says_what_to_install():
     assert "TransportUnavailable" in out.stdout and "kvdepot[gpu]" in out.stdout
 
 
+def test_a_torch_that_does_not_import_is_no_torch_and_says_why(tmp_path):
+    """An installed torch whose import fails otherwise than ImportError (a missing CUDA library is an
+    OSError) must not stop a server on a GPU host: no torch, the GPU path not offered, the cause logged
+    once and named by the refusal."""
+    broken = tmp_path / "torch"
+    broken.mkdir()
+    (broken / "__init__.py").write_text('raise OSError("libcudnn.so.9: cannot open shared object file")\n')
+    code = (
+        "import logging; logging.basicConfig(level=logging.WARNING)\n"
+        "from kvdepot.gpu import runtime\n"
+        "runtime.nvidia_driver_present = lambda: True  # a GPU host: the server imports torch at start\n"
+        "assert runtime.cuda_devices() == {} and runtime.torch_or_none() is None\n"
+        "assert not runtime.torch_installed()\n"
+        "try:\n    runtime.require_torch('the server-driven path')\n"
+        "except Exception as exc:\n    print(type(exc).__name__, exc)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "TransportUnavailable" in out.stdout and "libcudnn.so.9" in out.stdout
+    assert out.stderr.count("torch is installed but does not import (OSError: libcudnn.so.9") == 1
+
+
 class FakeCudart:
     """CUDA's host registration as the runtime behaves: a range registered twice, or overlapping another
     registration, is refused (712) and the refusal becomes the thread's last error."""

@@ -1,7 +1,9 @@
 """torch and CUDA, when they are there: the import, the devices by UUID, dtypes, and pinning host memory.
 
 Nothing here fails at import: without torch, ``torch_or_none`` is None and ``require_torch`` raises
-TransportUnavailable saying what to install.
+TransportUnavailable saying what to install. A torch that is installed but does not import (a CUDA
+library missing, a broken build: an OSError, a ValueError) counts as no torch, said once in the log
+with its cause; ``torch_installed`` is then False, so a server does not offer the GPU path.
 """
 
 from __future__ import annotations
@@ -22,19 +24,27 @@ log = logging.getLogger(__name__)
 INSTALL_HINT = "pip install 'kvdepot[gpu]' (torch with CUDA)"
 
 
+_import_failure: str | None = None  # why an installed torch did not import (torch_or_none)
+
+
 @cache
 def torch_or_none() -> ModuleType | None:
+    global _import_failure
     try:
         import torch
     except ImportError:
+        return None
+    except Exception as exc:  # installed, and broken: a missing CUDA library (OSError), a bad build (ValueError)
+        _import_failure = f"{type(exc).__name__}: {exc}"
+        log.warning("kvdepot: torch is installed but does not import (%s): no GPU path in this process", _import_failure)
         return None
     return torch
 
 
 def torch_installed() -> bool:
     """Is torch there to import? (without importing it: a server on a machine without a GPU never pays
-    for torch's import until a worker registers a host cache)"""
-    return importlib.util.find_spec("torch") is not None
+    for torch's import until a worker registers a host cache; False once an import of it has failed)"""
+    return _import_failure is None and importlib.util.find_spec("torch") is not None
 
 
 def nvidia_driver_present() -> bool:
@@ -47,6 +57,8 @@ def require_torch(what: str) -> ModuleType:
     """torch, or TransportUnavailable naming ``what`` needed it and how to get it."""
     torch = torch_or_none()
     if torch is None:
+        if _import_failure is not None:
+            raise TransportUnavailable(f"{what} needs torch in this process, and it is installed but does not import ({_import_failure})")
         raise TransportUnavailable(f"{what} needs torch in this process, and it is not installed: {INSTALL_HINT}")
     return torch
 
