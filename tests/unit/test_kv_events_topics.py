@@ -114,4 +114,26 @@ def test_a_topic_template_with_literal_braces_is_one(make):
     router = Router(make.ctx, pub, b"{kv}@")
     pub.start()
     pub.handle([seen(namespace(1), "m"), l1(EventKind.STORED, namespace(1), range(1))])
-    assert {topic for topic, _, _ in router.read()} == {b"{kv}@m"}
+    assert {topic for topic, _, _ in router.read()} == {b"{kv}@", b"{kv}@m"}  # the start-up batch, the model's
+
+
+def test_each_topic_begins_with_all_blocks_cleared_once_so_its_own_subscribers_forget_an_earlier_life(make):
+    """The start-up AllBlocksCleared went on the empty topic alone: a router subscribed to one model's
+    topic never got it and kept the blocks of the server's earlier life."""
+    pub = make(topic="kv@{node}@{model}", node="n")
+    llama = Router(make.ctx, pub, b"kv@n@llama")
+    pub.start()
+    pub.handle([seen(namespace(1), "llama"), seen(namespace(2), "qwen"), l1(EventKind.STORED, namespace(1), range(2)),
+                l1(EventKind.STORED, namespace(2), range(2))])  # fmt: skip
+    pub.handle([l1(EventKind.STORED, namespace(1), range(2, 4)), l1(EventKind.REMOVED, namespace(1), range(1))])
+    events = [type(e) for topic, _, batch in llama.read() for e in batch.events]
+    assert events[0] is AllBlocksCleared and AllBlocksCleared not in events[1:]
+    assert events[1:] == [BlockStored, BlockStored, BlockRemoved]
+
+
+def test_the_start_up_all_blocks_cleared_reaches_every_subscriber_of_this_servers_topics(make):
+    pub = make(topic="kv@{node}@{model}", node="n")
+    node = Router(make.ctx, pub, b"kv@n@")  # all this server's models, as a router of several would
+    pub.start()
+    [(topic, _, batch)] = node.read()
+    assert topic == b"kv@n@" and [type(e) for e in batch.events] == [AllBlocksCleared]

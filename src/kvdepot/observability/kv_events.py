@@ -35,7 +35,10 @@ What kvdepot puts in them:
   so not sent: a router learns of it by a miss.
 - Only rank 0's objects are sent: one block per tensor-parallel group, not one per rank.
 - Each server starts with an ``AllBlocksCleared`` (its L1 is empty; what its tiers kept from an
-  earlier run is announced again as it is loaded back).
+  earlier run is announced again as it is loaded back), on the topic's part before ``{model}`` (the
+  empty topic by default), so a subscriber of all this server's topics learns of the restart at once;
+  and the first batch on each topic begins with one, so a subscriber of that topic alone (a model's
+  prefix, a topic filter) drops what it kept from the server's earlier life too.
 """
 
 from __future__ import annotations
@@ -169,6 +172,7 @@ class KVEventsPublisher:
         self._topic_template = topic
         self._node = node
         self._topic_of: dict[str, bytes] = {}  # model -> its topic
+        self._begun: set[bytes] = set()  # topics whose first batch went out (it began with AllBlocksCleared)
         self.replay_endpoint = replay_endpoint
         self._media: dict[str, str] = {}
         self._metrics = metrics
@@ -215,8 +219,11 @@ class KVEventsPublisher:
 
     def start(self) -> None:
         """Before the bus starts (this thread is the PUB socket's only user until then): the first batch,
-        on the empty topic so every subscriber gets it, says this server holds nothing yet."""
-        self._send(b"", [AllBlocksCleared()])
+        on the topics' common prefix so every subscriber of this server's topics gets it, says this
+        server holds nothing yet."""
+        startup = self._startup_topic()
+        self._begun.add(startup)  # the only topic, when the template has no {model}
+        self._send(startup, [AllBlocksCleared()])
         if self._replay is not None:
             self._replay_thread = threading.Thread(target=self._serve_replays, name="kvdepot-kv-events-replay", daemon=True)
             self._replay_thread.start()
@@ -290,6 +297,17 @@ class KVEventsPublisher:
             out.setdefault(ns_digest, (ns, []))[1].append(bytes(key[NAMESPACE_BYTES:]))
         return out
 
+    def _startup_topic(self) -> bytes:
+        """The template made up to its ``{model}``: what every topic of this server begins with."""
+        out = []
+        for literal, name, _, _ in string.Formatter().parse(self._topic_template):
+            out.append(literal)
+            if name == "model":
+                break
+            if name == "node":
+                out.append(self._node)
+        return "".join(out).encode()
+
     def _topic(self, model: str) -> bytes:
         topic = self._topic_of.get(model)
         if topic is None:
@@ -325,8 +343,13 @@ class KVEventsPublisher:
             by_topic.setdefault(self._topic(ns.model), []).append(BlockRemoved(hashes, medium))
 
     def _flush(self, by_topic: dict[bytes, list]) -> None:
+        """Send each topic's events; a topic's first batch of this server's life begins with
+        ``AllBlocksCleared``: a subscriber of that topic alone never got the start-up one."""
         for topic, events in by_topic.items():
             if events:
+                if topic not in self._begun:
+                    self._begun.add(topic)
+                    events = [AllBlocksCleared(), *events]
                 self._send(topic, events)
 
     def _send(self, topic: bytes, events: list) -> None:
