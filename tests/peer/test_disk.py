@@ -199,3 +199,46 @@ def test_pages_the_disk_drops_to_stay_within_its_bound_leave_the_directory(tmp_p
         wait_for(lambda: len(node.shard) == len(held()), 10, "one record per page still held")
         assert len(node._disk_only) <= store.status()["disk"]["pages"]
         assert b"b0" not in held() and not store.exists("b0") and store.get("b0") is None
+
+
+def test_a_read_promotes_from_disk_only_within_its_deadline_and_a_slow_promote_suspects_no_one(tmp_path):
+    """Pages a read finds on a disk are promoted slice by slice. Every slice used to be promoted
+    whatever the read's deadline (each promote publishing with the full control timeout), and a promote
+    that ran past the reader's control timeout (a slow disk) marked a healthy owner suspect."""
+    import threading
+
+    from kvdepot.peer.dataplane import PageOutcome
+
+    with PeerStore(port=0, data_port=0, pool_size_mb=1, disk_path=str(tmp_path / "l4"), **FAST) as owner, \
+         PeerStore(discovery=owner.node_id, port=0, data_port=0, pool_size_mb=8, **FAST) as reader:  # fmt: skip
+        wait_for(lambda: len(reader.status()["members"]) == 2 and len(owner.status()["members"]) == 2, 10, "two members")
+        names = keys("dl", 48)  # 3 MiB through a 1 MiB pool
+        for n in names:
+            assert owner.set(n, page_bytes(n, SIZE))
+        wait_for(lambda: owner.status()["disk"]["written"] == 48, 10, "the write-through")
+        cold = [n.encode() for n in names if not owner.node.pool.contains(n.encode())]
+        assert len(cold) >= 24, "the pool kept most pages: the test proves nothing"
+        disk, real = owner.node.disk, owner.node.disk.load
+        loads: list[bytes] = []
+        deadline = time.monotonic() + 0.5
+        gate = threading.Event()
+
+        def slow_load(key, into):  # a slow disk: the first page takes the read's whole budget
+            loads.append(key)
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert gate.wait(10)
+            return real(key, into)
+
+        disk.load = slow_load
+        gate.set()
+        out, _ = owner.node.fetch(cold, [memoryview(bytearray(SIZE)) for _ in cold], deadline)
+        assert len(loads) == 1, f"{len(loads)} pages promoted after the read's deadline had passed"
+        assert all(o is PageOutcome.MISS for o in out[1:])
+
+        gate.clear()  # the disk now stalls until released: the reader's promote call runs its full control timeout
+        try:
+            reader.node.fetch(cold[1:9], [memoryview(bytearray(SIZE)) for _ in range(8)], time.monotonic() + 5)
+            assert reader.node._suspects.get(owner.node_id, 0.0) <= time.monotonic(), "a slow promote made the owner suspect"
+        finally:
+            gate.set()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import socket
 import threading
 import time
@@ -269,7 +270,7 @@ class PeerNode:
         if pinned is not None:
             self.disk.put(pinned)
 
-    def _evicted(self, entries: Sequence[PoolEntry]) -> None:
+    def _evicted(self, entries: Sequence[PoolEntry], deadline: float | None = None) -> None:
         """Pages the pool let go: non-resident where the disk has them, else gone from the directory."""
         with self._disk_lock:  # one step with _disk_dropped's check: a page the disk drops meanwhile is not kept
             kept = {e.key for e in entries if self.disk is not None and self.disk.has(e.key)}
@@ -277,20 +278,20 @@ class PeerNode:
         on_disk = [e for e in entries if e.key in kept]
         gone = [e for e in entries if e.key not in kept]
         if on_disk:
-            self._publish_non_resident([self._record(e, resident=False) for e in on_disk])
+            self._publish_non_resident([self._record(e, resident=False) for e in on_disk], deadline)
         if gone:
-            self._unpublish(gone)
+            self._unpublish(gone, deadline)
 
-    def _publish_non_resident(self, records: Sequence[PeerLocation]) -> None:
+    def _publish_non_resident(self, records: Sequence[PeerLocation], deadline: float | None = None) -> None:
         """Publish the records of pages kept on disk only; one the disk dropped while its record was on
         the way (``_disk_dropped``'s unpublish may have landed first) is unpublished again."""
-        self._publish_records(records)
+        self._publish_records(records, deadline)
         with self._disk_lock:
             late = [r for r in records if r.key not in self._disk_only and self.pool.peek(r.key) is None]
         if late:
-            self._unpublish([PoolEntry(r.key, 0, 0, r.generation, b"", published=False) for r in late])
+            self._unpublish([PoolEntry(r.key, 0, 0, r.generation, b"", published=False) for r in late], deadline)
 
-    def _disk_dropped(self, keys: Sequence[bytes]) -> None:
+    def _disk_dropped(self, keys: Sequence[bytes], deadline: float | None = None) -> None:
         """The disk let pages go on its own (its size bound, a corrupt object): each that is in neither
         the pool nor the disk now is forgotten and unpublished. The unpublish names a generation taken
         before the check, so a page put since (newer) is never unpublished, and one put before it is
@@ -303,7 +304,7 @@ class PeerNode:
             self._disk_only.difference_update(gone)
         if gone:
             self.located.forget(gone)
-            self._unpublish([PoolEntry(key, 0, 0, bound, b"", published=False) for key in gone])
+            self._unpublish([PoolEntry(key, 0, 0, bound, b"", published=False) for key in gone], deadline)
 
     def delete(self, key: bytes) -> bool:
         self.located.forget([key])
@@ -355,7 +356,7 @@ class PeerNode:
             if self._call_shard(owner, m.PeerPublishRequest(records=group), deadline) is None:
                 self.owed.owe(rec.key for rec in group)
 
-    def _unpublish(self, entries: Sequence[PoolEntry]) -> None:
+    def _unpublish(self, entries: Sequence[PoolEntry], deadline: float | None = None) -> None:
         """Remove these pages' records at their owners; an owner that fails or is skipped (suspect) is
         owed the unpublish, sent again on the heartbeat (``_repay``). What is owed names a generation,
         never "any": a bound taken now stands for it, so a page of the key written later is spared."""
@@ -367,7 +368,7 @@ class PeerNode:
                 by_owner.setdefault(owner, []).append(e)
         for owner, group in by_owner.items():
             req = m.PeerUnpublishRequest(keys=[e.key for e in group], node=self.info.id, generations=[e.generation for e in group])
-            if self._call_shard(owner, req, None) is None:
+            if self._call_shard(owner, req, deadline) is None:
                 self.unpublish_owed.owe(owner, ((e.key, min(e.generation, bound)) for e in group))
 
     # --- reads ---------------------------------------------------------------------------------------
@@ -518,9 +519,10 @@ class PeerNode:
         """Skip ``owner`` for ``SUSPECT_S`` after a call to it failed: a transport failure, or no reply
         within the full ``control_timeout_s``. A timeout the caller's own deadline cut shorter says
         nothing of the owner (SGLang passes a share of its budget), and suspecting it would make every
-        page it holds or indexes a miss for the whole process meanwhile."""
+        page it holds or indexes a miss for the whole process meanwhile; nor does a promote's timeout
+        (it waits on the owner's disk, not on its directory)."""
         assert self.info is not None
-        if isinstance(exc, KVDepotTimeout) and timeout_s < self.config.control_timeout_s:
+        if isinstance(exc, KVDepotTimeout) and (timeout_s < self.config.control_timeout_s or isinstance(what, m.PeerPromoteRequest)):
             log.debug("peer %s: %s to %s ran out of the caller's %.3g s", self.info.id, type(what).__name__, owner, timeout_s)
             return
         self._suspects[owner] = time.monotonic() + SUSPECT_S
@@ -618,6 +620,8 @@ class PeerNode:
             # pool does not evict its own first pages before they are read.
             out: list[PageOutcome] = []
             for i in range(0, len(locations), PROMOTE_SLICE):
+                if time.monotonic() >= deadline:  # what is not promoted by now is a miss
+                    return out + [PageOutcome.MISS] * (len(locations) - i)
                 part = self._promoted(locations[i : i + PROMOTE_SLICE], deadline)
                 out += self._read_resident(part, dests[i : i + PROMOTE_SLICE], deadline)
             return out
@@ -664,31 +668,33 @@ class PeerNode:
                 out[i] = fresh[0] if fresh else None
         return out
 
-    def promote(self, keys: Sequence[bytes]) -> list[list[PeerLocation]]:
-        """Owner side: each page back in the pool (from disk where it left it) and published resident."""
+    def promote(self, keys: Sequence[bytes], deadline: float = math.inf) -> list[list[PeerLocation]]:
+        """Owner side: each page back in the pool (from disk where it left it) and published resident,
+        until ``deadline`` (the caller's): a page not loaded by then stays on disk, a miss this time,
+        and the publishes wait no longer than it either (one that misses an owner is owed)."""
         out: list[list[PeerLocation]] = []
         for key in keys:
             entry = self.pool.peek(key)
             if entry is not None:  # already back (a concurrent promote, or a write)
                 out.append([self._record(entry)])
                 continue
-            if self.disk is None:
+            if self.disk is None or time.monotonic() >= deadline:
                 out.append([])
                 continue
             result = self.disk.load(key, lambda buf, key=key: self.pool.put(key, buf))
             if result is None:
-                self._disk_dropped([key])  # gone from disk too
+                self._disk_dropped([key], deadline)  # gone from disk too
                 out.append([])
                 continue
             entry, evicted = result
             if evicted:
-                self._evicted(evicted)
+                self._evicted(evicted, deadline)
             if entry is None:
                 out.append([])
                 continue
             with self._disk_lock:
                 self._disk_only.discard(key)
-            self._publish([entry])
+            self._publish([entry], deadline)
             out.append([self._record(entry)])
         return out
 
@@ -774,6 +780,8 @@ class PeerNode:
         """A directory call to ``owner`` (this node: in process). None when it failed or timed out."""
         assert self.info is not None
         if owner == self.info.id:
+            if isinstance(body, m.PeerPromoteRequest):  # to this node itself, within the caller's deadline
+                return m.PeerResolveReply(locations=self.promote(body.keys, math.inf if deadline is None else deadline))
             return self._serve_shard(body)
         now = time.monotonic()
         if self._suspects.get(owner, 0.0) > now:
@@ -799,12 +807,11 @@ class PeerNode:
             HandlerSpec(RequestType.PEER_UNPUBLISH, lambda c: Reply(self._serve_shard(c.body)), sync),
             HandlerSpec(RequestType.PEER_RESOLVE, lambda c: Reply(self._serve_shard(c.body)), sync),
             HandlerSpec(RequestType.PEER_STATUS, self._on_status, sync),
-            HandlerSpec(RequestType.PEER_PROMOTE, lambda c: Reply(m.PeerResolveReply(locations=self.promote(c.body.keys))), HandlerMode.BLOCKING),
+            HandlerSpec(RequestType.PEER_PROMOTE, lambda c: Reply(m.PeerResolveReply(locations=self.promote(c.body.keys, c.deadline))),
+                        HandlerMode.BLOCKING),  # fmt: skip
         ]
 
     def _serve_shard(self, body):
-        if isinstance(body, m.PeerPromoteRequest):  # to this node itself
-            return m.PeerResolveReply(locations=self.promote(body.keys))
         if isinstance(body, m.PeerPublishRequest):
             for rec in body.records:
                 _check_key(rec.key)
