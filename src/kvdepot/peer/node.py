@@ -237,8 +237,8 @@ class PeerNode:
         self._publish([e for e in entries if e is not None and e.published])
         newest = {e.key: e for e in entries if e is not None}  # a key given twice: its last page counts
         out = [e is not None and self._held(newest[e.key]) for e in entries]
-        kept = [e for e, ok in zip(entries, out, strict=True) if ok and e is not None]
-        self.metrics.write_done(time.perf_counter() - t0, len(kept), len(out) - len(kept), sum(e.length for e in kept))
+        taken = [e for e in entries if e is not None]  # the write metrics count copies into the pool
+        self.metrics.write_done(time.perf_counter() - t0, len(taken), len(out) - len(taken), sum(e.length for e in taken))
         return out
 
     def _held(self, entry: PoolEntry) -> bool:
