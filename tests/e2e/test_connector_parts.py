@@ -436,6 +436,27 @@ def test_async_loading_is_announced(server):
     s.shutdown()
 
 
+@pytest.mark.parametrize("how", ["invalid_blocks", "failed_recving"])
+def test_a_request_whose_async_load_failed_is_not_offered_the_same_hit_again(server, how):
+    """vLLM re-queues a request whose asynchronous load failed (no valid prefix) and asks again: the
+    connector used to take that for a preemption, look the prompt up, claim the same hit and load it
+    again, failing step after step for as long as lookups hit and loads did not."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    s, req, meta = async_load_handed_over(server, f"fails-{how}")
+    assert [op.block_ids for op in meta.loads] == [[3, 4]]
+    failure = {"invalid_blocks": {"invalid_block_ids": {3, 4}}, "failed_recving": {"failed_recving": {req.request_id}}}[how]
+    s.update_connector_output(KVConnectorOutput(finished_recving={req.request_id}, **failure))
+    req.num_computed_tokens = 0  # vLLM frees its blocks and re-queues it
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    s.update_state_after_alloc(req, blocks([6, 7, 8]), 0)
+    m = s.build_connector_meta(step(new=[(req, [6, 7, 8], 0)], scheduled={req.request_id: 2 * CS + 3}))
+    assert m.loads == []
+    s.request_finished(req)
+    assert server.status()["sessions"] == 0
+    s.shutdown()
+
+
 def test_unreachable_server_means_uncached_not_stuck():
     s = scheduler(f"tcp://127.0.0.1:{free_port()}", timeout_s=0.3, retry_after_s=60)
     t0 = time.monotonic()

@@ -67,6 +67,8 @@ class RequestState:
     looked_at: float = 0.0
     hit_chunks: int = 0
     pending_load: LoadOp | None = None  # while PLANNED
+    in_flight: LoadOp | None = None  # while LOADING
+    load_failed: bool = False  # a load of its hit failed: served uncached from then on (not retried)
     stored_chunks: int = 0  # chunks [0, stored) are in kvdepot or saved by an earlier step
     saves_planned: int = 0  # save ops handed to the workers (async saves: its blocks wait for them)
     block_ids: list[int] = field(default_factory=list)
@@ -116,17 +118,19 @@ class RequestState:
         self._locks(Locks.PLANNED, to=Locks.LOADING)
         op, self.pending_load = self.pending_load, None
         assert op is not None
+        self.in_flight = op
         return op
 
     def loaded(self) -> None:
         """LOADING -> HELD: the workers are done reading (they held their own locks meanwhile)."""
         self._locks(Locks.LOADING, to=Locks.HELD)
+        self.in_flight = None
 
     def close_session(self) -> None:
         """HELD, PLANNED or LOADING -> NONE: the server keeps nothing more for the request (it ended the
         session, or it is unreachable and the TTL will)."""
         self._locks(Locks.HELD, Locks.PLANNED, Locks.LOADING, to=Locks.NONE)
-        self.pending_load = None
+        self.pending_load = self.in_flight = None
 
     def _phase(self, *allowed: Phase, to: Phase) -> None:
         if self.phase not in allowed:

@@ -137,6 +137,10 @@ class SchedulerSide:
         st = self._state(request)
         if not st.eligible or getattr(request, "skip_reading_prefix_cache", False):
             return 0, False  # (vLLM reads no cache for it: prompt logprobs, for one)
+        if st.load_failed:
+            # vLLM re-queues a request whose asynchronous load failed and asks again: claiming the same
+            # hit would load (and fail) again, step after step, while the lookup keeps answering.
+            return 0, False
         # vLLM must compute at least one prompt token itself, so the last token is never claimed.
         max_chunks = max(0, request.num_tokens - 1) // self.chunk_size
         if max_chunks * self.chunk_size <= num_computed_tokens:
@@ -233,9 +237,15 @@ class SchedulerSide:
         done: set[str] = set(output.finished_recving or ())
         if isinstance(output.kv_connector_worker_meta, KVDepotWorkerMetadata):
             done |= output.kv_connector_worker_meta.loaded
+        invalid = output.invalid_block_ids or set()
+        failed = output.failed_recving or set()
         for req_id in done:
             st = self.states.get(req_id)
             if st is not None and st.locks is Locks.LOADING:
+                op = st.in_flight
+                if req_id in failed or (op is not None and not invalid.isdisjoint(op.block_ids[op.skip_blocks :])):
+                    st.load_failed = True
+                    log.info("kvdepot: the load for %s failed; it is served uncached", req_id)
                 st.loaded()
                 self._free_locks(st)  # the workers hold their own locks while they read
 
