@@ -74,6 +74,7 @@ def status_document(
             "lease_expired": errors.get("LEASE_EXPIRED", 0) + failures.get("lease_expired_frees", 0),
             "lease_revoked": errors.get("LEASE_REVOKED", 0),
             "short_retrieves": failures.get("short_retrieves", 0),
+            "sessions_expired": failures.get("sessions_expired", 0),  # lookups nobody ended (their lock ended)
             "over_quota": l1.quota_refused,
             "lost_before_l2": l1.evicted_awaiting_l2,
             "corrupt_in_l2": sum(t.corrupt for t in snap.tiers),
