@@ -11,6 +11,8 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 from kvdepot.config import ObservabilityConfig
 from kvdepot.errors import ConfigError
 from kvdepot.events import EventKind, L1Changed, NamespaceSeen, ObjectEvent
+from kvdepot.observability import kv_events
+from kvdepot.observability.bus import MAX_BATCH, EventBus
 from kvdepot.observability.kv_events import KVEventsPublisher
 from kvdepot.observability.metrics import Metrics
 from kvdepot.server.observers import Observers
@@ -137,3 +139,67 @@ def test_the_start_up_all_blocks_cleared_reaches_every_subscriber_of_this_server
     pub.start()
     [(topic, _, batch)] = node.read()
     assert topic == b"kv@n@" and [type(e) for e in batch.events] == [AllBlocksCleared]
+
+
+# --- a bus that drops records -------------------------------------------------------------------------
+
+
+def rebuild(got: list[tuple[bytes, int, KVEventBatch]]) -> set[tuple[bytes, bytes]]:
+    """A router's index: (topic, block hash) it believes held, from the batches in order."""
+    held: set[tuple[bytes, bytes]] = set()
+    for topic, _, batch in got:
+        for e in batch.events:
+            if isinstance(e, AllBlocksCleared):
+                held = {(t, h) for t, h in held if t != topic}
+            elif isinstance(e, BlockStored):
+                held |= {(topic, h) for h in e.block_hashes}
+            elif isinstance(e, BlockRemoved):
+                held -= {(topic, h) for h in e.block_hashes}
+    return held
+
+
+def test_a_removal_the_bus_dropped_never_leaves_a_router_a_phantom_block(make):
+    """The bus dropped a removal while the stream went on gapless: the router kept the block for ever.
+    The drop is told in order, behind every record published before it: here a whole drain round
+    (MAX_BATCH records) comes before the store of block 0, and the reset must follow that store."""
+    metrics = Metrics()
+    pub = make(metrics=metrics)
+    bus = EventBus(MAX_BATCH + 100)
+    bus.subscribe("kv_events", pub.handle, KVEventsPublisher.KINDS)
+    router = Router(make.ctx, pub, b"m")
+    pub.start()
+    ns = namespace(1)
+    bus.publish(seen(ns, "m"))
+    for i in range(1, MAX_BATCH + 1):  # a first drain round's worth of other blocks
+        bus.publish(l1(EventKind.STORED, ns, range(i, i + 1)))
+    bus.publish(l1(EventKind.STORED, ns, range(1)))  # block 0, in the second round
+    while bus.stats().depth < bus.capacity:
+        bus.publish(l1(EventKind.STORED, ns, range(10_000, 10_001)))
+    bus.publish(l1(EventKind.REMOVED, ns, range(1)))  # block 0 leaves: dropped (the queue is full)
+    assert bus.stats().dropped == 1
+    bus.start()
+    assert bus.flush()
+    bus.publish(l1(EventKind.STORED, ns, range(20_000, 20_001)))  # after the reset
+    assert bus.flush()
+    bus.close()
+    held = {h for _, h in rebuild(router.read())}
+    assert block(0) not in held, "a block kvdepot removed is still announced"
+    assert held == {block(20_000)}  # what came before the drop is forgotten: misses, never phantoms
+    assert pub.resets == 1 and "kvdepot_kv_event_resets_total 1.0" in metrics.text().decode()
+
+
+def test_namespaces_are_forgotten_least_recently_used_first(make, monkeypatch):
+    """The table was FIFO and never refreshed: the busiest namespace, the first one seen, was the
+    first forgotten, and its events were then skipped (and a removal skipped is a phantom block)."""
+    monkeypatch.setattr(kv_events, "MAX_NAMESPACES", 2)
+    metrics = Metrics()
+    pub = make(metrics=metrics)
+    router = Router(make.ctx, pub, b"m")
+    pub.start()
+    busy, quiet, new = namespace(1), namespace(2), namespace(3)
+    pub.handle([seen(busy, "m"), seen(quiet, "m"), l1(EventKind.STORED, busy, range(1))])
+    pub.handle([seen(new, "m"), l1(EventKind.REMOVED, busy, range(1)), l1(EventKind.STORED, quiet, range(1, 2))])
+    removed = [h for _, _, b in router.read() for e in b.events if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert removed == [block(0)]  # the busy namespace is still known
+    assert pub.unknown_namespace == 1  # the quiet one was forgotten
+    assert "kvdepot_kv_event_unknown_namespace_total 1.0" in metrics.text().decode()

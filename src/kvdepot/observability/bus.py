@@ -8,6 +8,10 @@
     bounded queue ──► drain thread (every TICK_S, or at once when half full) ──► subscribers of the
                       event's type, in subscription order, each handed a list of its events, in order
 
+A subscriber that keeps state from the events (KV events for routers) subscribes to ``Dropped`` too:
+after a drop, the drain thread appends one to the queue, so it is handed out after every event
+published before the drop, and the subscriber knows where its state stopped being whole.
+
 States: BUILT ──start()──► RUNNING ──close()──► CLOSED. Subscribing happens in BUILT (the composition
 root wires everything, then starts); ``close`` delivers what is queued (bounded by a timeout), then
 stops; publishing after close is ignored. A subscriber that raises is logged (once a minute) and
@@ -51,6 +55,14 @@ class BusStats:
     handler_errors: dict[str, int]
 
 
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    """The bus dropped events: every event published before the drop was handed out before this one
+    (some published after it may have been too). ``total``: the bus's drops so far."""
+
+    total: int
+
+
 @dataclass(slots=True)
 class _Subscriber:
     concern: str
@@ -74,6 +86,9 @@ class EventBus:
         self._thread: threading.Thread | None = None
         self._published = 0
         self._dropped = 0
+        self._drop_lock = threading.Lock()  # taken only to drop: the count must never miss one (see Dropped)
+        self._dropped_told = 0  # drops a Dropped was queued for
+        self._told = 0  # Dropped records queued (flush waits for them too)
         self._processed = 0  # events taken off the queue and handed out (or found nobody to go to)
         self._delivered = 0
 
@@ -101,7 +116,8 @@ class EventBus:
         if self._state is BusState.CLOSED or not self.capacity:
             return
         if len(self._queue) >= self.capacity:
-            self._dropped += 1  # a racy += under the GIL may miss one count in a flood: metrics only
+            with self._drop_lock:
+                self._dropped += 1
             return
         self._queue.append(event)
         self._published += 1
@@ -129,7 +145,7 @@ class EventBus:
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until everything published so far has been handed out (tests, orderly shutdown)."""
-        target = self._published
+        target = self._published + self._told
         deadline = time.monotonic() + timeout_s
         while self._processed < target:
             if time.monotonic() > deadline or self._state is not BusState.RUNNING:
@@ -149,6 +165,7 @@ class EventBus:
     def _drain(self) -> None:
         while True:
             closing = self._state is BusState.CLOSED
+            self._tell_drops()
             if not self._queue:
                 if closing:
                     return
@@ -158,6 +175,18 @@ class EventBus:
             batch = [self._queue.popleft() for _ in range(min(MAX_BATCH, len(self._queue)))]
             self._hand_out(batch)
             self._processed += len(batch)
+
+    def _tell_drops(self) -> None:
+        """Queue a ``Dropped`` behind what is queued now, if events were dropped since the last one:
+        every event published before those drops is ahead of it. (The drain thread only: it reads the
+        count once, so a drop counted meanwhile is told next round.)"""
+        dropped = self._dropped
+        if dropped == self._dropped_told:
+            return
+        self._dropped_told = dropped
+        if self._route(Dropped):
+            self._queue.append(Dropped(dropped))  # past the capacity, by one: it must not be dropped itself
+            self._told += 1
 
     def _hand_out(self, batch: list) -> None:
         by_subscriber: dict[int, list] = {}

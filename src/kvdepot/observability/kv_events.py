@@ -34,6 +34,11 @@ What kvdepot puts in them:
   itself (a Valkey TTL or maxmemory eviction, an S3 lifecycle rule, a peer pool's LRU) is not seen,
   so not sent: a router learns of it by a miss.
 - Only rank 0's objects are sent: one block per tensor-parallel group, not one per rank.
+- The stream is made from the event bus's records, and a full bus drops records: a lost removal
+  would leave a router a block kvdepot no longer holds, for ever. So after a drop (the bus hands a
+  ``Dropped`` behind every record published before it) every topic published on gets an
+  ``AllBlocksCleared`` (``kvdepot_kv_event_resets``): a router then misses what kvdepot still holds
+  until it is stored again (a miss is safe), never finds a block that is gone (a phantom hit is not).
 - Each server starts with an ``AllBlocksCleared`` (its L1 is empty; what its tiers kept from an
   earlier run is announced again as it is loaded back), on the topic's part before ``{model}`` (the
   empty topic by default), so a subscriber of all this server's topics learns of the restart at once;
@@ -57,13 +62,15 @@ import msgspec
 import zmq
 
 from kvdepot.events import ChunkTokens, EventKind, L1Changed, NamespaceSeen, ObjectEvent, TierCleared, TierRemoved, TierStored
+from kvdepot.observability.bus import Dropped
 from kvdepot.types import NAMESPACE_BYTES, ObjectKey
 
 log = logging.getLogger(__name__)
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 L1_MEDIUM = "CPU"
-MAX_NAMESPACES = 65536
+MAX_NAMESPACES = 65536  # namespaces known, the least recently used forgotten first
+RESET_LOG_S = 60.0  # a reset is logged at most this often (an overloaded bus drops on every round)
 MAX_TOKEN_CHUNKS = 8192  # chunks whose token ids are kept for their BlockStored (1 KiB each at 256 tokens)
 TOPIC_FIELDS = ("model", "node")
 MAX_TOPICS_CACHED = 4096  # models whose topic is kept made; past it the cache starts again
@@ -176,7 +183,7 @@ class KVEventsPublisher:
         self.replay_endpoint = replay_endpoint
         self._media: dict[str, str] = {}
         self._metrics = metrics
-        self._namespaces: dict[bytes, NamespaceSeen] = {}
+        self._namespaces: OrderedDict[bytes, NamespaceSeen] = OrderedDict()  # least recently used first
         self._l1 = _Generations()
         self._in_tier: dict[str, set[ObjectKey]] = {}  # medium -> what was announced there
         self._tokens: OrderedDict[bytes, bytes] = OrderedDict()  # key -> its chunk's token ids (uint32), newest last
@@ -190,6 +197,8 @@ class KVEventsPublisher:
         self._stop = threading.Event()
         self._replay_thread: threading.Thread | None = None
         self.unknown_namespace = 0  # events for objects whose namespace no context told us (skipped)
+        self.resets = 0  # AllBlocksCleared on every topic, after the bus dropped records
+        self._reset_logged = 0.0
 
     def bind(self) -> None:
         """Bind both sockets (the composition root binds every endpoint before it reserves memory)."""
@@ -247,12 +256,16 @@ class KVEventsPublisher:
 
     # --- the bus's events -----------------------------------------------------------------------------
 
-    KINDS = (NamespaceSeen, ChunkTokens, L1Changed, TierStored, TierRemoved, TierCleared)
+    KINDS = (NamespaceSeen, ChunkTokens, L1Changed, TierStored, TierRemoved, TierCleared, Dropped)
 
     def handle(self, events: list) -> None:
         by_topic: dict[bytes, list] = {}
         for e in events:
-            if isinstance(e, NamespaceSeen):
+            if isinstance(e, Dropped):
+                self._flush(by_topic)  # what came before the drop goes first: the reset must follow it
+                by_topic = {}
+                self._reset(e)
+            elif isinstance(e, NamespaceSeen):
                 self._learn(e)
             elif isinstance(e, ChunkTokens):
                 self._remember_tokens(e)
@@ -276,25 +289,55 @@ class KVEventsPublisher:
     def _medium(self, tier: str, kind: str) -> str:
         return self._media.get(tier, kind.upper())
 
+    def _reset(self, dropped: Dropped) -> None:
+        """The bus dropped records, maybe a removal: every topic published on is told to forget all
+        (what kvdepot holds comes back as it is stored again), and nothing announced is remembered."""
+        for topic in sorted(self._begun):
+            self._send(topic, [AllBlocksCleared()])
+        self._in_tier.clear()
+        self.resets += 1
+        if self._metrics is not None:
+            self._metrics.kv_event_resets.inc()
+        now = time.monotonic()
+        if now - self._reset_logged >= RESET_LOG_S:
+            self._reset_logged = now
+            log.warning("the event bus dropped records (%d so far; --event-queue-size): KV events reset every topic with "
+                        "AllBlocksCleared (%d resets so far)", dropped.total, self.resets)  # fmt: skip
+
     def _learn(self, seen: NamespaceSeen) -> None:
+        """Known namespaces are a bounded LRU: one seen again, or named by an event, is the newest."""
         if seen.namespace in self._namespaces:
+            self._namespaces.move_to_end(seen.namespace)
             return
         if len(self._namespaces) >= MAX_NAMESPACES:
-            self._namespaces.pop(next(iter(self._namespaces)))
+            self._namespaces.popitem(last=False)
         self._namespaces[seen.namespace] = seen
 
     def _blocks(self, keys: Iterable[ObjectKey]) -> dict[bytes, tuple[NamespaceSeen, list[bytes]]]:
         """Rank-0 keys grouped by namespace, in order."""
         out: dict[bytes, tuple[NamespaceSeen, list[bytes]]] = {}
+        other_ranks: set[bytes] = set()
+        unknown = 0
         for key in keys:
             ns_digest = bytes(key[:NAMESPACE_BYTES])
-            ns = self._namespaces.get(ns_digest)
-            if ns is None:
-                self.unknown_namespace += 1
-                continue
-            if ns.rank != 0:
-                continue
-            out.setdefault(ns_digest, (ns, []))[1].append(bytes(key[NAMESPACE_BYTES:]))
+            group = out.get(ns_digest)
+            if group is None:
+                if ns_digest in other_ranks:
+                    continue
+                ns = self._namespaces.get(ns_digest)
+                if ns is None:
+                    unknown += 1
+                    continue
+                self._namespaces.move_to_end(ns_digest)  # in use: the busiest is the last forgotten
+                if ns.rank != 0:
+                    other_ranks.add(ns_digest)
+                    continue
+                group = out[ns_digest] = (ns, [])
+            group[1].append(bytes(key[NAMESPACE_BYTES:]))
+        if unknown:
+            self.unknown_namespace += unknown
+            if self._metrics is not None:
+                self._metrics.kv_event_unknown_namespace.inc(unknown)
         return out
 
     def _startup_topic(self) -> bytes:

@@ -91,6 +91,14 @@ class Metrics:
                                  ["event"], registry=r)  # fmt: skip
         self.kv_event_batches = Counter("kvdepot_kv_event_batches", "KV-event batches published (one sequence number each).", registry=r)
         self.kv_event_replays = Counter("kvdepot_kv_event_replays", "Replay requests answered.", registry=r)
+        self.kv_event_resets = Counter(
+            "kvdepot_kv_event_resets", "Times every KV-event topic got an AllBlocksCleared because the event bus dropped records "
+            "(the stream would have lost them: see --event-queue-size).", registry=r,
+        )
+        self.kv_event_unknown_namespace = Counter(
+            "kvdepot_kv_event_unknown_namespace", "Objects left out of KV events because no context had named their namespace "
+            "(the publisher keeps a bounded set, the most recently used; the bus may drop the record naming one).", registry=r,
+        )
         self.tier_task_seconds = Histogram(
             "kvdepot_l2_task_seconds", "Time an L2 tier's task took against its backend, by tier, task (store, lookup, load, clear, delete) "
             "and outcome (ok, failed).", ["tier", "task", "outcome"], registry=r, buckets=REQUEST_BUCKETS,
