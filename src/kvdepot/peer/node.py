@@ -523,7 +523,7 @@ class PeerNode:
         (it waits on the owner's disk, not on its directory)."""
         assert self.info is not None
         if isinstance(exc, KVDepotTimeout) and (timeout_s < self.config.control_timeout_s or isinstance(what, m.PeerPromoteRequest)):
-            log.debug("peer %s: %s to %s ran out of the caller's %.3g s", self.info.id, type(what).__name__, owner, timeout_s)
+            log.debug("peer %s: %s to %s timed out after %.3g s: not held against it", self.info.id, type(what).__name__, owner, timeout_s)
             return
         self._suspects[owner] = time.monotonic() + SUSPECT_S
         log.info("peer %s: %s to %s failed (%s): its replica is asked instead", self.info.id, type(what).__name__, owner, exc)
