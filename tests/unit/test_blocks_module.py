@@ -1,11 +1,16 @@
 """The server-driven path's parts that need no server (server/modules/blocks.py): a registered cache's
 state machine, and ``CopyWatcher``: a copy's finish (its locks' release) runs once the copy is done, in
-any order, and a copy that never ends holds up nobody else's finish."""
+any order, and a copy that never ends holds up nobody else's finish. With the module's collaborators
+faked: a store whose copy raises part way keeps its slots reserved until what it queued has landed.
+
+On the CPU a mover's copies are synchronous, so "what it queued" is faked here (``Copy``); on a GPU the
+mover's ``settled`` runs in tests/gpu/test_cuda_paths.py."""
 
 from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +18,7 @@ import torch
 from kvdepot.errors import IllegalTransition, UnknownKVCache
 from kvdepot.gpu.mover import DuplexMover
 from kvdepot.gpu.paged import DevicePagedCache
-from kvdepot.server.modules.blocks import CacheState, CopyWatcher, RegisteredCache
+from kvdepot.server.modules.blocks import BlockTransferModule, CacheState, CopyWatcher, RegisteredCache
 from kvdepot.types import ClientId
 
 
@@ -91,3 +96,65 @@ def test_finishes_run_when_their_copies_end_and_a_stuck_one_blocks_nobody():
     threading.Timer(0.2, stuck.ended.set).start()
     watcher.close()  # waits for every copy still running before it returns
     assert finished == ["done now", "quick", "stuck"]
+
+
+CHUNK_BYTES = 2 * 2 * 4 * 1 * 8 * 4  # a chunk of registered(): [K=2, L=2, T=4, H=1, D=8] float32, one block
+
+
+def wait_for(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert condition()
+
+
+class Storage:
+    """The storage calls a store's copy makes: an abort of its reservation."""
+
+    def __init__(self) -> None:
+        self.aborted: list[int] = []
+
+    def abort(self, lease, owner) -> None:
+        self.aborted.append(lease)
+
+
+def module_for(rc: RegisteredCache) -> BlockTransferModule:
+    """The module with only what a store's copy and a retrieve touch: its caches, watcher and arena."""
+    module = BlockTransferModule.__new__(BlockTransferModule)
+    module.storage = Storage()
+    module._caches, module._caches_lock = {rc.id: rc}, threading.Lock()
+    module._watcher = CopyWatcher()
+    module._arena = torch.ones(4 * CHUNK_BYTES, dtype=torch.uint8)
+    return module
+
+
+def test_a_store_whose_copy_raises_part_way_frees_its_slots_once_its_queued_copies_land(monkeypatch):
+    """A save that raised after queueing some of its DMA into the reserved slots: aborting them at once
+    would hand them to another writer while that DMA still lands."""
+    rc, _ = registered()
+    module = module_for(rc)
+    queued = Copy()
+
+    def save(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(rc.mover, "save", save)
+    monkeypatch.setattr(rc.mover.saver, "settled", lambda: queued, raising=False)
+    call = SimpleNamespace(client=ClientId(b"c"), body=SimpleNamespace(ready_event=b""), deadline=time.monotonic() + 30)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        module._copy_out(call, rc, rc.cache.check_ids([[0, 1]], 2), [0, 1], [0, CHUNK_BYTES], CHUNK_BYTES, 7)
+    time.sleep(0.05)
+    assert module.storage.aborted == [] and rc.busy == 1  # reserved while the queued copies may land
+    queued.ended.set()
+    wait_for(lambda: module.storage.aborted == [7] and rc.busy == 0)
+    module._watcher.close()
+
+
+def test_a_store_refused_before_any_copy_aborts_at_once(monkeypatch):
+    rc, _ = registered()
+    module = module_for(rc)
+    monkeypatch.setattr(rc.mover.saver, "settled", lambda: pytest.fail("nothing was queued to wait for"), raising=False)
+    call = SimpleNamespace(client=ClientId(b"c"), body=SimpleNamespace(ready_event=b"\x01" * 64), deadline=time.monotonic() + 30)
+    with pytest.raises(Exception, match="host-memory cache takes no CUDA events"):
+        module._copy_out(call, rc, rc.cache.check_ids([[0]], 1), [0], [0], CHUNK_BYTES, 8)
+    assert module.storage.aborted == [8] and rc.busy == 0

@@ -20,7 +20,9 @@ streams and no staging: blocks are gathered straight into the host slot and scat
 it, and the completion is done at once.
 
 One mover serves one thread at a time per call (a lock covers each call's enqueueing: a save's gathers
-and its copies out of staging must not interleave with a load's copies into it).
+and its copies out of staging must not interleave with a load's copies into it). A call that raises part
+way may have queued some of its copies: ``settled`` says when everything queued so far is done, and the
+caller keeps the host slots until then.
 """
 
 from __future__ import annotations
@@ -160,6 +162,16 @@ class BlockMover:
         event = self.torch.cuda.Event()
         event.record(stream)
         return event
+
+    def settled(self) -> Completion:
+        """When everything queued on this mover's streams so far is done (done at once on a CPU, whose
+        copies are synchronous): after a call that raised part way, its host slots are read or written
+        until then."""
+        if not self.on_device:
+            return Completion()
+        with self._lock:
+            self.lane.stream.wait_event(self._event(self.copies.stream))
+            return Completion(self.lane.record())
 
     def _fence(self) -> None:
         """Both streams wait for everything either queued before: one call's staging slots are never

@@ -43,7 +43,7 @@ from kvdepot.config import BlockTransfer, GpuConfig
 from kvdepot.errors import BadRequest, IllegalTransition, KVDepotError, KVDepotTimeout, TransportUnavailable, UnknownKVCache
 from kvdepot.gpu import runtime
 from kvdepot.gpu.memory import OpenedMemory, event_handle, layer_tensor, new_event, open_event, open_memory
-from kvdepot.gpu.mover import Completion, DuplexMover
+from kvdepot.gpu.mover import BlockMover, Completion, DuplexMover
 from kvdepot.gpu.paged import DevicePagedCache
 from kvdepot.layout import PagedFormat
 from kvdepot.protocol import messages as m
@@ -420,25 +420,28 @@ class BlockTransferModule:
                   lease: int) -> None:  # fmt: skip
         """Copy the chosen chunks' blocks into their reserved slots and wait for the copy, within the
         request's deadline. On any failure the reservation is aborted, but never while a copy into its
-        slots may still run: past the deadline the abort waits for the copy (on the watcher)."""
+        slots may still run: past the deadline the abort waits for the copy, and after a save that raised
+        part way for the copies it queued (on the watcher, both)."""
         owner = call.client
         try:
             rc.begin()
         except BaseException:
             self.storage.abort(LeaseId(lease), owner)
             raise
-        handed_over = False
+
+        def abort_late() -> None:
+            self.storage.abort(LeaseId(lease), owner)
+            rc.end()
+
+        handed_over = started = False
         try:
             bpc = rc.mover.blocks_per_chunk
             picked = [np.concatenate([g[i * bpc : (i + 1) * bpc] for i in chosen]) for g in ids]
-            done = rc.mover.save(picked, self._slots(rc, offsets, size), rc.worker_event(call.body.ready_event))
+            slots, ready = self._slots(rc, offsets, size), rc.worker_event(call.body.ready_event)
+            started = True  # from here copies into the slots may be queued
+            done = rc.mover.save(picked, slots, ready)
             patience = min(STORE_PATIENCE_S, max(0.0, call.deadline - time.monotonic()))
             if not done.wait(patience):
-
-                def abort_late() -> None:
-                    self.storage.abort(LeaseId(lease), owner)
-                    rc.end()
-
                 handed_over = True
                 self._watcher.after(done, abort_late)
                 raise KVDepotTimeout(
@@ -447,11 +450,27 @@ class BlockTransferModule:
                 )
         except BaseException:
             if not handed_over:
-                self.storage.abort(LeaseId(lease), owner)
+                if started:  # another writer may reuse the slots only once the DMA already queued into them has landed
+                    handed_over = True
+                    self._after_queued(rc.mover.saver, abort_late)
+                else:
+                    self.storage.abort(LeaseId(lease), owner)
             raise
         finally:
             if not handed_over:
                 rc.end()
+
+    def _after_queued(self, mover: BlockMover, then: Callable[[], None]) -> None:
+        """``then`` once every copy ``mover`` has queued so far is done: a call that raised part way may
+        have queued some to or from its arena slots, which stay reserved or locked until those end. A
+        device that cannot say so has failed, and copies nothing more: ``then`` at once."""
+        try:
+            settled = mover.settled()
+        except Exception:
+            log.exception("kvdepot: the device failed while a copy stopped part way")
+            then()
+            return
+        self._watcher.after(settled, then)
 
     # --- retrieve ------------------------------------------------------------------------------------
 
