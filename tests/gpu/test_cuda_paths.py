@@ -1,8 +1,9 @@
 """The CUDA-only parts of the GPU paths, on a real GPU (``bash scripts/test-gpu.sh``): CUDA IPC handles
 and events between a worker (this process) and a real server process, bit-exact in both layouts and
 every cache dtype, the ordering both ways (a test that reads stale bytes if either wait were missing),
-a worker killed with its handles registered, and a registration whose declared range reaches past the
-allocation its handle maps (refused by the driver's extent of the mapping). Skipped, and counted, where there is no CUDA; the
+a worker killed with its handles registered, a registration whose declared range reaches past the
+allocation its handle maps (refused by the driver's extent of the mapping), and a mover's ``settled``
+and a load stopped at its deadline on real streams. Skipped, and counted, where there is no CUDA; the
 same code's CPU form runs everywhere (tests/integration/test_block_transfer.py, tests/e2e/test_connector_device.py).
 """
 
@@ -13,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgspec
@@ -20,7 +22,7 @@ import pytest
 import torch
 
 from kvdepot import ClientOptions, KVClient, KVLayout
-from kvdepot.errors import BadRequest
+from kvdepot.errors import BadRequest, KVDepotTimeout
 from kvdepot.gpu.memory import EventRing, ExportedCache, allocation_range, export_cache
 from kvdepot.types import SlotStatus
 
@@ -231,3 +233,31 @@ def test_two_holders_of_one_pinned_range_and_a_refused_pin_leave_cuda_usable():
     again.close()
     del host
     memory.close()
+
+
+def test_settled_waits_for_queued_copies_and_a_load_past_its_deadline_queues_no_piece():
+    """``settled`` is done only once what the mover's streams already hold is (a store that raised part
+    way keeps its slots until then, a retrieve its locks); a load past its deadline queues no piece,
+    leaves the blocks alone, and still records every layer event (a waiter is never left without one)."""
+    from kvdepot.gpu.mover import BlockMover
+    from kvdepot.gpu.paged import DevicePagedCache
+
+    layers = cuda_layers(2, "kv_first", "bfloat16", None)
+    cache = DevicePagedCache(layers, "kv_first", BS)
+    mover = BlockMover(cache, CHUNK // BS, 8 << 20)
+    with torch.cuda.stream(mover.copies.stream):
+        torch.cuda._sleep(1_000_000_000)  # a copy still running, about half a second
+    settled = mover.settled()
+    assert not settled.done()
+    assert settled.wait(30) and settled.done()
+
+    host = torch.ones((1, *mover.chunk_shape), dtype=mover.bits).pin_memory()
+    events = [torch.cuda.Event(enable_timing=True) for _ in layers]
+    start = torch.cuda.Event(enable_timing=True)
+    start.record(mover.lane.stream)
+    with pytest.raises(KVDepotTimeout, match="after 0 of its 1 chunks"):
+        mover.load([host[0]], cache.check_ids([[0, 1]], 2), 0, events, deadline=time.monotonic() - 1)
+    mover.settled().wait()
+    torch.cuda.synchronize()
+    assert all(start.elapsed_time(e) >= 0 for e in events)  # raises for an event never recorded
+    assert not any(t.any() for t in layers)

@@ -1,10 +1,11 @@
 """The server-driven path's parts that need no server (server/modules/blocks.py): a registered cache's
 state machine, and ``CopyWatcher``: a copy's finish (its locks' release) runs once the copy is done, in
 any order, and a copy that never ends holds up nobody else's finish. With the module's collaborators
-faked: a store whose copy raises part way keeps its slots reserved until what it queued has landed.
+faked: a store whose copy raises part way keeps its slots reserved until what it queued has landed, and
+a retrieve past its deadline writes no further block and frees its locks.
 
 On the CPU a mover's copies are synchronous, so "what it queued" is faked here (``Copy``); on a GPU the
-mover's ``settled`` runs in tests/gpu/test_cuda_paths.py."""
+mover's ``settled`` and a load stopped at its deadline run in tests/gpu/test_cuda_paths.py."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvdepot.errors import IllegalTransition, UnknownKVCache
+from kvdepot.errors import IllegalTransition, KVDepotTimeout, UnknownKVCache
 from kvdepot.gpu.mover import DuplexMover
 from kvdepot.gpu.paged import DevicePagedCache
+from kvdepot.server.modules import blocks
 from kvdepot.server.modules.blocks import BlockTransferModule, CacheState, CopyWatcher, RegisteredCache
-from kvdepot.types import ClientId
+from kvdepot.storage.l1 import ReadLock
+from kvdepot.types import ClientId, LeaseId
 
 
 class Memory:
@@ -158,3 +161,38 @@ def test_a_store_refused_before_any_copy_aborts_at_once(monkeypatch):
     with pytest.raises(Exception, match="host-memory cache takes no CUDA events"):
         module._copy_out(call, rc, rc.cache.check_ids([[0]], 1), [0], [0], CHUNK_BYTES, 8)
     assert module.storage.aborted == [8] and rc.busy == 0
+
+
+def test_a_retrieve_past_its_deadline_writes_no_further_block_and_frees_its_locks(monkeypatch):
+    """The worker gave up on the load at its deadline (its blocks are recomputed, or handed to another
+    request): the server stops before the next chunk rather than scatter into them."""
+    rc, _ = registered()
+    module = module_for(rc)
+    context = SimpleNamespace(id=1, chunk_bytes=CHUNK_BYTES, spec=SimpleNamespace(model="m"))
+    released: list[int] = []
+    module.ctx = SimpleNamespace(
+        release_quietly=lambda lease, owner: released.append(lease),
+        metrics=SimpleNamespace(retrieved=lambda *args: None),
+        chunk_request_done=lambda *args: None,
+    )
+    monkeypatch.setattr(blocks, "context_and_keys", lambda ctx, call: (context, ["k0", "k1", "k2"]))
+    offsets = [0, CHUNK_BYTES, 2 * CHUNK_BYTES]
+    monkeypatch.setattr(blocks, "lock_for_retrieve", lambda ctx, call, toucher: (context, ReadLock(LeaseId(9), offsets, CHUNK_BYTES)))
+    monkeypatch.setattr(blocks, "count_short_retrieve", lambda *args: None)
+    scatter, scattered = rc.cache.scatter, []
+
+    def slow_scatter(*args, **kwargs):  # the first chunk's copy outlasts the call's deadline
+        scatter(*args, **kwargs)
+        scattered.append(True)
+        if len(scattered) == 1:
+            time.sleep(1.2)
+
+    monkeypatch.setattr(rc.cache, "scatter", slow_scatter)
+    body = SimpleNamespace(cache_id=1, keys=["k0", "k1", "k2"], start=0, limit=0, block_ids=[[0, 1, 2]], skip_first_n_tokens=0, ready_event=b"")
+    call = SimpleNamespace(client=ClientId(b"c"), body=body, deadline=time.monotonic() + 1.0)
+    with pytest.raises(KVDepotTimeout, match="after 1 of its 3 chunks"):
+        module.retrieve(call)
+    layers = rc.cache.views
+    assert all(bool(t[:, 0].bool().all()) and not t[:, 1:3].any() for t in layers), "only the first block is written"
+    wait_for(lambda: released == [9] and rc.busy == 0)
+    module._watcher.close()

@@ -22,11 +22,13 @@ it, and the completion is done at once.
 One mover serves one thread at a time per call (a lock covers each call's enqueueing: a save's gathers
 and its copies out of staging must not interleave with a load's copies into it). A call that raises part
 way may have queued some of its copies: ``settled`` says when everything queued so far is done, and the
-caller keeps the host slots until then.
+caller keeps the host slots until then. A load given a ``deadline`` stops before the first piece that
+would start past it (the caller's caller gave up on it: its blocks are no longer the load's to write).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import warnings
@@ -34,6 +36,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvdepot.errors import KVDepotTimeout
 from kvdepot.gpu.paged import DevicePagedCache
 from kvdepot.gpu.runtime import require_torch
 
@@ -215,13 +218,17 @@ class BlockMover:
             return Completion(self.copies.record())
 
     def load(self, slots: Sequence, block_ids: Sequence[np.ndarray], skip_blocks: int = 0, layer_events: Sequence | None = None,
-             ready=None) -> Completion:  # fmt: skip
+             ready=None, deadline: float = math.inf) -> Completion:  # fmt: skip
         """Copy ``slots[i]`` into chunk ``i``'s blocks, leaving the first ``skip_blocks`` blocks alone,
-        after ``ready``. ``layer_events[l]`` (CUDA) is recorded once layer ``l`` of every chunk is written."""
+        after ``ready``. ``layer_events[l]`` (CUDA) is recorded once layer ``l`` of every chunk is written.
+        Past ``deadline`` (monotonic) no further piece starts: KVDepotTimeout, once ``layer_events`` are
+        recorded after what was queued (a waiter on them never waits for copies that will not come);
+        ``settled`` says when the pieces already queued are done."""
         hosts = [host_tensor(s, self.bits) for s in slots]
         with self._lock:
             if not self.on_device:
                 for i, host in enumerate(hosts):
+                    self._check_deadline(deadline, i, len(hosts))
                     self.cache.scatter(host[None], self._chunk_ids(block_ids, i, i + 1), skip_blocks - i * self.blocks_per_chunk)
                 return Completion()
             torch, kernels, copies = self.torch, self.lane.stream, self.copies.stream
@@ -233,6 +240,10 @@ class BlockMover:
             with torch.cuda.stream(kernels):  # before any data copy is queued (see DevicePagedCache.device_ids)
                 block_ids = [self.cache.device_ids(ids) for ids in block_ids]
             for i, j, at in pieces:
+                if time.monotonic() > deadline:
+                    for event in layer_events or ():
+                        self.lane.record(event)
+                    self._check_deadline(deadline, i, len(hosts))
                 piece = staging[at : at + j - i]
                 with torch.cuda.stream(copies):
                     if at in freed:
@@ -254,6 +265,11 @@ class BlockMover:
                 for event in layer_events:
                     self.lane.record(event)
             return Completion(self.lane.record())
+
+    @staticmethod
+    def _check_deadline(deadline: float, done: int, total: int) -> None:
+        if time.monotonic() > deadline:
+            raise KVDepotTimeout(f"the load's deadline passed after {done} of its {total} chunks: the rest are not copied")
 
 
 class DuplexMover:
@@ -283,8 +299,8 @@ class DuplexMover:
         return self.saver.save(block_ids, slots, ready)
 
     def load(self, slots: Sequence, block_ids: Sequence[np.ndarray], skip_blocks: int = 0, layer_events: Sequence | None = None,
-             ready=None) -> Completion:  # fmt: skip
-        return self.loader.load(slots, block_ids, skip_blocks, layer_events, ready)
+             ready=None, deadline: float = math.inf) -> Completion:  # fmt: skip
+        return self.loader.load(slots, block_ids, skip_blocks, layer_events, ready, deadline)
 
     def close(self) -> None:
         self.saver.close()

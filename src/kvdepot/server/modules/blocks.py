@@ -12,7 +12,8 @@ memory once and keeps it until UNREGISTER_KV_CACHE, the context's end or the cli
   into staging and scatter them into the worker's blocks (never those of the first
   ``skip_first_n_tokens``: the engine's own prefix cache shares them), recording one exported event per
   layer; answer as soon as the copies are queued. The locks end when the copies are done
-  (``CopyWatcher``), not before.
+  (``CopyWatcher``), not before. Past the request's deadline no further piece is queued (the worker
+  gave up on the load, and its blocks are no longer the load's to write).
 
 Each registered cache (``RegisteredCache``) moves through::
 
@@ -505,19 +506,21 @@ class BlockTransferModule:
         except BaseException:
             release()
             raise
-        try:
-            bpc = rc.mover.blocks_per_chunk
-            slots = self._slots(rc, lock.offsets, context.chunk_bytes)
-            done = rc.mover.load(slots, [g[: found * bpc] for g in ids], body.skip_first_n_tokens // rc.cache.block_size,
-                                 rc.layer_events or None, ready)  # fmt: skip
-        except BaseException:
-            rc.end()
-            release()
-            raise
 
         def finished() -> None:
             release()
             rc.end()
+
+        try:
+            bpc = rc.mover.blocks_per_chunk
+            slots = self._slots(rc, lock.offsets, context.chunk_bytes)
+            # Past the call's deadline the worker has given up on this load (its blocks are recomputed, or
+            # handed to another request): no further piece is written into them.
+            done = rc.mover.load(slots, [g[: found * bpc] for g in ids], body.skip_first_n_tokens // rc.cache.block_size,
+                                 rc.layer_events or None, ready, call.deadline)  # fmt: skip
+        except BaseException:
+            self._after_queued(rc.mover.loader, finished)  # the slots are read until the pieces already queued land
+            raise
 
         self._watcher.after(done, finished)
         self.ctx.metrics.retrieved(context.spec.model, found, found * context.chunk_bytes, rc.label)
