@@ -362,6 +362,22 @@ def test_requests_with_a_lora_adapter_are_not_cached(server, caplog):
     s.shutdown()
 
 
+def test_a_request_that_gains_media_later_is_saved_no_more(server):
+    """A streaming-input session starts as text and gains audio or images later (vLLM extends its
+    mm_features): the chunks after that hold KV that its token ids alone do not name, and saving them
+    under those ids would hand another session's media KV to a request of the same text."""
+    toks = tokens(600, seed=41)
+    s = scheduler(server.url)
+    req = request("streaming", toks)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    s.update_state_after_alloc(req, blocks([5, 6]), 0)
+    assert len(s.build_connector_meta(step(new=[(req, [5, 6], 0)], scheduled={"streaming": 256})).saves) == 1
+    req.mm_features = [object()]  # audio arrived
+    assert s.build_connector_meta(step(cached=[(req, [7, 8, 9], 256)], scheduled={"streaming": 256})).saves == []
+    s.request_finished(req)
+    s.shutdown()
+
+
 def test_a_model_with_sliding_window_attention_is_refused_at_start():
     """vLLM frees the blocks that leave a sliding window while a save may still read them: refused,
     saying so, rather than served with that race."""

@@ -272,15 +272,8 @@ class SchedulerSide:
     def _state(self, request: Request) -> RequestState:
         st = self.states.get(request.request_id)
         if st is None or st.request is not request:
-            # Keys hold tokens, not what else shapes the KV: images and embeddings, and a LoRA adapter.
-            eligible = not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
-            if getattr(request, "lora_request", None) is not None:
-                eligible = False
-                if not self._lora_said:
-                    self._lora_said = True
-                    log.info("kvdepot: requests with a LoRA adapter are not cached (the adapter changes the KV; keys do not name it yet)")
             params = getattr(request, "kv_transfer_params", None)
-            st = RequestState(request.request_id, request, request.cache_salt or "", bool(eligible), source_hint(params),
+            st = RequestState(request.request_id, request, request.cache_salt or "", self._eligible(request), source_hint(params),
                               agent_session(params))  # fmt: skip
             self.states[request.request_id] = st
         elif st.phase is Phase.ADMITTED:
@@ -289,6 +282,16 @@ class SchedulerSide:
             self._preempted(st)
             self._readmitted.add(st.req_id)
         return st
+
+    def _eligible(self, request: Request) -> bool:
+        """Keys hold tokens, not what else shapes the KV: images, audio and embeddings, and a LoRA
+        adapter. Asked again before every save: a streaming-input session can gain media later."""
+        if getattr(request, "lora_request", None) is not None:
+            if not self._lora_said:
+                self._lora_said = True
+                log.info("kvdepot: requests with a LoRA adapter are not cached (the adapter changes the KV; keys do not name it yet)")
+            return False
+        return not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
 
     def _hashes(self, st: RequestState, n_chunks: int) -> list[ChunkHash]:
         """The first ``n_chunks`` chained hashes, extending the cached chain as tokens arrive."""
@@ -394,6 +397,9 @@ class SchedulerSide:
 
     def _plan_save(self, st: RequestState, done_tokens: int, block_state, meta: KVDepotConnectorMetadata) -> None:
         """Save the chunks whose KV is complete once this step has run."""
+        if st.eligible and not self._eligible(st.request):
+            st.eligible = False  # media joined the request since: its chunks' KV is no longer its tokens'
+            log.info("kvdepot: request %s gained media or embeddings; its KV is not saved from now on", st.req_id)
         if not st.eligible:
             return
         request = st.request
