@@ -10,7 +10,7 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 
 from kvdepot.config import ObservabilityConfig
 from kvdepot.errors import ConfigError
-from kvdepot.events import EventKind, L1Changed, NamespaceSeen, ObjectEvent
+from kvdepot.events import EventKind, L1Changed, NamespaceSeen, ObjectEvent, TierCleared, TierStored
 from kvdepot.observability import kv_events
 from kvdepot.observability.bus import MAX_BATCH, EventBus
 from kvdepot.observability.kv_events import KVEventsPublisher
@@ -203,3 +203,29 @@ def test_namespaces_are_forgotten_least_recently_used_first(make, monkeypatch):
     assert removed == [block(0)]  # the busy namespace is still known
     assert pub.unknown_namespace == 1  # the quiet one was forgotten
     assert "kvdepot_kv_event_unknown_namespace_total 1.0" in metrics.text().decode()
+
+
+# --- what is remembered per L2 medium -------------------------------------------------------------------
+
+
+def test_a_tiers_announced_blocks_are_bounded_and_those_past_the_bound_are_withdrawn(make, monkeypatch):
+    """A tier whose own drops kvdepot never hears of (a Valkey TTL, an S3 lifecycle rule, a peer's pool)
+    grew the set of announced blocks for the server's whole life, other ranks' blocks included."""
+    monkeypatch.setattr(kv_events, "MAX_TIER_BLOCKS", 3)
+    pub = make()
+    router = Router(make.ctx, pub, b"m")
+    pub.start()
+    rank0, rank1 = namespace(1), namespace(2)
+    keys = lambda ns, blocks: tuple(ObjectKey(ns + block(i)) for i in blocks)  # noqa: E731
+    pub.handle([seen(rank0, "m"), seen(rank1, "m", rank=1), TierStored("valkey0", "valkey", keys(rank0, range(4))),
+                TierStored("valkey0", "valkey", keys(rank1, range(4)))])  # fmt: skip
+    pub.handle([TierStored("valkey0", "valkey", keys(rank0, range(1, 2))),  # block 1 announced again: the newest
+                TierStored("valkey0", "valkey", keys(rank0, range(4, 6)))])  # fmt: skip
+    assert list(pub._in_tier["VALKEY"]) == list(keys(rank0, (1, 4, 5)))  # bounded, rank 0's only
+    pub.handle([TierCleared("valkey0", "valkey")])
+    got = router.read()
+    valkey = {h for t, h in rebuild(got[:-1])}  # before the clear
+    assert valkey == {block(1), block(4), block(5)}  # the 3 most recently announced; 0, 2 and 3 withdrawn
+    cleared = [h for e in got[-1][2].events if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert sorted(cleared) == [block(1), block(4), block(5)]  # the clear withdraws what is remembered
+    assert rebuild(got) == set()

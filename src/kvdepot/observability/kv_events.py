@@ -30,9 +30,11 @@ What kvdepot puts in them:
   removal for every way kvdepot sees an object leave: L1 eviction, clear, quota, discard (skip_l1
   placement); a tier's own LRU (fs, memory), a tier's clear, a corrupt object found in a tier. A
   tier's clear is a ``BlockRemoved`` of every block announced in that medium (the publisher keeps
-  what it announced per L2 medium: about 100 bytes a block). What a tier's own server drops by
-  itself (a Valkey TTL or maxmemory eviction, an S3 lifecycle rule, a peer pool's LRU) is not seen,
-  so not sent: a router learns of it by a miss.
+  what it announced per L2 medium, rank 0's only: about 190 bytes a block). What a tier's own server
+  drops by itself (a Valkey TTL or maxmemory eviction, an S3 lifecycle rule, a peer pool's LRU) is
+  not seen, so that set is bounded: past ``MAX_TIER_BLOCKS`` a medium's least recently announced
+  block is withdrawn with a ``BlockRemoved``. A router then misses a block the tier may still hold
+  (safe), and never keeps one for ever that the tier dropped unseen as long as kvdepot tracked it.
 - Only rank 0's objects are sent: one block per tensor-parallel group, not one per rank.
 - The stream is made from the event bus's records, and a full bus drops records: a lost removal
   would leave a router a block kvdepot no longer holds, for ever. So after a drop (the bus hands a
@@ -71,6 +73,10 @@ END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 L1_MEDIUM = "CPU"
 MAX_NAMESPACES = 65536  # namespaces known, the least recently used forgotten first
 RESET_LOG_S = 60.0  # a reset is logged at most this often (an overloaded bus drops on every round)
+# Blocks remembered as announced per L2 medium (for its clear; ~190 bytes each, so ~48 MiB a medium at
+# most). Past it the least recently announced is withdrawn (BlockRemoved): tiers whose own drops kvdepot
+# never hears of (Valkey TTL, S3 lifecycle, a peer's pool) would otherwise grow it for the server's life.
+MAX_TIER_BLOCKS = 1 << 18
 MAX_TOKEN_CHUNKS = 8192  # chunks whose token ids are kept for their BlockStored (1 KiB each at 256 tokens)
 TOPIC_FIELDS = ("model", "node")
 MAX_TOPICS_CACHED = 4096  # models whose topic is kept made; past it the cache starts again
@@ -185,7 +191,8 @@ class KVEventsPublisher:
         self._metrics = metrics
         self._namespaces: OrderedDict[bytes, NamespaceSeen] = OrderedDict()  # least recently used first
         self._l1 = _Generations()
-        self._in_tier: dict[str, set[ObjectKey]] = {}  # medium -> what was announced there
+        # medium -> key -> its topic: rank 0's blocks announced there, least recently announced first
+        self._in_tier: dict[str, OrderedDict[bytes, bytes]] = {}
         self._tokens: OrderedDict[bytes, bytes] = OrderedDict()  # key -> its chunk's token ids (uint32), newest last
         self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer)
         self._buffer_lock = threading.Lock()
@@ -274,16 +281,16 @@ class KVEventsPublisher:
                 for stored, run in itertools.groupby(fresh, key=lambda o: o.kind is EventKind.STORED):
                     (self._stored if stored else self._removed)(by_topic, [o.key for o in run], L1_MEDIUM)
             elif isinstance(e, TierStored):
-                medium = self._medium(e.tier, e.kind)
-                self._in_tier.setdefault(medium, set()).update(e.keys)
-                self._stored(by_topic, e.keys, medium)
+                self._tier_stored(by_topic, e.keys, self._medium(e.tier, e.kind))
             elif isinstance(e, TierRemoved):
                 medium = self._medium(e.tier, e.kind)
-                self._in_tier.get(medium, set()).difference_update(e.keys)
+                announced = self._in_tier.get(medium, {})
+                for key in e.keys:
+                    announced.pop(bytes(key), None)
                 self._removed(by_topic, e.keys, medium)
             elif isinstance(e, TierCleared):
                 medium = self._medium(e.tier, e.kind)
-                self._removed(by_topic, self._in_tier.pop(medium, set()), medium)
+                self._withdraw(by_topic, self._in_tier.pop(medium, {}).items(), medium)
         self._flush(by_topic)
 
     def _medium(self, tier: str, kind: str) -> str:
@@ -375,8 +382,36 @@ class KVEventsPublisher:
             return []
         return array.array("I", b"".join(parts)).tolist()
 
+    def _tier_stored(self, by_topic: dict[bytes, list], keys: Iterable[ObjectKey], medium: str) -> None:
+        """Announce a tier's stores and remember them (rank 0's: what was announced), newest last; past
+        ``MAX_TIER_BLOCKS`` the medium's oldest are withdrawn, as kvdepot stops tracking them."""
+        blocks = self._blocks(keys)
+        self._stored_blocks(by_topic, blocks, medium)
+        announced = self._in_tier.setdefault(medium, OrderedDict())
+        for ns_digest, (ns, hashes) in blocks.items():
+            topic = self._topic(ns.model)
+            for h in hashes:
+                key = ns_digest + h
+                announced[key] = topic
+                announced.move_to_end(key)
+        excess = len(announced) - MAX_TIER_BLOCKS
+        if excess > 0:
+            self._withdraw(by_topic, [announced.popitem(last=False) for _ in range(excess)], medium)
+
+    def _withdraw(self, by_topic: dict[bytes, list], announced: Iterable[tuple[bytes, bytes]], medium: str) -> None:
+        """``BlockRemoved`` of (key, topic) pairs remembered as announced: their namespace need not be
+        known any more."""
+        hashes_by_topic: dict[bytes, list[bytes]] = {}
+        for key, topic in announced:
+            hashes_by_topic.setdefault(topic, []).append(key[NAMESPACE_BYTES:])
+        for topic, hashes in hashes_by_topic.items():
+            by_topic.setdefault(topic, []).append(BlockRemoved(hashes, medium))
+
     def _stored(self, by_topic: dict[bytes, list], keys: Iterable[ObjectKey], medium: str) -> None:
-        for ns_digest, (ns, hashes) in self._blocks(keys).items():
+        self._stored_blocks(by_topic, self._blocks(keys), medium)
+
+    def _stored_blocks(self, by_topic: dict[bytes, list], blocks: dict[bytes, tuple[NamespaceSeen, list[bytes]]], medium: str) -> None:
+        for ns_digest, (ns, hashes) in blocks.items():
             extra = [(ns.salt,)] * len(hashes) if ns.salt else None
             tokens = self._token_ids(ns_digest, hashes)
             by_topic.setdefault(self._topic(ns.model), []).append(BlockStored(hashes, None, tokens, ns.chunk_tokens, None, medium, None, extra))
