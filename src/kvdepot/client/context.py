@@ -160,16 +160,19 @@ class ContextLink:
                                f"or it restarted), so the lease ended with it: {exc.message}") from None  # fmt: skip
 
     def pipeline(self, requests: list[tuple[object, Sequence]], on_reply=None, borrowed: bool = False) -> list:
-        """Pipelined requests on our context, registering again once if the server forgot it.
+        """Pipelined requests on our context, registering again once if the server forgot it. The
+        client's ``timeout_s`` bounds the wait for each reply, not the whole transfer (a large inline
+        load that keeps moving is never cut short); a caller's ``deadline`` bounds it all.
         ``borrowed``: the payload is the caller's own memory (see ``RpcChannel.pipeline``)."""
         reg = self.registration
+        until = getattr(self._local, "deadline", None)  # the caller's: each reply restarts timeout_s, not this
         try:
-            return self.channel.pipeline(requests, on_reply, timeout_s=self._timeout(), borrowed=borrowed)
+            return self.channel.pipeline(requests, on_reply, timeout_s=self._timeout(), borrowed=borrowed, until=until)
         except UnknownContext:
             new = self._reregister(reg)
             for body, _ in requests:
                 body.context_id = new.context_id
-            return self.channel.pipeline(requests, on_reply, timeout_s=self._timeout(), borrowed=borrowed)
+            return self.channel.pipeline(requests, on_reply, timeout_s=self._timeout(), borrowed=borrowed, until=until)
 
     def lookup(
         self, hashes: list[ChunkHash], salt: str, session_id: str = "", lock: bool = True, prefetch: bool = True, probe: bool = False

@@ -141,7 +141,7 @@ class RpcChannel:
             return (result, frames) if want_payload else result
 
     def pipeline(self, requests: list[tuple[object, Sequence]], on_reply: OnReply | None = None, timeout_s: float = 10.0, window: int = 4,
-                 borrowed: bool = False) -> list:  # fmt: skip
+                 borrowed: bool = False, until: float | None = None) -> list:  # fmt: skip
         """Send ``requests`` with up to ``window`` in flight and collect every reply (in request order).
 
         ``on_reply(index, result, frames)`` runs as each reply arrives, so a caller can consume one
@@ -155,10 +155,12 @@ class RpcChannel:
         have ZeroMQ send the new bytes later, stored under the old request's keys.
         """
         deadline = time.monotonic() + timeout_s
+        if until is not None:
+            deadline = min(deadline, until)
         with self._exclusive(requests[0][0] if requests else None, timeout_s):
             trackers: list[zmq.MessageTracker] | None = [] if borrowed else None
             try:
-                return self._pipeline(requests, on_reply, timeout_s, window, deadline, trackers)
+                return self._pipeline(requests, on_reply, timeout_s, window, deadline, trackers, until)
             finally:
                 if trackers:
                     self._let_go(trackers, deadline)
@@ -180,8 +182,10 @@ class RpcChannel:
             t.wait()  # prompt: the messages are being discarded
 
     def _pipeline(self, requests, on_reply: OnReply | None, timeout_s: float, window: int, deadline: float,
-                  trackers: list[zmq.MessageTracker] | None) -> list:  # fmt: skip
-        """``pipeline``'s exchange. Called with the lock held."""
+                  trackers: list[zmq.MessageTracker] | None, until: float | None) -> list:  # fmt: skip
+        """``pipeline``'s exchange. Called with the lock held. Each reply that arrives gives the next
+        ``timeout_s`` again (a many-GB transfer that keeps moving is not cut at one timeout's worth of
+        bytes), never past ``until``."""
         results: list = [None] * len(requests)
         pending: dict[int, int] = {}
         sent = 0
@@ -194,6 +198,7 @@ class RpcChannel:
             index = pending.pop(header.request_id, None)
             if index is None:
                 continue
+            deadline = time.monotonic() + timeout_s if until is None else min(time.monotonic() + timeout_s, until)
             rtype = codec.request_type_of(requests[index][0])
             if self.answered is not None:
                 self.answered(rtype)
