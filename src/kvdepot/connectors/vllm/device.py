@@ -105,13 +105,16 @@ class DeviceKV:
             if self.transport in (Transport.AUTO, Transport.CUDA_IPC):
                 try:
                     self._server = client.register_kv_cache(self.layers, self.format.value, self.block_size)
-                except KVDepotError as exc:
+                except Exception as exc:
+                    # Not only the server's refusals: a cache torch cannot share at all raises here too (memory
+                    # from vLLM's CuMemAllocator, its sleep mode: ``_share_cuda_`` raises RuntimeError).
+                    why = exc.message if isinstance(exc, KVDepotError) else f"this cache cannot be shared with the server: {type(exc).__name__}: {exc}"
                     if self.transport is Transport.CUDA_IPC:
-                        self._refused = TransportUnavailable(f"transport cuda_ipc: {exc.message}")
+                        self._refused = TransportUnavailable(f"transport cuda_ipc: {why}")
                         self.path = "cuda_ipc (refused)"
                         raise self._refused from None
                     level = logging.INFO if isinstance(exc, TransportUnavailable) else logging.WARNING
-                    log.log(level, "kvdepot: the server-driven path is not available (%s); the worker moves the blocks", exc.message)
+                    log.log(level, "kvdepot: the server-driven path is not available (%s); the worker moves the blocks", why)
             if self._server is not None:
                 self.path = self._server.kind
             else:
