@@ -13,8 +13,10 @@ the context (``PathHost``); it never registers, reconnects or owns the socket it
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Protocol
 
@@ -31,6 +33,8 @@ from kvdepot.types import ChunkHash, SlotStatus, leading_run
 
 if TYPE_CHECKING:
     from kvdepot.client.registration import Registration
+
+log = logging.getLogger(__name__)
 
 INLINE_BATCH_BYTES = 32 << 20  # inline transfers go as pipelined messages of about this size
 
@@ -101,11 +105,30 @@ class ShmPath:
         self._host = host
         self.arena = arena
         self.prefaulter = prefaulter
+        self._before_close: list[Callable[[], None]] | None = []  # None once closed
+        self._hooks_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"ShmPath({self.arena.path})"
 
+    def before_close(self, fn: Callable[[], None]) -> bool:
+        """Have ``fn`` run when this path closes, before the arena is unmapped (a GPU worker lets go of its
+        ``cudaHostRegister`` of the mapping there: CUDA would keep the old pages registered under an
+        address a new arena may be mapped at). False, and nothing kept, once the path has closed."""
+        with self._hooks_lock:
+            if self._before_close is None:
+                return False
+            self._before_close.append(fn)
+        return True
+
     def close(self) -> None:
+        with self._hooks_lock:
+            hooks, self._before_close = self._before_close or [], None
+        for fn in hooks:
+            try:
+                fn()
+            except Exception:
+                log.exception("kvdepot: a hook before closing %r failed", self)
         if self.prefaulter is not None:
             self.prefaulter.stop()
         self.arena.close()  # also drops our liveness lock

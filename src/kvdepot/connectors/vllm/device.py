@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from functools import partial
 
 import numpy as np
 
@@ -42,6 +43,8 @@ from kvdepot.gpu.paged import DevicePagedCache
 from kvdepot.layout import PagedFormat
 
 log = logging.getLogger(__name__)
+
+UNPIN_WAIT_S = 30.0  # how long a closing arena's pin waits for the copies still queued into or out of it
 
 
 def device_format(shape: Sequence[int], block_size: int) -> PagedFormat:
@@ -78,6 +81,8 @@ class DeviceKV:
         self._ring = EventRing() if self.on_gpu else None
         self._pin_arena = pin_arena
         self._pinned: runtime.PinnedRange | None = None
+        self._pinned_arena: bytes | None = None  # the nonce of the arena whose mapping _pinned holds
+        self._pin_lock = threading.Lock()  # _pin, its let-go (a path's close, unpin): any thread
         self._client: KVClient | None = None
         self._server: RegisteredKVCache | None = None
         self._refused: TransportUnavailable | None = None  # cuda_ipc asked for and not to be had on this client
@@ -124,20 +129,46 @@ class DeviceKV:
             return self._server
 
     def _pin(self, client: KVClient) -> bool:
-        """Pin this process's mapping of the arena, once per mapping: a server that restarted offers a
-        new arena, and the old mapping's pin goes with it."""
+        """Pin this process's mapping of the arena, once per arena, known by its nonce (not its address: a
+        server that restarted offers a new arena, which may be mapped where the old one was). The pin is
+        let go before its mapping: the path calls ``_arena_closing`` before it unmaps the arena, and a pin
+        of another arena is let go here."""
         if not self._pin_arena or not self.on_gpu:
             return False
-        arena = client.arena_memory()
-        if arena is None:
-            return False
-        address = arena.__array_interface__["data"][0]
-        if self._pinned is not None and (self._pinned.address, self._pinned.size) != (address, arena.nbytes):
+        path = client.link.path
+        arena = getattr(path, "arena", None)
+        with self._pin_lock:
+            if arena is None or arena.forked:
+                return False
+            if self._pinned is not None and self._pinned_arena == arena.nonce:
+                return self._pinned.pinned
+            self._unpin_locked()  # another arena's: its path closed without telling us
+            memory = arena.buffer
+            if not memory.nbytes:  # its path closed meanwhile
+                return False
+            self._pinned, self._pinned_arena = runtime.pin(memory.__array_interface__["data"][0], memory.nbytes), arena.nonce
+            if not path.before_close(partial(self._arena_closing, arena.nonce)):
+                self._unpin_locked()  # closed between the two: let go now
+                return False
+            return self._pinned.pinned
+
+    def _arena_closing(self, nonce: bytes) -> None:
+        """The path is about to unmap arena ``nonce``: the mover's copies queued into or out of it end
+        first (CUDA must not unpin pages a DMA still uses; past ``UNPIN_WAIT_S`` the pin is kept, the
+        safe side), then the pin goes, while the range is still mapped."""
+        with self._pin_lock:
+            if self._pinned_arena != nonce:
+                return
+            if not all(m.settled().wait(UNPIN_WAIT_S) for m in (self.mover.saver, self.mover.loader)):
+                log.warning("kvdepot: copies into the old arena did not end within %.0f s; its pin is kept", UNPIN_WAIT_S)
+                self._pinned, self._pinned_arena = None, None
+                return
+            self._unpin_locked()
+
+    def _unpin_locked(self) -> None:
+        if self._pinned is not None:
             self._pinned.close()
-            self._pinned = None
-        if self._pinned is None:
-            self._pinned = runtime.pin(address, arena.nbytes)
-        return self._pinned.pinned
+        self._pinned, self._pinned_arena = None, None
 
     def host_path(self, client: KVClient) -> None:
         """Before the mover copies into or out of ``client``'s arena slots: they are pinned memory."""
@@ -178,6 +209,5 @@ class DeviceKV:
             torch.cuda.current_stream(self.cache.device).wait_event(completion.event)
 
     def unpin(self) -> None:
-        if self._pinned is not None:
-            self._pinned.close()
-            self._pinned = None
+        with self._pin_lock:
+            self._unpin_locked()
