@@ -9,11 +9,15 @@ shape, strides, dtype and format, as plain fields) and then names blocks:
 - ``retrieve``: the server copies the stored run into the named blocks, never those of the first
   ``skip_first_n_tokens`` tokens. On CUDA it returns as soon as the copies are queued: ``wait_layer(l)``
   makes the worker's stream wait for layer ``l``'s copies (``wait_all`` for every layer), so the
-  worker's kernels never read a block before the server's copy into it is done.
+  worker's kernels never read a block before the server's copy into it is done. ``retrieve_copies``
+  also returns the events that retrieve's copies record (``LayerEvents``): wait on those, not on the
+  cache's events later, whenever another thread may register the cache again meanwhile.
 
 A server that forgot the cache (it restarted, or dropped the client) answers UNKNOWN_KV_CACHE: the
-cache is registered again once and the request redone (its context is re-registered by ``ContextLink``
-the same way).
+cache is registered again once, by one thread (the others wait for it and use the new id), and the
+request redone (its context is re-registered by ``ContextLink`` the same way). Registering again makes
+new events: the old ones are never recorded again, so a wait on them waits for nothing, and a wait on
+the new ones for nothing of a retrieve made before.
 """
 
 from __future__ import annotations
@@ -32,6 +36,38 @@ log = logging.getLogger(__name__)
 REGISTER_TIMEOUT_S = 300.0  # the first GPU registration pins the server's whole arena
 
 
+class LayerEvents:
+    """The server's per-layer events as the cache was registered at one moment: what the copies of a
+    retrieve made then record (``RegisteredKVCache.retrieve_copies``), none on a host cache."""
+
+    __slots__ = ("events", "device_index", "kind")
+
+    def __init__(self, events: list, device_index: int | None, kind: str) -> None:
+        self.events = events
+        self.device_index = device_index
+        self.kind = kind
+
+    def wait_layer(self, layer: int, stream=None) -> None:
+        """Make ``stream`` (the current one if None) wait until the server's copies into layer ``layer``
+        are done. Nothing to wait for on a host cache."""
+        if self.events:
+            if stream is None:
+                import torch
+
+                stream = torch.cuda.current_stream(self.device_index)
+            stream.wait_event(self.events[layer])
+
+    def wait_all(self, stream=None) -> None:
+        """Wait for every layer: the last layer's event follows all the others on the server's stream."""
+        if self.events:
+            self.wait_layer(len(self.events) - 1, stream)
+
+    def synchronize(self) -> None:
+        """This thread waits until every copy the server queued into the cache so far is done."""
+        if self.events:
+            self.events[-1].synchronize()
+
+
 class RegisteredKVCache:
     def __init__(self, link, exported: ExportedCache, block_size: int, device_index: int | None) -> None:
         self._link = link  # client.context.ContextLink
@@ -41,7 +77,8 @@ class RegisteredKVCache:
         self.cache_id = 0
         self.num_blocks = 0
         self._layer_events: list = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # cache_id and _layer_events, read and replaced together
+        self._register_lock = threading.Lock()  # one registration at a time: a second would orphan the first
         self._closed = False
 
     def __repr__(self) -> str:
@@ -67,24 +104,35 @@ class RegisteredKVCache:
                 raise TransportUnavailable("the server does not map host cache files")
 
     def register(self) -> None:
+        with self._register_lock:
+            self._register()
+
+    def _register(self) -> None:
         reply: m.RegisterKVCacheReply = self._link.request(self.exported.request(self.block_size), timeout_s=REGISTER_TIMEOUT_S)
         events = [open_event(h, self.device_index) for h in reply.layer_events] if reply.layer_events else []
         with self._lock:
             self.cache_id, self.num_blocks, self._layer_events = reply.cache_id, reply.num_blocks, events
         log.info("kvdepot: %r registered", self)
 
-    def _request(self, make):
-        """``make(cache_id)``'s request; once more after registering again if the server forgot the cache."""
-        cache_id = self.cache_id
+    def _current(self) -> tuple[int, LayerEvents]:
+        """The cache's id and the events its copies record, as registered now (one registration's both)."""
+        with self._lock:
+            return self.cache_id, LayerEvents(self._layer_events, self.device_index, self.kind)
+
+    def _request(self, make) -> tuple:
+        """``make(cache_id)``'s reply, and the events of the registration whose id it named; once more
+        after registering again if the server forgot the cache. Of the threads the server told so at
+        once, one registers (under the lock) and the others find the new id when they get it."""
+        cache_id, events = self._current()
         try:
-            return self._link.request(make(cache_id))
+            return self._link.request(make(cache_id)), events
         except UnknownKVCache:
-            with self._lock:
-                again = self.cache_id == cache_id
-            if again:
-                log.warning("kvdepot: the server forgot kv cache %d; registering it again", cache_id)
-                self.register()
-            return self._link.request(make(self.cache_id))
+            with self._register_lock:
+                if self.cache_id == cache_id:
+                    log.warning("kvdepot: the server forgot kv cache %d; registering it again", cache_id)
+                    self._register()
+                cache_id, events = self._current()
+            return self._link.request(make(cache_id)), events
 
     def store(self, hashes: list[ChunkHash], block_ids: Sequence[Sequence[int]], salt: str = "", *, first: int = 0,
               ready_event: bytes = b"", agent_session: str = "", token_ids: Sequence[int] = ()) -> list[SlotStatus]:  # fmt: skip
@@ -97,12 +145,20 @@ class RegisteredKVCache:
             return m.StoreBlocksRequest(context_id=0, cache_id=cache_id, keys=list(hashes), block_ids=ids, cache_salt=salt, first=first,
                                         ready_event=ready_event, agent_session=agent_session, token_ids=tokens)  # fmt: skip
 
-        return [SlotStatus(s) for s in self._request(make).statuses]
+        return [SlotStatus(s) for s in self._request(make)[0].statuses]
 
     def retrieve(self, hashes: list[ChunkHash], block_ids: Sequence[Sequence[int]], salt: str = "", *, session_id: str = "",
                  start: int = 0, limit: int = 0, skip_first_n_tokens: int = 0, ready_event: bytes = b"") -> int:  # fmt: skip
         """Copy the leading stored run of ``hashes[start:]`` into the blocks (``block_ids[g]`` from chunk
         ``start`` on); returns how many chunks. CUDA: wait (``wait_layer``/``wait_all``) before reading."""
+        return self.retrieve_copies(hashes, block_ids, salt, session_id=session_id, start=start, limit=limit,
+                                    skip_first_n_tokens=skip_first_n_tokens, ready_event=ready_event)[0]  # fmt: skip
+
+    def retrieve_copies(self, hashes: list[ChunkHash], block_ids: Sequence[Sequence[int]], salt: str = "", *, session_id: str = "",
+                        start: int = 0, limit: int = 0, skip_first_n_tokens: int = 0,
+                        ready_event: bytes = b"") -> tuple[int, LayerEvents]:  # fmt: skip
+        """``retrieve``, and the events its copies record: wait on those (a registration made meanwhile by
+        another thread has events these copies never record)."""
         ids = [list(map(int, g)) for g in block_ids]
 
         def make(cache_id: int) -> m.RetrieveBlocksRequest:
@@ -110,28 +166,22 @@ class RegisteredKVCache:
                                            session_id=session_id, start=start, limit=limit, skip_first_n_tokens=skip_first_n_tokens,
                                            ready_event=ready_event)  # fmt: skip
 
-        return self._request(make).found
+        reply, events = self._request(make)
+        return reply.found, events
 
     def wait_layer(self, layer: int, stream=None) -> None:
         """Make ``stream`` (the current one if None) wait until the server's copies into layer ``layer``
-        are done. Nothing to wait for on a host cache."""
-        events = self._layer_events
-        if events:
-            if stream is None:
-                import torch
-
-                stream = torch.cuda.current_stream(self.device_index)
-            stream.wait_event(events[layer])
+        are done, as the cache is registered now (``retrieve_copies`` for one retrieve's). Nothing to wait
+        for on a host cache."""
+        self._current()[1].wait_layer(layer, stream)
 
     def wait_all(self, stream=None) -> None:
         """Wait for every layer: the last layer's event follows all the others on the server's stream."""
-        if self._layer_events:
-            self.wait_layer(len(self._layer_events) - 1, stream)
+        self._current()[1].wait_all(stream)
 
     def synchronize(self) -> None:
         """This thread waits until every copy the server queued into the cache so far is done."""
-        if self._layer_events:
-            self._layer_events[-1].synchronize()
+        self._current()[1].synchronize()
 
     def close(self) -> None:
         if self._closed or not self.cache_id:

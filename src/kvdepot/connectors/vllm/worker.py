@@ -531,11 +531,11 @@ class WorkerSide:
         try:
             server = self.device.server_path(client)
             if server is not None:
-                found = server.retrieve(op.hashes, [op.block_ids], op.cache_salt, skip_first_n_tokens=op.skip_blocks * self.block_size,
-                                        ready_event=handle)  # fmt: skip
+                found, copies = server.retrieve_copies(op.hashes, [op.block_ids], op.cache_salt, skip_first_n_tokens=op.skip_blocks * self.block_size,
+                                                       ready_event=handle)  # fmt: skip
                 if self.config.debug_load_delay_s:
                     time.sleep(self.config.debug_load_delay_s)
-                load.by_server(server, found, t0)
+                load.by_server(copies, found, t0)  # waits on this retrieve's events, whatever registers meanwhile
                 return load
         except KVDepotError as exc:
             self._failed(Direction.LOAD, exc, f"the load for {op.req_id}")
