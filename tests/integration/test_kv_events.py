@@ -1,6 +1,7 @@
 """KV events for routers: a subscriber that decodes the stream with vLLM's own event classes rebuilds,
 per medium, exactly the set of objects the server holds in L1 and in its fs tier, through evictions in
-both, salts, clears, and a subscriber restart that replays what it missed."""
+both, salts, clears, and a subscriber restart that replays what it missed; on llm-d's topics
+(``kv@<node>@<model>``, subscribed to as ``kv@``), each numbered on its own."""
 
 from __future__ import annotations
 
@@ -26,32 +27,34 @@ MODEL = "events-model"
 
 
 class Subscriber:
-    """A router's view: SUB for the live stream, ROUTER replay for what came before; each sequence
-    number applied once, in order."""
+    """A router's view, as llm-d's indexer subscribes: SUB to ``kv@`` for the live stream, ROUTER replay
+    for what came before; each topic's sequence numbers applied once, in order, without a gap."""
 
     def __init__(self, pub: str, replay: str) -> None:
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.connect(pub)
-        self.sub.subscribe(b"")
+        self.sub.subscribe(b"kv@")
         self.replay_addr = replay
         self.decode = msgspec.msgpack.Decoder(KVEventBatch).decode
         self.media: dict[str, set[tuple[bytes, str]]] = {}
-        self.last_seq: int | None = None
+        self.last_seq: dict[bytes, int] = {}
         self.batches = 0
 
-    def catch_up(self, start: int) -> int:
-        """Ask for every kept batch from ``start``; returns how many came."""
+    def catch_up(self, start: int, *topic: bytes) -> int:
+        """Ask for the kept batches from ``start`` (of ``topic``, or of the server's one topic, as vLLM's
+        subscribers ask); returns how many came."""
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.connect(self.replay_addr)
-        dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        dealer.send_multipart([b"", start.to_bytes(8, "big"), *topic])
         n = 0
         while True:
             assert dealer.poll(10_000), "the replay socket did not answer"
-            _, topic, seq, payload = dealer.recv_multipart()
+            _, topic_got, seq, payload = dealer.recv_multipart()
             if seq == END:
                 break
-            self._apply(int.from_bytes(seq, "big"), payload)
+            assert not topic or topic_got == topic[0]
+            self._apply(topic_got, int.from_bytes(seq, "big"), payload)
             n += 1
         dealer.close(0)
         return n
@@ -59,14 +62,17 @@ class Subscriber:
     def drain(self, quiet_s: float = 1.5) -> None:
         """Apply live batches until none came for ``quiet_s``."""
         while self.sub.poll(int(quiet_s * 1000)):
-            _, seq, payload = self.sub.recv_multipart()
-            self._apply(int.from_bytes(seq, "big"), payload)
+            topic, seq, payload = self.sub.recv_multipart()
+            self._apply(topic, int.from_bytes(seq, "big"), payload)
 
-    def _apply(self, seq: int, payload: bytes) -> None:
-        if self.last_seq is not None and seq <= self.last_seq:
+    def _apply(self, topic: bytes, seq: int, payload: bytes) -> None:
+        prefix, node, model = topic.decode().split("@")  # as llm-d's indexer reads it
+        assert prefix == "kv" and node and model == MODEL, topic
+        last = self.last_seq.get(topic)
+        if last is not None and seq <= last:
             return  # seen already (live and replayed overlap)
-        assert self.last_seq is None or seq == self.last_seq + 1, f"gap: {self.last_seq} -> {seq}"
-        self.last_seq = seq
+        assert last is None or seq == last + 1, f"gap on {topic}: {last} -> {seq}"
+        self.last_seq[topic] = seq
         self.batches += 1
         for e in self.decode(payload).events:
             if isinstance(e, AllBlocksCleared):
@@ -140,7 +146,7 @@ def test_a_subscriber_rebuilds_every_medium_exactly_also_after_a_restart_with_re
     # L1 of 1 MiB (chunks of 8 KiB: evictions at ~120 objects); an fs tier of 0.6 MiB (evicts too).
     server = make_server(
         "--l1-size-gb", str(1 / 1024), "--l2", f"fs:path={fs},size_gb={0.6 / 1024}",
-        "--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay,
+        "--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay, "--kv-events-topic", "kv@{node}@{model}",
     )
     first = Subscriber(pub, replay)
     time.sleep(0.3)  # let the SUB join, then replay from the start: nothing is missed either way
@@ -152,7 +158,7 @@ def test_a_subscriber_rebuilds_every_medium_exactly_also_after_a_restart_with_re
         everything += batch
         settle(server)
         first.drain()
-        seen_by_first = first.last_seq
+        [(topic, seen_by_first)] = first.last_seq.items()
         first.close()  # the router restarts; meanwhile the server goes on
 
         batch = prompts(seed, 200, 100)
@@ -171,9 +177,9 @@ def test_a_subscriber_rebuilds_every_medium_exactly_also_after_a_restart_with_re
 
         second = Subscriber(pub, replay)
         second.media = {m: set(s) for m, s in first.media.items()}  # what the router kept from before
-        second.last_seq = seen_by_first
+        second.last_seq = {topic: seen_by_first}
         time.sleep(0.3)
-        assert second.catch_up(seen_by_first + 1) > 0
+        assert second.catch_up(seen_by_first + 1, topic) > 0
         second.drain()
         try:
             l1 = held_in_l1(client, everything)

@@ -15,7 +15,7 @@ def test_a_replay_to_a_subscriber_busy_when_it_starts_is_whole_and_ends_with_its
     kept = 3000
     pub = KVEventsPublisher(f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay", buffer=kept)
     pub.bind()
-    pub.start()  # the first batch (AllBlocksCleared) is kept too
+    pub.start()  # the start-up batch (AllBlocksCleared on the empty topic) is not kept: m's batches are replayed
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     try:

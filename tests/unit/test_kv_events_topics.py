@@ -13,7 +13,7 @@ from kvdepot.errors import ConfigError
 from kvdepot.events import EventKind, L1Changed, NamespaceSeen, ObjectEvent, TierCleared, TierStored
 from kvdepot.observability import kv_events
 from kvdepot.observability.bus import MAX_BATCH, EventBus
-from kvdepot.observability.kv_events import KVEventsPublisher
+from kvdepot.observability.kv_events import END_OF_REPLAY, KVEventsPublisher
 from kvdepot.observability.metrics import Metrics
 from kvdepot.server.observers import Observers
 from kvdepot.types import NAMESPACE_BYTES, ObjectKey
@@ -229,3 +229,92 @@ def test_a_tiers_announced_blocks_are_bounded_and_those_past_the_bound_are_withd
     cleared = [h for e in got[-1][2].events if isinstance(e, BlockRemoved) for h in e.block_hashes]
     assert sorted(cleared) == [block(1), block(4), block(5)]  # the clear withdraws what is remembered
     assert rebuild(got) == set()
+
+
+# --- sequence numbers and replay, per topic -----------------------------------------------------------
+
+
+def replay(ctx: zmq.Context, pub: KVEventsPublisher, *request: bytes) -> list[tuple[bytes, int, KVEventBatch]]:
+    """A replay request (``[b"", start_seq]`` as vLLM's subscribers send it, or with a topic frame)."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(pub.bound_endpoints[1])
+    dealer.send_multipart([b"", *request])
+    out = []
+    try:
+        while True:
+            assert dealer.poll(10_000), "the replay socket did not answer"
+            _, topic, seq, payload = dealer.recv_multipart()
+            if seq == END_OF_REPLAY:
+                return out
+            out.append((topic, int.from_bytes(seq, "big"), decode(payload)))
+    finally:
+        dealer.close(linger=0)
+
+
+def two_models(pub: KVEventsPublisher) -> None:
+    llama, qwen = namespace(1), namespace(2)
+    pub.handle([seen(llama, "llama"), seen(qwen, "qwen")])
+    for i in range(6):  # the two models' batches interleave
+        pub.handle([l1(EventKind.STORED, llama if i % 3 else qwen, range(i, i + 1))])
+
+
+def test_each_topic_numbers_its_batches_without_gaps(make):
+    """One counter ran across all topics: a subscriber of one model saw a gap at every other model's
+    batch, and could not tell a lost batch from another topic's."""
+    pub = make()
+    everything = Router(make.ctx, pub, b"")
+    pub.start()
+    two_models(pub)
+    got = everything.read()
+    [(startup, start)] = [(topic, seq) for topic, seq, _ in got if topic == b""]
+    numbers: dict[bytes, list[int]] = {}
+    for topic, seq, _ in got:
+        numbers.setdefault(topic, []).append(seq)
+    assert numbers == {b"": [start], b"llama": [start + 1, start + 2, start + 3, start + 4], b"qwen": [start + 1, start + 2]}
+
+
+def test_a_replay_request_naming_a_topic_gets_that_topics_batches_only(make):
+    """A replay sent every topic's batches: a router of one model indexed the others' blocks too."""
+    pub = make()
+    llama = Router(make.ctx, pub, b"llama")
+    pub.start()
+    two_models(pub)
+    live = llama.read()
+    replayed = replay(make.ctx, pub, (0).to_bytes(8, "big"), b"llama")
+    assert [(t, s) for t, s, _ in replayed] == [(t, s) for t, s, _ in live]
+    assert replay(make.ctx, pub, live[2][1].to_bytes(8, "big"), b"llama") == live[2:]
+
+
+def test_vllms_replay_request_gets_the_one_topic_and_never_another_models_batches(make):
+    """vLLM's request names no topic (a vLLM publisher has one): with one topic it gets that topic's
+    batches, as from vLLM; with several, the end marker alone, not another model's blocks."""
+    pub = make()
+    pub.start()
+    pub.handle([seen(namespace(1), "llama"), l1(EventKind.STORED, namespace(1), range(2))])
+    pub.handle([l1(EventKind.REMOVED, namespace(1), range(1))])
+    got = replay(make.ctx, pub, (0).to_bytes(8, "big"))
+    assert [t for t, _, _ in got] == [b"llama", b"llama"]
+    assert [type(e) for _, _, b in got for e in b.events] == [AllBlocksCleared, BlockStored, BlockRemoved]
+    pub.handle([seen(namespace(2), "qwen"), l1(EventKind.STORED, namespace(2), range(5, 6))])
+    assert replay(make.ctx, pub, (0).to_bytes(8, "big")) == []
+    assert [t for t, _, _ in replay(make.ctx, pub, (0).to_bytes(8, "big"), b"qwen")] == [b"qwen"]
+
+
+def test_a_forgotten_topic_is_cleared_and_numbered_on_from_the_time_never_back(make, monkeypatch):
+    monkeypatch.setattr(kv_events, "MAX_TOPICS", 1)
+    pub = make()
+    everything = Router(make.ctx, pub, b"")
+    pub.start()
+    a, b = namespace(1), namespace(2)
+    pub.handle([seen(a, "a"), seen(b, "b"), l1(EventKind.STORED, a, range(1))])
+    pub.handle([l1(EventKind.STORED, b, range(1, 2))])  # a is forgotten: its routers drop its blocks
+    pub.handle([l1(EventKind.STORED, a, range(2, 3))])  # a anew (b forgotten in turn)
+    batches = everything.read()
+    got = [(t, s, [type(e) for e in batch.events]) for t, s, batch in batches if t]
+    assert [(t, kinds) for t, _, kinds in got] == [
+        (b"a", [AllBlocksCleared, BlockStored]), (b"a", [AllBlocksCleared]), (b"b", [AllBlocksCleared, BlockStored]),
+        (b"b", [AllBlocksCleared]), (b"a", [AllBlocksCleared, BlockStored]),
+    ]  # fmt: skip
+    a_numbers = [s for t, s, _ in got if t == b"a"]
+    assert a_numbers[2] > a_numbers[1] == a_numbers[0] + 1  # a's numbers never go back
+    assert rebuild(batches) == {(b"a", block(2))}  # b's block went with b (a miss, never a phantom)

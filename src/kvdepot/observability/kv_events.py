@@ -7,8 +7,13 @@ kvdepot's the same way:
   the payload a msgpack ``KVEventBatch`` ``[ts, [events...], data_parallel_rank]`` whose events are
   tagged maps: ``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``.
 - ROUTER socket (``--kv-events-replay-endpoint``): a subscriber sends ``[b"", start_seq]`` (8 bytes,
-  big-endian) and gets every kept batch from that number as ``[b"", topic, seq, payload]``, then
-  ``[b"", b"", -1, b""]``. The last ``--kv-events-buffer`` batches are kept.
+  big-endian), or ``[b"", start_seq, topic]``, and gets the kept batches of one topic from that
+  number as ``[b"", topic, seq, payload]``, then ``[b"", b"", -1, b""]``. The last
+  ``--kv-events-buffer`` batches (of all topics) are kept. Each topic has its own sequence, so a
+  replay is one topic's: the one named, or, for vLLM's request (no topic: a vLLM publisher has one),
+  the one topic this server has published on. With several, kvdepot cannot tell which one the
+  subscriber follows, and another model's blocks would be phantom hits in its index (chunk hashes do
+  not name the model): it answers the end marker alone and logs a warning.
 
 What kvdepot puts in them:
 
@@ -16,8 +21,10 @@ What kvdepot puts in them:
   ``{node}`` (this server's ``HOST:PORT``), by default ``{model}``: the model name (a router
   subscribes to one model's prefix, or to ``b""`` for all). llm-d's indexer subscribes to ``kv@`` and
   reads ``kv@<pod>@<model>``: ``kv@{node}@{model}``, or the pod's IP in place of ``{node}``. A batch
-  holds one model's events. The sequence is shared by all topics and never goes back: it
-  starts at the server's start time in microseconds, so a restarted server never reuses a number.
+  holds one model's events. Each topic has its own sequence, gapless, so a subscriber of one
+  topic sees a gap only where it lost a batch; it never goes back: a topic's first batch is numbered
+  one past the server's start time in microseconds (the start-up batch has that number, and is not
+  kept for replay), so a restarted server never reuses a number.
 - ``block_hashes`` are kvdepot's chunk hashes (the chain the client computed: sha256 by default, so
   equal to SGLang HiCache's page keys when a chunk is a page), ``block_size`` the chunk's tokens,
   ``parent_block_hash`` None. ``token_ids`` are the blocks' tokens when the client that stored them
@@ -72,6 +79,9 @@ log = logging.getLogger(__name__)
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 L1_MEDIUM = "CPU"
 MAX_NAMESPACES = 65536  # namespaces known, the least recently used forgotten first
+MAX_TOPICS = 65536  # topics whose sequence is kept; the least recently used is cleared and forgotten first
+REPLAY_WARN_S = 60.0  # a replay request that names no topic, on a server of several, is logged this often
+MAX_TOPIC_BYTES = 4096  # a replay request's topic frame
 RESET_LOG_S = 60.0  # a reset is logged at most this often (an overloaded bus drops on every round)
 # Blocks remembered as announced per L2 medium (for its clear; ~190 bytes each, so ~48 MiB a medium at
 # most). Past it the least recently announced is withdrawn (BlockRemoved): tiers whose own drops kvdepot
@@ -185,7 +195,10 @@ class KVEventsPublisher:
         self._topic_template = topic
         self._node = node
         self._topic_of: dict[str, bytes] = {}  # model -> its topic
-        self._begun: set[bytes] = set()  # topics whose first batch went out (it began with AllBlocksCleared)
+        # topic -> its last sequence number, least recently used first: the topics published on (each
+        # began with AllBlocksCleared); the replay thread reads it under _buffer_lock
+        self._last_seq: OrderedDict[bytes, int] = OrderedDict()
+        self._forgot_topic = False  # a topic was forgotten: one seen anew starts at the time, not the start
         self.replay_endpoint = replay_endpoint
         self._media: dict[str, str] = {}
         self._metrics = metrics
@@ -196,7 +209,8 @@ class KVEventsPublisher:
         self._tokens: OrderedDict[bytes, bytes] = OrderedDict()  # key -> its chunk's token ids (uint32), newest last
         self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer)
         self._buffer_lock = threading.Lock()
-        self._seq = time.time_ns() // 1000
+        self._start_seq = time.time_ns() // 1000
+        self._replay_warned = 0.0
         self._encode = msgspec.msgpack.Encoder().encode
         self._ctx = zmq.Context()
         self._pub: zmq.Socket | None = None
@@ -220,7 +234,7 @@ class KVEventsPublisher:
                 # A ROUTER drops what a subscriber's queue cannot take: room for a whole replay and its end
                 # marker, or a subscriber busy when it starts gets a gappy replay and waits for an end for ever.
                 self._replay.setsockopt(zmq.SNDHWM, (self._buffer.maxlen or 0) + 16)
-                self._replay.setsockopt(zmq.MAXMSGSIZE, 64)  # a request is an empty frame and 8 bytes
+                self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_TOPIC_BYTES)  # a request is an empty frame, 8 bytes, a topic
                 self._replay.bind(self.replay_endpoint)
         except zmq.ZMQError as exc:
             self.close()
@@ -237,9 +251,9 @@ class KVEventsPublisher:
         """Before the bus starts (this thread is the PUB socket's only user until then): the first batch,
         on the topics' common prefix so every subscriber of this server's topics gets it, says this
         server holds nothing yet."""
-        startup = self._startup_topic()
-        self._begun.add(startup)  # the only topic, when the template has no {model}
-        self._send(startup, [AllBlocksCleared()])
+        if self._pub is not None:
+            events = [AllBlocksCleared()]
+            self._put(self._startup_topic(), self._start_seq, self._encode(KVEventBatch(time.time(), events)), events)
         if self._replay is not None:
             self._replay_thread = threading.Thread(target=self._serve_replays, name="kvdepot-kv-events-replay", daemon=True)
             self._replay_thread.start()
@@ -299,7 +313,7 @@ class KVEventsPublisher:
     def _reset(self, dropped: Dropped) -> None:
         """The bus dropped records, maybe a removal: every topic published on is told to forget all
         (what kvdepot holds comes back as it is stored again), and nothing announced is remembered."""
-        for topic in sorted(self._begun):
+        for topic in sorted(self._last_seq):
             self._send(topic, [AllBlocksCleared()])
         self._in_tier.clear()
         self.resets += 1
@@ -425,19 +439,41 @@ class KVEventsPublisher:
         ``AllBlocksCleared``: a subscriber of that topic alone never got the start-up one."""
         for topic, events in by_topic.items():
             if events:
-                if topic not in self._begun:
-                    self._begun.add(topic)
+                if topic not in self._last_seq:
+                    if len(self._last_seq) >= MAX_TOPICS:
+                        self._forget_topic()
                     events = [AllBlocksCleared(), *events]
                 self._send(topic, events)
 
+    def _forget_topic(self) -> None:
+        """Forget the least recently used topic's sequence, after telling its subscribers to forget
+        its blocks: a later batch on it begins anew (numbered from the time then: never going back)."""
+        topic = next(iter(self._last_seq))
+        self._send(topic, [AllBlocksCleared()])
+        with self._buffer_lock:
+            del self._last_seq[topic]
+            self._forgot_topic = True
+
+    def _next_seq(self, topic: bytes) -> int:
+        """The topic's next number (under ``_buffer_lock``): one past its last, or past the start."""
+        last = self._last_seq.pop(topic, None)
+        if last is None:
+            last = max(self._start_seq, time.time_ns() // 1000 if self._forgot_topic else 0)
+        self._last_seq[topic] = last + 1  # and the most recently used
+        return last + 1
+
     def _send(self, topic: bytes, events: list) -> None:
+        """One batch under the topic's next number, kept for replay."""
         if self._pub is None:
             return
         payload = self._encode(KVEventBatch(time.time(), events))
         with self._buffer_lock:
-            self._seq += 1
-            seq = self._seq
+            seq = self._next_seq(topic)
             self._buffer.append((seq, topic, payload))
+        self._put(topic, seq, payload, events)
+
+    def _put(self, topic: bytes, seq: int, payload: bytes, events: list) -> None:
+        assert self._pub is not None
         self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
         if self._metrics is not None:
             self._metrics.kv_event_batches.inc()
@@ -456,12 +492,16 @@ class KVEventsPublisher:
                 frames = sock.recv_multipart()
             except zmq.ZMQError:
                 return
-            if len(frames) != 3 or len(frames[2]) != 8:
+            if len(frames) not in (3, 4) or len(frames[2]) != 8:
                 log.warning("ignored a malformed KV-events replay request (%d frames)", len(frames))
                 continue
             client, start = frames[0], int.from_bytes(frames[2], "big")
             with self._buffer_lock:
-                kept = [entry for entry in self._buffer if entry[0] >= start]
+                topic = frames[3] if len(frames) == 4 else self._only_topic()
+                kept = [entry for entry in self._buffer if entry[0] >= start and entry[1] == topic] if topic is not None else []
+                topics = len(self._last_seq)
+            if topic is None and topics > 1:
+                self._warn_no_topic(topics)
             try:
                 for seq, topic, payload in kept:
                     sock.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
@@ -470,3 +510,16 @@ class KVEventsPublisher:
                 continue
             if self._metrics is not None:
                 self._metrics.kv_event_replays.inc()
+
+    def _only_topic(self) -> bytes | None:
+        """The topic a request without one replays (under ``_buffer_lock``): the one this server has
+        published on, as a vLLM publisher has one; with several, none: each has its own numbers, and
+        another model's batches would be phantom hits to a subscriber of one (hashes name no model)."""
+        return next(iter(self._last_seq)) if len(self._last_seq) == 1 else None
+
+    def _warn_no_topic(self, topics: int) -> None:
+        now = time.monotonic()
+        if now - self._replay_warned >= REPLAY_WARN_S:
+            self._replay_warned = now
+            log.warning("a KV-events replay request named no topic, and this server publishes %d: nothing replayed "
+                        "(a router of several topics sends [b'', start_seq, topic])", topics)  # fmt: skip
