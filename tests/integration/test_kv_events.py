@@ -6,6 +6,7 @@ both, salts, clears, and a subscriber restart that replays what it missed; on ll
 from __future__ import annotations
 
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -159,6 +160,8 @@ def test_a_subscriber_rebuilds_every_medium_exactly_also_after_a_restart_with_re
         settle(server)
         first.drain()
         [(topic, seen_by_first)] = first.last_seq.items()
+        node = f"{socket.gethostname()}:{server.port}"  # as llm-d reads it: kv@<pod>@<model>
+        assert (topic.decode() if isinstance(topic, bytes) else topic) == f"kv@{node}@{MODEL}"
         first.close()  # the router restarts; meanwhile the server goes on
 
         batch = prompts(seed, 200, 100)

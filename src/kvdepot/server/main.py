@@ -75,7 +75,7 @@ class KVDepotServer:
         if config.gpu.transfer is BlockTransfer.ON and not runtime.cuda_devices():
             raise ConfigError(f"--gpu-transfer on: this server sees no CUDA GPU through torch ({runtime.INSTALL_HINT})")
         metrics = Metrics()
-        self.observers = obs = Observers(config.observability, metrics)
+        self.observers = obs = Observers(config.observability, metrics, node=node_id(config))
         self.rpc = RpcServer(
             config.rpc.endpoints,
             workers=config.rpc.workers,
