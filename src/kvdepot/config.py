@@ -23,6 +23,7 @@ import os
 import re
 import shlex
 from typing import Annotated, Any, ClassVar, Literal
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -260,7 +261,8 @@ class ObservabilityConfig(ConfigStruct, frozen=True, kw_only=True):
     trace_record: Annotated[str, option("record every LOOKUP/STORE/RETRIEVE to this file (replay it with `kvdepot replay`)")] = ""
     lookup_log: Annotated[str, option("write one JSON line per engine lookup to this file (rotated)")] = ""
     lookup_log_max_mb: Annotated[int, option("rotate the lookup log at this size in MiB", ge=1, le=1 << 20)] = 100
-    lookup_log_backups: Annotated[int, option("rotated lookup logs kept", ge=0, le=1000)] = 5
+    # (at least one: with none, the standard rotation reopens the same file and it grows past the cap)
+    lookup_log_backups: Annotated[int, option("rotated lookup logs kept", ge=1, le=1000)] = 5
     silent_miss_window_s: Annotated[
         float, option("warn (log, metric, /healthcheck) when a model with stored objects had lookups but no hit for this long", gt=0)
     ] = 600.0
@@ -366,6 +368,14 @@ class ServerConfig(ConfigStruct, frozen=True, kw_only=True):
                 raise ConfigError(
                     f"{flag} {endpoint} is not loopback and KV events have no authentication (they name every chunk hash and "
                     f"tenant's cache_salt): bind it to 127.0.0.1 or ipc://, or give --insecure on a trusted network"
+                )
+        # Spans carry each request's model and cache_salt too: in clear text only to this machine.
+        if obs.otlp_endpoint.startswith("http://"):
+            host = urlsplit(obs.otlp_endpoint).hostname or ""
+            if not is_loopback(host):
+                raise ConfigError(
+                    f"--otlp-endpoint {obs.otlp_endpoint} sends every request's span (with its tenant's cache_salt) in clear "
+                    f"text off this machine: use an https:// collector, one on 127.0.0.1, or give --insecure on a trusted network"
                 )
 
 

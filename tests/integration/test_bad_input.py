@@ -249,6 +249,19 @@ def test_bad_chunk_hashes(srv, peer):
     assert st["l1"]["objects"] == objects and st["leases"] == 0
 
 
+def test_a_salt_of_megabytes_is_refused(srv, peer):
+    """It used to be kept per context (the namespace cache holds 4,096 of them), in KV events and traces."""
+    ctx = peer.register().context_id
+    key = [b"k" * 32]
+    for body in (m.LookupRequest(context_id=ctx, keys=key, cache_salt="s" * 1025),
+                 m.PrepareStoreRequest(context_id=ctx, keys=key, cache_salt="s" * (1 << 20))):  # fmt: skip
+        with pytest.raises(KVDepotError) as exc_info:
+            peer.call(body)
+        assert exc_info.value.code == ErrorCode.BAD_REQUEST and "cache_salt is at most 1024" in exc_info.value.message
+    assert peer.call(m.LookupRequest(context_id=ctx, keys=key, cache_salt="s" * 1024)).hits == 0
+    assert srv.status()["leases"] == 0
+
+
 def test_bad_leases(srv, peer):
     ctx = peer.register().context_id
     for body, code in (

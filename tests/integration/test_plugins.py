@@ -271,3 +271,20 @@ def test_the_state_drawing_is_enforced():
         p._move(PluginState.STARTING)  # a running plugin is not started twice
     p.signal(signal.SIGTERM)  # no process: only the state moves
     assert p.snapshot()["state"] == "stopping" and p.join(0.1)
+
+
+def test_a_plugin_never_imports_from_the_servers_working_directory(tmp_path, monkeypatch):
+    """``python -m`` put the working directory first on sys.path: a json.py there (another user's, in
+    /tmp) ran inside every plugin as the server's user."""
+    import os
+
+    from kvdepot.server.plugins import Plugin
+
+    marker = tmp_path / "shadow-ran"
+    (tmp_path / "json.py").write_text(f"open({str(marker)!r}, 'w').close()\nraise SystemExit(7)\n")
+    monkeypatch.chdir(tmp_path)
+    p = Plugin("shadowed", "json.tool", (), dict(os.environ))
+    proc = p._spawn()
+    assert proc is not None
+    assert proc.wait(60) != 7  # the real json.tool ran (it refuses an empty stdin), not the shadow
+    assert not marker.exists()

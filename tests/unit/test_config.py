@@ -247,6 +247,24 @@ def test_off_loopback_the_kv_event_sockets_need_insecure(flag, endpoint):
         server_from_args(parse(*local, "--kv-events-replay-endpoint", here))
 
 
+@pytest.mark.parametrize("endpoint", ["http://10.0.0.9:4318/v1/traces", "http://collector:4318/v1/traces"])
+def test_spans_go_off_this_machine_in_clear_text_only_with_insecure(endpoint):
+    """Every span names its request's cache_salt: an http:// collector elsewhere used to be accepted
+    without a word, where the KV-event sockets, which carry the same salts, were refused."""
+    with pytest.raises(ConfigError, match=rf"--otlp-endpoint {re.escape(endpoint)} sends .* clear text .*--insecure"):
+        server_from_args(parse("--otlp-endpoint", endpoint))
+    assert server_from_args(parse("--otlp-endpoint", endpoint, "--insecure")).insecure
+    for fine in ("https://collector:4318/v1/traces", "http://127.0.0.1:4318/v1/traces", "http://localhost:4318/v1/traces"):
+        assert server_from_args(parse("--otlp-endpoint", fine)).observability.otlp_endpoint == fine
+
+
+def test_a_lookup_log_keeps_at_least_one_backup():
+    """With none, the standard rotation reopens the same file and it grows past --lookup-log-max-mb."""
+    with pytest.raises((ConfigError, SystemExit, ValueError)):
+        server_from_args(parse("--lookup-log", "/tmp/ll.log", "--lookup-log-backups", "0"))
+    assert server_from_args(parse("--lookup-log", "/tmp/ll.log", "--lookup-log-backups", "1")).observability.lookup_log_backups == 1
+
+
 def test_a_replay_endpoint_without_the_event_stream_is_refused():
     """It replays what --kv-events-endpoint publishes: alone it used to be accepted and bind nothing."""
     with pytest.raises(ConfigError, match="--kv-events-replay-endpoint replays what --kv-events-endpoint publishes"):

@@ -66,3 +66,28 @@ def test_a_shared_client_key_file_admits_exactly_that_key(keys, tmp_path):
     assert server.clients_dir is None
     assert server.callback("kvdepot", load_public_key(keys["clients"] / "client.key"))
     assert not server.callback("kvdepot", load_public_key(other["client_public"]))
+
+
+def test_secret_keys_are_never_readable_by_others_not_even_while_being_written(tmp_path, monkeypatch):
+    """zmq.auth writes with a plain open(): under umask 022 each secret file was 0644 until the chmod."""
+    import os
+    import stat
+
+    import zmq.auth
+
+    seen: list[int] = []
+    create = zmq.auth.create_certificates
+
+    def watched(directory, name, metadata=None):
+        paths = create(directory, name, metadata)
+        seen.append(stat.S_IMODE(os.stat(paths[1]).st_mode))  # the secret file, as it was written
+        return paths
+
+    monkeypatch.setattr(zmq.auth, "create_certificates", watched)
+    old = os.umask(0o022)
+    try:
+        keys = write_key_files(tmp_path / "fresh")
+    finally:
+        os.umask(old)
+    assert len(seen) == 2 and all(mode & 0o077 == 0 for mode in seen), [oct(m) for m in seen]
+    assert stat.S_IMODE(os.stat(keys["server_public"]).st_mode) == 0o644

@@ -216,10 +216,18 @@ def write_key_files(directory: str | os.PathLike) -> dict[str, Path]:
     taken = [n for n in names if (out / n).exists()]
     if taken:
         raise FileExistsError(f"{out} already holds {', '.join(taken)}: keys are never overwritten")
-    zmq.auth.create_certificates(out, "server")
-    zmq.auth.create_certificates(out, "client")
+    # zmq.auth writes with a plain open(): under the usual umask a secret file would be readable by
+    # others until the chmod, long enough for a watcher to open it. Written owner-only from the start.
+    old_umask = os.umask(0o077)
+    try:
+        zmq.auth.create_certificates(out, "server")
+        zmq.auth.create_certificates(out, "client")
+    finally:
+        os.umask(old_umask)
     for name in ("server.key_secret", "client.key_secret"):
         os.chmod(out / name, 0o600)
+    for name in ("server.key", "client.key"):
+        os.chmod(out / name, 0o644)  # public: shared with whoever must connect
     clients = out / "clients"
     clients.mkdir(exist_ok=True)
     (clients / "client.key").write_bytes((out / "client.key").read_bytes())

@@ -210,7 +210,8 @@ class Plugin:
         """Start the process (lock held, so ``stop`` never misses it); None if it could not be."""
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", self.module, *self.args],
+                # -P: the working directory is not put on sys.path (a json.py there would run as the server)
+                [sys.executable, "-P", "-m", self.module, *self.args],
                 env=self._env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,

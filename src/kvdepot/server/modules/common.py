@@ -13,10 +13,18 @@ from kvdepot.storage.manager import ReadLock, Toucher
 from kvdepot.types import ObjectKey
 
 
+# vLLM allows 128 characters; a salt of megabytes would be kept per context (its namespace cache), in
+# KV events, traces and spans.
+MAX_CACHE_SALT = 1024
+
+
 def context_and_keys(ctx: ServerContext, call: Call) -> tuple[Context, list[ObjectKey]]:
-    """The caller's context and the object keys of its request, after validating the chunk hashes."""
+    """The caller's context and the object keys of its request, after validating the chunk hashes and
+    the salt."""
     body = call.body
     context = ctx.context_of(body.context_id, call.client)
+    if len(body.cache_salt) > MAX_CACHE_SALT:
+        raise BadRequest(f"cache_salt is at most {MAX_CACHE_SALT} characters, got {len(body.cache_salt)}")
     hashes = body.keys
     if len(hashes) > MAX_KEYS:
         raise BadRequest(f"{len(hashes)} keys in one request; at most {MAX_KEYS}")
