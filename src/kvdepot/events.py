@@ -114,6 +114,9 @@ class ChunkRequestDone:
     rtype: str = ""  # the request type's name (LOOKUP, STORE_INLINE, PREPARE_RETRIEVE, ...)
     prefetch_s: float = 0.0  # a LOOKUP that prefetched from L2: the last prefetch_s of duration_s were that
     prefetched: int = 0  # ... and the chunks it brought into L1
+    # The head of the request's namespace digest: which rank, world size, layout and salt its keys live in
+    # (two TP ranks ask for the same chunk hashes; their objects are apart).
+    space: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

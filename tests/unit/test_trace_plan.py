@@ -155,6 +155,10 @@ class ChunkRequestDone:
     chunk_bytes: int
     found: int
     outcome: str
+    rtype: str = ""
+    prefetch_s: float = 0.0
+    prefetched: int = 0
+    space: bytes = b""
 
 
 def _key(i: int) -> bytes:
@@ -185,6 +189,22 @@ def test_a_recording_reads_back_as_the_ops_it_recorded(tmp_path):
     assert [round(op.t, 6) for op in trace.ops] == [0.0, 0.1, 0.2, 0.3]
     assert trace.block_bytes == 8192 and trace.ops[0].prompt_tokens == 48
     assert trace.recorded_hit_ratio() == 2 * 16 / (48 + 48)
+
+
+def test_a_tensor_parallel_servers_ranks_are_sized_apart(tmp_path):
+    """Each TP rank asks for the same chunk hashes and stores its own shard: plan used to count one
+    block where the server held one per rank, sizing L1 at half of what two ranks need."""
+    path = tmp_path / "tp.kvdtrace"
+    rec = TraceRecorder(str(path))
+    events = []
+    for rank in (b"rank-0..", b"rank-1.."):
+        events += [ChunkRequestDone("lookup", 1.0, 0.001, "m", "", tuple(_key(i) for i in range(10)), 16, 8192, 0, "ok", space=rank),
+                   ChunkRequestDone("store", 1.1, 0.001, "m", "", tuple(_key(i) for i in range(10)), 16, 8192, 10, "ok", space=rank)]  # fmt: skip
+    rec.handle(events)
+    rec.close()
+    trace = load_trace(str(path))
+    assert {op.space for op in trace.ops} == {b"rank-0..", b"rank-1.."}
+    assert distinct_blocks(compile_ops(trace.ops)) == 20
 
 
 def test_a_torn_last_frame_is_dropped_and_counted(tmp_path):

@@ -84,4 +84,5 @@ def _record(ev) -> Record:
         found=int(ev.found),
         outcome=str(ev.outcome),
         duration_s=float(ev.duration_s),
+        space=bytes(ev.space),
     )

@@ -44,6 +44,7 @@ class Record(msgspec.Struct, frozen=True, array_like=True):
     found: int  # lookup: leading chunks found; store: chunks stored; retrieve: chunks returned
     outcome: str  # "ok" or an error code's name
     duration_s: float
+    space: bytes = b""  # the head of the namespace digest (rank, world size, layout, salt); empty before it was recorded
 
     def key_ids(self) -> tuple[int, ...]:
         k = self.keys

@@ -29,6 +29,7 @@ class TraceOp:
     salt: str = ""
     block_bytes: int = 0  # KV bytes per block when the trace knows it (recorded traces), else 0
     found: int = -1  # recorded outcome: leading chunks found / chunks stored / chunks returned; -1 unknown
+    space: bytes = b""  # recorded traces: the namespace the blocks live in (each TP rank has its own)
 
     @property
     def asks(self) -> bool:

@@ -47,6 +47,7 @@ def _from_recording(f, limit: int) -> Trace:
                 salt=r.salt,
                 block_bytes=r.chunk_bytes,
                 found=r.found,
+                space=r.space,
             )
         )
         if limit and len(ops) >= limit:

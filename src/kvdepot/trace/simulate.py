@@ -42,11 +42,13 @@ Compiled = list[tuple[int, list[int], int, int]]  # (op code, block keys, block 
 
 
 def compile_ops(ops: Sequence[TraceOp]) -> Compiled:
-    """Ops as plain tuples, block ids made unique per (model, salt): what the inner loop wants."""
-    spaces: dict[tuple[str, str], int] = {}
+    """Ops as plain tuples, block ids made unique per (model, salt, namespace): what the inner loop
+    wants. (The namespace tells a server's TP ranks apart: they ask for the same chunk hashes, and
+    each rank's objects take their own room.)"""
+    spaces: dict[tuple[str, str, bytes], int] = {}
     out: Compiled = []
     for op in ops:
-        space = spaces.setdefault((op.model, op.salt), len(spaces))
+        space = spaces.setdefault((op.model, op.salt, op.space), len(spaces))
         keys = list(op.blocks) if space == 0 else [b + (space << 64) for b in op.blocks]
         out.append((_CODE[op.kind], keys, op.block_tokens, op.prompt_tokens if op.asks else 0))
     return out

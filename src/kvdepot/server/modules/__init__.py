@@ -27,6 +27,7 @@ from kvdepot.storage.manager import StorageManager
 from kvdepot.types import ClientId, LeaseId, ObjectKey
 
 log = logging.getLogger(__name__)
+SPACE_BYTES = 8  # of a namespace digest, in ChunkRequestDone: enough to tell a server's namespaces apart
 
 
 @dataclass
@@ -97,6 +98,7 @@ class ServerContext:
                 op, time.time() - (now - call.received), now - call.received, context.spec.model, call.body.cache_salt,
                 tuple(hashes), context.chunk_size, context.chunk_bytes, found, "ok", call.rtype.name,
                 now - prefetch_started if prefetch_started is not None else 0.0, prefetched,
+                context.namespace(call.body.cache_salt)[:SPACE_BYTES],
             )
         )
 
