@@ -257,6 +257,13 @@ def test_secrets_are_withheld_from_the_plugin_config():
     assert mask_tier_spec("valkey:url=redis://user:VPW789@cache:6379/0,prefix=kv:") == f"valkey:url=redis://user:{WITHHELD}@cache:6379/0,prefix=kv:"
     assert public_config(ServerConfig()).http.admin_token == ""  # no token: nothing to withhold
     assert mask_tier_spec("fs:path=/var/cache/kv,size_gb=10") == "fs:path=/var/cache/kv,size_gb=10"
+    # A password in the URL's query (the Valkey client reads it there too), and an OTLP URL's userinfo.
+    masked = mask_tier_spec("valkey:url=redis://cache:6379/0?password=QPW321&db=2,prefix=kv:")
+    assert "QPW321" not in masked and "db=2" in masked and masked.startswith("valkey:url=redis://cache:6379/0?password=")
+    from kvdepot.config import ObservabilityConfig
+
+    otlp = ServerConfig(observability=ObservabilityConfig(otlp_endpoint="https://u:OTLP987@collector:4318/v1/traces"))
+    assert "OTLP987" not in msgspec.json.encode(public_config(otlp)).decode()
 
 
 def test_the_state_drawing_is_enforced():

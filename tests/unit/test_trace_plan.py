@@ -244,3 +244,21 @@ def test_a_recording_is_readable_by_its_owner_only(tmp_path):
     for path in (fresh, old):
         TraceRecorder(str(path)).close()
         assert path.stat().st_mode & 0o777 == 0o600  # it names every tenant's salt
+
+
+def test_a_restart_keeps_the_previous_recording_and_a_planted_link_is_refused(tmp_path):
+    """A supervisor restarting a crashed server with the same flags used to erase the recording of
+    the traffic that led to the crash; and a link at the path had its target truncated."""
+    path = tmp_path / "rec.kvdtrace"
+    first = TraceRecorder(str(path))
+    first.handle([_event("lookup", 1.0, [1, 2], 0)])
+    first.close()
+    TraceRecorder(str(path)).close()  # the restart
+    assert len(load_trace(str(tmp_path / "rec.kvdtrace.1")).ops) == 1 and load_trace(str(path)).ops == []
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    link = tmp_path / "link.kvdtrace"
+    link.symlink_to(victim)
+    with pytest.raises(ConfigError, match="--trace-record"):
+        TraceRecorder(str(link))
+    assert victim.read_bytes() == b"precious"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
 
@@ -32,9 +33,13 @@ class TraceRecorder:
         self.failed = ""  # why recording stopped, if it did
         self._lock = threading.Lock()  # handle() on the drain thread, close() on the main thread
         try:
-            # 0600, as the arena: a recording names every tenant's cache salt and what each asked for
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            kept = _keep_previous(path)
+            # 0600, as the arena: a recording names every tenant's cache salt and what each asked for.
+            # O_NOFOLLOW: a link planted at the path in a shared directory is refused, not truncated.
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
             os.fchmod(fd, 0o600)  # also when it replaces an older file
+            if kept:
+                log.info("--trace-record: the previous recording at %s was kept as %s", path, kept)
             self._file = os.fdopen(fd, "wb")
             self._file.write(start_bytes(RecordingHeader(FORMAT, VERSION, KEY_BYTES, time.time(), server_version)))
             self._file.flush()
@@ -70,6 +75,20 @@ class TraceRecorder:
                 f.close()
             except OSError as exc:
                 log.error("closing the trace recording %s: %s", self.path, exc)
+
+
+def _keep_previous(path: str) -> str:
+    """A recording already at ``path`` (a supervisor restarting a crashed server with the same flags:
+    the traffic that led to the crash) moves to ``path.1`` instead of being erased; returns that name,
+    or "" when there was none. One generation is kept."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return ""
+    if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+        return ""
+    os.replace(path, path + ".1")
+    return path + ".1"
 
 
 def _record(ev) -> Record:

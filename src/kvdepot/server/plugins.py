@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import msgspec
 
@@ -78,12 +78,19 @@ def _is_secret(key: str) -> bool:
 
 
 def _mask_url(value: str) -> str:
-    """``redis://user:pw@host`` -> ``redis://user:<withheld>@host``."""
-    parts = urlsplit(value)
-    if not parts.password:
-        return value
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:{WITHHELD}@{host}"))
+    """``redis://user:pw@host`` -> ``redis://user:<withheld>@host``; a secret-looking query parameter
+    (``?password=...``, which the Valkey client reads too) is withheld as well."""
+    try:
+        parts = urlsplit(value)
+    except ValueError:
+        return WITHHELD
+    if parts.password:
+        host = parts.netloc.rsplit("@", 1)[1]
+        parts = parts._replace(netloc=f"{parts.username or ''}:{WITHHELD}@{host}")
+    if parts.query:
+        query = [(k, WITHHELD if v and _is_secret(k) else v) for k, v in parse_qsl(parts.query, keep_blank_values=True)]
+        parts = parts._replace(query=urlencode(query, safe="<>"))
+    return urlunsplit(parts)
 
 
 def mask_tier_spec(spec: str) -> str:
@@ -91,7 +98,7 @@ def mask_tier_spec(spec: str) -> str:
     def mask(key: str, value):
         if isinstance(value, str) and value and _is_secret(key):
             return WITHHELD
-        return _mask_url(value) if isinstance(value, str) and "@" in value else value
+        return _mask_url(value) if isinstance(value, str) and ("@" in value or "?" in value) else value
 
     if spec.lstrip().startswith("{"):
         try:
@@ -112,7 +119,9 @@ def public_config(config: ServerConfig) -> ServerConfig:
     set reads ``<withheld>``, so "is one set" is still answered)."""
     http = msgspec.structs.replace(config.http, admin_token=WITHHELD if config.http.admin_token else "")
     storage = msgspec.structs.replace(config.storage, l2=tuple(mask_tier_spec(s) for s in config.storage.l2))
-    return msgspec.structs.replace(config, http=http, storage=storage)
+    obs = config.observability
+    observability = msgspec.structs.replace(obs, otlp_endpoint=_mask_url(obs.otlp_endpoint)) if obs.otlp_endpoint else obs
+    return msgspec.structs.replace(config, http=http, storage=storage, observability=observability)
 
 
 def _reachable(host: str) -> str:
