@@ -22,6 +22,8 @@ from kvdepot.errors import TransportUnavailable
 from kvdepot.gpu import runtime
 from kvdepot.layout import PagedFormat
 
+from support.cudart import FakeCudart
+
 
 def device_kv(transport: Transport) -> DeviceKV:
     return DeviceKV([torch.zeros(2, 8, 4, 1, 8) for _ in range(2)], PagedFormat.KV_FIRST, 4, 1, transport, 1 << 20)
@@ -43,26 +45,6 @@ def test_a_cache_torch_cannot_share_falls_back_under_auto_and_is_refused_by_name
         with pytest.raises(TransportUnavailable, match="cuda_ipc: this cache cannot be shared.*RuntimeError: cannot share memory"):
             asked.server_path(client)
     assert asked.path == "cuda_ipc (refused)"
-
-
-class FakeCudart:
-    """CUDA's host registration, recording into ``calls`` (shared with the arenas' unmaps, so the order
-    shows); a range registered twice, or overlapping another registration, is refused (712)."""
-
-    def __init__(self, calls: list[str]) -> None:
-        self.registered: dict[int, int] = {}
-        self.calls = calls
-
-    def cudaHostRegister(self, address: int, size: int, flags: int) -> int:
-        self.calls.append("register")
-        if any(a < address + size and address < a + s for a, s in self.registered.items()):
-            return 712
-        self.registered[address] = size
-        return 0
-
-    def cudaHostUnregister(self, address: int) -> int:
-        self.calls.append("unregister")
-        return 0 if self.registered.pop(address, None) is not None else 713
 
 
 class Arena:

@@ -23,6 +23,8 @@ from kvdepot.gpu import memory
 from kvdepot.gpu.memory import HOST_FILE_PREFIX, HostCacheFile, export_cache, layer_tensor, open_memory
 from kvdepot.protocol import messages as m
 
+from support.cudart import FakeCudart
+
 SHAPE = (2, 6, 4, 2, 8)  # kv_first: [K, blocks, block_size, H, D]
 
 
@@ -236,26 +238,6 @@ def test_a_torch_that_does_not_import_is_no_torch_and_says_why(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "TransportUnavailable" in out.stdout and "libcudnn.so.9" in out.stdout
     assert out.stderr.count("torch is installed but does not import (OSError: libcudnn.so.9") == 1
-
-
-class FakeCudart:
-    """CUDA's host registration as the runtime behaves: a range registered twice, or overlapping another
-    registration, is refused (712) and the refusal becomes the thread's last error."""
-
-    def __init__(self) -> None:
-        self.registered: dict[int, int] = {}
-        self.calls: list[str] = []
-
-    def cudaHostRegister(self, address: int, size: int, flags: int) -> int:
-        self.calls.append("register")
-        if any(a < address + size and address < a + s for a, s in self.registered.items()):
-            return 712
-        self.registered[address] = size
-        return 0
-
-    def cudaHostUnregister(self, address: int) -> int:
-        self.calls.append("unregister")
-        return 0 if self.registered.pop(address, None) is not None else 713
 
 
 def test_a_range_is_registered_once_per_process_and_unregistered_by_its_last_holder(monkeypatch):
