@@ -1005,3 +1005,26 @@ def test_saves_name_the_blocks_of_recent_synchronous_loads_their_kv_was_computed
     for r in (req, a, b):
         s.request_finished(r)
     s.shutdown()
+
+
+def test_a_layerwise_load_that_fails_to_end_is_recomputed_and_the_step_still_reaches_its_verdict(server):
+    """The saves' verdict is collective over the TP group: a rank whose layer-by-layer load raised on its
+    way out used to skip it (raising), leaving the other ranks waiting in the collective."""
+    from kvdepot.connectors.vllm.metadata import LoadOp
+
+    toks = tokens(2 * CS + 1, seed=61)
+    hashes = chunk_hashes(toks, CS)
+    w = worker(server.url, cpu_caches(seed=61), layerwise=True)
+    step_meta = meta(loads=[LoadOp("lw", hashes[:2], "", [2, 3])])
+    w.start_load_kv(step_meta)
+    job = w._layerwise
+    assert job is not None
+    job.join()  # (let its thread end first; then make its end fail, as a broken copy would)
+
+    def broken() -> None:
+        raise RuntimeError("the copy thread died")
+
+    job.join = broken
+    w.wait_for_save(step_meta)  # does not raise
+    assert w.take_load_errors() >= {2, 3}
+    w.shutdown()

@@ -38,7 +38,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from functools import partial
 
@@ -316,17 +316,13 @@ class WorkerSide:
         forward_failed = sys.exc_info()[0] is not None
         device_job, self._device_layerwise = self._device_layerwise, None
         if device_job is not None:
-            device_job.finish()
-            with self._lock:
-                self._loaded.update(op.req_id for op in device_job.ops)
+            self._settle_layerwise(device_job, device_job.finish)
         if self.device is not None:
             self._device_saves(meta, self._unsafe_saves(meta, forward_failed))
             return
         job, self._layerwise = self._layerwise, None
         if job is not None:
-            job.join()
-            with self._lock:
-                self._loaded.update(op.req_id for op in job.ops)
+            self._settle_layerwise(job, job.join)
             if self.config.debug_dump_dir:
                 self._to_dump.extend(job.ops)
         if self._to_dump:
@@ -348,6 +344,20 @@ class WorkerSide:
                     self._saves.submit([op.req_id], _nothing)  # still reported once run: vLLM frees its blocks then
                 else:
                     self._submit_save([op], None)
+
+    def _settle_layerwise(self, job, end: Callable[[], None]) -> None:
+        """The step's layer-by-layer load is over: its requests are reported loaded. A load that fails to
+        end cleanly leaves its blocks as load errors (vLLM recomputes them) rather than raise here: every
+        rank must reach the saves' verdict below, which is collective over the TP group."""
+        try:
+            end()
+        except Exception:
+            log.exception("kvdepot: a layer-by-layer load did not end cleanly; its blocks are recomputed")
+            with self._lock:
+                for op in job.ops:
+                    self._load_errors.update(op.block_ids[op.skip_blocks :])
+        with self._lock:
+            self._loaded.update(op.req_id for op in job.ops)
 
     def _unsafe_saves(self, meta: KVDepotConnectorMetadata, forward_failed: bool) -> set[str]:
         """The requests whose saves of this step must not be committed (a future miss, never a wrong
