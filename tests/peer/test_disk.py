@@ -86,6 +86,15 @@ def test_a_node_killed_and_restarted_within_the_ttl_serves_what_its_disk_kept(tm
         assert check_pages(head, "r", 8, SIZE) == {"hit": 8, "miss": 0, "wrong": 0}
 
 
+def _what_names(head, names: list[str], again) -> str:
+    """Who the directory says holds ``names``, and which run of each node the head knows (a failure's story)."""
+    found = head.node.resolve([n.encode() for n in names], time.monotonic() + 2, remembered=False)
+    kept = [(r.node, r.incarnation, r.generation) for recs in head.node.shard.resolve([n.encode() for n in names]) for r in recs]
+    runs = {n.id: n.incarnation for n in head.node.members()}
+    return (f"found {[(f.node, f.incarnation, f.generation) for f in found if f is not None]}, the head's shard keeps {kept}, "
+            f"the head knows runs {runs}, the restarted node says {again.command('status')}")
+
+
 def test_a_node_restarted_within_the_ttl_without_its_pages_leaves_no_records_of_them(tmp_path):
     """Killed and back on its port (its id) before the others expire it, with an empty pool and no disk:
     the records of its earlier run named pages nobody holds, and nothing ever unpublished them. They
@@ -93,7 +102,10 @@ def test_a_node_restarted_within_the_ttl_without_its_pages_leaves_no_records_of_
     server's tier list hid the copies in the tiers below."""
     names = keys("g", 8)
     with _owner_restarted_within_the_ttl("g", {"pool_size_mb": 4}) as (head, again):
-        wait_for(lambda: not any(head.exists(n) for n in names), 15, "the earlier run's records to go")
+        try:
+            wait_for(lambda: not any(head.exists(n) for n in names), 15, "the earlier run's records to go")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {_what_names(head, names, again)}") from None
         assert check_pages(head, "g", 8, SIZE) == {"hit": 0, "miss": 8, "wrong": 0}
         again.command(f"set g 8 {SIZE} 0")  # written again: found again
         wait_for(lambda: head.batch_exists(names) == 8, 10, "the new run's pages in the directory")

@@ -17,8 +17,9 @@ FAST = {"heartbeat_interval_s": 0.3, "member_ttl_s": 1.5, "control_timeout_s": 0
 SIZE = 128 << 10
 
 
-def loc(key: bytes, node: str = "n1", resident: bool = True, generation: int = 1) -> PeerLocation:
-    return PeerLocation(key=key, node=node, offset=0, length=8, generation=generation, checksum=b"\0" * 16, resident=resident)
+def loc(key: bytes, node: str = "n1", resident: bool = True, generation: int = 1, incarnation: int = 0) -> PeerLocation:
+    return PeerLocation(key=key, node=node, offset=0, length=8, generation=generation, checksum=b"\0" * 16, resident=resident,
+                        incarnation=incarnation)  # fmt: skip
 
 
 def test_remembers_resident_pages_on_usable_nodes_until_the_ttl(monkeypatch):
@@ -28,17 +29,17 @@ def test_remembers_resident_pages_on_usable_nodes_until_the_ttl(monkeypatch):
     monkeypatch.setattr(locations, "time", SimpleNamespace(monotonic=lambda: now[0]))
     cache = LocationCache(ttl_s=0.2)
     cache.put_many([loc(b"a"), loc(b"b", node="n2"), loc(b"c", resident=False), None])
-    assert cache.get_many([b"a", b"b", b"c", b"d"], {"n1", "n2"}) == [loc(b"a"), loc(b"b", node="n2"), None, None]
+    assert cache.get_many([b"a", b"b", b"c", b"d"], {"n1": 0, "n2": 0}) == [loc(b"a"), loc(b"b", node="n2"), None, None]
     # A node that left (or failed a call) is not read from, and what pointed there is dropped.
-    assert cache.get_many([b"a", b"b"], {"n1"}) == [loc(b"a"), None]
-    assert cache.get_many([b"b"], {"n1", "n2"}) == [None]
+    assert cache.get_many([b"a", b"b"], {"n1": 0}) == [loc(b"a"), None]
+    assert cache.get_many([b"b"], {"n1": 0, "n2": 0}) == [None]
     cache.forget([b"a"])
-    assert cache.get_many([b"a"], {"n1"}) == [None]
+    assert cache.get_many([b"a"], {"n1": 0}) == [None]
     cache.put_many([loc(b"e", generation=7)])
     now[0] += 0.19
-    assert cache.get_many([b"e"], {"n1"}) == [loc(b"e", generation=7)]
+    assert cache.get_many([b"e"], {"n1": 0}) == [loc(b"e", generation=7)]
     now[0] += 0.02  # past the TTL
-    assert cache.get_many([b"e"], {"n1"}) == [None]
+    assert cache.get_many([b"e"], {"n1": 0}) == [None]
     assert len(cache) == 0
 
 
@@ -46,10 +47,20 @@ def test_a_newer_location_replaces_the_old_and_the_bound_keeps_the_newest():
     cache = LocationCache(ttl_s=60, max_entries=8)
     cache.put_many([loc(b"k", generation=1)])
     cache.put_many([loc(b"k", generation=2)])
-    assert cache.get_many([b"k"], {"n1"})[0].generation == 2
+    assert cache.get_many([b"k"], {"n1": 0})[0].generation == 2
     cache.put_many([loc(bytes([i])) for i in range(9)])  # one more than the bound: shrunk to 3/4
     assert len(cache) == 6
-    assert cache.get_many([bytes([8]), bytes([0])], {"n1"}) == [loc(bytes([8])), None]
+    assert cache.get_many([bytes([8]), bytes([0])], {"n1": 0}) == [loc(bytes([8])), None]
+
+
+def test_a_location_from_a_run_of_its_node_before_the_one_known_now_is_forgotten():
+    # Killed and restarted on its port (its id) within the TTL: the earlier run's pages are gone.
+    cache = LocationCache(ttl_s=60)
+    cache.put_many([loc(b"old", incarnation=5), loc(b"new", incarnation=9)])
+    assert cache.get_many([b"old", b"new"], {"n1": 9}) == [None, loc(b"new", incarnation=9)]
+    assert cache.get_many([b"old"], {"n1": 5}) == [None]  # dropped, not just hidden
+    # A reader whose view lags (it has not heard of the restart yet) still reads the newer run's pages.
+    assert cache.get_many([b"new"], {"n1": 5}) == [loc(b"new", incarnation=9)]
 
 
 def test_a_location_is_always_remembered_for_a_while():

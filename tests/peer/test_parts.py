@@ -112,8 +112,8 @@ def test_pool_lru_order_follows_reads():
 # --- directory ----------------------------------------------------------------------------------------
 
 
-def rec(key: bytes, node_id: str, generation: int) -> PeerLocation:
-    return PeerLocation(key=key, node=node_id, offset=0, length=10, generation=generation, checksum=b"\0" * 16)
+def rec(key: bytes, node_id: str, generation: int, incarnation: int = 0) -> PeerLocation:
+    return PeerLocation(key=key, node=node_id, offset=0, length=10, generation=generation, checksum=b"\0" * 16, incarnation=incarnation)
 
 
 def test_directory_keeps_the_newest_generation_and_a_late_unpublish_spares_it():
@@ -127,6 +127,26 @@ def test_directory_keeps_the_newest_generation_and_a_late_unpublish_spares_it():
     assert [r.node for r in shard.resolve([b"k"])[0]] == ["A"]
     assert shard.keep_keys(lambda key: False) == 1
     assert shard.resolve([b"k", b"x"]) == [[], []] and len(shard) == 0
+
+
+def test_directory_drops_an_earlier_run_of_a_node_and_refuses_its_late_records():
+    """A node killed and restarted on its port (its id) within the TTL: the first publish of its new run,
+    or membership, drops the earlier run's records, and one of them arriving late (sent just before the
+    kill, or replayed) is refused: it would name a page the new run never held."""
+    shard = DirectoryShard()
+    assert shard.publish([rec(b"k", "A", 5, incarnation=1), rec(b"j", "A", 6, incarnation=1), rec(b"k", "B", 1, incarnation=1)]) == 3
+    assert shard.publish([rec(b"x", "A", 1, incarnation=2)]) == 1  # the new run's first page (a lower generation)
+    assert [(r.node, r.incarnation) for r in shard.resolve([b"k"])[0]] == [("B", 1)]
+    assert shard.resolve([b"j"]) == [[]]
+    assert shard.publish([rec(b"j", "A", 7, incarnation=1)]) == 0  # late, from the earlier run
+    assert shard.resolve([b"j"]) == [[]]
+    # Membership says B restarted before B published anything of its new run.
+    assert shard.drop_incarnations_before("B", 3) == 1
+    assert shard.publish([rec(b"k", "B", 2, incarnation=1)]) == 0
+    assert shard.publish([rec(b"k", "B", 1, incarnation=3)]) == 1
+    # A node that left is forgotten: a later run of it (or a clock set back) starts afresh.
+    assert shard.keep_nodes({"B"}) == 1
+    assert shard.publish([rec(b"y", "A", 1, incarnation=1)]) == 1
 
 
 # --- discovery ----------------------------------------------------------------------------------------

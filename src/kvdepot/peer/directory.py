@@ -4,7 +4,10 @@ The union of every node's shard is the directory; the ring (``ring.py``) says wh
 key's record (its owner and the next ``directory_replicas - 1`` nodes), so there is no central store.
 A record names a (node, generation): a newer generation of a key from the same node replaces an older
 one, an unpublish removes only the generation it names (a late unpublish never removes a newer page),
-and the records of a node that left the cluster go with it.
+and the records of a node that left the cluster go with it. A record also names its node's run (its
+incarnation): once a shard knows of a newer run of a node (from membership, or from that run's first
+publish), the earlier run's records go and any that arrive late are refused; they name pages the
+restarted node never held.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from kvdepot.protocol.messages import PeerLocation
 class DirectoryShard:
     def __init__(self) -> None:
         self._records: dict[bytes, dict[str, PeerLocation]] = {}
+        self._runs: dict[str, int] = {}  # node -> the newest incarnation of it this shard knows of
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -25,10 +29,18 @@ class DirectoryShard:
             return sum(len(by_node) for by_node in self._records.values())
 
     def publish(self, records: Sequence[PeerLocation]) -> int:
-        """Keep each record unless this shard already has a newer one of that (key, node)."""
+        """Keep each record unless this shard already has a newer one of that (key, node), or knows of
+        a newer run of its node."""
         kept = 0
         with self._lock:
             for rec in records:
+                run = self._runs.get(rec.node, 0)
+                if rec.incarnation < run:
+                    continue  # sent by a run that has since restarted
+                if rec.incarnation > run:
+                    self._runs[rec.node] = rec.incarnation
+                    if run:
+                        self._drop_locked(lambda key, old, node=rec.node, new=rec.incarnation: old.node == node and old.incarnation < new)
                 by_node = self._records.setdefault(rec.key, {})
                 old = by_node.get(rec.node)
                 if old is None or old.generation <= rec.generation:
@@ -56,25 +68,34 @@ class DirectoryShard:
             return [list(self._records.get(key, {}).values()) for key in keys]
 
     def drop_incarnations_before(self, node: str, incarnation: int) -> int:
-        """Drop ``node``'s records from its runs before ``incarnation``; returns how many went."""
-        return self._drop(lambda key, rec: rec.node == node and rec.incarnation < incarnation)
+        """Drop ``node``'s records from its runs before ``incarnation``, and refuse any that come later;
+        returns how many went."""
+        with self._lock:
+            self._runs[node] = max(self._runs.get(node, 0), incarnation)
+            return self._drop_locked(lambda key, rec: rec.node == node and rec.incarnation < incarnation)
 
     def keep_nodes(self, live: Collection[str]) -> int:
         """Drop every record of a node not in ``live``; returns how many went."""
-        return self._drop(lambda key, rec: rec.node not in live)
+        with self._lock:
+            for node in [node for node in self._runs if node not in live]:
+                del self._runs[node]
+            return self._drop_locked(lambda key, rec: rec.node not in live)
 
     def keep_keys(self, mine: Callable[[bytes], bool]) -> int:
         """Drop the records of keys this shard no longer owns (after the ring changed)."""
         return self._drop(lambda key, rec: not mine(key))
 
     def _drop(self, gone: Callable[[bytes, PeerLocation], bool]) -> int:
-        n = 0
         with self._lock:
-            for key in list(self._records):
-                by_node = self._records[key]
-                for node in [node for node, rec in by_node.items() if gone(key, rec)]:
-                    del by_node[node]
-                    n += 1
-                if not by_node:
-                    del self._records[key]
+            return self._drop_locked(gone)
+
+    def _drop_locked(self, gone: Callable[[bytes, PeerLocation], bool]) -> int:
+        n = 0
+        for key in list(self._records):
+            by_node = self._records[key]
+            for node in [node for node, rec in by_node.items() if gone(key, rec)]:
+                del by_node[node]
+                n += 1
+            if not by_node:
+                del self._records[key]
         return n

@@ -12,9 +12,10 @@ promoted first, and its promotion gives it a new record.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from kvdepot.protocol.messages import PeerLocation
 
@@ -31,8 +32,9 @@ class LocationCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get_many(self, keys: Sequence[bytes], usable: Collection[str]) -> list[PeerLocation | None]:
-        """Each key's remembered location, if it is younger than the TTL and on a usable node."""
+    def get_many(self, keys: Sequence[bytes], usable: Mapping[str, int]) -> list[PeerLocation | None]:
+        """Each key's remembered location, if it is younger than the TTL and on a usable node (``usable``:
+        node -> its run now; a location from an earlier run of it is gone)."""
         now = time.monotonic()
         out: list[PeerLocation | None] = []
         with self._lock:
@@ -40,7 +42,7 @@ class LocationCache:
                 hit = self._entries.get(key)
                 if hit is None:
                     out.append(None)
-                elif hit[0] <= now or hit[1].node not in usable:
+                elif hit[0] <= now or hit[1].incarnation < usable.get(hit[1].node, math.inf):
                     del self._entries[key]
                     out.append(None)
                 else:

@@ -389,7 +389,7 @@ class PeerNode:
         ring = self._ring
         now = time.monotonic()
         with self._view_lock:
-            usable = {nid for nid in self._members if self._suspects.get(nid, 0.0) <= now}
+            usable = {nid: n.incarnation for nid, n in self._members.items() if self._suspects.get(nid, 0.0) <= now}
         found = self.located.get_many(keys, usable) if remembered else [None] * len(keys)
         pending = [i for i, loc in enumerate(found) if loc is None]
         if len(pending) < len(keys):
@@ -412,7 +412,7 @@ class PeerNode:
         self.located.put_many(found[i] for i in asked)
         return found
 
-    def _ask_hinted(self, hint: str, keys: Sequence[bytes], found: list[PeerLocation | None], usable: set[str], deadline: float,
+    def _ask_hinted(self, hint: str, keys: Sequence[bytes], found: list[PeerLocation | None], usable: dict[str, int], deadline: float,
                     pending: list[int]) -> list[int]:  # fmt: skip
         """Fill ``found[i]`` for ``i`` in ``pending`` from the hinted node(s)' own pages; returns the
         indices still to look up."""
@@ -428,7 +428,7 @@ class PeerNode:
         self.metrics.hinted(asked - len(pending), len(pending))
         return pending
 
-    def _ask_many(self, by_owner: dict[str, list[int]], keys: Sequence[bytes], found: list[PeerLocation | None], usable: set[str],
+    def _ask_many(self, by_owner: dict[str, list[int]], keys: Sequence[bytes], found: list[PeerLocation | None], usable: dict[str, int],
                   deadline: float, own_pages: bool = False, failed: dict[int, PeerLocation] | None = None) -> list[int]:  # fmt: skip
         """One resolve at each owner for ``keys[i]`` of its indices (its shard, or with ``own_pages`` its
         own pages), all in flight at once: the remote ones are sent first and this node's own shard is
@@ -461,7 +461,7 @@ class PeerNode:
         still.sort()
         return still
 
-    def _fill(self, idx: list[int], reply: m.PeerResolveReply | None, found: list[PeerLocation | None], usable: set[str],
+    def _fill(self, idx: list[int], reply: m.PeerResolveReply | None, found: list[PeerLocation | None], usable: dict[str, int],
               failed: dict[int, PeerLocation] | None = None) -> list[int]:  # fmt: skip
         """``found[i]`` from one resolve reply (None: that owner failed); returns the indices it did not
         place. A record the same as ``failed[i]`` (read in vain just now) is not placed."""
@@ -541,13 +541,14 @@ class PeerNode:
                 out.append([])
         return out
 
-    def _best(self, locations: Sequence[PeerLocation], usable: set[str]) -> PeerLocation | None:
+    def _best(self, locations: Sequence[PeerLocation], usable: dict[str, int]) -> PeerLocation | None:
         """This node's own copy first, then one in a live member's pool, then one on a live member's disk
-        (to be promoted before it is read); never one on a node that has just failed us."""
+        (to be promoted before it is read); never one on a node that has just failed us, nor one from a
+        run of its node before the run ``usable`` knows (a shard that has not yet dropped it)."""
         assert self.info is not None
         best = on_disk = None
         for loc in locations:
-            if loc.node not in usable:
+            if loc.incarnation < usable.get(loc.node, math.inf):
                 continue
             if not loc.resident:
                 on_disk = on_disk or loc
