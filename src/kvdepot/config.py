@@ -249,6 +249,11 @@ class ObservabilityConfig(ConfigStruct, frozen=True, kw_only=True):
     kv_events_endpoint: Annotated[
         str, option("publish KV events for routers here, in vLLM's format (ZeroMQ PUB, e.g. tcp://*:5557)")
     ] = ""
+    kv_events_connect: Annotated[
+        bool,
+        option("connect the KV-event PUB socket to --kv-events-endpoint, where a router's subscriber binds (llm-d's indexer; "
+               "vLLM does this for an endpoint with a host), instead of binding it"),
+    ] = False
     kv_events_replay_endpoint: Annotated[
         str, option("answer replay requests here (ZeroMQ ROUTER): a subscriber sends a sequence number and gets the batches from it")
     ] = ""
@@ -281,6 +286,12 @@ class ObservabilityConfig(ConfigStruct, frozen=True, kw_only=True):
             raise ConfigError(f"--otlp-endpoint {self.otlp_endpoint}: give an OTLP/HTTP URL, e.g. http://collector:4318/v1/traces")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ConfigError("--kv-events-replay-endpoint replays what --kv-events-endpoint publishes: give that too")
+        if self.kv_events_connect:
+            if not self.kv_events_endpoint:
+                raise ConfigError("--kv-events-connect connects to --kv-events-endpoint: give the router's address there")
+            if zmq_endpoint_host(self.kv_events_endpoint) in ("*", "0.0.0.0", "[::]", "::"):
+                raise ConfigError(f"--kv-events-connect: {self.kv_events_endpoint} is every interface, not an address to connect to: "
+                                  f"give the host where the router's subscriber binds")  # fmt: skip
 
 
 def zmq_endpoint_host(endpoint: str) -> str | None:
@@ -367,7 +378,7 @@ class ServerConfig(ConfigStruct, frozen=True, kw_only=True):
             if host is not None and not is_loopback(host):
                 raise ConfigError(
                     f"{flag} {endpoint} is not loopback and KV events have no authentication (they name every chunk hash and "
-                    f"tenant's cache_salt): bind it to 127.0.0.1 or ipc://, or give --insecure on a trusted network"
+                    f"tenant's cache_salt): use 127.0.0.1 or ipc://, or give --insecure on a trusted network"
                 )
         # Spans carry each request's model and cache_salt too: in clear text only to this machine.
         if obs.otlp_endpoint.startswith("http://"):

@@ -252,3 +252,43 @@ def test_a_client_that_opts_in_names_its_blocks_tokens_on_both_transports(make_s
         except BadRequest as exc:
             assert "token_ids has 3 tokens for 1 chunks" in str(exc)
         assert server.status()["l1"]["objects"] == before
+
+
+def test_with_connect_the_server_reaches_a_router_that_binds_its_subscriber_and_again_after_it_restarts(make_server, seed):
+    """llm-d's indexer binds its SUB and the engines connect to it (vLLM connects for an endpoint with a
+    host): ``--kv-events-connect`` does the same, and ZeroMQ reconnects when the router comes back."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    ctx = zmq.Context()
+    decode = msgspec.msgpack.Decoder(KVEventBatch).decode
+
+    def router():
+        sub = ctx.socket(zmq.SUB)
+        sub.bind(endpoint)
+        sub.subscribe(MODEL.encode())
+        return sub
+
+    def stored_on(sub, wanted: set[bytes]) -> set[bytes]:
+        seen: set[bytes] = set()
+        deadline = time.monotonic() + 20
+        while not wanted <= seen and time.monotonic() < deadline:
+            if sub.poll(200):
+                _, _, payload = sub.recv_multipart()
+                for e in decode(payload).events:
+                    if isinstance(e, BlockStored) and e.medium == "CPU":
+                        seen.update(e.block_hashes)
+        return seen
+
+    server = make_server("--kv-events-endpoint", endpoint, "--kv-events-connect")  # the router is not up yet: nothing waits for it
+    kv = np.ones((2, LAYOUT.num_layers, CHUNK, LAYOUT.num_kv_heads, LAYOUT.head_dim), np.float16)
+    try:
+        with KVClient(server.url, MODEL, LAYOUT, options=ClientOptions(transport="inline")) as client:
+            for round_ in range(2):
+                sub = router()
+                time.sleep(0.5)  # the server's reconnect (ZeroMQ retries every 100 ms) and the subscription reach it
+                tokens = [seed + 104729 * round_ + t for t in range(CHUNK)]
+                assert client.store(tokens, kv) == CHUNK
+                [h] = client.hashes(tokens)
+                assert h in stored_on(sub, {h}), f"round {round_}: the store never reached the router"
+                sub.close(0)  # the router restarts
+    finally:
+        ctx.term()

@@ -286,3 +286,13 @@ def test_the_admin_token_comes_from_the_flag_or_the_environment_and_is_never_sho
     assert config.http.admin_token == "from-flag"  # the flag wins
     for shown in (repr(config), repr(config.http), str(config)):
         assert "from-flag" not in shown and "admin_token=<set>" in shown
+
+
+def test_kv_events_connect_needs_an_address_to_connect_to():
+    from kvdepot.config import ObservabilityConfig
+
+    with pytest.raises(ConfigError, match="--kv-events-connect connects to --kv-events-endpoint"):
+        ObservabilityConfig(kv_events_connect=True)
+    with pytest.raises(ConfigError, match="every interface"):
+        ObservabilityConfig(kv_events_endpoint="tcp://*:5557", kv_events_connect=True)
+    assert ObservabilityConfig(kv_events_endpoint="tcp://indexer:5557", kv_events_connect=True).kv_events_connect

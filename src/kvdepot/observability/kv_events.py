@@ -3,7 +3,8 @@
 A router that already reads vLLM's KV events (llm-d's indexer, Dynamo, SGLang's router) reads
 kvdepot's the same way:
 
-- PUB socket (``--kv-events-endpoint``): multipart ``[topic, sequence (8 bytes, big-endian), payload]``,
+- PUB socket (``--kv-events-endpoint``, bound; or connected to a router that binds its SUB there, with
+  ``--kv-events-connect``): multipart ``[topic, sequence (8 bytes, big-endian), payload]``,
   the payload a msgpack ``KVEventBatch`` ``[ts, [events...], data_parallel_rank]`` whose events are
   tagged maps: ``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``.
 - ROUTER socket (``--kv-events-replay-endpoint``): a subscriber sends ``[b"", start_seq]`` (8 bytes,
@@ -184,14 +185,18 @@ class KVEventsPublisher:
     requests are answered on a thread of their own."""
 
     def __init__(
-        self, endpoint: str, replay_endpoint: str = "", buffer: int = 10000, metrics: Any = None, topic: str = "{model}", node: str = ""
+        self, endpoint: str, replay_endpoint: str = "", buffer: int = 10000, metrics: Any = None, topic: str = "{model}", node: str = "",
+        connect: bool = False,
     ) -> None:
         """``topic``: the template of each model's topic (``topic_template_problem`` says why one is
-        refused: a ValueError); ``node``: what ``{node}`` stands for, this server's ``HOST:PORT``."""
+        refused: a ValueError); ``node``: what ``{node}`` stands for, this server's ``HOST:PORT``;
+        ``connect``: the PUB socket connects to ``endpoint`` (a router's SUB binds there) instead of
+        binding it."""
         problem = topic_template_problem(topic)
         if problem:
             raise ValueError(problem)
         self.endpoint = endpoint
+        self.connect = connect
         self._topic_template = topic
         self._node = node
         self._topic_of: dict[str, bytes] = {}  # model -> its topic
@@ -222,12 +227,17 @@ class KVEventsPublisher:
         self._reset_logged = 0.0
 
     def bind(self) -> None:
-        """Bind both sockets (the composition root binds every endpoint before it reserves memory)."""
+        """Bind both sockets (the composition root binds every endpoint before it reserves memory); with
+        ``connect``, the PUB socket connects instead: ZeroMQ retries in the background until the router
+        is up, and again each time it restarts, so a router that is down delays nothing here."""
         try:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.LINGER, 0)
             self._pub.setsockopt(zmq.SNDHWM, 100_000)
-            self._pub.bind(self.endpoint)
+            if self.connect:
+                self._pub.connect(self.endpoint)
+            else:
+                self._pub.bind(self.endpoint)
             if self.replay_endpoint:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
@@ -238,7 +248,7 @@ class KVEventsPublisher:
                 self._replay.bind(self.replay_endpoint)
         except zmq.ZMQError as exc:
             self.close()
-            raise OSError(exc.errno, f"cannot bind {exc.strerror}") from None
+            raise OSError(exc.errno, f"cannot {'connect to' if self.connect else 'bind'} {exc.strerror}") from None
 
     @property
     def bound_endpoints(self) -> tuple[str, str]:

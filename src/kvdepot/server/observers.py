@@ -64,7 +64,8 @@ def kv_events_publisher(config: ObservabilityConfig, metrics: Metrics, node: str
     if not config.kv_events_endpoint:
         return None
     return KVEventsPublisher(
-        config.kv_events_endpoint, config.kv_events_replay_endpoint, config.kv_events_buffer, metrics, topic=config.kv_events_topic, node=node
+        config.kv_events_endpoint, config.kv_events_replay_endpoint, config.kv_events_buffer, metrics, topic=config.kv_events_topic, node=node,
+        connect=config.kv_events_connect,
     )
 
 
