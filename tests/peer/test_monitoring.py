@@ -42,6 +42,7 @@ def test_metrics_and_the_page_follow_what_the_node_does():
         assert s[("kvdepot_peer_write_latency_seconds", (("quantile", "0.99"),))] > 0
         assert s[("kvdepot_peer_write_seconds_count", ())] == 1
         assert s[("kvdepot_peer_publish_owed", ())] == 0 and s[("kvdepot_peer_publish_repaid_total", ())] == 0  # no owner missed one
+        assert s[("kvdepot_peer_unpublish_owed", ())] == 0 and s[("kvdepot_peer_unpublish_dropped_total", ())] == 0
         page = httpx.get(f"http://127.0.0.1:{port}/", timeout=5)
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert owner.node_id in page.text and "hit rate" in page.text and "write latency" in page.text and "publishes owed" in page.text

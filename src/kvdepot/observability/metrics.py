@@ -360,6 +360,8 @@ _PEER_STATE_GAUGES = (
     ("kvdepot_peer_directory_records", "Records in this node's directory shard.", "directory_records"),
     ("kvdepot_peer_publish_owed", "Keys whose location record some owner missed (a failed or skipped publish), "
      "to be sent again on the next heartbeat.", "publish_owed"),
+    ("kvdepot_peer_unpublish_owed", "Removals of location records some owner missed (an evicted or deleted page), "
+     "to be sent again on the next heartbeat.", "unpublish_owed"),
 )
 _PEER_STATE_COUNTERS = (
     ("kvdepot_peer_evictions", "Pages evicted from the published pool.", "evictions"),
@@ -369,6 +371,8 @@ _PEER_STATE_COUNTERS = (
     ("kvdepot_peer_refused_connections", "Data-plane connections refused (no cluster secret).", "refused"),
     ("kvdepot_peer_dropped_connections", "Data-plane connections this node closed after a failed read.", "dropped"),
     ("kvdepot_peer_publish_repaid", "Location records sent again after some owner missed them.", "publish_repaid"),
+    ("kvdepot_peer_unpublish_dropped", "Owed removals given up past the bound (the owner keeps a stale record until the "
+     "page's key is written again or the node leaves: a reader's wasted round trip, never wrong bytes).", "unpublish_dropped"),
 )
 
 

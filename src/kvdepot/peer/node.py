@@ -736,6 +736,7 @@ class PeerNode:
             "served_pages": data.served_pages if data else 0, "served_bytes": data.served_bytes if data else 0,
             "refused": data.refused if data else 0, "dropped": self._transport.dropped,
             "publish_owed": len(self.owed), "publish_repaid": self.repaid,
+            "unpublish_owed": len(self.unpublish_owed), "unpublish_dropped": self.unpublish_owed.dropped,
         }  # fmt: skip
 
     # --- the control plane, client side --------------------------------------------------------------
