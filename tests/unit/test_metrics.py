@@ -81,3 +81,41 @@ def test_without_tiers_no_l2_controller_metrics(tmp_path):
         assert not any(n.startswith(("kvdepot_l2_store", "kvdepot_l2_prefetch")) for n in names)
     finally:
         sm.close()
+
+
+def test_past_the_model_cap_a_new_model_takes_the_label_of_one_idle_past_the_limit(monkeypatch):
+    from types import SimpleNamespace
+
+    now = [1000.0]
+    monkeypatch.setattr(mod, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(mod, "MAX_MODELS", 2)
+    m = Metrics()
+
+    def used(model: str) -> None:
+        m.lookup_asked(model, 16)
+        m.lookup_answered(model, {mod.L1: 16}, 0)
+        m.stored(model, 1, 100, "shm")
+
+    def labels() -> set[str]:
+        return {dict(k[1]).get("model") for k in samples(m.text()) if k[0] == "kvdepot_lookups_total"}
+
+    used("old")
+    used("busy")
+    now[0] += 10
+    used("new")  # both labels taken and in use: the new model shares "(other)"
+    assert labels() == {"old", "busy", mod.OTHER_MODELS}
+    now[0] += mod.MODEL_IDLE_S - 5
+    used("busy")  # in use all along (its lookups keep it), while "old" is idle past the limit
+    m.lookup_asked("busy", 16)
+    now[0] += 6
+    used("newer")  # takes the place of "old", whose series go
+    assert labels() == {"busy", "newer", mod.OTHER_MODELS}
+    s = samples(m.text())
+    assert not any(dict(k[1]).get("model") == "old" for k in s)
+    assert s[("kvdepot_lookups_total", (("model", "newer"),))] == 1
+    assert s[("kvdepot_hit_tokens_total", (("model", "newer"), ("tier", mod.L1)))] == 16
+    assert s[("kvdepot_lookups_total", (("model", "busy"),))] == 3  # kept its counts
+    # "new", counted as "(other)" before, gets no label of its own while both are in use: nothing is idle yet.
+    used("new")
+    assert s[("kvdepot_lookups_total", (("model", mod.OTHER_MODELS),))] == 1
+    assert samples(m.text())[("kvdepot_lookups_total", (("model", mod.OTHER_MODELS),))] == 2

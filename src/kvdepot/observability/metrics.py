@@ -10,6 +10,7 @@ same numbers. The observability work extends this module, never a second registr
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -21,6 +22,9 @@ from kvdepot.events import L1Changed, RequestDone, TierRemoved, TierStored, Tier
 
 REQUEST_FAILURE_CLASSES = ("lease_expired_frees", "short_retrieves")
 MAX_MODELS = 64  # distinct model labels kept; clients name models, so a flood of names shares one label
+# A model label nothing named for this long gives its place to a new model when all are taken (a fleet
+# that rolls model versions would otherwise count every version past the 64th as "(other)" for good).
+MODEL_IDLE_S = 6 * 3600.0
 OTHER_MODELS = "(other)"
 L1 = "l1"  # where a hit was found: L1, or the name of the L2 tier that supplied it
 REQUEST_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10)
@@ -107,11 +111,12 @@ class Metrics:
                                  ["model"], registry=r)  # fmt: skip
         for cls in REQUEST_FAILURE_CLASSES:
             self.request_failures.labels(cls)  # present (as 0) before the first one
-        self._models: set[str] = set()
+        self._models: dict[str, float] = {}  # model label -> when something last named it (monotonic)
+        self._hit_places: dict[str, set[str]] = {}  # model label -> the places its hit_tokens series has
         self._models_lock = threading.Lock()
         # Per model, the children lookups count into: labels() costs microseconds and every lookup
-        # would pay it several times. No lock: a dict's get and set are atomic, and two threads that
-        # both miss get the same child from labels().
+        # would pay it several times. Read without the lock (a dict's get is atomic); filled and
+        # emptied under it, so a forgotten model's children never stay cached.
         self._lookup_children: dict[str, tuple[Any, Any, Any]] = {}
         self._hit_children: dict[tuple[str, str], Any] = {}
 
@@ -121,6 +126,8 @@ class Metrics:
         lookups, requested, _ = self._lookup_counters(model)
         lookups.inc()
         requested.inc(tokens)
+        if model in self._models:
+            self._models[model] = time.monotonic()  # in use (an atomic store: no lock on the lookup path)
 
     def lookup_answered(self, model: str, found: Mapping[str, int], missed: int) -> None:
         """The final count of a lookup: tokens found per place (``L1`` or a tier's name), and missed."""
@@ -128,9 +135,12 @@ class Metrics:
             if tokens:
                 hit = self._hit_children.get((model, where))
                 if hit is None:
-                    hit = self.hit_tokens.labels(self._model(model), where)
-                    if len(self._hit_children) < 16 * MAX_MODELS:  # bounded, as above
-                        self._hit_children[(model, where)] = hit
+                    with self._models_lock:
+                        m = self._model_locked(model)
+                        hit = self.hit_tokens.labels(m, where)
+                        self._hit_places.setdefault(m, set()).add(where)
+                        if len(self._hit_children) < 16 * MAX_MODELS:  # bounded, as above
+                            self._hit_children[(model, where)] = hit
                 hit.inc(tokens)
         self._lookup_counters(model)[2].inc(missed)
 
@@ -138,10 +148,11 @@ class Metrics:
         """(lookups, requested tokens, missed tokens) of ``model``'s label."""
         children = self._lookup_children.get(model)
         if children is None:
-            m = self._model(model)
-            children = (self.lookups.labels(m), self.requested_tokens.labels(m), self.missed_tokens.labels(m))
-            if len(self._lookup_children) < 4 * MAX_MODELS:  # names past the cap share "(other)": bounded
-                self._lookup_children[model] = children
+            with self._models_lock:
+                m = self._model_locked(model)
+                children = (self.lookups.labels(m), self.requested_tokens.labels(m), self.missed_tokens.labels(m))
+                if len(self._lookup_children) < 4 * MAX_MODELS:  # names past the cap share "(other)": bounded
+                    self._lookup_children[model] = children
         return children
 
     def stored(self, model: str, chunks: int, nbytes: int, path: str) -> None:
@@ -160,12 +171,36 @@ class Metrics:
 
     def _model(self, model: str) -> str:
         with self._models_lock:
-            if model in self._models:
-                return model
-            if len(self._models) < MAX_MODELS:
-                self._models.add(model)
-                return model
-        return OTHER_MODELS
+            return self._model_locked(model)
+
+    def _model_locked(self, model: str) -> str:
+        """``model``'s label: its own while there is room, or in place of the model longest unnamed once
+        that one is idle past ``MODEL_IDLE_S`` (its series go), else "(other)"."""
+        now = time.monotonic()
+        if model in self._models:
+            self._models[model] = now
+            return model
+        if len(self._models) >= MAX_MODELS:
+            idle, oldest = min((seen, name) for name, seen in self._models.items())
+            if now - idle < MODEL_IDLE_S:
+                return OTHER_MODELS
+            self._forget_model_locked(oldest)
+        self._models[model] = now
+        return model
+
+    def _forget_model_locked(self, model: str) -> None:
+        del self._models[model]
+        for metric in (self.lookups, self.requested_tokens, self.missed_tokens, self.stored_chunks, self.stored_bytes,
+                       self.retrieved_chunks, self.retrieved_bytes):  # fmt: skip
+            try:
+                metric.remove(model)
+            except KeyError:
+                pass  # that series was never made
+        for where in self._hit_places.pop(model, ()):
+            self.hit_tokens.remove(model, where)
+        # The caches may map names past the cap to "(other)" too: emptied, they are filled again as used.
+        self._lookup_children.clear()
+        self._hit_children.clear()
 
     # --- what the event bus hands over (its drain thread) -----------------------------------------------
 
