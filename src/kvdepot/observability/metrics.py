@@ -111,7 +111,9 @@ class Metrics:
                                  ["model"], registry=r)  # fmt: skip
         for cls in REQUEST_FAILURE_CLASSES:
             self.request_failures.labels(cls)  # present (as 0) before the first one
-        self._models: dict[str, float] = {}  # model label -> when something last named it (monotonic)
+        # model label -> [when something last named it (monotonic)]: a cell the lookup path updates
+        # without the lock (it never adds or removes a key; only the lock's holders do)
+        self._models: dict[str, list[float]] = {}
         self._hit_places: dict[str, set[str]] = {}  # model label -> the places its hit_tokens series has
         self._models_lock = threading.Lock()
         # Per model, the children lookups count into: labels() costs microseconds and every lookup
@@ -126,8 +128,9 @@ class Metrics:
         lookups, requested, _ = self._lookup_counters(model)
         lookups.inc()
         requested.inc(tokens)
-        if model in self._models:
-            self._models[model] = time.monotonic()  # in use (an atomic store: no lock on the lookup path)
+        seen = self._models.get(model)
+        if seen is not None:
+            seen[0] = time.monotonic()  # in use
 
     def lookup_answered(self, model: str, found: Mapping[str, int], missed: int) -> None:
         """The final count of a lookup: tokens found per place (``L1`` or a tier's name), and missed."""
@@ -177,15 +180,16 @@ class Metrics:
         """``model``'s label: its own while there is room, or in place of the model longest unnamed once
         that one is idle past ``MODEL_IDLE_S`` (its series go), else "(other)"."""
         now = time.monotonic()
-        if model in self._models:
-            self._models[model] = now
+        seen = self._models.get(model)
+        if seen is not None:
+            seen[0] = now
             return model
         if len(self._models) >= MAX_MODELS:
-            idle, oldest = min((seen, name) for name, seen in self._models.items())
+            idle, oldest = min((seen[0], name) for name, seen in self._models.items())
             if now - idle < MODEL_IDLE_S:
                 return OTHER_MODELS
             self._forget_model_locked(oldest)
-        self._models[model] = now
+        self._models[model] = [now]
         return model
 
     def _forget_model_locked(self, model: str) -> None:
