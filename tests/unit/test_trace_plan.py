@@ -262,3 +262,30 @@ def test_a_restart_keeps_the_previous_recording_and_a_planted_link_is_refused(tm
     with pytest.raises(ConfigError, match="--trace-record"):
         TraceRecorder(str(link))
     assert victim.read_bytes() == b"precious"
+
+
+def test_a_recording_of_models_with_different_chunk_bytes_is_planned_one_model_at_a_time(tmp_path):
+    """The simulation counts blocks and sizes them alike: a server of a small and a large model used to
+    be sized by whichever model the recording named first."""
+    path = tmp_path / "two.kvdtrace"
+    rec = TraceRecorder(str(path))
+    events = []
+    for model, nbytes in (("small", 8192), ("large", 65536)):
+        events += [ChunkRequestDone("lookup", 1.0, 0.001, model, "", tuple(_key(i) for i in range(10)), 16, nbytes, 0, "ok"),
+                   ChunkRequestDone("store", 1.1, 0.001, model, "", tuple(_key(i) for i in range(10)), 16, nbytes, 10, "ok")]  # fmt: skip
+    rec.handle(events)
+    rec.close()
+    r = _plan(str(path), "--json")
+    assert r.returncode == 2 and "small: 16 tokens / 8 KiB" in r.stderr and "large: 16 tokens / 64 KiB" in r.stderr, r.stderr
+    assert "--model NAME" in r.stderr
+    for model, nbytes in (("small", 8192), ("large", 65536)):
+        r = _plan(str(path), "--model", model, "--json")
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)
+        assert doc["model"] == model and doc["block_bytes"] == nbytes and doc["distinct_blocks"] == 10
+    r = _plan(str(path), "--model", "other")
+    assert r.returncode == 2 and "its models: large, small" in r.stderr, r.stderr
+    # One size for everything, given: one curve over both models.
+    r = _plan(str(path), "--bytes-per-token", "1024", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["distinct_blocks"] == 20

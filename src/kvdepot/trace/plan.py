@@ -40,6 +40,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="", help="L1 sizes to simulate, comma-separated, e.g. 16GiB,64GiB,256GiB (default: --points sizes up to the whole trace)")  # fmt: skip
     p.add_argument("--points", type=int, default=12, help="how many sizes, each twice the last, ending where the whole trace fits (default: %(default)s)")  # fmt: skip
     p.add_argument("--limit", type=int, default=0, help="use only the first N requests (default: all)")
+    p.add_argument("--model", default="", help="a recording's ops of this model only (a server of several models: plan each)")
     p.add_argument("--plot", choices=["auto", "always", "never"], default="auto", help="draw the curve in text (auto: when stdout is a terminal)")  # fmt: skip
     p.add_argument("--png", default="", help="also draw the curve to this PNG file (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print the curve as JSON instead")
@@ -66,6 +67,26 @@ def block_bytes(args: argparse.Namespace, trace: Trace, block_tokens: int) -> Bl
     return BlockBytes(DEFAULT_LAYOUT.chunk_bytes(block_tokens), f"{DEFAULT_LAYOUT.bytes_per_token} B a token (default: a Llama-3-8B-like fp16 model; see --bytes-per-token)")  # fmt: skip
 
 
+def _mixed(trace: Trace, explicit_size: bool) -> str:
+    """Why one curve cannot be drawn for ``trace`` (chunks of different sizes: the simulation counts
+    blocks, and sizes them all alike), or ""."""
+    by_model: dict[str, set[tuple[int, int]]] = {}
+    for op in trace.ops:
+        by_model.setdefault(op.model, set()).add((op.block_tokens, 0 if explicit_size else op.block_bytes))
+    sizes = set().union(*by_model.values())
+    if len(sizes) <= 1:
+        return ""
+    if len(by_model) > 1:
+        return ("the recording's models have chunks of different sizes ("
+                + "; ".join(f"{m or '?'}: {', '.join(_size(t, b) for t, b in sorted(s))}" for m, s in sorted(by_model.items()))
+                + "): plan each with --model NAME")  # fmt: skip
+    return f"the trace mixes chunk sizes ({', '.join(_size(t, b) for t, b in sorted(sizes))}): plan each context on its own"
+
+
+def _size(tokens: int, nbytes: int) -> str:
+    return f"{tokens} tokens" + (f" / {format_size(nbytes)}" if nbytes else "")
+
+
 def main(args: argparse.Namespace) -> int:
     if args.bytes_per_token < 0 or args.block_tokens <= 0 or args.points <= 0 or args.limit < 0:
         print("kvdepot plan: --block-tokens and --points must be positive, --bytes-per-token and --limit not negative", file=sys.stderr)
@@ -79,12 +100,19 @@ def main(args: argparse.Namespace) -> int:
     if not any(op.asks for op in trace.ops):
         print(f"kvdepot plan: {args.trace} holds no requests or lookups to plan for", file=sys.stderr)
         return 2
+    models = sorted({op.model for op in trace.ops})
+    if args.model:
+        trace = Trace([op for op in trace.ops if op.model == args.model], trace.source, trace.skipped)
+        if not any(op.asks for op in trace.ops):
+            print(f"kvdepot plan: no lookups of --model {args.model} in {args.trace} (its models: {', '.join(models)})", file=sys.stderr)
+            return 2
+    problem = _mixed(trace, explicit_size=bool(args.bytes_per_token or args.num_layers or args.num_kv_heads or args.head_dim or args.dtype))
+    if problem:
+        print(f"kvdepot plan: {problem}", file=sys.stderr)
+        return 2
     compiled = compile_ops(trace.ops)
     total = distinct_blocks(compiled)
     tokens = {op.block_tokens for op in trace.ops}
-    if len(tokens) > 1:
-        print(f"kvdepot plan: the trace mixes chunk sizes {sorted(tokens)}; plan each context on its own", file=sys.stderr)
-        return 2
     try:
         per_block = block_bytes(args, trace, tokens.pop())
     except ValueError as exc:  # a model shape KVLayout refuses
@@ -99,7 +127,7 @@ def main(args: argparse.Namespace) -> int:
     best = points[-1].ratio if not args.sizes else curve(compiled, [total])[0].ratio
     if args.json:
         doc = {
-            "trace": args.trace, "source": trace.source, "ops": len(trace.ops), "skipped": trace.skipped,
+            "trace": args.trace, "model": args.model or None, "source": trace.source, "ops": len(trace.ops), "skipped": trace.skipped,
             "distinct_blocks": total, "block_bytes": per_block.bytes, "max_hit_ratio": best,
             "recorded_hit_ratio": trace.recorded_hit_ratio(),
             "points": [{"l1_bytes": s, "blocks": p.capacity_blocks, "hit_ratio": p.ratio, "hit_tokens": p.hit_tokens,
