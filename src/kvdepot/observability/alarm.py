@@ -29,7 +29,7 @@ from kvdepot.events import ChunkRequestDone
 
 log = logging.getLogger(__name__)
 
-MAX_MODELS = 256  # models watched; beyond that new ones are not (the metrics share one label too)
+MAX_MODELS = 256  # models watched; beyond that a new one takes the place of one idle for two windows, or is not watched
 
 
 @dataclass(slots=True)
@@ -38,6 +38,7 @@ class _Model:
     last_lookup: float = 0.0
     quiet_since: float = 0.0  # the first lookup since the last hit (0: none yet)
     firing: bool = False
+    last_seen: float = 0.0  # any request of it
 
 
 class SilentMissAlarm:
@@ -59,9 +60,10 @@ class SilentMissAlarm:
                     continue
                 m = self._models.get(e.model)
                 if m is None:
-                    if len(self._models) >= MAX_MODELS:
+                    if len(self._models) >= MAX_MODELS and not self._forget_idle(now):
                         continue
                     m = self._models[e.model] = _Model()
+                m.last_seen = now
                 if e.op == "store" and e.found:
                     m.stored = True
                 elif e.op == "lookup":
@@ -71,6 +73,15 @@ class SilentMissAlarm:
                     elif not m.quiet_since:
                         m.quiet_since = now
         self.check()
+
+    def _forget_idle(self, now: float) -> bool:
+        """Make room: forget the model longest without a request, if that is two windows or more and it
+        is not firing (an alarm stays until it ends). True if one went."""
+        name, m = min(self._models.items(), key=lambda item: item[1].last_seen)
+        if m.firing or now - m.last_seen < 2 * self.window_s:
+            return False
+        del self._models[name]
+        return True
 
     def check(self) -> None:
         now = self._clock()
