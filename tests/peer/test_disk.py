@@ -193,6 +193,33 @@ def test_a_newer_page_that_misses_the_disk_takes_the_older_one_off_it(tmp_path, 
         assert got in (None, new), "the page written before the newest one came back from disk"
 
 
+def test_a_delete_of_a_page_only_on_disk_spares_the_record_of_the_key_written_meanwhile(tmp_path):
+    """The delete's unpublish of a disk-only page named every generation: a page of the key put while
+    the delete ran, whose publish reached the owner first, lost its record (held, yet unreadable)."""
+    from kvdepot.protocol import messages as m
+
+    with PeerStore(port=0, data_port=0, pool_size_mb=1, disk_path=str(tmp_path / "l4"), **FAST) as store:
+        assert store.set("k", page_bytes("k", SIZE))
+        wait_for(lambda: store.status()["disk"]["written"] == 1, 10, "the page on disk")
+        for i in range(40):  # 2.5 MiB through a 1 MiB pool: "k" is on disk only
+            assert store.set(f"push{i}", page_bytes(f"push{i}", SIZE))
+        assert store.node.pool.peek(b"k") is None and store.exists("k")
+        node, real = store.node, store.node._call_shard
+        raced = []
+
+        def call_shard(owner, body, deadline):
+            if isinstance(body, m.PeerUnpublishRequest) and b"k" in body.keys and not raced:
+                raced.append(True)
+                assert store.set("k", page_bytes("k", SIZE, 1))  # put meanwhile; its publish gets there first
+            return real(owner, body, deadline)
+
+        node._call_shard = call_shard
+        assert store.delete("k")
+        assert raced
+        assert store.exists("k"), "the page put during the delete lost its record"
+        assert store.get("k") == page_bytes("k", SIZE, 1)
+
+
 def test_pages_the_disk_drops_to_stay_within_its_bound_leave_the_directory(tmp_path):
     """Pages evicted from the pool are published as on disk; the disk tier in turn drops its oldest to
     stay within ``disk_size_gb``. The node used to go on publishing those: its memory of them and its

@@ -61,7 +61,6 @@ SUSPECT_S = 2.0  # a node whose call failed is not asked again for this long
 CHANNELS_KEPT_PER_NODE = 8  # idle control channels kept per node (more are made when threads need them)
 MAX_KEY_BYTES = 1024
 PROMOTE_SLICE = 8  # pages promoted from disk, then read, at a time
-ANY_GENERATION = (1 << 63) - 1  # an unpublish of every record this node has of a key
 
 
 class NodeState(enum.Enum):
@@ -307,6 +306,9 @@ class PeerNode:
             self._unpublish([PoolEntry(key, 0, 0, bound, b"", published=False) for key in gone], deadline)
 
     def delete(self, key: bytes) -> bool:
+        # A page only on disk was published under a generation older than this; a page of the key put
+        # while we delete gets a newer one, so the unpublish below never takes its record away.
+        bound = self.pool.fresh_generation()
         self.located.forget([key])
         entry = self.pool.remove(key)
         found = entry is not None
@@ -317,12 +319,13 @@ class PeerNode:
                 self._disk_only.discard(key)
             if on_disk:
                 found = True
-                entry = entry or PoolEntry(key, 0, 0, ANY_GENERATION, b"", published=False)
+                entry = entry or PoolEntry(key, 0, 0, bound, b"", published=False)
         if entry is not None:
             self._unpublish([entry])
         return found
 
     def clear(self) -> int:
+        bound = self.pool.fresh_generation()  # as in delete
         self.located.clear()
         gone = self.pool.clear()
         n = len(gone)
@@ -333,7 +336,7 @@ class PeerNode:
                 self.disk.delete(e.key)
             for key in disk_only:
                 self.disk.delete(key)
-            gone += [PoolEntry(key, 0, 0, ANY_GENERATION, b"", published=False) for key in disk_only]
+            gone += [PoolEntry(key, 0, 0, bound, b"", published=False) for key in disk_only]
             n += len(disk_only)
         self._unpublish(gone)
         return n
