@@ -117,6 +117,12 @@ class FakeIpc:
         monkeypatch.setattr(memory, "allocation_range", self.allocation_range)
 
     def new_shared_cuda(self, index, handle, size, offset, rc_handle, rc_offset, event_handle, event_sync):
+        # torch's own argument check (THPStorage_newSharedCuda): bytes handles, ints, a bool, or a TypeError
+        if not (isinstance(handle, bytes) and isinstance(rc_handle, bytes) and isinstance(event_handle, bytes)
+                and isinstance(event_sync, bool) and all(isinstance(v, int) for v in (index, size, offset, rc_offset))):  # fmt: skip
+            raise TypeError("_new_shared in CUDA mode received an invalid combination of arguments")
+        if event_sync and len(event_handle) != 64:
+            raise RuntimeError("incorrect handle size")
         self.opened.append((index, handle, size, offset, rc_handle, rc_offset, event_handle, event_sync))
         storage = torch.UntypedStorage(size)
         self.mapping = storage.data_ptr() - offset
@@ -193,6 +199,21 @@ def test_the_workers_reference_count_fields_never_reach_torch(monkeypatch):
     for name, offset in ((b"/kvdepot-arena-1234-abcdef", 3), (b"/torch_99_1_0", 1 << 40), (b"", 0)):
         open_memory(cuda_memory(ref_counter_handle=name, ref_counter_offset=offset), {"GPU-here": 0}, None)
     assert [(o[4], o[5]) for o in fake.opened] == [(b"", 0)] * 3
+
+
+def test_a_memory_with_or_without_an_event_reaches_torch_as_torch_takes_it(monkeypatch):
+    """torch takes the event handle as bytes only. torch's own sharing always sends 64 bytes (unset when
+    no event is waited on); an empty one (a client of its own, with no event) used to go as None: a
+    TypeError, and an internal-error reply instead of a registration or a clear refusal."""
+    fake = FakeIpc(monkeypatch, extent=8192)
+    open_memory(cuda_memory(), {"GPU-here": 0}, None)
+    open_memory(cuda_memory(event_handle=b"\x07" * 64, event_sync_required=True), {"GPU-here": 0}, None)
+    assert [(o[6], o[7]) for o in fake.opened] == [(b"", False), (b"\x07" * 64, True)]
+    with pytest.raises(BadRequest, match="event handle of 0 bytes"):  # an event to wait on, and no handle of it
+        open_memory(cuda_memory(event_sync_required=True), {"GPU-here": 0}, None)
+    with pytest.raises(BadRequest, match="event handle of 10 bytes"):
+        open_memory(cuda_memory(event_handle=bytes(10), event_sync_required=True), {"GPU-here": 0}, None)
+    assert len(fake.opened) == 2
 
 
 def test_the_extent_check_alone():

@@ -305,6 +305,8 @@ def _open_cuda(spec: m.CudaIpcMemory, index: int) -> OpenedMemory:
     check_cuda_handle(spec.handle)
     if spec.size <= 0 or spec.offset < 0 or spec.offset % CUDA_IPC_ALIGNMENT:
         raise BadRequest(f"CUDA memory of {spec.size} bytes at offset {spec.offset} (offsets are multiples of {CUDA_IPC_ALIGNMENT})")
+    if spec.event_sync_required and len(spec.event_handle) != CUDA_IPC_HANDLE_BYTES:
+        raise BadRequest(f"a CUDA event handle of {len(spec.event_handle)} bytes (a cudaIpcEventHandle_t has {CUDA_IPC_HANDLE_BYTES})")
     with torch.cuda.device(index):
         # torch's own reader of these fields: it maps the allocation once per handle in this process. The
         # worker's cross-process reference count is never handed on: torch's deleter would shm_open that
@@ -312,7 +314,8 @@ def _open_cuda(spec: m.CudaIpcMemory, index: int) -> OpenedMemory:
         # arena's header, any shared-memory file of the server's user). With no name its open fails, which
         # the deleter catches and ignores.
         storage = torch.UntypedStorage._new_shared_cuda(
-            index, spec.handle, spec.size, spec.offset, b"", 0, spec.event_handle or None, spec.event_sync_required,
+            # (the event handle as bytes, empty when no event is waited on: torch takes nothing else)
+            index, spec.handle, spec.size, spec.offset, b"", 0, bytes(spec.event_handle), bool(spec.event_sync_required),
         )  # fmt: skip
         # torch took the size and offset as given: nothing is read or written through the storage before
         # the driver's extent of the mapping confirms them (a refused storage is let go, unmapped).
