@@ -123,6 +123,44 @@ def test_head_master_killed_established_nodes_serve_and_a_restarted_head_rejoins
     assert again.command(f"check y 30 {SIZE}") == {"hit": 30, "miss": 0, "wrong": 0}
 
 
+def test_a_restarted_head_never_narrows_a_non_masters_membership(nodes):
+    """Back on its address, the head knows only who has heartbeated it since. A non-master took the
+    first master's answer as the membership, so for a heartbeat or two it dropped the others from its
+    ring and its directory shard: their records there, which the masters (whose own view never changed)
+    never published again. It now takes what every master that answers knows, together."""
+    two = {"max_masters": 2}
+    head = nodes(extra=two)
+    port = int(head.node_id.rsplit(":", 1)[1])
+    with store(head.node_id, **two) as s1, store(head.node_id, **two) as s2, store(head.node_id, **two) as s3:
+        stores = [s1, s2, s3]
+        agree(4, stores, [head])
+        ids = {s.node_id for s in stores}
+        non_masters = [s for s in stores if s.node_id not in s.status()["masters"]]
+        assert len(non_masters) == 2
+        narrowed: list[set[str]] = []
+        for s in non_masters:
+            real = s.node.shard.keep_nodes
+
+            def keep_nodes(live, real=real):
+                if not ids <= set(live):
+                    narrowed.append(set(live))
+                return real(live)
+
+            s.node.shard.keep_nodes = keep_nodes
+        for i, s in enumerate(stores):
+            names = keys(f"r{i}-", 16)
+            assert s.batch_set(names, [page_bytes(n, SIZE) for n in names]) == [True] * 16
+        head.kill()
+        again = nodes(port=port, extra=two)
+        assert again.node_id == head.node_id
+        agree(4, stores, [again])
+        time.sleep(1.0)  # a few more heartbeats
+        assert not narrowed, f"a non-master dropped live members from its shard: {narrowed[:3]}"
+        for i in range(len(stores)):
+            for reader in stores:
+                assert reader.batch_exists(keys(f"r{i}-", 16)) == 16
+
+
 def test_a_node_without_the_secret_can_neither_join_nor_read(nodes):
     head = nodes()
     assert head.command(f"set s 10 {SIZE}") == {"stored": 10}

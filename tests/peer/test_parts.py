@@ -177,6 +177,23 @@ def test_member_table_expires_the_silent_and_adoption_never_revives_them():
     assert [n.id for n in t.view().members] == [node(1).id, node(2).id]
 
 
+def test_a_non_master_takes_what_every_master_knows_together():
+    """The head restarted on its address knows only who has heartbeated it since: its table alone would
+    drop the others from a non-master's ring and shard (and those records were never published again)."""
+    from kvdepot.peer.discovery import is_table, merged
+    from kvdepot.protocol.messages import PeerMembershipReply
+
+    head = node(1).id
+    fresh = PeerMembershipReply(members=[node(1, incarnation=9), node(4)], masters=[head], head=head, silent_ms=[0, 10])
+    other = PeerMembershipReply(members=[node(1), node(2), node(3), node(4)], masters=[head, node(2).id], head=head,
+                                silent_ms=[900, 50, 60, 300])  # fmt: skip
+    view = merged([fresh, other], head, max_masters=2)
+    assert [(n.id, n.incarnation) for n in view.members] == [(head, 9), (node(2).id, 1), (node(3).id, 1), (node(4).id, 1)]
+    assert view.silent_ms == [0, 50, 60, 10] and view.masters == [head, node(2).id] and is_table(view)
+    cached = PeerMembershipReply(members=[node(1), node(5)], masters=[head], head=head)  # a non-master's answer
+    assert not is_table(cached)
+
+
 # --- data-plane handshake -----------------------------------------------------------------------------
 
 

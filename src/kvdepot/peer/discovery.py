@@ -8,14 +8,17 @@ elected. Each node heartbeats every master it knows; each master keeps a table o
 and expires a member silent for ``member_ttl_s``. A node keeps the last membership a master gave it,
 so a master outage (the head's included) does not stop established reads and writes; a node that
 cannot reach any master keeps its cached view and keeps trying (the head, the masters it knew, and
-any other bootstrap address it was given).
+any other bootstrap address it was given). A node that is not a master takes what every master that
+answered knows, together (``merged``): a master that has just restarted (the head, on its address)
+knows only who has heartbeated it since, and its view alone would drop the others from the node's
+ring and directory shard, records a master never publishes again, since its own view never changed.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from kvdepot.protocol.messages import PeerMembershipReply, PeerNodeInfo
 
@@ -29,6 +32,26 @@ def ordered(members: Iterable[PeerNodeInfo], head: str) -> list[PeerNodeInfo]:
 
 def masters_of(members: Iterable[PeerNodeInfo], head: str, max_masters: int) -> list[str]:
     return [n.id for n in ordered(members, head)[:max_masters]]
+
+
+def is_table(view: PeerMembershipReply) -> bool:
+    """A master's table (each member with the time since it was heard), not a node's cached view."""
+    return len(view.silent_ms) == len(view.members)
+
+
+def merged(tables: Sequence[PeerMembershipReply], head: str, max_masters: int) -> PeerMembershipReply:
+    """Every member any of these masters' tables names, each as its newest run, with the shortest silence
+    heard of that run (so a node promoted to master starts from it, as from one master's table). Only
+    masters' tables: two nodes' cached views, each the other's bootstrap, would keep a dead node for ever."""
+    newest: dict[str, tuple[PeerNodeInfo, int]] = {}
+    for table in tables:
+        for node, silent in zip(table.members, table.silent_ms, strict=True):
+            old = newest.get(node.id)
+            if old is None or old[0].incarnation < node.incarnation or (old[0].incarnation == node.incarnation and silent < old[1]):
+                newest[node.id] = (node, silent)
+    members = ordered((node for node, _ in newest.values()), head)
+    return PeerMembershipReply(members=members, masters=masters_of(members, head, max_masters), head=head,
+                               silent_ms=[newest[n.id][1] for n in members])  # fmt: skip
 
 
 class MemberTable:
@@ -54,7 +77,7 @@ class MemberTable:
         heard by whoever heard it last. Masters thus agree within a heartbeat, and a member that is
         really gone expires everywhere one TTL after anyone last heard it (an adopted time is never
         newer than a real heartbeat, so two masters cannot keep a dead node alive between them)."""
-        if len(view.silent_ms) != len(view.members):
+        if not is_table(view):
             return  # not a master's table (a node's cached view says nothing of when anyone was heard)
         now = time.monotonic()
         with self._lock:

@@ -41,7 +41,7 @@ from kvdepot.observability.metrics import PeerMetrics
 from kvdepot.peer.config import PeerConfig
 from kvdepot.peer.dataplane import PageOutcome, PageRead, TcpTransport
 from kvdepot.peer.directory import DirectoryShard
-from kvdepot.peer.discovery import MemberTable, masters_of, ordered
+from kvdepot.peer.discovery import MemberTable, is_table, masters_of, merged, ordered
 from kvdepot.peer.locations import LocationCache
 from kvdepot.peer.owed import OwedRecords, OwedUnpublishes
 from kvdepot.peer.planner import PullPlanner
@@ -883,7 +883,8 @@ class PeerNode:
                 self._table.adopt(other)
             view = self._table.view()
         elif views:
-            view = views[0]
+            tables = [v for v in views if is_table(v)]
+            view = merged(tables, self.head, self.config.max_masters) if tables else views[0]
         else:
             if targets and not self._cut_off:
                 log.warning("peer %s: no master answers; serving with the membership it knew", self.info.id)
