@@ -254,41 +254,72 @@ def test_a_client_that_opts_in_names_its_blocks_tokens_on_both_transports(make_s
         assert server.status()["l1"]["objects"] == before
 
 
+def _port_below_the_ephemeral_range() -> int:
+    """A free port the kernel never picks as a source port. While the router is down the server's PUB
+    keeps connecting to its address; to a free port of the ephemeral range on this host, Linux can pick
+    that same port as the source and connect the socket to itself, and the router cannot bind it."""
+    import random
+
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 8000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise AssertionError("no free port below the ephemeral range")
+
+
 def test_with_connect_the_server_reaches_a_router_that_binds_its_subscriber_and_again_after_it_restarts(make_server, seed):
     """llm-d's indexer binds its SUB and the engines connect to it (vLLM connects for an endpoint with a
     host): ``--kv-events-connect`` does the same, and ZeroMQ reconnects when the router comes back."""
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    endpoint = f"tcp://127.0.0.1:{_port_below_the_ephemeral_range()}"
     ctx = zmq.Context()
     decode = msgspec.msgpack.Decoder(KVEventBatch).decode
+    kv = np.ones((2, LAYOUT.num_layers, CHUNK, LAYOUT.num_kv_heads, LAYOUT.head_dim), np.float16)
 
     def router():
-        sub = ctx.socket(zmq.SUB)
-        sub.bind(endpoint)
-        sub.subscribe(MODEL.encode())
-        return sub
+        deadline = time.monotonic() + 10
+        while True:
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            try:
+                sub.bind(endpoint)
+            except zmq.ZMQError:  # the last router's port is not let go yet
+                sub.close(0)
+                assert time.monotonic() < deadline, f"cannot bind {endpoint} again"
+                time.sleep(0.1)
+                continue
+            sub.subscribe(MODEL.encode())
+            return sub
 
-    def stored_on(sub, wanted: set[bytes]) -> set[bytes]:
-        seen: set[bytes] = set()
-        deadline = time.monotonic() + 20
-        while not wanted <= seen and time.monotonic() < deadline:
-            if sub.poll(200):
-                _, _, payload = sub.recv_multipart()
-                for e in decode(payload).events:
-                    if isinstance(e, BlockStored) and e.medium == "CPU":
-                        seen.update(e.block_hashes)
-        return seen
+    def reaches(sub, client, round_: int) -> bool:
+        """Store fresh chunks until the router gets one's BlockStored: a PUB drops what it sends before
+        the SUB's subscription has reached it, however long that takes on a loaded machine."""
+        sent: set[bytes] = set()
+        deadline = time.monotonic() + 30
+        for i in range(1000):
+            if time.monotonic() > deadline:
+                return False
+            tokens = [seed + 104729 * (1000 * round_ + i) + t for t in range(CHUNK)]
+            assert client.store(tokens, kv) == CHUNK
+            sent.update(client.hashes(tokens))
+            wait_until = time.monotonic() + 0.5
+            while time.monotonic() < wait_until:
+                if sub.poll(100):
+                    _, _, payload = sub.recv_multipart()
+                    if any(isinstance(e, BlockStored) and e.medium == "CPU" and sent & set(e.block_hashes) for e in decode(payload).events):
+                        return True
+        return False
 
     server = make_server("--kv-events-endpoint", endpoint, "--kv-events-connect")  # the router is not up yet: nothing waits for it
-    kv = np.ones((2, LAYOUT.num_layers, CHUNK, LAYOUT.num_kv_heads, LAYOUT.head_dim), np.float16)
     try:
         with KVClient(server.url, MODEL, LAYOUT, options=ClientOptions(transport="inline")) as client:
             for round_ in range(2):
                 sub = router()
-                time.sleep(0.5)  # the server's reconnect (ZeroMQ retries every 100 ms) and the subscription reach it
-                tokens = [seed + 104729 * round_ + t for t in range(CHUNK)]
-                assert client.store(tokens, kv) == CHUNK
-                [h] = client.hashes(tokens)
-                assert h in stored_on(sub, {h}), f"round {round_}: the store never reached the router"
+                assert reaches(sub, client, round_), f"round {round_}: no store reached the router in 30 s"
                 sub.close(0)  # the router restarts
     finally:
-        ctx.term()
+        ctx.destroy(linger=0)
