@@ -25,7 +25,8 @@ FAST = {"heartbeat_interval_s": 0.3, "member_ttl_s": 1.5, "control_timeout_s": 0
 
 
 def _which(name: str, value: bytes, newest: int) -> str:
-    """What a wrong read held: another key's page, a version never written, or no page at all."""
+    """What a wrong read held: a version of the key (one written after the read returned), bytes of
+    another size, or bytes of no version of it."""
     for v in range(newest + 50):
         if value == page_bytes(name, SIZE, v):
             return f"version {v}"
