@@ -391,3 +391,48 @@ def test_a_delete_or_clear_after_a_store_was_submitted_is_not_undone_by_its_writ
         assert store(tier, items[:1]).value == [True] and present(tier, keys[0])
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize("local_kind", ["memory", "fs"])
+def test_a_store_submitted_after_a_delete_lands_though_an_earlier_write_is_still_in_flight(local_kind, tmp_path, rng) -> None:
+    """The delete guard is per write, not per key: an engine that stores a key again after an operator
+    deleted it gets it stored, although the push from before the delete (a slow S3 put) is still running.
+    The old write deletes itself and the new one lands; a load never gets the deleted bytes."""
+    from kvdepot.storage.l2.fs_adapter import FsAdapter, FsConfig
+    from kvdepot.storage.l2.memory_adapter import MemoryAdapter, MemoryConfig
+
+    if local_kind == "memory":
+        tier = MemoryAdapter("m", MemoryConfig(size_gb=0.01, workers=2))
+    else:
+        tier = FsAdapter("f", FsConfig(path=str(tmp_path / "fs"), size_gb=0.01, workers=2))
+    tier.start()
+    try:
+        keys = make_keys(3)
+        old = [make_payload(rng, 4096) for _ in keys]
+        new = [make_payload(rng, 4096) for _ in keys]
+        gates = {"old": threading.Event(), "new": threading.Event()}
+        inside = {"old": threading.Event(), "new": threading.Event()}
+        which = {bytes(p[:64]): "old" for p in old} | {bytes(p[:64]): "new" for p in new}
+        real_put = tier._put
+
+        def held_put(key, payload):
+            side = which[bytes(payload[:64])]
+            inside[side].set()
+            assert gates[side].wait(10)
+            return real_put(key, payload)
+
+        tier._put = held_put
+        before = tier.submit_store([(k, memoryview(p)) for k, p in zip(keys, old)])
+        assert inside["old"].wait(10)  # the push from before the delete is writing its first object
+        assert wait(tier, tier.submit_delete(keys)).ok
+        again = tier.submit_store([(k, memoryview(p)) for k, p in zip(keys, new)])
+        assert inside["new"].wait(10), "the store submitted after the delete was skipped (the key stayed void)"
+        gates["old"].set()
+        assert wait(tier, before).value == [False] * 3  # voided: its first write deleted itself
+        gates["new"].set()
+        assert wait(tier, again).value == [True] * 3, "the store submitted after the delete was skipped"
+        for key, payload in zip(keys, new):
+            dest = np.zeros_like(payload)
+            assert load(tier, [key], [dest]) == [True] and np.array_equal(dest, payload)
+    finally:
+        tier.close()

@@ -61,10 +61,12 @@ class BackendAdapter(ABC):
         self._stats = {"stored": 0, "loaded": 0, "corrupt": 0, "failures": 0}
         self._pins: dict[ObjectKey, int] = {}
         self._usage_cache: tuple[int, int, int] = (0, 0, 0)
-        # Keys with a store submitted and not finished, and those of them deleted meanwhile: their write
-        # must not bring back what the delete removed (``_store_all``).
+        # Keys with a store submitted and not finished, and when those of them were last deleted: a write
+        # submitted before that delete must not bring back what it removed (``_store_all``), and one
+        # submitted after it (the same key stored again) must land. Stamps count submissions and deletes.
         self._writing: dict[ObjectKey, int] = {}
-        self._voided: set[ObjectKey] = set()
+        self._deleted_at: dict[ObjectKey, int] = {}
+        self._stamp = 0
         self._usage_failure_logged = -1e9
         self._usage_future: Future | None = None
         self._announce_lock = threading.Lock()  # TierStored and TierCleared take turns (see _announce_stored)
@@ -88,12 +90,14 @@ class BackendAdapter(ABC):
         items = list(items)
         with self._lock:
             epoch = self._clear_epoch  # now: a clear between this call and the task's start counts too
+            self._stamp += 1
+            stamp = self._stamp  # a delete that runs from now on voids this write; one that ran before does not
             for key, _ in items:
                 self._writing[key] = self._writing.get(key, 0) + 1
 
         def store() -> list[bool]:
             try:
-                return self._store_all(items, epoch)
+                return self._store_all(items, epoch, stamp)
             finally:
                 self._done_writing(items)
 
@@ -301,12 +305,13 @@ class BackendAdapter(ABC):
                     self._writing[key] = left
                 else:
                     self._writing.pop(key, None)
-                    self._voided.discard(key)
+                    self._deleted_at.pop(key, None)
 
-    def _void(self, key: ObjectKey, epoch: int) -> bool:
-        """Was ``key`` deleted, or the tier cleared, since its store was submitted (at ``epoch``)?"""
+    def _void(self, key: ObjectKey, epoch: int, stamp: int) -> bool:
+        """Was ``key`` deleted, or the tier cleared, since its store was submitted (at ``epoch`` and
+        ``stamp``)? A delete before the submission does not count: that store is the key's newer write."""
         with self._lock:
-            return key in self._voided or epoch != self._clear_epoch
+            return self._deleted_at.get(key, 0) > stamp or epoch != self._clear_epoch
 
     def _run(self, task_id: TaskId, kind: TaskKind, work: Callable[[], Any], miss: Any) -> None:
         started = time.monotonic()
@@ -359,7 +364,7 @@ class BackendAdapter(ABC):
         """For the adapters' own status calls: never ask a backend that is down."""
         return self._breaker.up
 
-    def _store_all(self, items: list[tuple[ObjectKey, memoryview]], epoch: int | None = None) -> list[bool]:
+    def _store_all(self, items: list[tuple[ObjectKey, memoryview]], epoch: int | None = None, stamp: int | None = None) -> list[bool]:
         """Per-key outcome, counted once it is durable. A rejected object fails alone; when the backend
         fails midway, the objects stored before are still reported (and counted) as stored, so the
         tier's count and its store controller's always agree.
@@ -367,12 +372,17 @@ class BackendAdapter(ABC):
         An object deleted (an operator's DELETE of its prefix) or cleared after its store was submitted
         (``epoch``: the clear count then) is not written, or, when that came during its write, deleted
         again right after: the delete ran before the write existed and found nothing, and the write
-        would otherwise bring the deleted KV back for every later lookup."""
-        epoch = self._clear_epoch if epoch is None else epoch
+        would otherwise bring the deleted KV back for every later lookup. A store submitted after the
+        delete is the key stored again, and lands: the guard is per write, not per key. When such a
+        newer write lands before the voided one deletes itself, the key is a miss until stored again,
+        never the deleted bytes."""
+        with self._lock:
+            epoch = self._clear_epoch if epoch is None else epoch
+            stamp = self._stamp if stamp is None else stamp
         out: list[bool] = []
         failure: Exception | None = None
         for key, payload in items:
-            if self._void(key, epoch):
+            if self._void(key, epoch, stamp):
                 out.append(False)
                 continue
             try:
@@ -384,7 +394,7 @@ class BackendAdapter(ABC):
             except Exception as exc:
                 failure = exc
                 break
-            if self._void(key, epoch):
+            if self._void(key, epoch, stamp):
                 try:
                     self._delete(key)
                 except Exception as exc:
@@ -442,7 +452,8 @@ class BackendAdapter(ABC):
 
     def _delete_present(self, keys: list[ObjectKey]) -> int:
         with self._lock:
-            self._voided.update(k for k in keys if k in self._writing)  # those writes must not bring them back
+            self._stamp += 1  # the writes in flight now were submitted before this delete: they must not bring it back
+            self._deleted_at.update((k, self._stamp) for k in keys if k in self._writing)
         present = [k for k, there in zip(keys, self._contains(keys)) if there]
         for key in present:
             self._delete(key)
