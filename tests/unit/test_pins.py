@@ -239,6 +239,29 @@ def test_a_tenant_makes_room_in_its_quota_from_its_own_objects_never_from_the_ot
     t.check_invariants()
 
 
+def test_a_quota_counts_what_its_tenant_is_still_writing(prot):
+    """Concurrent batches of one tenant were each checked against what it held READY: each fit, and
+    together they overran its quota until the trim (evicting other tenants' objects meanwhile)."""
+    t = table(prot, slots=10, policy="isolated_lru")
+    t.policy.set_quota("a", 3 * SLOT)
+    AL, OQ = SlotStatus.ALLOCATED, SlotStatus.OVER_QUOTA
+    first = t.reserve_write(keys(1, 2), SLOT, OWNER, "a")
+    second = t.reserve_write(keys(3, 4), SLOT, ClientId(b"other engine"), "a")  # before the first commits
+    assert first.statuses == [AL, AL] and second.statuses == [AL, OQ]
+    t.check_invariants()
+    t.commit_write(first.lease_id, OWNER)
+    t.abort_write(second.lease_id, ClientId(b"other engine"))
+    t.check_invariants()
+    res = t.reserve_write(keys(5), SLOT, OWNER, "a")  # the aborted write's bytes are counted no more
+    assert res.statuses == [AL]
+    t.commit_write(res.lease_id, OWNER)
+    res = t.reserve_write(keys(6), SLOT, OWNER, "a")  # at its quota: its own oldest makes room
+    assert res.statuses == [AL] and t.get(key(2)) is None  # (a batch's tail is its oldest)
+    t.commit_write(res.lease_id, OWNER)
+    assert t.policy.used("a") == 3 * SLOT
+    t.check_invariants()
+
+
 def test_agent_sessions_keep_a_tenant_within_its_quota_not_beyond_it(prot):
     """Agent sessions protected keys without limit, and eviction, the quota trim and make-room all
     spared them: a tenant could hold L1 past its quota for as long as it kept its sessions going."""

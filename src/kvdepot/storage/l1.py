@@ -223,6 +223,9 @@ class ObjectTable:
         self._holder_alive = holder_alive
         self._lock = threading.Lock()
         self._objects: dict[ObjectKey, L1Object] = {}
+        # Bytes of WRITING objects per salt: a quota counts what its tenant is writing as well as what
+        # it holds, or two concurrent batches would each fit it and overrun it together until the trim.
+        self._writing_bytes: dict[str, int] = {}
         self._leases: dict[LeaseId, Lease] = {}  # ACTIVE
         self._by_owner: dict[ClientId, set[LeaseId]] = {}  # ACTIVE, per owner
         self._quarantine: dict[LeaseId, Lease] = {}  # QUARANTINED
@@ -315,7 +318,6 @@ class ObjectTable:
             keep: set[ObjectKey] = set(protect)
             out_of_space = False
             over_quota = self._policy.refuses(salt, size)
-            reserving = 0  # bytes this batch has reserved for the salt so far
             for key in keys:
                 obj = self._objects.get(key)
                 if obj is not None:
@@ -331,7 +333,7 @@ class ObjectTable:
                     # Within its quota, a tenant makes room from its own oldest objects, never from other
                     # tenants' (a batch larger than its quota used to flush everyone's cache, then be
                     # trimmed back); what its own cannot make room for is refused, this key and the rest.
-                    over_quota = not self._room_in_quota_locked(salt, reserving + size, keep)
+                    over_quota = not self._room_in_quota_locked(salt, self._writing_bytes.get(salt, 0) + size, keep)
                 if over_quota:
                     statuses.append(SlotStatus.OVER_QUOTA)
                     offsets.append(-1)
@@ -346,8 +348,8 @@ class ObjectTable:
                 self._objects[key] = L1Object(
                     key, offset, size, ObjectState.WRITING, salt, writer=lease_id, generation=next(self._generations)
                 )
+                self._writing_bytes[salt] = self._writing_bytes.get(salt, 0) + size
                 reserved.append(key)
-                reserving += size
                 statuses.append(SlotStatus.ALLOCATED)
                 offsets.append(offset)
             if reserved:
@@ -379,6 +381,7 @@ class ObjectTable:
                 if obj.doomed or (publish is not None and key not in publish):
                     self._remove_locked(obj)
                     continue
+                self._written_locked(obj)
                 obj.state = ObjectState.READY
                 obj.writer = NO_LEASE
                 self._counters.ready += 1
@@ -739,6 +742,11 @@ class ObjectTable:
             assert self._counters.ready == sum(1 for o in self._objects.values() if o.state is ObjectState.READY)
             assert self._counters.read_locked == sum(1 for o in self._objects.values() if o.readers)
             assert self._counters.awaiting_l2 == sum(1 for o in self._objects.values() if o.awaiting_l2)
+            writing: dict[str, int] = {}
+            for o in self._objects.values():
+                if o.state is ObjectState.WRITING:
+                    writing[o.salt] = writing.get(o.salt, 0) + o.size
+            assert self._writing_bytes == writing, f"bytes being written per salt: {self._writing_bytes} != {writing}"
             self._alloc.check_invariants()
 
     # --- internals (lock held) -------------------------------------------------------------------
@@ -827,8 +835,18 @@ class ObjectTable:
         self._counters.evicted += len(victims)
         return True
 
+    def _written_locked(self, obj: L1Object) -> None:
+        """``obj`` leaves WRITING (made READY, dropped or quarantined): its tenant no longer writes it."""
+        left = self._writing_bytes[obj.salt] - obj.size
+        if left:
+            self._writing_bytes[obj.salt] = left
+        else:
+            del self._writing_bytes[obj.salt]
+
     def _remove_locked(self, obj: L1Object, because: RemovedBecause = RemovedBecause.EVICTED) -> None:
         del self._objects[obj.key]
+        if obj.state is ObjectState.WRITING:
+            self._written_locked(obj)
         self._alloc.free(obj.offset)
         self._policy.on_remove(obj.key)
         if obj.awaiting_l2:  # cleared, expired or corrupt: the push will count it as gone
@@ -950,6 +968,7 @@ class ObjectTable:
                 if obj is None or obj.writer != lease.id:
                     continue
                 del self._objects[obj.key]
+                self._written_locked(obj)
                 lease.held.append((obj.offset, obj.size))
                 self._counters.quarantined_bytes += obj.size
         # A read keeps its pins: the objects stay READY for everyone, just not evictable yet.
