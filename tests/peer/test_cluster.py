@@ -161,6 +161,69 @@ def test_a_restarted_head_never_narrows_a_non_masters_membership(nodes):
                 assert reader.batch_exists(keys(f"r{i}-", 16)) == 16
 
 
+def test_a_restarted_head_that_is_the_only_master_narrows_no_one(nodes):
+    """One master: back on its address, the head is everyone's only source and knows only who has
+    heartbeated it since, so the node that heartbeated it first was told the other had left. It dropped
+    that node from its ring (its pages read as misses) and its records from its directory shard. A
+    master that has just started now says it is settling, for one member TTL, and no node drops a
+    member on a settling table's word: nothing leaves and every page reads throughout."""
+    one = {"max_masters": 1}
+    head = nodes(extra=one)
+    port = int(head.node_id.rsplit(":", 1)[1])
+    # Reads remember where pages are for the whole test, so they hit while a reader's membership holds
+    # the writer: the directory is checked once at the end.
+    with store(head.node_id, location_cache_s=60.0, **one) as a, store(head.node_id, location_cache_s=60.0, **one) as b:
+        agree(3, [a, b], [head])
+        ids = {head.node_id, a.node_id, b.node_id}
+        narrowed: list[set[str]] = []
+        for s in (a, b):
+            real = s.node.shard.keep_nodes
+
+            def keep_nodes(live, real=real):
+                if not ids <= set(live):
+                    narrowed.append(set(live))
+                return real(live)
+
+            s.node.shard.keep_nodes = keep_nodes
+        for s, prefix in ((a, "ha"), (b, "hb")):
+            names = keys(prefix, 16)
+            assert s.batch_set(names, [page_bytes(n, SIZE) for n in names]) == [True] * 16
+        pairs = ((a, "hb"), (b, "ha"))
+        for reader, prefix in pairs:
+            wait_for(lambda r=reader, p=prefix: check_pages(r, p, 16, SIZE)["hit"] == 16, 10, "the other node's pages")
+        stop = threading.Event()
+        seen = {"hit": 0, "miss": 0, "wrong": 0}
+        lost: list[set[str]] = []
+
+        def read_and_watch() -> None:
+            while not stop.is_set():
+                for reader, prefix in pairs:
+                    for k, v in check_pages(reader, prefix, 16, SIZE).items():
+                        seen[k] += v
+                    known = {n.id for n in reader.node.members()}
+                    if not ids <= known:
+                        lost.append(known)
+                time.sleep(0.005)
+
+        watcher = threading.Thread(target=read_and_watch)
+        watcher.start()
+        try:
+            head.kill()
+            again = nodes(port=port, extra=one)
+            assert again.node_id == head.node_id
+            agree(3, [a, b], [again])
+            time.sleep(FAST["member_ttl_s"] + 1.0)  # the head settles, and a few heartbeats after
+        finally:
+            stop.set()
+            watcher.join(30)
+        assert not lost, f"a node's membership lost a live node: {lost[:3]}"
+        assert not narrowed, f"a node dropped live members' records from its shard: {narrowed[:3]}"
+        assert seen["miss"] == 0 and seen["wrong"] == 0 and seen["hit"] > 0, seen
+        for reader, prefix in pairs:
+            reader.node.located.clear()  # through the directory now
+            assert check_pages(reader, prefix, 16, SIZE) == {"hit": 16, "miss": 0, "wrong": 0}
+
+
 def test_a_node_without_the_secret_can_neither_join_nor_read(nodes):
     head = nodes()
     assert head.command(f"set s 10 {SIZE}") == {"stored": 10}

@@ -194,6 +194,45 @@ def test_a_non_master_takes_what_every_master_knows_together():
     assert not is_table(cached)
 
 
+def test_a_just_started_master_is_settling_until_a_ttl_passes_or_it_adopts_a_settled_table():
+    """Just started, a master knows only who has heartbeated it since: its table says so (``settling``)
+    for one member TTL, or until it adopts a master's table that is settled. Merged tables settle with
+    any settled one. A peer that predates the field reads a settled answer exactly as before, and
+    refuses a settling one (it keeps its membership: the safe reading)."""
+    import msgspec
+
+    from kvdepot.peer.discovery import merged
+    from kvdepot.protocol.messages import PeerMembershipReply
+
+    head = node(1).id
+    assert MemberTable(head, 1, ttl_s=5.0, now=100.0).settling(now=104.9)
+    assert not MemberTable(head, 1, ttl_s=5.0, now=100.0).settling(now=105.0)
+    fresh = MemberTable(head, 1, ttl_s=5.0)
+    fresh.heard(node(1))
+    old = MemberTable(head, 1, ttl_s=5.0, now=time.monotonic() - 6.0)
+    for i in (1, 2, 3):
+        old.heard(node(i))
+    assert fresh.view().settling and not old.view().settling
+    assert merged([fresh.view()], head, 1).settling
+    assert not merged([fresh.view(), old.view()], head, 1).settling
+    other = MemberTable(head, 1, ttl_s=5.0)
+    other.adopt(fresh.view())  # a settling table settles no one
+    assert other.view().settling
+    fresh.adopt(old.view())
+    assert not fresh.view().settling and [n.id for n in fresh.view().members] == [node(i).id for i in (1, 2, 3)]
+
+    class OldReply(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):  # PeerMembershipReply before the field
+        members: list[PeerNodeInfo]
+        masters: list[str]
+        head: str = ""
+        silent_ms: list[int] = msgspec.field(default_factory=list)
+
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(old.view()), type=OldReply).members == old.view().members
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(msgspec.msgpack.encode(MemberTable(head, 1, ttl_s=5.0).view()), type=OldReply)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(PeerMembershipReply(members=[], masters=[])), type=OldReply).head == ""
+
+
 # --- data-plane handshake -----------------------------------------------------------------------------
 
 

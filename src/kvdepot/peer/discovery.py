@@ -12,6 +12,13 @@ any other bootstrap address it was given). A node that is not a master takes wha
 answered knows, together (``merged``): a master that has just restarted (the head, on its address)
 knows only who has heartbeated it since, and its view alone would drop the others from the node's
 ring and directory shard, records a master never publishes again, since its own view never changed.
+
+A master that has just started is *settling* until it has either adopted a settled master's table or
+been up for ``member_ttl_s`` (by then every live node has heartbeated it, or would have expired at any
+master); its table says so. A settling table (and a merge of settling tables only) adds members and
+newer runs but is never taken as word that a member left: a node applying one keeps every member it
+knows and drops no one's records. So a head restarted with no other master up (``max_masters=1``, or
+all the others down) cannot narrow anyone's membership, however the heartbeats fall.
 """
 
 from __future__ import annotations
@@ -42,7 +49,8 @@ def is_table(view: PeerMembershipReply) -> bool:
 def merged(tables: Sequence[PeerMembershipReply], head: str, max_masters: int) -> PeerMembershipReply:
     """Every member any of these masters' tables names, each as its newest run, with the shortest silence
     heard of that run (so a node promoted to master starts from it, as from one master's table). Only
-    masters' tables: two nodes' cached views, each the other's bootstrap, would keep a dead node for ever."""
+    masters' tables: two nodes' cached views, each the other's bootstrap, would keep a dead node for ever.
+    Settling when every table is: one settled table names every live member."""
     newest: dict[str, tuple[PeerNodeInfo, int]] = {}
     for table in tables:
         for node, silent in zip(table.members, table.silent_ms, strict=True):
@@ -51,19 +59,26 @@ def merged(tables: Sequence[PeerMembershipReply], head: str, max_masters: int) -
                 newest[node.id] = (node, silent)
     members = ordered((node for node, _ in newest.values()), head)
     return PeerMembershipReply(members=members, masters=masters_of(members, head, max_masters), head=head,
-                               silent_ms=[newest[n.id][1] for n in members])  # fmt: skip
+                               silent_ms=[newest[n.id][1] for n in members], settling=all(t.settling for t in tables))  # fmt: skip
 
 
 class MemberTable:
     """A master's record of who it heard from and when. Thread-safe (the RPC loop writes it, the
-    node's heartbeat thread expires it)."""
+    node's heartbeat thread expires it). Settling (it may lack live members) from its creation, at the
+    node's start, until it adopts a settled table or ``ttl_s`` has passed."""
 
-    def __init__(self, head: str, max_masters: int, ttl_s: float) -> None:
+    def __init__(self, head: str, max_masters: int, ttl_s: float, now: float | None = None) -> None:
         self.head = head
         self.max_masters = max_masters
         self.ttl_s = ttl_s
         self._seen: dict[str, tuple[PeerNodeInfo, float]] = {}
         self._lock = threading.Lock()
+        self._settles_at = (time.monotonic() if now is None else now) + ttl_s
+
+    def settling(self, now: float | None = None) -> bool:
+        """Could a live member be missing? Until every live node has had a full TTL to heartbeat this
+        table (a node silent that long is gone at any master), unless a settled table was adopted."""
+        return (time.monotonic() if now is None else now) < self._settles_at
 
     def heard(self, node: PeerNodeInfo, now: float | None = None) -> bool:
         """Record a heartbeat; True when it is news (a new member, or a member restarted)."""
@@ -81,6 +96,8 @@ class MemberTable:
             return  # not a master's table (a node's cached view says nothing of when anyone was heard)
         now = time.monotonic()
         with self._lock:
+            if not view.settling:
+                self._settles_at = min(self._settles_at, now)  # it names every live member: so does this table now
             for node, ms in zip(view.members, view.silent_ms, strict=True):
                 if ms / 1000 >= self.ttl_s:
                     continue
@@ -103,4 +120,4 @@ class MemberTable:
             heard = {n.id: seen for n, seen in self._seen.values()}
             members = ordered((n for n, _ in self._seen.values()), self.head)
         return PeerMembershipReply(members=members, masters=masters_of(members, self.head, self.max_masters), head=self.head,
-                                   silent_ms=[int((now - heard[n.id]) * 1000) for n in members])  # fmt: skip
+                                   silent_ms=[int((now - heard[n.id]) * 1000) for n in members], settling=self.settling(now))  # fmt: skip

@@ -11,7 +11,8 @@ Life cycle::
 
 ``start`` binds both ports, joins (waits up to ``join_timeout_s`` for a master's answer) and starts the
 heartbeat. Every membership change rebuilds the ring, drops the records of nodes that left, and
-re-publishes this node's pages to their owners under the new ring (so the directory re-shards). A
+re-publishes this node's pages to their owners under the new ring (so the directory re-shards); a
+settling master's table (``discovery.py``) only adds members, so no one leaves on its word. A
 publish some owner missed (stalled, timed out, suspected) is owed and sent again on the next
 heartbeat (``owed.py``), and so is an unpublish.
 
@@ -881,7 +882,7 @@ class PeerNode:
         if self._is_master():
             for other in views:
                 self._table.adopt(other)
-            view = self._table.view()
+            view = self._table.view()  # settling: this node's own table, too, may lack live members
         elif views:
             tables = [v for v in views if is_table(v)]
             view = merged(tables, self.head, self.config.max_masters) if tables else views[0]
@@ -906,13 +907,18 @@ class PeerNode:
         self._repay()
 
     def _apply(self, view: PeerMembershipReply, republish: bool = False) -> None:
-        """Take a membership view; on a change, rebuild the ring and re-shard the directory."""
+        """Take a membership view; on a change, rebuild the ring and re-shard the directory. A settling
+        view only adds: members it lacks stay (as their newest run), and no node's records go."""
         assert self.info is not None and self._table is not None
         members = {n.id: n for n in view.members}
         members[self.info.id] = self.info  # whatever a stale master says, this node is alive
-        masters = masters_of(members.values(), self.head, self.config.max_masters)
         with self._view_lock:
             before = dict(self._members)
+            if view.settling:
+                for nid, known in before.items():
+                    if nid not in members or members[nid].incarnation < known.incarnation:
+                        members[nid] = known
+            masters = masters_of(members.values(), self.head, self.config.max_masters)
             was_master = self.info.id in self._masters
             self._members = members
             self._masters = masters
@@ -923,7 +929,8 @@ class PeerNode:
                 self._republish()
             return
         self._ring = HashRing(members, self.config.vnodes, self.config.directory_replicas)
-        self.shard.keep_nodes(set(members))
+        if not view.settling:  # (settling, no one left: what keep_nodes would drop is a node not yet heard of)
+            self.shard.keep_nodes(set(members))
         for nid, old in before.items():
             if nid not in members or members[nid].incarnation != old.incarnation:  # left, or restarted
                 self._suspects.pop(nid, None)

@@ -516,13 +516,18 @@ class PeerNodeInfo(_Body):
     incarnation: int = 0
 
 
-class PeerMembershipReply(_Body):
-    """A master's view: live members (the head first, then by id) and the active masters."""
+class PeerMembershipReply(_Body, omit_defaults=True):
+    """A master's view: live members (the head first, then by id) and the active masters. ``settling``:
+    the master has just started and may lack live members (``discovery.py``): add what it names, drop
+    no one on its word. Appended with a default and left off the wire when false, so a peer that
+    predates it decodes every settled answer as before (and refuses a settling one, which keeps its
+    membership as it was: the safe reading); no version bump."""
 
     members: list[PeerNodeInfo]
     masters: list[str]
     head: str = ""
     silent_ms: list[int] = msgspec.field(default_factory=list)  # per member: since this master last heard it
+    settling: bool = False
 
 
 class PeerJoinRequest(_Body):
