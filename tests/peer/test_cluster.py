@@ -295,6 +295,41 @@ def test_an_unpublish_an_owner_missed_reaches_it_once_it_answers():
         assert b.status()["publish"]["unpublish_owed"] == 0 and b.status()["publish"]["unpublish_dropped"] == 0
 
 
+def test_a_node_restarted_with_its_clock_stepped_back_takes_a_later_run_and_its_pages_read(monkeypatch):
+    """A node's run is the wall clock at its start. Killed and restarted on its address within the
+    member TTL with the clock stepped back (NTP, a VM restored), the new run was older than the dead
+    one every shard knew of: its records were refused for good and its pages never read anywhere.
+    The cluster's answer now names the later run, and the node takes a run after it."""
+    import socket
+
+    from kvdepot.peer import node as node_module
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with store() as head, store(head.node_id) as reader:
+        future = time.time_ns() + 3600 * 10**9
+        monkeypatch.setattr(node_module, "_new_incarnation", lambda: future)
+        first = PeerStore(discovery=head.node_id, secret=SECRET, port=port, data_port=0, pool_size_mb=32, **FAST)
+        monkeypatch.undo()  # the clock steps back an hour
+        try:
+            wait_for(lambda: members_of(reader) == 3, 10, "three members")
+            names = keys("early", 8)
+            assert first.batch_set(names, [page_bytes(n, SIZE) for n in names]) == [True] * 8
+            wait_for(lambda: check_pages(reader, "early", 8, SIZE)["hit"] == 8, 10, "the first run's pages")
+        finally:
+            first.close()  # no goodbye: as a kill, the others still hold this run until the TTL
+        with PeerStore(discovery=head.node_id, secret=SECRET, port=port, data_port=0, pool_size_mb=32, **FAST) as again:
+            assert again.node_id == first.node_id
+            names = keys("late", 16)
+            assert again.batch_set(names, [page_bytes(n, SIZE) for n in names]) == [True] * 16
+            reader.node.located.clear()
+            wait_for(lambda: check_pages(reader, "late", 16, SIZE)["hit"] == 16, 10,
+                     f"the restarted node's pages to read (its run {again.node.info.incarnation}, the dead one's {future})")
+            assert again.node.info.incarnation > future
+            assert check_pages(reader, "early", 8, SIZE)["wrong"] == 0
+
+
 def _stall_resolves(s: PeerStore, gate: threading.Event) -> None:
     """``s`` answers directory lookups only once ``gate`` is set (its other calls go on)."""
     real = s.node._serve_shard

@@ -81,9 +81,14 @@ class MemberTable:
         return (time.monotonic() if now is None else now) < self._settles_at
 
     def heard(self, node: PeerNodeInfo, now: float | None = None) -> bool:
-        """Record a heartbeat; True when it is news (a new member, or a member restarted)."""
+        """Record a heartbeat; True when it is news (a new member, or a member restarted). A heartbeat of
+        a run older than the one this table holds is not taken: a late one of a dead run, or a restart
+        whose clock stepped back, which learns of the later run from this table's answer and takes a
+        run after it (``PeerNode._run_after``)."""
         with self._lock:
             old = self._seen.get(node.id)
+            if old is not None and node.incarnation < old[0].incarnation:
+                return False
             self._seen[node.id] = (node, time.monotonic() if now is None else now)
             return old is None or old[0].incarnation != node.incarnation
 

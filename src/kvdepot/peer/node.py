@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+import msgspec
 import zmq
 
 from kvdepot.errors import KVDepotError, KVDepotTimeout
@@ -68,6 +69,13 @@ class NodeState(enum.Enum):
     NEW = "new"
     RUNNING = "running"
     CLOSED = "closed"
+
+
+def _new_incarnation() -> int:
+    """A run's incarnation: the wall clock at start, in ns. A clock that stepped back across a restart
+    gives a run older than its predecessor; the cluster then tells it so, and it takes a later one
+    (``PeerNode._apply``)."""
+    return time.time_ns()
 
 
 def _free_port(host: str) -> int:
@@ -131,7 +139,7 @@ class PeerNode:
         self._data_server = DataServer(self.pool, cfg.cluster_secret.encode(), cfg.host, cfg.data_port)
         port = cfg.port or _free_port(cfg.host)
         self.info = PeerNodeInfo(id=f"{cfg.host}:{port}", host=cfg.host, control_port=port, data_port=self._data_server.port,
-                                 incarnation=time.time_ns())  # fmt: skip
+                                 incarnation=_new_incarnation())  # fmt: skip
         self.head = (cfg.bootstrap or [self.info.id])[0]
         self._table = MemberTable(self.head, cfg.max_masters, cfg.member_ttl_s)
         self._table.heard(self.info)
@@ -911,6 +919,9 @@ class PeerNode:
         view only adds: members it lacks stay (as their newest run), and no node's records go."""
         assert self.info is not None and self._table is not None
         members = {n.id: n for n in view.members}
+        mine = members.get(self.info.id)
+        if mine is not None and mine.incarnation > self.info.incarnation:
+            self._run_after(mine.incarnation)
         members[self.info.id] = self.info  # whatever a stale master says, this node is alive
         with self._view_lock:
             before = dict(self._members)
@@ -946,6 +957,17 @@ class PeerNode:
         self._republish()
         me = self.info.id
         self.shard.keep_keys(lambda key: me in self._ring.owners(key, self.config.directory_replicas))
+
+    def _run_after(self, earlier: int) -> None:
+        """The cluster knows a run of this node's id newer than this one: the wall clock stepped back
+        across a restart. Every shard refuses records of a run older than one it knows of (they would
+        name pages of a dead pool), so this run's records were refused, and would be for good. Take a
+        later incarnation; the membership change that follows publishes every page again under it."""
+        assert self.info is not None and self._table is not None
+        log.warning("peer %s: the cluster knows a later run of this node (the clock stepped back %.1f s across a restart?): "
+                    "taking a run after it and publishing again", self.info.id, (earlier - self.info.incarnation) / 1e9)  # fmt: skip
+        self.info = msgspec.structs.replace(self.info, incarnation=earlier + 1)
+        self._table.heard(self.info)
 
     def _republish(self) -> None:
         """Publish every page this node holds to its owners under the current ring (those only on its
