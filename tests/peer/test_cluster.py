@@ -330,6 +330,38 @@ def test_a_node_restarted_with_its_clock_stepped_back_takes_a_later_run_and_its_
             assert check_pages(reader, "early", 8, SIZE)["wrong"] == 0
 
 
+def test_a_page_evicted_while_its_record_was_on_the_way_leaves_no_record_behind():
+    """One writer's publish was slow; another writer's put evicted that page meanwhile, and the
+    eviction's unpublish reached the owners first. The publish then landed: a record of freed space,
+    counted by every existence check (a "hit" that no read could serve) until the key was written again."""
+    page = 256 << 10
+    with store(pool_size_mb=1) as writer, store(writer.node_id) as other:
+        wait_for(lambda: members_of(writer) == 2, 10, "two members")
+        slow = b"slow-page".ljust(16, b"\0")
+        gate, inside = threading.Event(), threading.Event()
+        real = writer.node._call_shard
+
+        def held(owner, body, deadline):
+            if isinstance(body, m.PeerPublishRequest) and any(r.key == slow and r.resident for r in body.records):
+                inside.set()
+                assert gate.wait(10)
+            return real(owner, body, deadline)
+
+        writer.node._call_shard = held
+        put = threading.Thread(target=writer.set, args=(slow, page_bytes("slow", page)))
+        put.start()
+        try:
+            assert inside.wait(10)  # its record is on the way
+            names = keys("crowd", 4)
+            assert writer.batch_set(names, [page_bytes(n, page) for n in names]) == [True] * 4  # evicts it
+            assert writer.node.pool.peek(slow) is None
+        finally:
+            gate.set()
+            put.join(10)
+        assert other.exists_many([slow]) == [False], "a record of an evicted page outlived its unpublish"
+        assert writer.exists_many([slow]) == [False]
+
+
 def _stall_resolves(s: PeerStore, gate: threading.Event) -> None:
     """``s`` answers directory lookups only once ``gate`` is set (its other calls go on)."""
     real = s.node._serve_shard

@@ -357,6 +357,12 @@ class PeerNode:
 
     def _publish(self, entries: Sequence[PoolEntry], deadline: float | None = None) -> None:
         self._publish_records([self._record(e) for e in entries], deadline)
+        # Another writer's put may have evicted some of them while their records were on the way, and
+        # that eviction's unpublish (or non-resident record) may have landed first: a record of freed
+        # space would stay, counted by every existence check. Said again, after ours has landed.
+        late = [e for e in entries if not e.published]
+        if late:
+            self._evicted(late, deadline)
 
     def _publish_records(self, records: Sequence[PeerLocation], deadline: float | None = None) -> None:
         by_owner: dict[str, list[PeerLocation]] = {}
