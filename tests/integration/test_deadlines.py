@@ -105,3 +105,66 @@ def test_registering_again_inside_a_deadline_waits_no_longer_than_the_deadline(m
         with c.deadline(DEADLINE_S * 20):
             assert c.lookup(tokens) == CHUNK
         assert len(waits) == 1 and waits[0] <= DEADLINE_S * 20
+
+
+def test_waiting_for_another_threads_registration_is_within_the_deadline(make_server, seed):
+    """After a restart one thread (no deadline) registers again, and the server is slow to answer it (here:
+    stopped). Another, inside a deadline, that needs the context meanwhile (told UNKNOWN_CONTEXT too, or
+    seeing the registration under way) used to wait for that registration to end, up to the client's
+    own timeout; it ends within its deadline now, and the registration goes on."""
+    from kvdepot.errors import UnknownContext
+    from kvdepot.protocol import messages as m
+
+    srv = make_server()
+    tokens = make_tokens(CHUNK, seed)
+    with srv.client(timeout_s=TIMEOUT_S, heartbeat=False) as c:
+        assert c.store(tokens, make_kv(LAYOUT, len(tokens), seed)) == CHUNK
+        srv.restart()
+        registering = threading.Event()  # one thread is registering again (it holds the registration lock)
+        paused = threading.Event()  # and the server is stopped before its REGISTER
+        told = threading.Event()  # the deadline's thread was told UNKNOWN_CONTEXT
+        call = c.link.channel.call
+
+        def spy(body, *args, **kwargs):
+            if isinstance(body, m.RegisterContextRequest) and threading.current_thread().name == "registers":
+                registering.set()
+                # Until the other thread was told too (a client that knows a registration is under way
+                # sends nothing and just waits for it: then this is as slow as the server would be).
+                told.wait(2 * DEADLINE_S)
+                pause(srv.proc.proc.pid)  # the registration's REGISTER waits for a silent server
+                paused.set()
+            try:
+                return call(body, *args, **kwargs)
+            except UnknownContext:
+                if threading.current_thread().name == "in-deadline":
+                    told.set()
+                raise
+
+        c.link.channel.call = spy
+        found: list = []
+        registers = threading.Thread(target=lambda: found.append(c.lookup(tokens)), name="registers")
+        registers.start()
+        outcome: list = []
+
+        def in_deadline() -> None:
+            t0 = time.monotonic()
+            try:
+                with c.deadline(DEADLINE_S):
+                    c.lookup(tokens)
+            except KVDepotTimeout as exc:
+                outcome.append(exc)
+            outcome.append(time.monotonic() - t0)
+
+        other = threading.Thread(target=in_deadline, name="in-deadline")
+        try:
+            assert registering.wait(10)
+            other.start()
+            assert paused.wait(10)
+            other.join(TIMEOUT_S / 4)
+        finally:
+            srv.proc.proc.send_signal(signal.SIGCONT)
+        other.join(TIMEOUT_S)
+        registers.join(TIMEOUT_S)
+        assert isinstance(outcome[0], KVDepotTimeout) and outcome[1] < TIMEOUT_S / 8, outcome
+        assert found == [0], "the registering thread went on once the server answered"
+        assert c.lookup(tokens) == 0

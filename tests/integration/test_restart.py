@@ -3,12 +3,14 @@ maps the new arena. The old data is gone; new stores and retrieves work."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
-from support.servers import CHUNK, LAYOUT, assert_bytes_equal, make_kv, make_tokens, wait_until
+from support.servers import CHUNK, LAYOUT, assert_bytes_equal, make_kv, make_tokens, pause, wait_until
 
-from kvdepot.errors import ErrorCode, LeaseExpired
+from kvdepot.errors import ErrorCode, KVDepotTimeout, LeaseExpired
 from kvdepot.protocol import messages as m
 
 
@@ -129,6 +131,69 @@ def test_a_request_for_a_path_another_thread_replaced_is_not_sent(make_server, s
         assert srv.status()["leases"] == 0, "the request was sent: its lease waits for the TTL"
         assert c.store(t, kv) == 2 * CHUNK
         assert_bytes_equal(c.retrieve(t), kv)
+
+
+def test_a_registration_that_timed_out_is_not_taken_for_the_old_one(make_server, seed):
+    """A restarted server numbers contexts from 1 again. A registration whose reply came too late for the
+    caller's deadline still registered a context there, under the old registration's very id: the
+    client went on with the old registration, the server accepted it, and the client wrote into its
+    old arena at the new arena's offsets, so the server published its own untouched slots as the chunks
+    (wrong bytes for every reader, and no error anywhere). The next request registers again first."""
+    srv = make_server()
+    t = make_tokens(2 * CHUNK, seed)
+    kv = make_kv(LAYOUT, len(t), seed)
+    with srv.client(heartbeat=False) as c:
+        assert c.transport == "shm"
+        srv.restart()
+        call = c.link.channel.call
+
+        def silent_server(body, *args, **kwargs):
+            if isinstance(body, m.RegisterContextRequest):
+                pause(srv.proc.proc.pid)  # it reads the REGISTER only after the caller gave up
+            return call(body, *args, **kwargs)
+
+        c.link.channel.call = silent_server
+        try:
+            with pytest.raises(KVDepotTimeout), c.deadline(0.5):
+                c.store(t, kv)
+        finally:
+            c.link.channel.call = call
+            srv.proc.proc.send_signal(signal.SIGCONT)
+        assert srv.wait_status(lambda st: st["contexts"] == 1)["contexts"] == 1  # what the late REGISTER made
+        assert c.store(t, kv) == 2 * CHUNK
+        with srv.client(srv.url, transport="inline") as other:  # through the socket: what the server holds
+            assert_bytes_equal(other.retrieve(t), kv)
+        assert_bytes_equal(c.retrieve(t), kv)
+        assert srv.status()["leases"] == 0
+
+
+def test_a_re_registration_that_could_not_map_the_new_arena_is_tried_again(make_server, seed):
+    """Registering again after a restart closes the old arena before it maps the new one. When that failed
+    (here the arena's file is out of sight for a moment; transport "shm" allows no fallback), the client
+    kept its old registration and the closed path: the server knew the old id (the failed try's context,
+    numbered from 1 again), so the client never registered again, and every store failed mapping its
+    offsets on the closed arena (ValueError), its lease left to the TTL. The next call registers again
+    and maps the arena; the context of the failed try is let go at once."""
+    from kvdepot.errors import TransportUnavailable
+
+    srv = make_server()
+    t = make_tokens(2 * CHUNK, seed)
+    kv = make_kv(LAYOUT, len(t), seed)
+    with srv.client(transport="shm", heartbeat=False) as c:
+        srv.restart()
+        arena = srv.status()["l1"]["shm_path"]
+        os.rename(arena, arena + ".away")
+        try:
+            with pytest.raises(TransportUnavailable):
+                c.store(t, kv)
+        finally:
+            os.rename(arena + ".away", arena)
+        assert c.store(t, kv) == 2 * CHUNK
+        assert c.transport == "shm"
+        with srv.client(srv.url, transport="inline") as other:
+            assert_bytes_equal(other.retrieve(t), kv)
+        st = srv.status()
+        assert (st["contexts"], st["leases"]) == (1, 0), "the failed try's context stayed on the server"
 
 
 def test_a_block_the_server_forgot_ends_with_lease_expired_not_unknown_context(make_server, seed):

@@ -17,7 +17,7 @@ a staging buffer checked out for that block alone on inline), so a view stays va
 exits, whatever other threads or nested blocks do.
 
 Constructing a KVClient connects it (the public contract in ARCHITECTURE §10); ``connect=False`` builds
-it without I/O or threads, for ``connect()`` later.
+it without I/O or threads, for ``connect()`` later, which may be tried again after it failed.
 """
 
 from __future__ import annotations
@@ -73,7 +73,9 @@ class KVClient:
             self.connect()
 
     def connect(self) -> KVClient:
-        """Open the channel, register the context (choosing the transport) and start the heartbeat."""
+        """Open the channel, register the context (choosing the transport) and start the heartbeat. One
+        that failed (the server was not up yet) may be called again; on a connected client it does
+        nothing, on a closed one it is refused."""
         self.link.open()
         return self
 
@@ -224,8 +226,10 @@ class KVClient:
 
     def clear(self, scope: ClearScope | str = ClearScope.L1) -> int:
         """Drop every unlocked object of L1 (``"l1"``), of every L2 tier (``"tiers"``), or both
-        (``"all"``); returns how many went (a tier that failed to clear counts none)."""
-        reply = self.link.channel.call(m.ClearRequest(scope=ClearScope(scope)), timeout_s=max(self.timeout_s, 60.0))
+        (``"all"``); returns how many went (a tier that failed to clear counts none). It may take the
+        server a minute, so it goes aside (``ContextLink.call_aside``): the heartbeat goes on renewing
+        the leases of blocks that other threads hold open meanwhile."""
+        reply = self.link.call_aside(m.ClearRequest(scope=ClearScope(scope)), timeout_s=max(self.timeout_s, 60.0))
         return reply.removed + sum(n for n in reply.tiers_removed.values() if n > 0)
 
     def stored_chunks(self, hashes: list[ChunkHash], salt: str) -> int:

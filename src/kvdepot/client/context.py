@@ -6,8 +6,29 @@ lease renewer. It is the host a transfer path talks to (``transfer.PathHost``): 
 are (a commit, whose lease a new context would not know), pipelines, how many leading chunks are stored,
 and renewal of the leases of open blocks. ``KVClient`` is the facade over it.
 
-Life cycle: ``ContextLink(...)`` does no I/O; ``open`` connects, registers and starts the heartbeat;
-``close`` says goodbye (UNREGISTER) and closes the path and the channel.
+Life cycle::
+
+    ┌─open failed─┐
+    ▼             │
+    BUILT ──open──┴──► OPEN ──close──► CLOSED
+      │                                  ▲
+      └───────────────close──────────────┘
+
+``ContextLink(...)`` does no I/O. ``open`` connects, registers and starts the heartbeat; one that fails
+(no server yet, a refused handshake) lets go of its socket and path and leaves a fresh channel, so a
+later ``open`` tries again from scratch. ``open`` on an open link does nothing, on a closed one it is
+refused. ``close`` says goodbye (UNREGISTER) and closes the path and the channel.
+
+Registering again (the server forgot the context)::
+
+    LIVE ──UNKNOWN_CONTEXT──► REGISTERING ──registered──► LIVE (a new context, perhaps a new path)
+                                   │
+                                   └─failed──► FORGOTTEN ──next request on the context──► REGISTERING
+
+A registration that failed leaves the old one FORGOTTEN, never LIVE again: a restarted server numbers
+its contexts from 1, so the old id may well be a context the failed try registered there (its reply
+lost to a timeout), which the server would accept while the client still used the old arena. So the
+next request registers first, whoever makes it, instead of waiting for an UNKNOWN_CONTEXT.
 """
 
 from __future__ import annotations
@@ -23,7 +44,7 @@ from kvdepot.client.options import ClientOptions
 from kvdepot.client.registration import ContextIdentity, Registration, choose_path
 from kvdepot.client.renewal import LeaseRenewer
 from kvdepot.client.transfer import PathChanged, TransferPath
-from kvdepot.errors import KVDepotError, KVDepotTimeout, LeaseExpired, PrefetchTooSlow, ServerUnreachable, UnknownContext
+from kvdepot.errors import ErrorCode, KVDepotError, KVDepotTimeout, LeaseExpired, PrefetchTooSlow, ServerUnreachable, UnknownContext
 from kvdepot.layout import KVLayout
 from kvdepot.protocol import messages as m
 from kvdepot.rpc.channel import RpcChannel
@@ -44,7 +65,8 @@ class ContextLink:
         self.path: TransferPath | None = None
         self.transport_reason = ""  # why the path is what it is (what ``auto`` found)
         self._reg: Registration | None = None
-        self._reg_lock = threading.RLock()  # (re-)registration
+        self._forgotten: Registration | None = None  # the registration a failed re-registration left (FORGOTTEN)
+        self._reg_lock = threading.RLock()  # opening, (re-)registration
         self._closed = False
         self._local = threading.local()  # this thread's deadline (``deadline``)
 
@@ -64,21 +86,40 @@ class ContextLink:
     # --- life cycle ----------------------------------------------------------------------------------
 
     def open(self) -> None:
-        """Connect, register (choosing the path) and start the heartbeat."""
+        """Connect, register (choosing the path) and start the heartbeat. Nothing to do when open
+        already; refused once closed. A failure leaves the link as built, for another ``open``."""
+        with self._reg_lock:
+            if self._closed:
+                raise KVDepotError("client is closed", ErrorCode.CONNECTION)
+            if self._reg is not None:
+                return
+            self._open()
+            if self.options.heartbeat:
+                self.renewer.start()
+
+    def _open(self) -> None:
         self.channel.open()
         try:
             self._reg = self._register(timeout_s=self.options.connect_timeout_s)
         except KVDepotTimeout:
-            self._close_transport()
+            self._start_over()
             raise ServerUnreachable(
                 f"no kvdepot server answered at {self.url} within connect_timeout_s={self.options.connect_timeout_s:g} s "
                 f"(is it running, and is this its address?)"
             ) from None
         except BaseException:
-            self._close_transport()
+            self._start_over()
             raise
-        if self.options.heartbeat:
-            self.renewer.start()
+
+    def _start_over(self) -> None:
+        """After a failed ``open``: close the socket (a closed channel refuses every request for good) and
+        the path, and leave a new channel, as ``__init__`` did, for the next ``open``. What the owner set
+        on the channel (``answered``) carries over."""
+        answered = self.channel.answered
+        self._close_transport()
+        self.path, self.transport_reason = None, ""
+        self.channel = RpcChannel(self.url, security=self.options.curve)
+        self.channel.answered = answered
 
     def close(self) -> None:
         if self._closed:
@@ -86,13 +127,14 @@ class ContextLink:
         self._closed = True
         self.renewer.stop()
         if self._reg is not None:
-            try:
-                self.channel.call(
-                    m.UnregisterContextRequest(context_id=self._reg.context_id), timeout_s=min(1.0, self.options.timeout_s), closing=True
-                )
-            except KVDepotError:
-                pass
+            self._goodbye(self._reg, min(1.0, self.options.timeout_s))
         self._close_transport()
+
+    def _goodbye(self, reg: Registration, timeout_s: float) -> None:
+        """UNREGISTER ``reg``'s context, if the server answers within ``timeout_s`` (best effort: a
+        context the server keeps ends with the client anyway)."""
+        with suppress(KVDepotError):
+            self.channel.call(m.UnregisterContextRequest(context_id=reg.context_id), timeout_s=timeout_s, closing=True)
 
     def _close_transport(self) -> None:
         self.channel.close()
@@ -104,8 +146,9 @@ class ContextLink:
     @contextmanager
     def deadline(self, seconds: float) -> Iterator[None]:
         """Every request this thread makes inside the block ends within ``seconds`` from now, in all
-        (a KVDepotTimeout otherwise), and none waits longer than ``timeout_s``. Nested blocks keep the
-        earlier deadline. Other threads are not affected."""
+        (a KVDepotTimeout otherwise), waiting for the channel or for another thread's registration
+        included, and none waits longer than ``timeout_s``. Nested blocks keep the earlier deadline.
+        Other threads are not affected."""
         outer = getattr(self._local, "deadline", None)
         mine = time.monotonic() + seconds
         self._local.deadline = mine if outer is None else min(outer, mine)
@@ -116,13 +159,18 @@ class ContextLink:
 
     def _timeout(self) -> float:
         """How long the next request of this thread may take."""
+        left = self._left()
+        return self.options.timeout_s if left is None else min(self.options.timeout_s, left)
+
+    def _left(self) -> float | None:
+        """What is left of this thread's deadline (None: it has none); KVDepotTimeout once it passed."""
         deadline = getattr(self._local, "deadline", None)
         if deadline is None:
-            return self.options.timeout_s
+            return None
         left = deadline - time.monotonic()
         if left <= 0:
             raise KVDepotTimeout("the caller's deadline passed before the request was sent")
-        return min(self.options.timeout_s, left)
+        return left
 
     # --- requests (what the transfer paths use: transfer.PathHost) -----------------------------------
 
@@ -133,7 +181,7 @@ class ContextLink:
         arena), PathChanged is raised instead of redoing the request (its answer would be the new
         path's to read). ``timeout_s``: this request's own patience instead of ``timeout_s`` (a one-off
         that takes long, such as registering a GPU cache)."""
-        reg = self.registration
+        reg = self._live()
         if path is not None and self.path is not path:
             # Another thread registered again since the caller chose its path (re-registering sets the
             # path before the registration): the answer would be the new path's offsets.
@@ -164,7 +212,9 @@ class ContextLink:
         client's ``timeout_s`` bounds the wait for each reply, not the whole transfer (a large inline
         load that keeps moving is never cut short); a caller's ``deadline`` bounds it all.
         ``borrowed``: the payload is the caller's own memory (see ``RpcChannel.pipeline``)."""
-        reg = self.registration
+        reg = self._live()
+        for body, _ in requests:
+            body.context_id = reg.context_id  # the path built them before a registration this may have made
         until = getattr(self._local, "deadline", None)  # the caller's: each reply restarts timeout_s, not this
         try:
             return self.channel.pipeline(requests, on_reply, timeout_s=self._timeout(), borrowed=borrowed, until=until)
@@ -173,6 +223,21 @@ class ContextLink:
             for body, _ in requests:
                 body.context_id = new.context_id
             return self.channel.pipeline(requests, on_reply, timeout_s=self._timeout(), borrowed=borrowed, until=until)
+
+    def call_aside(self, body, timeout_s: float):
+        """A request that is not the context's, and that the server may take long over (a clear of slow
+        tiers), on a channel of its own: the client's channel stays free meanwhile. The heartbeat needs
+        it to renew the leases of blocks other threads have open, and the server's lease TTL (60 s by
+        default) is no longer than such a wait may be (``KVClient.clear`` waits up to 60 s). Only while
+        the link is open, as any request."""
+        if self._closed:
+            raise KVDepotError("client is closed", ErrorCode.CONNECTION)
+        self.registration  # noqa: B018 (not connected: the same error as a request's)
+        channel = RpcChannel(self.url, security=self.options.curve).open()
+        try:
+            return channel.call(body, timeout_s=timeout_s)
+        finally:
+            channel.close()
 
     def lookup(
         self, hashes: list[ChunkHash], salt: str, session_id: str = "", lock: bool = True, prefetch: bool = True, probe: bool = False
@@ -230,7 +295,10 @@ class ContextLink:
             return 0
         if reregister:
             return self.request(req).renewed
-        req.context_id = self.registration.context_id
+        reg = self.registration
+        if reg is self._forgotten:
+            return 0  # those leases went with the server that forgot it; the next request registers
+        req.context_id = reg.context_id
         return self.channel.call(req, timeout_s=self._timeout()).renewed
 
     def holding(self, lease_id: int):
@@ -239,19 +307,45 @@ class ContextLink:
 
     # --- registration --------------------------------------------------------------------------------
 
+    def _live(self) -> Registration:
+        """The registration to send under: a FORGOTTEN one (see the module's drawing) is registered again
+        first, as the server may know its id as another context."""
+        reg = self.registration
+        if reg is self._forgotten:
+            reg = self._reregister(reg)
+        return reg
+
     def _reregister(self, failed: Registration) -> Registration:
-        """Register again, unless another thread already did since ``failed`` stopped working."""
-        with self._reg_lock:
+        """Register again, unless another thread already did since ``failed`` stopped working. All of it
+        is within the caller's deadline, if any: waiting for another thread's registration too (the
+        server answers it, but that thread's patience may be the client's ``timeout_s``). A failure
+        leaves ``failed`` FORGOTTEN: the next request tries again."""
+        left = self._left()
+        if not self._reg_lock.acquire(timeout=-1 if left is None else left):
+            raise KVDepotTimeout(f"another thread was registering again for longer than the caller's deadline ({left:.3g} s left)")
+        try:
             if self._reg is failed:
                 log.warning("kvdepot: the server forgot context %d; registering again", failed.context_id)
+                self._forgotten = failed
                 self._reg = self._register(timeout_s=self._timeout())  # within the caller's deadline, if any
+                self._forgotten = None
             return self._reg
+        finally:
+            self._reg_lock.release()
 
     def _register(self, timeout_s: float | None = None) -> Registration:
         reply: m.RegisterContextReply = self.channel.call(
             self.identity.request(self.options.chunk_size, self.options.hash_algorithm, self.options.hash_scheme), timeout_s=timeout_s or self.options.timeout_s
         )
         reg = Registration.of(reply)
-        self.path, self.transport_reason = choose_path(self.path, reg, self.options, self)
+        try:
+            self.path, self.transport_reason = choose_path(self.path, reg, self.options, self)
+        except BaseException:
+            # The server has a context this client cannot use (no path for it): let it go now rather
+            # than at the client's end. choose_path may have closed the old path: FORGOTTEN keeps
+            # anyone from sending under the old registration, and the next try chooses again.
+            with suppress(KVDepotTimeout):  # past the caller's deadline: not even that
+                self._goodbye(reg, min(1.0, self._timeout()))
+            raise
         log.info("kvdepot: context %d on %s, transport %s", reg.context_id, self.url, self.path.name.value)
         return reg
