@@ -340,6 +340,19 @@ def test_delete_removes_the_named_objects_and_says_how_many_were_there(adapter, 
     assert load(adapter, [keys[0]], [dest]) == [True] and np.array_equal(dest, payloads[0])
 
 
+def _started_local_tier(kind: str, tmp_path):
+    """A small memory or fs tier with two workers (a held write leaves one free), started."""
+    from kvdepot.storage.l2.fs_adapter import FsAdapter, FsConfig
+    from kvdepot.storage.l2.memory_adapter import MemoryAdapter, MemoryConfig
+
+    if kind == "memory":
+        tier = MemoryAdapter("m", MemoryConfig(size_gb=0.01, workers=2))
+    else:
+        tier = FsAdapter("f", FsConfig(path=str(tmp_path / "fs"), size_gb=0.01, workers=2))
+    tier.start()
+    return tier
+
+
 @pytest.mark.parametrize("local_kind", ["memory", "fs"])
 @pytest.mark.parametrize("when", ["before_the_write", "during_the_write"])
 @pytest.mark.parametrize("how", ["delete", "clear"])
@@ -349,14 +362,7 @@ def test_a_delete_or_clear_after_a_store_was_submitted_is_not_undone_by_its_writ
     every later lookup. Now the write does not happen, or deletes itself when it ends."""
     import time
 
-    from kvdepot.storage.l2.fs_adapter import FsAdapter, FsConfig
-    from kvdepot.storage.l2.memory_adapter import MemoryAdapter, MemoryConfig
-
-    if local_kind == "memory":
-        tier = MemoryAdapter("m", MemoryConfig(size_gb=0.01, workers=2))
-    else:
-        tier = FsAdapter("f", FsConfig(path=str(tmp_path / "fs"), size_gb=0.01, workers=2))
-    tier.start()
+    tier = _started_local_tier(local_kind, tmp_path)
     try:
         keys = make_keys(3)
         items = [(k, make_payload(rng, 4096)) for k in keys]
@@ -398,14 +404,7 @@ def test_a_store_submitted_after_a_delete_lands_though_an_earlier_write_is_still
     """The delete guard is per write, not per key: an engine that stores a key again after an operator
     deleted it gets it stored, although the push from before the delete (a slow S3 put) is still running.
     The old write deletes itself and the new one lands; a load never gets the deleted bytes."""
-    from kvdepot.storage.l2.fs_adapter import FsAdapter, FsConfig
-    from kvdepot.storage.l2.memory_adapter import MemoryAdapter, MemoryConfig
-
-    if local_kind == "memory":
-        tier = MemoryAdapter("m", MemoryConfig(size_gb=0.01, workers=2))
-    else:
-        tier = FsAdapter("f", FsConfig(path=str(tmp_path / "fs"), size_gb=0.01, workers=2))
-    tier.start()
+    tier = _started_local_tier(local_kind, tmp_path)
     try:
         keys = make_keys(3)
         old = [make_payload(rng, 4096) for _ in keys]

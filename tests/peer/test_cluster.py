@@ -123,6 +123,22 @@ def test_head_master_killed_established_nodes_serve_and_a_restarted_head_rejoins
     assert again.command(f"check y 30 {SIZE}") == {"hit": 30, "miss": 0, "wrong": 0}
 
 
+def watch_keep_nodes(stores, ids: set[str]) -> list[set[str]]:
+    """Each call of a store's ``shard.keep_nodes`` that leaves out one of ``ids`` (it drops a live node's
+    records), recorded in the list returned; the call itself goes on."""
+    narrowed: list[set[str]] = []
+    for s in stores:
+        real = s.node.shard.keep_nodes
+
+        def keep_nodes(live, real=real):
+            if not ids <= set(live):
+                narrowed.append(set(live))
+            return real(live)
+
+        s.node.shard.keep_nodes = keep_nodes
+    return narrowed
+
+
 def test_a_restarted_head_never_narrows_a_non_masters_membership(nodes):
     """Back on its address, the head knows only who has heartbeated it since. A non-master took the
     first master's answer as the membership, so for a heartbeat or two it dropped the others from its
@@ -137,16 +153,7 @@ def test_a_restarted_head_never_narrows_a_non_masters_membership(nodes):
         ids = {s.node_id for s in stores}
         non_masters = [s for s in stores if s.node_id not in s.status()["masters"]]
         assert len(non_masters) == 2
-        narrowed: list[set[str]] = []
-        for s in non_masters:
-            real = s.node.shard.keep_nodes
-
-            def keep_nodes(live, real=real):
-                if not ids <= set(live):
-                    narrowed.append(set(live))
-                return real(live)
-
-            s.node.shard.keep_nodes = keep_nodes
+        narrowed = watch_keep_nodes(non_masters, ids)
         for i, s in enumerate(stores):
             names = keys(f"r{i}-", 16)
             assert s.batch_set(names, [page_bytes(n, SIZE) for n in names]) == [True] * 16
@@ -175,16 +182,7 @@ def test_a_restarted_head_that_is_the_only_master_narrows_no_one(nodes):
     with store(head.node_id, location_cache_s=60.0, **one) as a, store(head.node_id, location_cache_s=60.0, **one) as b:
         agree(3, [a, b], [head])
         ids = {head.node_id, a.node_id, b.node_id}
-        narrowed: list[set[str]] = []
-        for s in (a, b):
-            real = s.node.shard.keep_nodes
-
-            def keep_nodes(live, real=real):
-                if not ids <= set(live):
-                    narrowed.append(set(live))
-                return real(live)
-
-            s.node.shard.keep_nodes = keep_nodes
+        narrowed = watch_keep_nodes((a, b), ids)
         for s, prefix in ((a, "ha"), (b, "hb")):
             names = keys(prefix, 16)
             assert s.batch_set(names, [page_bytes(n, SIZE) for n in names]) == [True] * 16
