@@ -55,6 +55,20 @@ def test_an_arena_is_reserved_and_owned_and_a_dead_ones_is_swept(shm_dir):
     assert remove_stale_segments(shm_dir) == [name]
 
 
+def test_the_sweep_takes_only_arenas_never_a_workers_host_cache_file(shm_dir):
+    """A worker's host cache file (``kvdepot-kvcache-*``, in the server's shm directory) is held by no
+    lock while the worker lives: a restarting server's sweep took it for a dead arena and deleted it,
+    and the worker's cache could never be registered again (every request on it a BAD_REQUEST)."""
+    for name in ("kvdepot-kvcache-4242-0123456789ab", "kvdepot-notes", "kvdepot-77-0123456789abX"):
+        with open(os.path.join(shm_dir, name), "wb") as f:
+            f.write(b"x" * 4096)
+    dead = "kvdepot-4242-0123456789ab"  # an arena's name, and no lock on it
+    with open(os.path.join(shm_dir, dead), "wb") as f:
+        f.write(b"x" * 4096)
+    assert remove_stale_segments(shm_dir) == [dead]
+    assert sorted(os.listdir(shm_dir)) == ["kvdepot-77-0123456789abX", "kvdepot-kvcache-4242-0123456789ab", "kvdepot-notes"]
+
+
 def test_liveness_lock_is_seen_while_held_and_refused_twice(shm_dir):
     owner = SharedArena.create(SIZE, shm_dir=shm_dir)
     off = liveness_offset(owner.size, b"client-1")

@@ -44,6 +44,7 @@ import hashlib
 import logging
 import mmap
 import os
+import re
 import secrets
 import struct
 import threading
@@ -61,6 +62,9 @@ HEADER_BYTES = 4096
 NONCE_BYTES = 16
 SHM_DIR = "/dev/shm"
 _PREFIX = "kvdepot-"
+# An arena's name, and nothing else: other files share the directory and the prefix (a worker's host
+# cache file, ``kvdepot-kvcache-*``, which no lock holds while its worker lives).
+_ARENA_NAME = re.compile(r"kvdepot-[0-9]+-[0-9a-f]{12}")
 _LIVENESS_SPAN = 1 << 47  # liveness lock offsets lie in [size, size + span): far past any data
 
 # struct flock on Linux x86-64/aarch64: short l_type, short l_whence, (pad), off_t l_start, off_t l_len,
@@ -126,14 +130,15 @@ def _try_flock(fd: int) -> bool:
 
 
 def remove_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
-    """Unlink arenas that no server holds: only a segment whose ownership lock can be taken is stale."""
+    """Unlink arenas that no server holds: only a segment whose ownership lock can be taken is stale, and
+    only a file named as an arena is one."""
     removed = []
     try:
         names = os.listdir(shm_dir)
     except FileNotFoundError:
         return removed
     for name in names:
-        if not name.startswith(_PREFIX):
+        if not _ARENA_NAME.fullmatch(name):
             continue
         path = os.path.join(shm_dir, name)
         try:
