@@ -179,6 +179,68 @@ def test_a_cache_the_server_forgot_is_registered_again_and_another_clients_id_is
         src.close()
 
 
+def test_a_restarted_server_leaves_the_workers_cache_file_and_the_cache_registers_again(blocks_server):
+    """The restarted server's sweep of dead arenas deleted the worker's host cache file (same directory,
+    same prefix, no lock on it): the cache could never be registered again, every store and retrieve a
+    BAD_REQUEST for the worker's life."""
+    with client_of(blocks_server, heartbeat=False) as a:
+        src = host_cache(a, seed=23)
+        rc = a.register_kv_cache(src.layers, "kv_first", BS)
+        blocks_server.restart()
+        assert os.path.exists(src.path)
+        hashes = a.hashes(tokens(23, 1))
+        assert rc.store(hashes, [[0, 1, 2, 3]]) == [SlotStatus.ALLOCATED]
+        dst = host_cache(a)
+        again = a.register_kv_cache(dst.layers, "kv_first", BS)
+        assert again.retrieve(hashes, [[4, 5, 6, 7]]) == 1
+        assert torch.equal(bits(dst.layers[2][:, 4:8]), bits(src.layers[2][:, 0:4]))
+        src.close()
+        dst.close()
+
+
+def test_a_cache_registration_that_timed_out_is_not_taken_for_the_old_one(blocks_server, monkeypatch):
+    """A restarted server numbers its caches from 1 again, so a registration whose reply came too late had
+    made the cache there under the old id: the worker kept the old id, and the server took it, with the
+    worker still waiting on the dead server's events (on CUDA: never recorded again, so the worker read
+    its blocks before the server's copies into them were done). The next request registers again."""
+    import kvdepot.client.blocks as blocks
+    from kvdepot.errors import KVDepotTimeout
+    from support.servers import pause
+
+    with client_of(blocks_server, heartbeat=False) as a:
+        src = host_cache(a, seed=21)
+        rc = a.register_kv_cache(src.layers, "kv_first", BS)
+        old_id = rc.cache_id
+        blocks_server.restart()
+        assert a.ping()
+        call = a.link.channel.call
+
+        def silent_server(body, *args, **kwargs):
+            if isinstance(body, m.RegisterKVCacheRequest):
+                pause(blocks_server.proc.proc.pid)  # it reads the REGISTER only after the worker gave up
+            return call(body, *args, **kwargs)
+
+        monkeypatch.setattr(blocks, "REGISTER_TIMEOUT_S", 0.5)
+        a.link.channel.call = silent_server
+        hashes = a.hashes(tokens(21, 1))
+        try:
+            with pytest.raises(KVDepotTimeout):
+                rc.store(hashes, [[0, 1, 2, 3]])
+        finally:
+            a.link.channel.call = call
+            blocks_server.proc.proc.send_signal(signal.SIGCONT)
+        late = blocks_server.wait_status(lambda st: len(st["gpu"]["caches"]) == 1)["gpu"]["caches"]
+        assert [x["id"] for x in late] == [old_id], "the late registration took the old id (the case at hand)"
+        assert rc.store(hashes, [[0, 1, 2, 3]]) == [SlotStatus.ALLOCATED]
+        assert rc.cache_id not in (0, old_id), "the worker went on with an id it was never given by this server"
+        dst = host_cache(a)
+        again = a.register_kv_cache(dst.layers, "kv_first", BS)
+        assert again.retrieve(hashes, [[4, 5, 6, 7]]) == 1
+        assert torch.equal(bits(dst.layers[1][:, 4:8]), bits(src.layers[1][:, 0:4]))
+        src.close()
+        dst.close()
+
+
 def test_a_worker_killed_with_its_cache_registered_leaves_nothing_in_the_server(blocks_server):
     worker = subprocess.Popen([sys.executable, str(HERE / "_block_worker.py"), blocks_server.url, "13", "2", str(HERE)],
                               stdout=subprocess.PIPE, text=True)  # fmt: skip

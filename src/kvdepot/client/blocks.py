@@ -18,6 +18,15 @@ cache is registered again once, by one thread (the others wait for it and use th
 request redone (its context is re-registered by ``ContextLink`` the same way). Registering again makes
 new events: the old ones are never recorded again, so a wait on them waits for nothing, and a wait on
 the new ones for nothing of a retrieve made before.
+
+The cache's registration::
+
+    REGISTERED(id) ──UNKNOWN_KV_CACHE──► REGISTERING ──registered──► REGISTERED(new id, new events)
+                                              │
+                                              └─failed──► FORGOTTEN (id 0) ──next request──► REGISTERING
+
+A registration that failed (a timeout, say) never leaves the old id in use: a restarted server may have
+made the cache under that very id, with events the worker never opened (see ``_register``).
 """
 
 from __future__ import annotations
@@ -108,7 +117,16 @@ class RegisteredKVCache:
             self._register()
 
     def _register(self) -> None:
-        reply: m.RegisterKVCacheReply = self._link.request(self.exported.request(self.block_size), timeout_s=REGISTER_TIMEOUT_S)
+        try:
+            reply: m.RegisterKVCacheReply = self._link.request(self.exported.request(self.block_size), timeout_s=REGISTER_TIMEOUT_S)
+        except BaseException:
+            # Forgotten (0): a restarted server numbers its caches from 1 again, so a registration whose
+            # reply came too late may have made a cache there under the old id. Kept, that id would be
+            # accepted while the events stayed the old server's, never recorded again: a worker would
+            # read blocks before the server's copies into them were done. The next request registers.
+            with self._lock:
+                self.cache_id, self.num_blocks, self._layer_events = 0, 0, []
+            raise
         events = [open_event(h, self.device_index) for h in reply.layer_events] if reply.layer_events else []
         with self._lock:
             self.cache_id, self.num_blocks, self._layer_events = reply.cache_id, reply.num_blocks, events
@@ -124,6 +142,11 @@ class RegisteredKVCache:
         after registering again if the server forgot the cache. Of the threads the server told so at
         once, one registers (under the lock) and the others find the new id when they get it."""
         cache_id, events = self._current()
+        if not cache_id:  # forgotten by a registration that failed
+            with self._register_lock:
+                if not self.cache_id:
+                    self._register()
+                cache_id, events = self._current()
         try:
             return self._link.request(make(cache_id)), events
         except UnknownKVCache:
@@ -184,9 +207,11 @@ class RegisteredKVCache:
         self._current()[1].synchronize()
 
     def close(self) -> None:
-        if self._closed or not self.cache_id:
+        if self._closed:
             return
         self._closed = True
+        if not self.cache_id:  # never registered, or forgotten: nothing of ours the server knows by id
+            return
         try:
             self._link.request(m.UnregisterKVCacheRequest(context_id=0, cache_id=self.cache_id), timeout_s=2.0)
         except Exception as exc:  # the server went first: it dropped the cache with the client
