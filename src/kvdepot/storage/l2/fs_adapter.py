@@ -287,21 +287,23 @@ class FsAdapter(BackendAdapter):
         Returns the dropped keys, whose files the caller unlinks after releasing ``_mu``."""
         if need > self._capacity:
             raise RejectedObject(f"object of {need} bytes exceeds the tier's {self._capacity}")
+        # Walk from the oldest end only as far as needed, choosing first and removing after: a copy of
+        # the whole index on every put held _mu (which every lookup and load waits on) for ~0.3 s at a
+        # million objects, full or not.
+        over = self._used + self._reserved + need - self._capacity
         victims: list[tuple[ObjectKey, int]] = []
-        for key in list(self._index):
-            if self._used + self._reserved + need <= self._capacity:
+        for key, size in self._index.items():
+            if over <= 0:
                 break
             if self.is_pinned(key):
                 continue
-            size = self._index.pop(key)
-            self._used -= size
             victims.append((key, size))
-        if self._used + self._reserved + need > self._capacity:
-            for key, size in reversed(victims):  # nothing is unlinked yet: put them back, oldest first
-                self._index[key] = size
-                self._index.move_to_end(key, last=False)
-                self._used += size
+            over -= size
+        if over > 0:
             raise RejectedObject("fs tier is full of pinned objects and writes in flight")
+        for key, size in victims:
+            del self._index[key]
+            self._used -= size
         self._tell_removed([key for key, _ in victims], "evicted")  # under _mu: ordered with _announce_stored
         return [key for key, _ in victims]
 

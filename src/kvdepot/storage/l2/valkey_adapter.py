@@ -227,20 +227,27 @@ class ValkeyAdapter(BackendAdapter):
             nparts = math.ceil(data.nbytes / self._part_bytes)
             meta = _META.pack(_META_MAGIC, nparts, self._part_bytes, gen)
             parts = self.part_names(key, meta)
-            pipe = client.pipeline(transaction=False)
-            for i, name in enumerate(parts):
-                pipe.set(name, data[i * self._part_bytes : (i + 1) * self._part_bytes], ex=ORPHAN_TTL_S)
-            pipe.execute()
             value = meta + head
-        from valkey.exceptions import ResponseError  # imported with the client, at start
+        from valkey.exceptions import OutOfMemoryError, ResponseError  # imported with the client, at start
 
         try:
+            if parts:
+                pipe = client.pipeline(transaction=False)
+                for i, name in enumerate(parts):
+                    pipe.set(name, data[i * self._part_bytes : (i + 1) * self._part_bytes], ex=ORPHAN_TTL_S)
+                pipe.execute()
             if self._in_cluster:
                 old = self._commit(keys=[mkey, *parts], args=[value, ttl, _META.size, 0], client=client)
                 if not old:
                     client.incr(self._counter)
             else:
                 old = self._commit(keys=[mkey, self._counter, *parts], args=[value, ttl, _META.size, 1], client=client)
+        except OutOfMemoryError as exc:
+            # The server is at maxmemory with noeviction (Valkey's default policy): it refuses this
+            # object, and it still serves what it holds. Taken for a dead server, it kept the tier down
+            # (every push failed again), and the objects already stored could not be loaded either.
+            self._forget_parts(parts)
+            raise RejectedObject(f"the server is full: {exc}") from None
         except ResponseError as exc:
             if "vanished before commit" not in str(exc):
                 raise
@@ -345,6 +352,15 @@ class ValkeyAdapter(BackendAdapter):
             old = self._drop(keys=[self.manifest_name(key), self._counter], args=[_META.size, expected_meta], client=client)
         if old:
             self._delete_parts(key, old)
+
+    def _forget_parts(self, names: list[bytes]) -> None:
+        """Delete the parts of a store that will not commit (a DEL is allowed at maxmemory), rather than
+        leave them filling the server until their orphan TTL; they expire anyway if this fails."""
+        try:
+            for first in range(0, len(names), 512):
+                self._valkey.delete(*names[first : first + 512])
+        except Exception:
+            pass
 
     def _delete_parts(self, key: ObjectKey, meta: bytes) -> None:
         try:
