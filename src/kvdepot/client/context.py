@@ -274,14 +274,25 @@ class ContextLink:
         window = self._timeout()
         deadline = time.monotonic() + window
         delay = 0.0002
+
+        def too_slow() -> PrefetchTooSlow:
+            with suppress(KVDepotError):  # past the caller's deadline too: not cut short (see finish)
+                self.finish(m.EndSessionRequest(context_id=self.registration.context_id, session_id=session))
+            return PrefetchTooSlow(f"the prefetch from L2 did not finish within {window:.3g} s")
+
         while hits is None:
-            if time.monotonic() > deadline:
-                with suppress(KVDepotError):  # past the caller's deadline too: not cut short (see finish)
-                    self.finish(m.EndSessionRequest(context_id=self.registration.context_id, session_id=session))
-                raise PrefetchTooSlow(f"the prefetch from L2 did not finish within {window:.3g} s")
+            if time.monotonic() + delay >= deadline:
+                raise too_slow()
             time.sleep(delay)
             delay = min(delay * 2, STATUS_POLL_MAX_S)
-            hits = self.request(m.QueryPrefetchStatusRequest(context_id=0, session_id=session)).hits
+            try:
+                hits = self.request(m.QueryPrefetchStatusRequest(context_id=0, session_id=session)).hits
+            except KVDepotTimeout:
+                # A poll the deadline cut short is a slow prefetch, this request's miss; said as a
+                # timeout, it read as an unreachable server (a connector then stops asking it at all).
+                if time.monotonic() < deadline:
+                    raise
+                raise too_slow() from None
         return hits
 
     def renew(self, sessions: Iterable[str] = (), lease_ids: Iterable[int] = (), reregister: bool = True) -> int:

@@ -34,6 +34,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from kvdepot.config import ConfigStruct, option
 from kvdepot.connectors.sglang.pages import PageCodec, model_identity, page_hash
 from kvdepot.connectors.sglang.runtime import SGLangRuntime
+from kvdepot.connectors.sglang.settings import without_sglang_keys
 from kvdepot.keys import NamespaceSpec
 from kvdepot.peer.config import PeerConfig
 from kvdepot.peer.store import PeerStore
@@ -61,7 +62,7 @@ class PeerSGLangSettings(ConfigStruct, frozen=True, kw_only=True):
 def split_settings(extra: dict[str, Any] | None) -> tuple[PeerSGLangSettings, PeerConfig]:
     """The one JSON object as (this backend's and SGLang's keys, the node's ``PeerConfig``); an unknown
     key is a ValueError naming it."""
-    extra = dict(extra or {})
+    extra = without_sglang_keys(extra)
     peer_keys = set(PeerConfig.__struct_fields__)
     own_keys = set(PeerSGLangSettings.__struct_fields__)
     unknown = sorted(set(extra) - peer_keys - own_keys)

@@ -3,10 +3,19 @@ settings (``ClientSettings``), the keys SGLang's own loader reads from the same 
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from kvdepot.config import option
 from kvdepot.connectors.common import ClientSettings
+
+# Keys SGLang adds to every backend's extra-config itself: ``file_storage_path`` (its ``--file-storage-path``,
+# the file backend's folder; ``unified_radix_cache``). Not the user's and nothing to kvdepot: dropped, so
+# that they never stop SGLang's start as unknown keys.
+SGLANG_ADDED_KEYS = frozenset({"file_storage_path"})
+
+
+def without_sglang_keys(extra: dict[str, Any] | None) -> dict[str, Any]:
+    return {k: v for k, v in (extra or {}).items() if k not in SGLANG_ADDED_KEYS}
 
 
 class SGLangSettings(ClientSettings, frozen=True, kw_only=True):
@@ -29,3 +38,7 @@ class SGLangSettings(ClientSettings, frozen=True, kw_only=True):
         float,
         option("the share of SGLang's prefetch budget (policy timeout) one lookup or load may use before it is a miss", gt=0, le=1),
     ] = 0.4
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None, what: str = "kvdepot SGLang backend option") -> SGLangSettings:
+        return super().from_extra(without_sglang_keys(extra), what)

@@ -1,0 +1,165 @@
+"""Edges of the SGLang HiCache backends that SGLang meets in production, driven in process against a real
+kvdepot server (no SGLang server: too slow). SGLang itself lives in .venv-sglang; where it is not
+importable here, a stand-in of the two things the backends take from it (``hicache_storage``'s base class
+and config, as SGLang 0.5.23 defines them) and a layer-first host pool of SGLang's shape are used."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import sys
+import types
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from support.servers import wait_until
+from support.tiers import start_tier_server, valkey_spec
+
+PAGE = 16
+LAYERS, HEADS, HEAD_DIM = 2, 2, 32
+
+
+def _sglang_stand_in() -> dict[str, types.ModuleType]:
+    """``sglang.srt.mem_cache.hicache_storage`` as far as the backends use it."""
+
+    @dataclass
+    class HiCacheStorageConfig:
+        tp_rank: int
+        tp_size: int
+        pp_rank: int
+        pp_size: int
+        attn_cp_rank: int
+        attn_cp_size: int
+        is_mla_model: bool
+        enable_storage_metrics: bool
+        is_page_first_layout: bool
+        model_name: str | None
+        tp_lcm_size: int | None = None
+        should_split_heads: bool = False
+        dp_rank: int = 0
+        extra_config: dict | None = None
+        dcp_size: int = 1
+        dcp_rank: int = 0
+        logical_page_size: int | None = None
+
+        @property
+        def is_storage_writer(self) -> bool:
+            return not self.is_mla_model or self.tp_rank == self.dcp_rank
+
+    @dataclass
+    class HiCacheStorageExtraInfo:
+        prefix_keys: list[str] | None = None
+        extra_info: dict | None = field(default=None)
+
+    class HiCacheStorage:
+        def register_mem_pool_host(self, mem_pool_host):
+            self.mem_pool_host = mem_pool_host
+
+    names = ["sglang", "sglang.srt", "sglang.srt.mem_cache", "sglang.srt.mem_cache.hicache_storage"]
+    modules = {n: types.ModuleType(n) for n in names}
+    for parent, child in zip(names, names[1:]):
+        setattr(modules[parent], child.rsplit(".", 1)[1], modules[child])
+    hs = modules["sglang.srt.mem_cache.hicache_storage"]
+    hs.HiCacheStorage, hs.HiCacheStorageConfig, hs.HiCacheStorageExtraInfo = HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+    return modules
+
+
+@pytest.fixture
+def sglang(monkeypatch):
+    """SGLang's ``hicache_storage`` module (the real one where importable), with the backend modules
+    imported against it (and dropped again afterwards, so no other test sees the stand-in)."""
+    try:
+        import sglang.srt.mem_cache.hicache_storage as hs  # noqa: F401
+    except ImportError:
+        for name, module in _sglang_stand_in().items():
+            monkeypatch.setitem(sys.modules, name, module)
+    for name in ("kvdepot.connectors.sglang.backend", "kvdepot.connectors.sglang.peer_backend"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    yield sys.modules["sglang.srt.mem_cache.hicache_storage"]
+    for name in ("kvdepot.connectors.sglang.backend", "kvdepot.connectors.sglang.peer_backend"):
+        sys.modules.pop(name, None)
+
+
+class LayerFirstHostPool:
+    """SGLang's MHA host pool with ``--hicache-mem-layout layer_first``, as the backends see it."""
+
+    layout = "layer_first"
+
+    def __init__(self, pages: int = 8, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.page_size, self.size = PAGE, pages * PAGE
+        self.layer_num, self.head_num, self.head_dim, self.v_head_dim, self.dtype = LAYERS, HEADS, HEAD_DIM, HEAD_DIM, dtype
+        self.kv_buffer = torch.zeros((2, LAYERS, self.size, HEADS, HEAD_DIM), dtype=dtype)
+
+    def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
+        page = self.kv_buffer[:, :, index : index + self.page_size, :, :]
+        return page.flatten() if flat else page
+
+
+def sglang_keys(tokens: list[int], prior: str | None = None) -> list[str]:
+    """SGLang's page keys: a sha256 chain over each page's token ids (uint32, little-endian)."""
+    keys = []
+    for i in range(0, len(tokens) - len(tokens) % PAGE, PAGE):
+        digest = hashlib.sha256(bytes.fromhex(prior) if prior else b"")
+        digest.update(b"".join(t.to_bytes(4, "little") for t in tokens[i : i + PAGE]))
+        prior = digest.hexdigest()
+        keys.append(prior)
+    return keys
+
+
+def make_backend(sglang, url: str, host=None, *, model: str = "edges-model", **extra):
+    from kvdepot.connectors.sglang.backend import KVDepotHiCacheStorage
+
+    config = sglang.HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
+        is_page_first_layout=False, model_name=model,
+        extra_config={"backend_name": "kvdepot", "module_path": "kvdepot.connectors.sglang", "class_name": "KVDepotHiCacheStorage",
+                      "interface_v1": 1, "url": url, **extra},
+    )  # fmt: skip
+    b = KVDepotHiCacheStorage(config)
+    if host is not None:
+        b.register_mem_pool_host(host)
+    return b
+
+
+def test_sglangs_own_file_storage_path_key_does_not_fail_the_start(sglang, server):
+    """With ``--file-storage-path`` set (a launch script shared with the file backend), SGLang adds
+    ``file_storage_path`` to every backend's extra-config itself (``unified_radix_cache``); the backend
+    must take it as it takes SGLang's other keys, not refuse SGLang's start over a key the user never
+    wrote in the JSON."""
+    b = make_backend(sglang, server.url, LayerFirstHostPool(), file_storage_path="/tmp/sglang-file-tier")
+    try:
+        assert b.batch_exists(sglang_keys(list(range(2 * PAGE)))) == 0
+    finally:
+        b.close()
+    from kvdepot.connectors.sglang.peer_backend import split_settings
+
+    own, _ = split_settings({"backend_name": "kvdepot-peer", "file_storage_path": "/tmp/sglang-file-tier"})
+    assert own.backend_name == "kvdepot-peer"
+
+
+def test_a_slow_l2_prefetch_is_that_lookups_miss_and_lookups_of_l1_go_on(sglang, own_valkey, make_server):
+    """A prompt whose pages only a hung L2 tier holds misses (SGLang recomputes it); the server itself
+    works, so the next lookup, of pages in L1, must hit: the lookup direction must not be switched off
+    for ``retry_after_s`` as if kvdepot were unreachable."""
+    srv = start_tier_server(
+        make_server, valkey_spec(own_valkey.url, name="slow", socket_timeout_s=30),
+        chunk=PAGE, extra=("--l2-placement", "skip_l1"),
+    )  # fmt: skip
+    host = LayerFirstHostPool()
+    b = make_backend(sglang, srv.url, host, prefetch_timeout_base=0.5, retry_after_s=30.0)
+    try:
+        gone, kept = sglang_keys(list(range(3 * PAGE))), sglang_keys(list(range(1000, 1000 + 2 * PAGE)))
+        assert b.batch_set_v1(gone, torch.arange(3 * PAGE)) == [True] * 3
+        wait_until(lambda: srv.status()["l1"]["objects"] == 0, timeout_s=30)  # only the tier holds them now
+        os.kill(own_valkey.proc.pid, signal.SIGSTOP)
+        try:
+            assert b.batch_exists(gone) == 0  # past its share of SGLang's budget: a miss
+            assert b.batch_set_v1(kept, torch.arange(2 * PAGE)) == [True] * 2  # skip_l1 keeps these in L1 while the tier hangs
+            assert b.batch_exists(kept) == 2, f"lookups were switched off after one slow prefetch: {b.failures()}"
+        finally:
+            os.kill(own_valkey.proc.pid, signal.SIGCONT)
+    finally:
+        b.close()
