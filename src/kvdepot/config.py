@@ -219,6 +219,13 @@ class HttpConfig(ConfigStruct, frozen=True, kw_only=True):
                 f"prometheus_port={self.prometheus_port}, admin_token={token})")
 
     def _check_together(self) -> None:
+        # A token read from a file (a Kubernetes secret, `--from-file`) often ends in a newline that no
+        # Authorization header can carry: every mutating request was refused as a wrong token. The guard
+        # strips what a client sends, so the token is stripped too (a blank one is then no token at all).
+        if self.admin_token != self.admin_token.strip():
+            msgspec.structs.force_setattr(self, "admin_token", self.admin_token.strip())
+        if not all(" " <= c <= "~" for c in self.admin_token):  # what else a header carries is not what was typed
+            raise ConfigError(f"--admin-token (or ${ADMIN_TOKEN_ENV}) must be printable ASCII: an Authorization header cannot carry it otherwise")
         if self.prometheus_port and self.prometheus_port == self.port:
             raise ConfigError("--prometheus-port must differ from --http-port")
 

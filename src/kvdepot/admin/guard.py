@@ -54,6 +54,21 @@ def _split_host(value: str) -> tuple[str, int | None]:
     return (parts.hostname or "").lower(), port
 
 
+def _allowed_name(entry: str) -> str:
+    """An ``--http-allowed-hosts`` entry as the Host check compares it: written as a URL shows it
+    (``kv.internal:8080``, ``[fd00::1]``, ``http://kv.internal``), it was kept whole, matched nothing,
+    and every request under that name was refused (421) while the operator had allowed it."""
+    entry = entry.strip().lower()
+    if _is_ip(entry):  # a bare IPv6 literal: its colons are no port
+        return entry
+    try:
+        parts = urlsplit(entry if "://" in entry else "//" + entry)
+        parts.port  # noqa: B018 (raises on a bad port)
+    except ValueError:
+        return entry
+    return parts.hostname or entry
+
+
 def _is_ip(name: str) -> bool:
     try:
         ipaddress.ip_address(name)
@@ -67,7 +82,7 @@ class AdminGuard:
         self.port = port
         self._token = admin_token.encode() if admin_token else b""  # empty: mutating requests need none
         self.wildcard = bind_host in WILDCARDS
-        names = set(LOOPBACK_NAMES) | {bind_host.lower()} | {h.lower() for h in allowed_hosts if h}
+        names = set(LOOPBACK_NAMES) | {bind_host.lower()} | {_allowed_name(h) for h in allowed_hosts if h}
         for name in (socket.gethostname(), socket.getfqdn()):
             if name:
                 names.add(name.lower())

@@ -115,7 +115,23 @@ def _load(path: str | os.PathLike) -> tuple[bytes, bytes | None]:
         raise ValueError(f"{path} is not a CurveZMQ certificate: {exc}") from None
     if not public:
         raise ValueError(f"{path} is not a CurveZMQ certificate (no public-key line)")
+    # ZeroMQ refuses a malformed key only when it is set on a socket, with a bare EINVAL: checked here.
+    for which, key in (("public", public), ("secret", secret)):
+        if key is not None and not _is_z85_key(key):
+            raise ValueError(f"{path}: its {which} key is not a 40-character Z85 CurveZMQ key (a damaged or truncated file?)")
+    if secret and zmq.curve_public(secret) != public:
+        raise ValueError(f"{path}: its public key is not the one of its secret key (a damaged file?)")
     return public, secret
+
+
+def _is_z85_key(key: bytes) -> bool:
+    if len(key) != 40:
+        return False
+    try:
+        z85.decode(key)
+    except Exception:  # a character outside Z85's alphabet (KeyError), a group past 2**32 (struct.error)
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -156,18 +172,20 @@ class CurveClientKeys:
 
 class CurveServerKeys:
     """The kvdepot server's side of CurveZMQ: its key pair from a secret certificate, and the clients it
-    admits: every public certificate in a directory (``zmq.auth``'s ``configure_curve(location=...)``),
-    or the one public key of a shared client certificate file."""
+    admits: every public certificate (``*.key``) in a directory, read at start, or the one public key of a
+    shared client certificate file."""
 
     def __init__(self, server_secret: str | os.PathLike, clients: str | os.PathLike) -> None:
         self.public_key, self._secret_key = load_key_pair(server_secret)
         path = Path(clients)
         if path.is_dir():
-            certs = sorted(p.name for p in path.iterdir() if p.suffix == ".key")
+            certs = sorted(p for p in path.iterdir() if p.suffix == ".key" and not p.name.startswith("."))  # as zmq.auth's glob
             if not certs:
                 raise ValueError(f"{clients} holds no client certificate (*.key): every client would be refused")
+            # Read here, each one named when it cannot be used: zmq.auth's own directory loader gives up
+            # on the first bad file with a log line only, and the server then refused every client.
             self.clients_dir: Path | None = path
-            self.client_keys: frozenset[bytes] = frozenset()
+            self.client_keys: frozenset[bytes] = frozenset(load_public_key(p) for p in certs)
         else:
             self.clients_dir = None
             self.client_keys = frozenset({load_public_key(path)})
@@ -180,10 +198,7 @@ class CurveServerKeys:
     def apply_server(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
         auth = ThreadAuthenticator(ctx, log=log)
         auth.start()
-        if self.clients_dir is not None:
-            auth.configure_curve(domain=SERVER_ZAP_DOMAIN, location=str(self.clients_dir))
-        else:
-            auth.configure_curve_callback(SERVER_ZAP_DOMAIN, credentials_provider=self)
+        auth.configure_curve_callback(SERVER_ZAP_DOMAIN, credentials_provider=self)
         self._authenticators.append(auth)
         sock.zap_domain = SERVER_ZAP_DOMAIN.encode()
         sock.curve_server = True
@@ -191,10 +206,10 @@ class CurveServerKeys:
         sock.curve_publickey = self.public_key
 
     def callback(self, domain: str, client_key: bytes) -> bool:
-        """zmq.auth's credentials check for a shared client key file."""
+        """zmq.auth's credentials check: one of the admitted clients' public keys."""
         ok = client_key in self.client_keys
         if not ok:
-            log.warning("refused a CurveZMQ client whose public key is not the shared client key")
+            log.warning("refused a CurveZMQ client whose public key is not admitted by --curve-clients")
         return ok
 
     def apply_client(self, sock: zmq.Socket) -> None:

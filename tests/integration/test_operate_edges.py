@@ -1,0 +1,128 @@
+"""Operating a server: misconfigurations an operator meets end in one clear error at start (or in the
+setup that was meant), never in a traceback or a server that starts and then refuses everyone.
+
+- CurveZMQ key files: one unusable file among the admitted clients (``--curve-clients DIR``) is named
+  at start; before, zmq.auth's loader gave up on the whole directory with a log line and every client
+  was refused. A damaged secret key is named too, not a ZMQError traceback.
+- The admin token: one read from a file ends in a newline no Authorization header can carry; it is the
+  token without it (before, every mutating request was refused as a wrong token).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+from support.servers import CHUNK, LAYOUT, MODEL, SMALL_L1, make_kv, make_tokens
+
+from kvdepot import ClientOptions, CurveClientKeys, KVClient
+from kvdepot.bench.serverproc import ServerProcess, free_port
+from kvdepot.config import HttpConfig, RpcConfig, ServerConfig
+from kvdepot.errors import ConfigError, HandshakeRefused
+from kvdepot.rpc.security import CurveServerKeys, load_key_pair, write_key_files
+from kvdepot.server.main import rpc_security
+
+
+def _server_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvdepot.cli", "server", "--chunk-size", str(CHUNK), "--l1-size-gb", SMALL_L1,
+                           "--no-prefault", *args], capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+@pytest.fixture
+def keys(tmp_path):
+    return write_key_files(tmp_path / "keys")
+
+
+# --- CurveZMQ key files ----------------------------------------------------------------------------------
+
+
+def test_one_unusable_client_key_file_is_named_at_start_not_a_server_that_refuses_everyone(keys):
+    (keys["clients"] / "broken.key").write_text("# an empty certificate\n")
+    with pytest.raises(ValueError, match="broken.key"):
+        CurveServerKeys(keys["server_secret"], keys["clients"])
+    rpc = RpcConfig(curve_server_key=str(keys["server_secret"]), curve_clients=str(keys["clients"]))
+    with pytest.raises(ConfigError, match=r"--curve-clients: .*broken\.key"):
+        rpc_security(rpc)
+
+
+def test_a_damaged_secret_key_file_is_a_clear_error_not_a_traceback(keys, tmp_path):
+    text = keys["server_secret"].read_text()
+    public, secret = load_key_pair(keys["server_secret"])
+    truncated = tmp_path / "truncated.key_secret"
+    truncated.write_text(text.replace(secret.decode(), secret.decode()[:12]))
+    mismatched = tmp_path / "mismatched.key_secret"  # another pair's secret under this public key
+    _, other_secret = load_key_pair(keys["client_secret"])
+    mismatched.write_text(text.replace(secret.decode(), other_secret.decode()))
+    for bad, needle in ((truncated, "not a 40-character Z85"), (mismatched, "not the one of its secret key")):
+        with pytest.raises(ValueError, match=needle):
+            load_key_pair(bad)
+    r = _server_cli("--port", str(free_port()), "--http-port", "0", "--shm-dir", str(tmp_path),
+                    "--curve-server-key", str(truncated), "--curve-clients", str(keys["clients"]))  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert "--curve-server-key" in r.stderr and "truncated.key_secret" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("kvdepot-")], "an arena was reserved by a server that refused to start"
+
+
+def test_a_directory_of_client_keys_still_admits_each_of_them_and_no_one_else(keys, tmp_path, seed):
+    second = write_key_files(tmp_path / "second")
+    (keys["clients"] / "second.key").write_bytes(second["client_public"].read_bytes())
+    stranger = write_key_files(tmp_path / "stranger")
+    proc = ServerProcess(
+        args=["--chunk-size", str(CHUNK), "--l1-size-gb", SMALL_L1, "--no-prefault", "--shm-dir", str(tmp_path),
+              "--curve-server-key", str(keys["server_secret"]), "--curve-clients", str(keys["clients"])],  # fmt: skip
+        http_port=0,
+        log_path=str(tmp_path / "server.log"),
+        curve=CurveClientKeys.from_files(keys["server_public"], keys["client_secret"]),
+    )
+    proc.start()
+    try:
+        tokens = make_tokens(2 * CHUNK, seed)
+        for pair in (keys, second):
+            curve = CurveClientKeys.from_files(keys["server_public"], pair["client_secret"])
+            with KVClient(proc.url, MODEL, LAYOUT, options=ClientOptions(timeout_s=10.0, transport="inline"), curve=curve) as client:
+                client.store(tokens, make_kv(LAYOUT, len(tokens), seed))
+                assert client.lookup(tokens) == len(tokens)
+        curve = CurveClientKeys.from_files(keys["server_public"], stranger["client_secret"])
+        with pytest.raises(HandshakeRefused):
+            KVClient(proc.url, MODEL, LAYOUT, options=ClientOptions(timeout_s=3.0, connect_timeout_s=3.0, transport="inline"), curve=curve)
+    finally:
+        assert proc.stop() == 0
+
+
+# --- the admin token ---------------------------------------------------------------------------------------
+
+
+def test_an_admin_token_read_from_a_file_with_its_newline_still_authorises(make_server):
+    server = make_server("--admin-token", "tok-from-a-file\n")
+    url = f"{server.http}/cache/clear"
+    r = httpx.post(url, json={}, headers={"Authorization": "Bearer tok-from-a-file"}, timeout=10)
+    assert r.status_code == 200, r.text
+    r = httpx.post(url, json={}, headers={"Authorization": "Bearer wrong"}, timeout=10)
+    assert r.status_code == 403, r.text
+    assert httpx.post(url, json={}, timeout=10).status_code == 401
+
+
+def test_a_blank_or_unsendable_admin_token_is_refused_at_start():
+    # Blank: no token at all, so off loopback the server needs a real one (or --insecure).
+    with pytest.raises(ConfigError, match="--admin-token"):
+        ServerConfig(http=HttpConfig(host="0.0.0.0", admin_token=" \n"), insecure=False)
+    with pytest.raises(ConfigError, match="printable ASCII") as info:
+        HttpConfig(admin_token="pässwörd")
+    assert "pässwörd" not in str(info.value)
+
+
+# --- --http-allowed-hosts ----------------------------------------------------------------------------------
+
+
+def test_allowed_hosts_written_as_a_url_shows_them_are_allowed(make_server):
+    """A name with the port it is reached on, a bracketed IPv6 address or a whole URL was kept as typed,
+    matched no Host header, and the server went on refusing (421) the name the operator had allowed."""
+    server = make_server("--http-allowed-hosts", "kv.internal:8080,[fd00::1],http://other.example:9000")
+    for host in (f"kv.internal:{server.http_port}", f"[fd00::1]:{server.http_port}", "other.example"):
+        r = httpx.get(f"{server.http}/healthcheck", headers={"Host": host}, timeout=10)
+        assert r.status_code == 200, (host, r.text)
+    for host in ("http", "evil.example"):  # what the URL's pieces are not
+        assert httpx.get(f"{server.http}/healthcheck", headers={"Host": host}, timeout=10).status_code == 421
