@@ -207,7 +207,7 @@ class KVDepotConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        return self._scheduler.request_finished(request)
+        return self._scheduler.request_finished(request, block_ids)
 
 
 def _hash_cache(config: ConnectorConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, block_size: int) -> ChunkHashCache | None:

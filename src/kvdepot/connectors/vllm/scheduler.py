@@ -239,17 +239,26 @@ class SchedulerSide:
             done |= output.kv_connector_worker_meta.loaded
         invalid = output.invalid_block_ids or set()
         failed = output.failed_recving or set()
+        if invalid:
+            # An asynchronous load's failed blocks may come in any step up to the one reporting it done
+            # (the loader thread can add them after one step's get_finished and its done before the next).
+            for st in self.states.values():
+                op = st.in_flight
+                if op is not None and op.is_async and not invalid.isdisjoint(op.block_ids[op.skip_blocks :]):
+                    st.load_failed = True
         for req_id in done:
             st = self.states.get(req_id)
             if st is not None and st.locks is Locks.LOADING:
                 op = st.in_flight
                 if req_id in failed or (op is not None and not invalid.isdisjoint(op.block_ids[op.skip_blocks :])):
                     st.load_failed = True
+                if st.load_failed:
                     log.info("kvdepot: the load for %s failed; it is served uncached", req_id)
                 st.loaded()
                 self._free_locks(st)  # the workers hold their own locks while they read
 
-    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int] | None = None) -> tuple[bool, dict[str, Any] | None]:
+        """``block_ids``: the blocks vLLM still holds for the request (None: not known)."""
         st = self.states.pop(request.request_id, None)
         if st is None:
             return False, None
@@ -258,8 +267,12 @@ class SchedulerSide:
         # still read them: the workers report it in get_finished once every one has run (saves.py).
         # Never both: a request waiting for its load has computed nothing since its admission.
         loading = st.locks is Locks.LOADING and self.config.load_async
+        # vLLM holds no blocks of it: preempted between schedules (reset_prefix_cache) and aborted before
+        # build_connector_meta said so. The workers drain and forget its saves when that preemption
+        # reaches them, so none is reported: waiting for one would keep the request in vLLM for good.
+        saving = self.config.async_saves and st.saves_planned > 0 and (block_ids is None or bool(block_ids))
         self._end_session(st)
-        return loading or (self.config.async_saves and st.saves_planned > 0), None
+        return loading or saving, None
 
     def shutdown(self) -> None:
         for st in list(self.states.values()):
