@@ -23,6 +23,7 @@ import msgspec
 
 from kvdepot.config import ConfigStruct
 from kvdepot.errors import ConfigError
+from kvdepot.redact import mask_tier_spec
 from kvdepot.storage.l2.contract import AdapterType, L2Adapter, TierServices
 
 ENTRY_POINT_GROUP = "kvdepot.l2_adapters"
@@ -57,31 +58,32 @@ def parse_spec(text: str, index: int = 0) -> TierSpec:
     cross-field rule is checked here (the config struct's constraints); a bad one raises ConfigError
     naming the spec, the tier and the key."""
     text = text.strip()
+    shown = mask_tier_spec(text)  # what an error may print: a spec carries credentials
     if text.startswith("{"):
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"--l2 {text!r}: invalid JSON ({exc})") from None
+            raise ConfigError(f"--l2 {shown!r}: invalid JSON ({exc})") from None
         if not isinstance(raw, dict) or "type" not in raw:
-            raise ConfigError(f"--l2 {text!r}: a JSON tier needs a \"type\"")
+            raise ConfigError(f"--l2 {shown!r}: a JSON tier needs a \"type\"")
         kind = str(raw.pop("type"))
         fields: dict[str, Any] = raw
     else:
         kind, _, rest = text.partition(":")
         fields = {}
-        for part in filter(None, (p.strip() for p in rest.split(","))):
+        for i, part in enumerate(filter(None, (p.strip() for p in rest.split(","))), 1):
             key, eq, value = part.partition("=")
-            if not eq:
-                raise ConfigError(f"--l2 {text!r}: {part!r} is not key=value")
+            if not eq:  # (not shown: the tail of a secret with a comma in it, as like as not)
+                raise ConfigError(f"--l2 {shown!r}: item {i} is not key=value (a value with a comma goes in a JSON spec)")
             fields[key.strip()] = value.strip()
     types = adapter_types()
     if kind not in types:
-        raise ConfigError(f"--l2 {text!r}: unknown tier type {kind!r}; known: {sorted(types)}")
+        raise ConfigError(f"--l2 {shown!r}: unknown tier type {kind!r}; known: {sorted(types)}")
     name = str(fields.pop("name", f"{kind}{index}"))
     try:
         config = msgspec.convert(fields, types[kind].config, strict=False)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"--l2 {text!r} (tier {name}, {kind}): {_name_the_key(str(exc))}") from None
+        raise ConfigError(f"--l2 {shown!r} (tier {name}, {kind}): {_name_the_key(str(exc))}") from None
     return TierSpec(kind, name, config)
 
 

@@ -41,6 +41,7 @@ import threading
 from typing import Annotated, Any, ClassVar
 
 from kvdepot.config import ConfigError, ConfigStruct, option
+from kvdepot.redact import mask_url
 from kvdepot.storage.l2 import envelope
 from kvdepot.storage.l2.backend import BackendAdapter
 from kvdepot.storage.l2.contract import AdapterType, TierServices
@@ -119,7 +120,7 @@ class ValkeyConfig(ConfigStruct, frozen=True, kw_only=True):
 
     def _check_together(self) -> None:
         if not self.url.startswith(URL_SCHEMES):
-            raise ConfigError(f"url {self.url!r} must start with one of {', '.join(URL_SCHEMES)}")
+            raise ConfigError(f"url {mask_url(self.url)!r} must start with one of {', '.join(URL_SCHEMES)}")
         if "{" in self.prefix or "}" in self.prefix:
             raise ConfigError(f"prefix {self.prefix!r} has a brace: in a cluster it would set every key's hash slot")
 
@@ -140,7 +141,7 @@ class ValkeyAdapter(BackendAdapter):
         self._connect_lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"ValkeyAdapter({self.name!r}, url={self._config.url!r}, prefix={self._config.prefix!r}, healthy={self._healthy})"
+        return f"ValkeyAdapter({self.name!r}, url={mask_url(self._config.url)!r}, prefix={self._config.prefix!r}, healthy={self._healthy})"
 
     @property
     def in_cluster(self) -> bool:
