@@ -5,7 +5,6 @@ fixtures in ``support.plugin``); the shared contract suite covers everything eve
 from __future__ import annotations
 
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -19,30 +18,11 @@ from kvdepot.storage.l2.contract import TaskResult
 from kvdepot.storage.l2.s3_adapter import S3Adapter, S3Config
 from kvdepot.storage.l2.valkey_adapter import ORPHAN_TTL_S, ValkeyAdapter, ValkeyConfig
 
+from support.adapter_tasks import load, run, store
 from support.backends import ValkeyServer, WeedServer, s3_config, valkey_config
 
 MiB = 1 << 20
 RETRY_WAIT_S = 10.0  # the adapters probe a down tier every 2 s; allow a few probes
-
-
-def run(adapter: BackendAdapter, task_id: int, timeout_s: float = 20.0) -> TaskResult:
-    """Wait on the eventfd for one task's result (tests here submit one task at a time)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        select.select([adapter.eventfd], [], [], 0.2)
-        for result in adapter.completed():
-            assert result.task_id == task_id, f"unexpected result {result}"
-            return result
-    pytest.fail(f"task {task_id} of {adapter!r} did not complete in {timeout_s}s")
-
-
-def store(adapter: BackendAdapter, key: bytes, value: bytes) -> TaskResult:
-    return run(adapter, adapter.submit_store([(key, memoryview(value))]))
-
-
-def load(adapter: BackendAdapter, key: bytes, size: int) -> tuple[TaskResult, bytes]:
-    dest = bytearray(size)
-    return run(adapter, adapter.submit_load([key], [memoryview(dest)])), bytes(dest)
 
 
 def lookup(adapter: BackendAdapter, keys: list[bytes]) -> TaskResult:

@@ -4,43 +4,20 @@ holds many objects. Real servers on loopback (``support.plugin``)."""
 from __future__ import annotations
 
 import os
-import select
-import time
 from collections import OrderedDict
 
 import pytest
 import valkey
 
-from kvdepot.storage.l2.backend import BackendAdapter
-from kvdepot.storage.l2.contract import TaskResult
 from kvdepot.storage.l2.fs_adapter import FsAdapter, FsConfig
 from kvdepot.storage.l2.memory_adapter import MemoryAdapter, MemoryConfig, _Stored
 from kvdepot.storage.l2.valkey_adapter import ValkeyAdapter
 from kvdepot.types import ObjectKey
 
+from support.adapter_tasks import load, store
 from support.backends import ValkeyServer, valkey_config
 
 MiB = 1 << 20
-
-
-def run(adapter: BackendAdapter, task_id: int, timeout_s: float = 20.0) -> TaskResult:
-    """Wait on the eventfd for one task's result (one task at a time here)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        select.select([adapter.eventfd], [], [], 0.2)
-        for result in adapter.completed():
-            assert result.task_id == task_id, f"unexpected result {result}"
-            return result
-    pytest.fail(f"task {task_id} of {adapter!r} did not complete in {timeout_s}s")
-
-
-def store(adapter: BackendAdapter, key: bytes, value: bytes) -> TaskResult:
-    return run(adapter, adapter.submit_store([(key, memoryview(value))]))
-
-
-def load(adapter: BackendAdapter, key: bytes, size: int) -> tuple[TaskResult, bytes]:
-    dest = bytearray(size)
-    return run(adapter, adapter.submit_load([key], [memoryview(dest)])), bytes(dest)
 
 
 def new_key() -> bytes:
