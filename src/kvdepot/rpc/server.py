@@ -416,7 +416,7 @@ class RpcServer:
             out = [ident, *frames, *reply.payload]
             if reply.on_sent is not None:
                 try:
-                    tracker = sock.send_multipart(out, copy=False, track=True)
+                    tracker = _send_tracked(sock, out)
                 except BaseException:
                     reply.on_sent()
                     raise
@@ -473,6 +473,15 @@ class RpcServer:
                     self._unsent[ident] = left
                 else:
                     self._unsent.pop(ident, None)
+
+
+def _send_tracked(sock: zmq.Socket, frames: list) -> zmq.MessageTracker:
+    """Send ``frames`` as one message without copies; the tracker is done once ZeroMQ has let go of every
+    frame. (``send_multipart`` returns the last frame's tracker only, and pyzmq copies a frame under its
+    copy threshold and reports it sent at once: a chunk's short last frame said "sent" while the frames
+    before it, views of the arena, were still queued, and their read locks ended under them.)"""
+    last = len(frames) - 1
+    return zmq.MessageTracker(*[sock.send(f, zmq.SNDMORE if i < last else 0, copy=False, track=True) for i, f in enumerate(frames)])
 
 
 def _request_id_of(frames: list) -> int:
