@@ -126,3 +126,15 @@ def test_allowed_hosts_written_as_a_url_shows_them_are_allowed(make_server):
         assert r.status_code == 200, (host, r.text)
     for host in ("http", "evil.example"):  # what the URL's pieces are not
         assert httpx.get(f"{server.http}/healthcheck", headers={"Host": host}, timeout=10).status_code == 421
+
+
+# --- endpoints -------------------------------------------------------------------------------------------
+
+
+def test_an_ipc_path_that_cannot_be_had_is_named_as_such(tmp_path):
+    """An --ipc-path in a directory that does not exist was reported as ``--host 127.0.0.1: No such file
+    or directory``: the operator looked at the wrong flag."""
+    missing = tmp_path / "no-such-dir" / "s.ipc"
+    r = _server_cli("--port", str(free_port()), "--http-port", "0", "--shm-dir", str(tmp_path), "--ipc-path", str(missing))
+    assert r.returncode == 2, r.stderr
+    assert "--ipc-path" in r.stderr and "no-such-dir" in r.stderr and "--host" not in r.stderr, r.stderr

@@ -206,7 +206,7 @@ class RpcServer:
                 raise
             if exc.errno == errno.EADDRINUSE:
                 raise EndpointInUse(ep, f"{ep} is in use (another process listens there)") from None
-            raise OSError(exc.errno, f"cannot listen on {ep}: {exc.strerror}") from None
+            raise OSError(exc.errno, f"cannot listen on {ep}: {exc.strerror}", ep) from None  # filename: which endpoint
         router.bind(self._reply_addr)  # the workers' replies come in here too
         monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED_EVENTS)
         return router, monitor

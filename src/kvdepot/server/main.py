@@ -132,7 +132,11 @@ class KVDepotServer:
                 flag = "--ipc-path" if exc.endpoint.startswith("ipc://") else flag_in_use
                 problems.append(f"{flag}: {exc}")
             except OSError as exc:
-                problems.append(f"{flag_other}: {exc.strerror or exc}")
+                # An ipc endpoint (its socket or its lock file) is --ipc-path's, whatever part it is of.
+                where = str(exc.filename or "")
+                ipc = bool(where) and not where.startswith("tcp://")
+                detail = f"{exc.strerror} ({where})" if ipc and not where.startswith("ipc://") else exc.strerror or str(exc)
+                problems.append(f"{'--ipc-path' if ipc else flag_other}: {detail}")
         if problems:
             self._unbind()
             raise ConfigError("; ".join(problems))
