@@ -23,7 +23,8 @@ from support.servers import CHUNK, LAYOUT, SMALL_L1, Server, make_kv, make_token
 from kvdepot.bench.serverproc import ServerProcess, free_port
 from kvdepot.config import HttpConfig, ServerConfig, StorageConfig
 from kvdepot.plugins import WITHHELD, PluginEnvironment
-from kvdepot.server.plugins import mask_tier_spec, public_config
+from kvdepot.redact import mask_tier_spec
+from kvdepot.server.plugins import public_config
 
 TOKEN = "tok-3f9a0c1d-never-in-a-plugin"
 

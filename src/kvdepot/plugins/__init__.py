@@ -24,13 +24,13 @@ from dataclasses import dataclass
 import msgspec
 
 from kvdepot.config import ServerConfig
+from kvdepot.redact import WITHHELD  # in place of a secret in KVDEPOT_CONFIG
 
 CONFIG_ENV = "KVDEPOT_CONFIG"
 HTTP_URL_ENV = "KVDEPOT_HTTP_URL"
 RPC_URL_ENV = "KVDEPOT_RPC_URL"
 NAME_ENV = "KVDEPOT_PLUGIN_NAME"
 SERVER_PID_ENV = "KVDEPOT_SERVER_PID"
-WITHHELD = "<withheld>"  # in place of a secret in KVDEPOT_CONFIG
 
 
 @dataclass(frozen=True)

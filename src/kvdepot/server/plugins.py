@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import enum
 import importlib.util
-import json
 import logging
 import os
 import signal
@@ -31,13 +30,13 @@ import subprocess
 import sys
 import threading
 import time
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import msgspec
 
 from kvdepot.config import ADMIN_TOKEN_ENV, ServerConfig, split_plugin_spec
 from kvdepot.errors import ConfigError
 from kvdepot.plugins import CONFIG_ENV, HTTP_URL_ENV, NAME_ENV, RPC_URL_ENV, SERVER_PID_ENV, WITHHELD
+from kvdepot.redact import mask_tier_spec, mask_url
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +48,6 @@ MAX_LINE = 16 << 10  # a plugin's output line longer than this is logged in piec
 
 # Secrets the server may have read from its own environment: a plugin inherits the rest of it.
 WITHHELD_ENV = (ADMIN_TOKEN_ENV, "KVDEPOT_PEER_SECRET")
-_SECRET_WORDS = ("secret", "password", "token", "access_key", "credential")
 
 
 class PluginState(str, enum.Enum):
@@ -73,54 +71,13 @@ _MOVES: dict[PluginState, frozenset[PluginState]] = {
 # --- what a plugin is given ----------------------------------------------------------------------
 
 
-def _is_secret(key: str) -> bool:
-    return any(w in key.lower() for w in _SECRET_WORDS)
-
-
-def _mask_url(value: str) -> str:
-    """``redis://user:pw@host`` -> ``redis://user:<withheld>@host``; a secret-looking query parameter
-    (``?password=...``, which the Valkey client reads too) is withheld as well."""
-    try:
-        parts = urlsplit(value)
-    except ValueError:
-        return WITHHELD
-    if parts.password:
-        host = parts.netloc.rsplit("@", 1)[1]
-        parts = parts._replace(netloc=f"{parts.username or ''}:{WITHHELD}@{host}")
-    if parts.query:
-        query = [(k, WITHHELD if v and _is_secret(k) else v) for k, v in parse_qsl(parts.query, keep_blank_values=True)]
-        parts = parts._replace(query=urlencode(query, safe="<>"))
-    return urlunsplit(parts)
-
-
-def mask_tier_spec(spec: str) -> str:
-    """An ``--l2`` spec with its secret-looking values (and URL passwords) withheld."""
-    def mask(key: str, value):
-        if isinstance(value, str) and value and _is_secret(key):
-            return WITHHELD
-        return _mask_url(value) if isinstance(value, str) and ("@" in value or "?" in value) else value
-
-    if spec.lstrip().startswith("{"):
-        try:
-            fields = json.loads(spec)
-        except ValueError:
-            return WITHHELD
-        return json.dumps({k: mask(k, v) for k, v in fields.items()}) if isinstance(fields, dict) else WITHHELD
-    kind, sep, rest = spec.partition(":")
-    pairs = []
-    for item in rest.split(",") if rest else []:
-        key, eq, value = item.partition("=")
-        pairs.append(f"{key}{eq}{mask(key.strip(), value)}" if eq else item)
-    return kind + sep + ",".join(pairs)
-
-
 def public_config(config: ServerConfig) -> ServerConfig:
     """The configuration a plugin may read: the admin token and tier secrets withheld (a token that is
     set reads ``<withheld>``, so "is one set" is still answered)."""
     http = msgspec.structs.replace(config.http, admin_token=WITHHELD if config.http.admin_token else "")
     storage = msgspec.structs.replace(config.storage, l2=tuple(mask_tier_spec(s) for s in config.storage.l2))
     obs = config.observability
-    observability = msgspec.structs.replace(obs, otlp_endpoint=_mask_url(obs.otlp_endpoint)) if obs.otlp_endpoint else obs
+    observability = msgspec.structs.replace(obs, otlp_endpoint=mask_url(obs.otlp_endpoint)) if obs.otlp_endpoint else obs
     return msgspec.structs.replace(config, http=http, storage=storage, observability=observability)
 
 
