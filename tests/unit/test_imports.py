@@ -35,6 +35,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "kvdepot.limits": ALL,
     "kvdepot.errors": ALL,
     "kvdepot.breaker": ALL,
+    "kvdepot.redact": ALL,  # masks secrets in what is printed: the standard library only
     "kvdepot.events": ABOVE_CORE + ("kvdepot.config", "kvdepot.keys", "kvdepot.shm", "kvdepot.hashing"),
     "kvdepot.keys": ABOVE_CORE + ("kvdepot.config", "kvdepot.events", "kvdepot.shm", "kvdepot.hashing"),
     "kvdepot.hashing": ABOVE_CORE + ("kvdepot.config",),
