@@ -59,6 +59,7 @@ def parse_spec(text: str, index: int = 0) -> TierSpec:
     naming the spec, the tier and the key."""
     text = text.strip()
     shown = mask_tier_spec(text)  # what an error may print: a spec carries credentials
+    types = adapter_types()
     if text.startswith("{"):
         try:
             raw = json.loads(text)
@@ -71,14 +72,12 @@ def parse_spec(text: str, index: int = 0) -> TierSpec:
     else:
         kind, _, rest = text.partition(":")
         fields = {}
-        types = adapter_types()
         for i, part in enumerate(filter(None, (p.strip() for p in rest.split(","))), 1):
             key, eq, value = part.partition("=")
             if not eq:  # named when it is one of the tier's keys; else it may be the tail of a secret with a comma
                 known = part in getattr(types[kind].config, "__struct_fields__", ()) if kind in types else False
                 raise ConfigError(f"--l2 {shown!r}: {repr(part) if known else f'item {i}'} is not key=value (a value with a comma goes in a JSON spec)")
             fields[key.strip()] = value.strip()
-    types = adapter_types()
     if kind not in types:
         raise ConfigError(f"--l2 {shown!r}: unknown tier type {kind!r}; known: {sorted(types)}")
     name = str(fields.pop("name", f"{kind}{index}"))
