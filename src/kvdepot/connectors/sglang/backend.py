@@ -24,6 +24,10 @@ between the host pool and the server's shared-memory arena (one copy); off-host 
 "inline"``) it travels inline. Without it, SGLang hands flat page tensors to ``batch_set`` and
 ``batch_get`` (one more copy, in SGLang).
 
+Hybrid models (Mamba states, SWA, DSA indexer pools) use SGLang's v2 interface (``register_mem_host_pool_v2``,
+``batch_exists_v2`` / ``batch_get_v2`` / ``batch_set_v2``): ``pools.HostPoolsV2``, each extra pool's pages objects of their
+own namespace, SGLang's hit policies kept; a pool that cannot be held is a miss, said once.
+
 Lifecycle: constructed by SGLang's loader (settings checked: a bad key fails SGLang's start with the
 key named; SGLang's own settings read, and a warning naming the flag where they keep L3 hits from
 working), ``register_mem_pool_host`` fixes the layout (an unsupported host layout fails the start or
@@ -35,6 +39,7 @@ build and close a fresh instance each time.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -43,10 +48,12 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from kvdepot.connectors.common import Direction, FailureTally, ResilientClient
 from kvdepot.connectors.sglang.pages import PageCodec, model_identity, page_hash
+from kvdepot.connectors.sglang.pools import ExtraPool, HostPoolsV2, Page, gather, leading, scatter
 from kvdepot.connectors.sglang.runtime import SGLangRuntime
 from kvdepot.connectors.sglang.settings import SGLangSettings
 from kvdepot.errors import ErrorCode, KVDepotError
 from kvdepot.hashing import HashAlgorithm
+from kvdepot.layout import KVLayout
 from kvdepot.runs import copy_all
 from kvdepot.types import ChunkHash, SlotStatus
 
@@ -59,7 +66,7 @@ def _ms(since: float) -> float:
 _STORED = (SlotStatus.ALLOCATED, SlotStatus.EXISTS, SlotStatus.BUSY)  # written now, or already there / by another writer
 
 
-class KVDepotHiCacheStorage(HiCacheStorage):
+class KVDepotHiCacheStorage(HostPoolsV2, HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
         self.storage_config = storage_config
         self.settings = SGLangSettings.from_extra(storage_config.extra_config, "kvdepot SGLang backend option")
@@ -75,6 +82,8 @@ class KVDepotHiCacheStorage(HiCacheStorage):
         # MLA's latent is the same on every TP rank: one copy, written by SGLang's designated writer.
         self.writer = storage_config.is_storage_writer
         self.rank, self.world_size = (0, 1) if mla else (storage_config.tp_rank, storage_config.tp_size)
+        self._pool_clients: dict[str, ResilientClient] = {}  # v2's extra pools: one namespace (context) each
+        self._pool_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"KVDepotHiCacheStorage({self.settings.url}, {self._resilient!r})"
@@ -88,6 +97,7 @@ class KVDepotHiCacheStorage(HiCacheStorage):
             raise ValueError(f"chunk_size {self.settings.chunk_size}: with SGLang a chunk is one page ({codec.page_size} tokens); leave it out")
         if self._resilient is not None:
             self._resilient.close()
+        self._close_pool_clients()
         self.codec = codec
         self._resilient = ResilientClient(
             self.settings,
@@ -271,6 +281,91 @@ class KVDepotHiCacheStorage(HiCacheStorage):
             self.tally.add(Direction.SAVE, KVDepotError(f"{len(refused)} of {len(slots)} pages {refused[0].name}", code), what)
         return stored
 
+    # --- v2's extra pools (``pools.HostPoolsV2``: the hit policies and the KV pool live there) -------
+
+    def _pool_registered(self, pool: ExtraPool) -> None:
+        with self._pool_lock:
+            old = self._pool_clients.pop(pool.name, None)
+        if old is not None:
+            old.close()
+
+    def _close_pool_clients(self) -> None:
+        with self._pool_lock:
+            clients, self._pool_clients = list(self._pool_clients.values()), {}
+        for c in clients:
+            c.close()
+
+    def _pool_client(self, pool: ExtraPool, direction: Direction):
+        """The client of ``pool``'s own namespace, made on first use; it shares the KV client's
+        breakers (one server: a dead one is dead for every pool) and tally."""
+        if self._resilient is None or self.codec is None:
+            return None
+        with self._pool_lock:
+            resilient = self._pool_clients.get(pool.name)
+            if resilient is None:
+                model, rank, world = self.pool_identity(self._resilient.model, pool)
+                # A chunk is page_size tokens of one byte row; the row is padded up so the page fits.
+                width = max(1, -(-pool.page_bytes // self.codec.page_size))
+                resilient = ResilientClient(
+                    self.settings, model, KVLayout(1, 1, width, dtype="uint8", use_mla=True), self.codec.page_size,
+                    rank=rank, world_size=world, breakers=self._resilient.breakers, tally=self.tally,
+                    hash_algorithm=HashAlgorithm.SHA256.value,
+                )  # fmt: skip
+                self._pool_clients[pool.name] = resilient
+        return resilient.get(direction)
+
+    def _pool_present(self, pool: ExtraPool, keys: list[str]) -> list[bool]:
+        """Which of ``keys`` the pool holds, page by page (a trailing-pages policy needs the holes): the
+        server answers leading runs, so one lookup per run, skipping the page that ended it."""
+        present = [False] * len(keys)
+        what = f"a lookup of {len(keys)} {pool.name!r} pages"
+        try:
+            client = self._pool_client(pool, Direction.LOOKUP)
+            if client is None or not keys:
+                return present
+            hashes = [page_hash(k) for k in keys]
+            with client.deadline(self.deadline_s(len(keys))):
+                i = 0
+                while i < len(hashes):
+                    run = int(client.stored_chunks(hashes[i:], ""))
+                    present[i : i + run] = [True] * run
+                    i += run + 1
+        except Exception as exc:  # noqa: BLE001 - a miss, never an exception in SGLang's prefetch thread
+            self._failed(Direction.LOOKUP, exc, what)
+            return [False] * len(keys)
+        return present
+
+    def _pool_read(self, pool: ExtraPool, keys: list[str], pages: list[Page]) -> list[bool]:
+        done = [False] * len(keys)
+        what = f"a load of {len(keys)} {pool.name!r} pages"
+        try:
+            client = self._pool_client(pool, Direction.LOAD)
+            if client is None:
+                return done
+            with client.deadline(self.deadline_s(len(keys))), client.prepare_retrieve([page_hash(k) for k in keys]) as views:
+                for i, (view, page) in enumerate(zip(views, pages)):
+                    scatter(view.reshape(-1), page)
+                    done[i] = True
+        except Exception as exc:  # noqa: BLE001 - also a lease that ended before the copy did
+            self._failed(Direction.LOAD, exc, what)
+            return [False] * len(keys)
+        return leading(done)
+
+    def _pool_write(self, pool: ExtraPool, keys: list[str], pages: list[Page]) -> list[bool]:
+        what = f"a save of {len(keys)} {pool.name!r} pages"
+        try:
+            client = self._pool_client(pool, Direction.SAVE)
+            if client is None:
+                return [False] * len(keys)
+            with client.prepare_store([page_hash(k) for k in keys]) as slots:
+                for slot, page in zip(slots, pages):
+                    if slot is not None:  # None: stored already (one round trip, no copy)
+                        gather(page, slot.reshape(-1))
+        except Exception as exc:  # noqa: BLE001
+            self._failed(Direction.SAVE, exc, what)
+            return [False] * len(keys)
+        return [status in _STORED for status in slots.statuses]
+
     # --- the rest of SGLang's interface ----------------------------------------------------------------
 
     def clear(self) -> bool:
@@ -289,3 +384,4 @@ class KVDepotHiCacheStorage(HiCacheStorage):
     def close(self) -> None:
         if self._resilient is not None:
             self._resilient.close()
+        self._close_pool_clients()

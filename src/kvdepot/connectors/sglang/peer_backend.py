@@ -15,6 +15,10 @@ The JSON holds SGLang's loader keys, this backend's (``model_name``, ``budget_sh
 ``PeerConfig`` key (``kvdepot peer --help``). ``port`` and ``data_port`` default to free ports here (every
 TP rank is a node); a head node must be given its ports (or run ``kvdepot peer`` as the head).
 
+Hybrid models (Mamba states, SWA, DSA indexer pools) use SGLang's v2 interface (``register_mem_host_pool_v2``,
+``batch_exists_v2`` / ``batch_get_v2`` / ``batch_set_v2``): ``pools.HostPoolsV2``, each extra pool's pages objects of their
+own namespace, SGLang's hit policies kept; a pool that cannot be held is a miss, said once.
+
 Object identity is the kvdepot server's: a namespace digest of (model, TP rank, layout, page size)
 before SGLang's page key, so two models or two ranks never read each other's pages. The same rules as
 the server backend hold: never raise into SGLang's threads, never return None for a list, and end each
@@ -33,6 +37,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from kvdepot.config import ConfigStruct, option
 from kvdepot.connectors.sglang.pages import PageCodec, model_identity, page_hash
+from kvdepot.connectors.sglang.pools import ExtraPool, HostPoolsV2, Page, gather, leading, scatter
 from kvdepot.connectors.sglang.runtime import SGLangRuntime
 from kvdepot.connectors.sglang.settings import without_sglang_keys
 from kvdepot.keys import NamespaceSpec
@@ -79,7 +84,7 @@ def split_settings(extra: dict[str, Any] | None) -> tuple[PeerSGLangSettings, Pe
     return own, node
 
 
-class PeerHiCacheStorage(HiCacheStorage):
+class PeerHiCacheStorage(HostPoolsV2, HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
         self.storage_config = storage_config
         self.settings, self.peer_config = split_settings(storage_config.extra_config)
@@ -89,6 +94,7 @@ class PeerHiCacheStorage(HiCacheStorage):
         self.rank, self.world_size = (0, 1) if mla else (storage_config.tp_rank, storage_config.tp_size)
         self.codec: PageCodec | None = None
         self._prefix = b""
+        self._model = ""  # the KV's model identity: extra pools' namespaces are made from it
         self.store = PeerStore(self.peer_config)  # joins now: a bad secret or an unreachable head shows at start
         self.failures = 0
 
@@ -103,6 +109,7 @@ class PeerHiCacheStorage(HiCacheStorage):
         name = self.settings.model_name or self.storage_config.model_name or ""
         model = model_identity(name, self.storage_config, codec, self.runtime.kv_cache_dtype)
         self._prefix = NamespaceSpec(model, self.world_size, self.rank, codec.layout.fingerprint(), codec.page_size).digest()
+        self._model = model
         self.codec = codec
         log.info("kvdepot: SGLang L3 over the peer tier for %s (rank %d/%d, %s, page %d), node %s, head %s; %s",
                  model, self.rank, self.world_size, mem_pool_host.layout, codec.page_size, self.store.node_id,
@@ -208,6 +215,50 @@ class PeerHiCacheStorage(HiCacheStorage):
         log.info("kvdepot: loaded %d of %d pages from the peer cluster into SGLang's host pool (%.1f ms)", n, len(keys), (time.perf_counter() - t0) * 1e3)
         return [True] * n + [False] * (len(keys) - n)
 
+    # --- v2's extra pools (``pools.HostPoolsV2``: the hit policies and the KV pool live there) -------
+
+    def _pool_keys(self, pool: ExtraPool, keys: list[str]) -> list[bytes]:
+        """``pool``'s own namespace (model, pool name, page geometry, TP shard) before each page key."""
+        model, rank, world = self.pool_identity(self._model, pool)
+        prefix = NamespaceSpec(model, world, rank, f"pool:{pool.digest}:{pool.page_bytes}", pool.page_size).digest()
+        return [prefix + page_hash(k) for k in keys]
+
+    def _pool_present(self, pool: ExtraPool, keys: list[str]) -> list[bool]:
+        if not keys or self.codec is None:
+            return [False] * len(keys)
+        try:
+            return list(self.store.exists_many(self._pool_keys(pool, keys), timeout_s=self.deadline_s(len(keys))))
+        except Exception as exc:  # noqa: BLE001 - a miss, never an exception in SGLang's prefetch thread
+            self._failed(f"a lookup of {len(keys)} {pool.name!r} pages", exc)
+            return [False] * len(keys)
+
+    def _pool_read(self, pool: ExtraPool, keys: list[str], pages: list[Page]) -> list[bool]:
+        """A one-view contiguous page is read in place; any other through one staging buffer."""
+        if self.codec is None:
+            return [False] * len(keys)
+        try:
+            dests = [p[0] if len(p) == 1 and p[0].flags.c_contiguous else np.empty(pool.page_bytes, np.uint8) for p in pages]
+            got = leading(self.store.batch_get_into(self._pool_keys(pool, keys), dests, timeout_s=self.deadline_s(len(keys))))
+            for ok, dest, page in zip(got, dests, pages):
+                if ok and dest is not page[0]:
+                    scatter(dest, page)
+        except Exception as exc:  # noqa: BLE001
+            self._failed(f"a load of {len(keys)} {pool.name!r} pages", exc)
+            return [False] * len(keys)
+        return got
+
+    def _pool_write(self, pool: ExtraPool, keys: list[str], pages: list[Page]) -> list[bool]:
+        """A one-view page is gathered by the store itself (strided or not); a page of several views
+        (Mamba's temporal and conv states) is put together in one staging buffer first."""
+        if self.codec is None:
+            return [False] * len(keys)
+        try:
+            values = [p[0] if len(p) == 1 else _gathered(p, pool.page_bytes) for p in pages]
+            return self.store.batch_set(self._pool_keys(pool, keys), values)
+        except Exception as exc:  # noqa: BLE001
+            self._failed(f"a save of {len(keys)} {pool.name!r} pages", exc)
+            return [False] * len(keys)
+
     def clear(self) -> bool:
         """This node's own pages only (the cluster's other nodes keep theirs)."""
         self.store.clear()
@@ -218,3 +269,9 @@ class PeerHiCacheStorage(HiCacheStorage):
 
     def close(self) -> None:
         self.store.close()
+
+
+def _gathered(page: Page, nbytes: int) -> np.ndarray:
+    flat = np.empty(nbytes, np.uint8)
+    gather(page, flat)
+    return flat
