@@ -435,3 +435,41 @@ def test_a_store_submitted_after_a_delete_lands_though_an_earlier_write_is_still
             assert load(tier, [key], [dest]) == [True] and np.array_equal(dest, payload)
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize("local_kind", ["memory", "fs"])
+@pytest.mark.parametrize("how", ["delete", "clear"])
+def test_a_store_submitted_after_a_delete_or_clear_that_has_not_run_yet_lands(local_kind, how, tmp_path, rng) -> None:
+    """The delete's cutoff is its submission, not its run: an engine stores a key after the operator's
+    DELETE was accepted but while the tier's workers were still busy, so the delete runs later. That
+    store was voided (the delete took its stamp when it ran), or landed and was deleted: a miss in L2
+    until stored again. Now it lands, whatever order the two tasks run in."""
+    tier = _started_local_tier(local_kind, tmp_path)
+    try:
+        keys = make_keys(3)
+        new = [make_payload(rng, 4096) for _ in keys]
+        gate, inside = threading.Event(), threading.Semaphore(0)
+        real_put = tier._put
+
+        def held_put(key, payload):
+            inside.release()
+            assert gate.wait(10)
+            return real_put(key, payload)
+
+        tier._put = held_put
+        blockers = [tier.submit_store([(k, make_payload(rng, 64))]) for k in make_keys(2)]  # both workers
+        assert inside.acquire(timeout=10) and inside.acquire(timeout=10)  # no worker is free: the delete waits
+        end = tier.submit_delete(keys) if how == "delete" else tier.submit_clear()
+        again = tier.submit_store([(k, memoryview(p)) for k, p in zip(keys, new)])
+        tier._put = real_put
+        gate.set()
+        assert wait(tier, end).ok
+        assert wait(tier, again).value == [True] * 3, "the store submitted after the delete was voided"
+        assert [present(tier, k) for k in keys] == [True] * 3, "the delete removed a store submitted after it"
+        for key, payload in zip(keys, new):
+            dest = np.zeros_like(payload)
+            assert load(tier, [key], [dest]) == [True] and np.array_equal(dest, payload)
+        for b in blockers:
+            wait(tier, b)
+    finally:
+        tier.close()

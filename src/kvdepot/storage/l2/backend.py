@@ -63,10 +63,18 @@ class BackendAdapter(ABC):
         self._usage_cache: tuple[int, int, int] = (0, 0, 0)
         # Keys with a store submitted and not finished, and when those of them were last deleted: a write
         # submitted before that delete must not bring back what it removed (``_store_all``), and one
-        # submitted after it (the same key stored again) must land. Stamps count submissions and deletes.
+        # submitted after it (the same key stored again) must land. Stamps count submissions of stores,
+        # deletes and clears; a delete's or clear's stamp (its cutoff) is taken when it is submitted.
         self._writing: dict[ObjectKey, int] = {}
         self._deleted_at: dict[ObjectKey, int] = {}
         self._stamp = 0
+        # Deletes and clears submitted and not finished: cutoff stamp -> their keys (None: a clear). A
+        # store submitted after one waits for it before writing (``_await_barriers``), so the delete never
+        # removes a write that came after it. Stamps are taken and tasks queued under ``_order``, so the
+        # pool (FIFO) starts them in stamp order: the awaited task has started, and the wait cannot deadlock.
+        self._barriers: dict[int, frozenset[ObjectKey] | None] = {}
+        self._barrier_lifted = threading.Condition(self._lock)
+        self._order = threading.Lock()
         self._usage_failure_logged = -1e9
         self._usage_future: Future | None = None
         self._announce_lock = threading.Lock()  # TierStored and TierCleared take turns (see _announce_stored)
@@ -88,20 +96,22 @@ class BackendAdapter(ABC):
         """Store these objects. A delete of one of them, or a clear, that comes after this call and
         before its write ends is not undone by the write: the object does not stay (see ``_store_all``)."""
         items = list(items)
-        with self._lock:
-            epoch = self._clear_epoch  # now: a clear between this call and the task's start counts too
-            self._stamp += 1
-            stamp = self._stamp  # a delete that runs from now on voids this write; one that ran before does not
-            for key, _ in items:
-                self._writing[key] = self._writing.get(key, 0) + 1
+        with self._order:
+            with self._lock:
+                epoch = self._clear_epoch  # now: a clear submitted from now on voids this write
+                self._stamp += 1
+                stamp = self._stamp  # a delete submitted from now on voids this write; one submitted before does not
+                for key, _ in items:
+                    self._writing[key] = self._writing.get(key, 0) + 1
 
-        def store() -> list[bool]:
-            try:
-                return self._store_all(items, epoch, stamp)
-            finally:
-                self._done_writing(items)
+            def store() -> list[bool]:
+                try:
+                    self._await_barriers([key for key, _ in items], stamp)
+                    return self._store_all(items, epoch, stamp)
+                finally:
+                    self._done_writing(items)
 
-        return self._submit(TaskKind.STORE, store, [False] * len(items), skipped=lambda: self._done_writing(items))
+            return self._submit(TaskKind.STORE, store, [False] * len(items), skipped=lambda: self._done_writing(items))
 
     def submit_lookup_and_lock(self, keys: Sequence[ObjectKey], hints: LookupHints | None = None) -> TaskId:
         keys = list(keys)
@@ -116,14 +126,26 @@ class BackendAdapter(ABC):
         return self._submit(TaskKind.UNLOCK, lambda: self._unpin(keys), None, always=True)
 
     def submit_clear(self) -> TaskId:
-        """Remove every object of this tier (its prefix or directory: never anything else)."""
-        return self._submit(TaskKind.CLEAR, self._clear_counted, 0)
+        """Remove every object of this tier (its prefix or directory: never anything else) that a store
+        submitted before this call wrote; a store submitted after it lands once the clear has run."""
+        with self._order:
+            with self._lock:
+                cutoff = self._raise_barrier(None)
+                self._clear_epoch += 1  # now, not when the clear runs: writes submitted before are void
+            return self._submit(TaskKind.CLEAR, self._lifting(cutoff, self._clear_counted), 0, skipped=lambda: self._lift(cutoff))
 
     def submit_delete(self, keys: Sequence[ObjectKey]) -> TaskId:
-        """Remove these objects (an operator's DELETE of a prefix). A load already reading one either
+        """Remove these objects (an operator's DELETE of a prefix) as stored before this call: a store of
+        one of them submitted after it lands, however the two tasks run. A load already reading one either
         got it whole or gets a miss: every backend's delete is atomic against its reads."""
         keys = list(keys)
-        return self._submit(TaskKind.DELETE, lambda: self._delete_present(keys), 0)
+        with self._order:
+            with self._lock:
+                cutoff = self._raise_barrier(frozenset(keys))
+                # The writes in flight now were submitted before this delete: they must not bring it back.
+                self._deleted_at.update((k, cutoff) for k in keys if k in self._writing)
+            work = self._lifting(cutoff, lambda: self._delete_present(keys))
+            return self._submit(TaskKind.DELETE, work, 0, skipped=lambda: self._lift(cutoff))
 
     def completed(self) -> list[TaskResult]:
         if self._efd < 0:
@@ -235,8 +257,8 @@ class BackendAdapter(ABC):
         return None
 
     def _flush(self) -> None:
-        """End of a store batch, on the worker thread that ran it: make the batch durable (fs syncs
-        the directories its renames touched once per batch rather than once per object)."""
+        """End of a store batch, delete or clear, on the worker thread that ran it: make it durable (fs
+        syncs the directories its renames and unlinks touched once per task rather than once per object)."""
 
     def _on_pin_change(self) -> None:
         """Hook for adapters whose eviction must respect pins."""
@@ -269,6 +291,7 @@ class BackendAdapter(ABC):
 
     def delete_now(self, key: ObjectKey) -> None:
         self._delete(key)
+        self._flush()
 
     def is_pinned(self, key: ObjectKey) -> bool:
         with self._lock:
@@ -306,6 +329,38 @@ class BackendAdapter(ABC):
                 else:
                     self._writing.pop(key, None)
                     self._deleted_at.pop(key, None)
+
+    def _raise_barrier(self, keys: frozenset[ObjectKey] | None) -> int:
+        """Under ``_lock``: a new stamp, the cutoff of a delete (``keys``) or clear (None) submitted now."""
+        self._stamp += 1
+        self._barriers[self._stamp] = keys
+        return self._stamp
+
+    def _lift(self, cutoff: int) -> None:
+        """The delete or clear of ``cutoff`` is over (done, failed or never run): stores behind it go on."""
+        with self._barrier_lifted:
+            self._barriers.pop(cutoff, None)
+            self._barrier_lifted.notify_all()
+
+    def _lifting(self, cutoff: int, work: Callable[[], int]) -> Callable[[], int]:
+        def run() -> int:
+            try:
+                return work()
+            finally:
+                self._lift(cutoff)
+
+        return run
+
+    def _await_barriers(self, keys: list[ObjectKey], stamp: int) -> None:
+        """Wait until no delete (of one of ``keys``) or clear submitted before the store of ``stamp`` is
+        still running: it would remove the newer write. It started before this store (see ``_order``)."""
+        wanted = frozenset(keys)
+
+        def blocked() -> bool:
+            return any(c < stamp and (ks is None or not ks.isdisjoint(wanted)) for c, ks in self._barriers.items())
+
+        with self._barrier_lifted:
+            self._barrier_lifted.wait_for(lambda: not blocked())
 
     def _void(self, key: ObjectKey, epoch: int, stamp: int) -> bool:
         """Was ``key`` deleted, or the tier cleared, since its store was submitted (at ``epoch`` and
@@ -369,11 +424,11 @@ class BackendAdapter(ABC):
         fails midway, the objects stored before are still reported (and counted) as stored, so the
         tier's count and its store controller's always agree.
 
-        An object deleted (an operator's DELETE of its prefix) or cleared after its store was submitted
-        (``epoch``: the clear count then) is not written, or, when that came during its write, deleted
+        An object whose delete (an operator's DELETE of its prefix) or clear was submitted after its
+        store was (``stamp`` and ``epoch``: the counts then) is not written, or, when that came during its write, deleted
         again right after: the delete ran before the write existed and found nothing, and the write
         would otherwise bring the deleted KV back for every later lookup. A store submitted after the
-        delete is the key stored again, and lands: the guard is per write, not per key. When such a
+        delete is the key stored again, and lands (after the delete has run): the guard is per write, not per key. When such a
         newer write lands before the voided one deletes itself, the key is a miss until stored again,
         never the deleted bytes."""
         with self._lock:
@@ -442,21 +497,20 @@ class BackendAdapter(ABC):
             return []  # unknown: announce nothing (a router then learns of them by a hit it did not expect)
 
     def _clear_counted(self) -> int:
+        # The epoch moved when the clear was submitted: a write from before it that ends meanwhile deletes itself.
         with self._announce_lock:
-            with self._lock:
-                self._clear_epoch += 1  # first: a write that ends while the clear runs deletes itself
             n = self._clear()
+            self._flush()  # durable before it is reported: a cleared object must not come back
             self.services.sink.publish(TierCleared(self.name, self.kind))
         log.info("L2 %s (%s) cleared: %d objects", self.name, self.kind, n)
         return n
 
     def _delete_present(self, keys: list[ObjectKey]) -> int:
-        with self._lock:
-            self._stamp += 1  # the writes in flight now were submitted before this delete: they must not bring it back
-            self._deleted_at.update((k, self._stamp) for k in keys if k in self._writing)
+        # The cutoff was taken at submission (``submit_delete``); later stores of these keys wait for this.
         present = [k for k, there in zip(keys, self._contains(keys)) if there]
         for key in present:
             self._delete(key)
+        self._flush()  # durable before it is reported: a deleted object must not come back
         return len(present)
 
     def _lookup_and_pin(self, keys: list[ObjectKey], hints: LookupHints | None = None) -> int:

@@ -9,7 +9,8 @@ Layout under ``path``::
 
 A write goes to a temporary name in the object's directory, is written whole, fsync'd, then renamed
 over the real name (and the directory fsync'd), so a crash leaves either the old object, the new one,
-or nothing, and never a torn object under a real name. A torn file that appears anyway (a lying disk,
+or nothing, and never a torn object under a real name. A delete (or clear) fsyncs the directories it
+unlinked from before it is reported done, so a deleted object does not come back after a power loss. A torn file that appears anyway (a lying disk,
 an operator's ``truncate``) fails the envelope's length or checksum check on load: a miss, never bytes.
 
 The in-memory index (key -> file size, in LRU order) is the authority on what the tier holds; it is
@@ -407,12 +408,17 @@ class FsAdapter(BackendAdapter):
             return [k in self._index for k in keys]
 
     def _delete(self, key: ObjectKey) -> None:
+        path = self._path(key)
         with self._name_lock(key):
             with self._mu:
                 size = self._index.pop(key, None)
                 if size is not None:
                     self._used -= size
-            _unlink_quiet(self._path(key))
+            removed = _unlink_quiet(path)
+        if removed and self._fsync:
+            # Without the directory's fsync a power loss can bring the deleted object back; synced once
+            # per task in _flush (the delete, clear or store batch that removed it), as writes are.
+            self._dirty_dirs().add(os.path.dirname(path))
 
     def _clear(self) -> int:
         with self._mu:

@@ -2,10 +2,19 @@
 
 Layout, for an object key ``K`` (hex) under ``prefix``::
 
-    <prefix><K>                 manifest: meta (magic, part count, part size, generation) + envelope header
+    <prefix>{<K>}               manifest: meta (magic, part count, part size, generation) + envelope header
                                 + key, and, when the whole object fits in one value, the payload itself
-    <prefix><K>:<gen>:<i>       part i of the payload (only when it does not fit), at most max_value_mib
+    <prefix>{<K>}:<gen>:<i>     part i of the payload (only when it does not fit), at most max_value_mib
     <prefix>#objects            how many manifests this prefix holds (a counter, for ``usage``)
+
+The brace after the prefix is what makes the names of two tiers distinct: a prefix has no brace (the
+config refuses one) and hex has none, so ``p``'s names are never ``p1a``'s, and a clear scans exactly
+``<prefix>{*`` (plus its counter). Before this layout a single server's names were ``<prefix><K>``, and
+a clear of ``p`` also deleted every object of a tier whose prefix is ``p`` followed by hex digits (its
+SCAN ``p*`` matched them as hex). Objects stored under that old layout are not read, counted (beyond the
+counter's estimate) nor cleared by this version: they are misses, and stay until the server evicts or
+expires them or an operator deletes them (``valkey-cli --scan --pattern '<prefix>*'`` lists them: the
+names without a brace after the prefix). Cluster names were always braced and are unchanged.
 
 Why it cannot tear: parts are written first, each under a short orphan TTL; one server-side script then
 checks that every part still exists, makes them permanent, and writes the manifest. The manifest is the
@@ -18,9 +27,8 @@ checksum over ``dest``. A missing part (evicted by the server's maxmemory policy
 back) is a miss, and the orphaned manifest is dropped if it is still the same generation. On a miss or
 a corrupt object the contents of ``dest`` are unspecified (the caller discards them).
 
-Valkey / Redis Cluster (``cluster=auto`` asks the server, ``on``/``off`` say so): an object's keys carry
-its hex key as a hash tag, ``<prefix>{<K>}`` and ``<prefix>{<K>}:<gen>:<i>``, so the manifest and every
-part live in one hash slot, the commit and drop scripts run on that slot's node, and objects spread over
+Valkey / Redis Cluster (``cluster=auto`` asks the server, ``on``/``off`` say so): the braces around an
+object's hex key are a hash tag there, so the manifest and every part live in one hash slot, the commit and drop scripts run on that slot's node, and objects spread over
 the cluster's primaries by key. The client library's cluster mode routes each command, follows MOVED/ASK
 and learns the new topology after a failover; while a failed primary's slots have no new primary yet,
 their operations fail and the tier's breaker handles it as any outage. The object counter has a slot of
@@ -38,6 +46,7 @@ import os
 import re
 import struct
 import threading
+from collections.abc import Iterator
 from typing import Annotated, Any, ClassVar
 
 from kvdepot.config import ConfigError, ConfigStruct, option
@@ -53,10 +62,10 @@ _META_MAGIC = b"KVV1"
 ORPHAN_TTL_S = 600  # parts of a store that never committed expire after this
 _MGET_BYTES = 64 << 20  # read at most this much per round trip on load
 _MAX_PARTS = 1 << 20  # more than this in a manifest means it is damaged
-# What this tier writes after its prefix: a manifest (hash-tagged in a cluster), a part, the counter. A
-# clear deletes only these: a prefix that another application's keys (or another tier's longer prefix)
-# happen to share is never a reason to delete them.
-_OUR_NAME = re.compile(rb"(?:\{[0-9a-f]+\}|[0-9a-f]+)(?::[0-9a-f]+:[0-9]+)?|#objects")
+# What this tier writes after its prefix and brace: a manifest or a part (the counter is named apart).
+# A clear deletes only these: another application's keys that share the prefix are never touched, and
+# another tier's longer prefix cannot match ``<prefix>{`` at all (a prefix has no brace).
+_OUR_OBJECT = re.compile(rb"\{[0-9a-f]+\}(?::[0-9a-f]+:[0-9]+)?")
 
 # KEYS: manifest, [counter,] parts...; ARGV: manifest value, ttl (0: none), meta length, "1" when KEYS[2]
 # is the counter (one server), "0" when it is not (a cluster: the counter lives in another slot).
@@ -199,9 +208,8 @@ class ValkeyAdapter(BackendAdapter):
     # --- names ---------------------------------------------------------------------------------------
 
     def manifest_name(self, key: ObjectKey) -> bytes:
-        if self._in_cluster:  # the hash tag: manifest and parts in one slot
-            return self._prefix + b"{" + key.hex().encode() + b"}"
-        return self._prefix + key.hex().encode()
+        """``<prefix>{<K>}``: the brace ends the prefix unambiguously (and is the hash tag in a cluster)."""
+        return self._prefix + b"{" + key.hex().encode() + b"}"
 
     def part_names(self, key: ObjectKey, meta: bytes) -> list[bytes]:
         """The part keys a manifest's meta names (empty for an inline object)."""
@@ -212,7 +220,7 @@ class ValkeyAdapter(BackendAdapter):
     # --- primitives ----------------------------------------------------------------------------------
 
     def _put(self, key: ObjectKey, payload: memoryview) -> None:
-        client = self._valkey  # connected first: the names depend on whether the server is a cluster
+        client = self._valkey  # connected first: the commit script and the cluster mode come with the client
         data = memoryview(payload).cast("B")
         head = envelope.encode_header(key, data)
         gen = os.urandom(8)
@@ -307,22 +315,28 @@ class ValkeyAdapter(BackendAdapter):
         self._drop_object(key, b"")
 
     def _clear(self) -> int:
-        """Every key under our prefix (manifests, parts and the counter) goes; another prefix's keys,
-        the rest of the server's, or keys of another shape that start with our prefix are never touched."""
+        """Every key of ours (manifests, parts and the counter) goes; another tier's (whatever its
+        prefix), the rest of the server's, or keys of another shape under our prefix are never touched."""
         client = self._valkey
         count = int(client.get(self._counter) or 0)
         batch: list[bytes] = []
-        skip = len(self._prefix)
-        for name in client.scan_iter(match=_glob_escape(self._prefix) + b"*", count=1000):  # every primary, in a cluster
-            if not _OUR_NAME.fullmatch(name, skip):
-                continue
+        for name in self._our_objects():
             batch.append(name)
             if len(batch) >= 512:
                 client.unlink(*batch)  # split by slot in a cluster
                 batch.clear()
         if batch:
             client.unlink(*batch)
+        client.unlink(self._counter)
         return max(0, count)
+
+    def _our_objects(self) -> Iterator[bytes]:
+        """The manifests and parts this tier wrote: ``<prefix>{*`` scanned (on every primary, in a
+        cluster), and only names of our shapes kept."""
+        skip = len(self._prefix)
+        for name in self._valkey.scan_iter(match=_glob_escape(self._prefix) + b"{*", count=1000):
+            if _OUR_OBJECT.fullmatch(name, skip):
+                yield name
 
     def _usage(self) -> tuple[int, int, int]:
         """(server used_memory, server maxmemory or 0, manifests under our prefix). Memory figures are
