@@ -5,7 +5,10 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 import zmq
+
+from kvdepot.errors import ErrorCode
 
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
@@ -54,4 +57,48 @@ def test_on_sent_waits_for_every_zero_copy_frame_not_only_the_last(tmp_path):
         assert sorted(released) == list(range(1, asked + 1))  # once read, every one lets go
     finally:
         slow.close(linger=0)
+        server.close()
+
+
+class CountingObserver:
+    """The loop's RequestObserver, counting what it is told (read after the reply arrived)."""
+
+    def __init__(self) -> None:
+        self.started = self.finished = 0
+
+    def request_started(self, client) -> None:
+        self.started += 1
+
+    def request_finished(self, client) -> None:
+        self.finished += 1
+
+
+@pytest.mark.parametrize("mode", [HandlerMode.SYNC, HandlerMode.BLOCKING])
+def test_a_reply_that_cannot_be_sent_still_ends_its_request(tmp_path, mode):
+    """A reply whose send raises (here a payload frame that is no buffer) is answered with an error, and
+    the observer hears that the request finished: a client left "in flight" is never idle, so its
+    liveness timeout never fires. (A BLOCKING reply that failed got no answer at all.)"""
+    url = f"ipc://{tmp_path}/rpc.sock"
+    observer = CountingObserver()
+
+    def unsendable(call: Call) -> Reply:
+        return Reply(m.PingReply(), [object()])
+
+    server = RpcServer([url], [HandlerSpec(RequestType.PING, unsendable, mode)], observer=observer)
+    server.start()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 10_000)
+        sock.connect(url)
+        for rid in (1, 2):
+            sock.send_multipart(codec.encode_request(rid, m.PingRequest(), 0))
+            header = codec.decode_reply_header(sock.recv_multipart()[0])
+            assert header.request_id == rid and header.status == ErrorCode.INTERNAL
+        deadline = time.monotonic() + 5  # a forwarded reply is counted just after it is sent
+        while observer.finished < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (observer.started, observer.finished) == (2, 2)
+    finally:
+        sock.close(linger=0)
         server.close()

@@ -332,7 +332,8 @@ class KVClient:
         """Keep the stored prefix of ``tokens`` (or chunk hashes) from eviction: until ``unpin`` (a hard
         pin), or for ``ttl_s`` seconds (a soft pin). Only what is in L1 now is pinned: ``pinned`` in the
         reply says how many chunks. Pinned bytes count against the salt's quota; a pin over it raises
-        (NO_SPACE). A pin is the server's, not this client's: it outlives the client."""
+        (NO_SPACE). A pin is the server's, not this client's: it outlives the client, and whoever holds its
+        ``pin_id`` (random, unguessable) may unpin it."""
         body = m.PinPrefixRequest(context_id=0, keys=self._as_hashes(tokens), cache_salt=cache_salt or "", ttl_s=ttl_s or 0.0)
         return self.link.request(body)
 

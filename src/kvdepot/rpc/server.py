@@ -119,6 +119,8 @@ class RpcServer:
         self._unsent: dict[bytes, int] = {}
         self._max_unsent = max_unsent_bytes
         self._claims = [IpcClaim(ep.removeprefix("ipc://")) for ep in endpoints if ep.startswith("ipc://")]
+        # Clients of BLOCKING requests whose reply never reached the loop (appended by workers; deque ops are atomic).
+        self._finished_unanswered: deque[ClientId] = deque()
         self._goodbyes = 0  # clean UNREGISTERs whose disconnect has not been seen yet (loop thread)
         self._refusals = 0  # failed handshakes whose disconnect has not been seen yet (loop thread)
         self._refusal_logged: dict[str, float] = {}  # reason -> when last logged (a refused client retries every 0.1 s)
@@ -229,6 +231,8 @@ class RpcServer:
                     pass
                 if self._trackers:
                     self._run_trackers()
+                if self._finished_unanswered:
+                    self._end_unanswered()
                 now = time.monotonic()
                 if now >= next_hk:
                     next_hk = now + self._hk_interval
@@ -310,8 +314,10 @@ class RpcServer:
             while router.getsockopt(zmq.RCVMORE):
                 frames.append(router.recv(copy=len(frames) < small))
             if from_worker:  # [worker, client, header, body, *payload]: a BLOCKING handler's reply
-                router.send_multipart(frames[1:], copy=False)
-                self.observer.request_finished(ClientId(frames[1]))
+                try:
+                    router.send_multipart(frames[1:], copy=False)
+                finally:  # sent or not, the request is over: its client must not stay "busy" for ever
+                    self.observer.request_finished(ClientId(frames[1]))
             else:
                 try:
                     self._dispatch(router, frames)
@@ -370,8 +376,10 @@ class RpcServer:
         call = Call(client, header.request_id, rtype, body, payload, deadline, received)
         self.observer.request_started(client)
         if spec.mode is HandlerMode.SYNC:
-            self._send(router, ident, call, self._invoke(spec, call))
-            self.observer.request_finished(client)
+            try:
+                self._send(router, ident, call, self._invoke(spec, call))
+            finally:  # a send that raised still ends the request (the caller answers it with an error)
+                self.observer.request_finished(client)
         else:
             assert self._pool is not None
             try:
@@ -416,11 +424,13 @@ class RpcServer:
             out = [ident, *frames, *reply.payload]
             if reply.on_sent is not None:
                 try:
+                    # Measured first: a frame that is no buffer raises here, before any part of the
+                    # message is queued (a half-sent message would swallow the error reply after it).
+                    nbytes = sum(memoryview(f).nbytes for f in reply.payload)
                     tracker = _send_tracked(sock, out)
                 except BaseException:
                     reply.on_sent()
                     raise
-                nbytes = sum(memoryview(f).nbytes for f in reply.payload)
                 with self._tracker_lock:
                     self._trackers.append((tracker, reply.on_sent, ident, nbytes))
                     self._unsent[ident] = self._unsent.get(ident, 0) + nbytes
@@ -446,6 +456,25 @@ class RpcServer:
             self._send(sock, call.client, call, result)
         except zmq.ZMQError:
             log.warning("could not hand the %s reply to the loop (shutting down?)", call.rtype.name)
+            self._finished_unanswered.append(call.client)
+        except Exception:
+            log.exception("the %s reply could not be sent", call.rtype.name)
+            self._answer_failed_send(sock, call)
+
+    def _answer_failed_send(self, sock: zmq.Socket, call: Call) -> None:
+        """A BLOCKING handler's reply could not be sent: answer with an error instead (the loop ends the
+        request as it forwards it), or, when even that fails, have the loop end the request."""
+        try:
+            sock.send_multipart([call.client, *self._error_frames(call, ErrorCode.INTERNAL, "the server failed to send its reply")])
+        except Exception:
+            log.warning("could not hand the %s error reply to the loop (shutting down?)", call.rtype.name)
+            self._finished_unanswered.append(call.client)
+
+    def _end_unanswered(self) -> None:
+        """Loop thread: end the requests whose workers could hand no reply to the loop (the observer is
+        the loop's alone), so their clients do not count as busy for ever."""
+        while self._finished_unanswered:
+            self.observer.request_finished(self._finished_unanswered.popleft())
 
     def _run_trackers(self, force: bool = False) -> None:
         if not self._trackers:

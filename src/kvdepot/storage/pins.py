@@ -5,7 +5,10 @@ make-room eviction, by quota enforcement nor by L2-only placement; its bytes sti
 ``cache_salt``'s quota (the table accounts them like any object). An explicit removal (``/cache/clear``,
 ``DELETE /cache/prefix``) is not eviction: it removes protected objects too.
 
-Pins (an operator's "keep this prefix"), by id::
+Pins (an operator's "keep this prefix"), by id. The id is the pin's capability: whoever holds it may
+unpin or extend it (the client that pinned, another process of the same application, the operator), so
+a pin outlives its client; ids are random 53-bit numbers, not a counter, so no other client can guess
+one::
 
     pin(present keys, ttl=None) ──► HARD ──unpin──► RELEASED
     pin(present keys, ttl=t)    ──► SOFT ──unpin──► RELEASED
@@ -35,7 +38,7 @@ its own lock (lock order: table, then protections).
 
 from __future__ import annotations
 
-import itertools
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -128,7 +131,6 @@ class Protections:
         self._quota_of = quota_of
         self._clock = clock
         self._lock = threading.Lock()
-        self._ids = itertools.count(1)
         self._count: dict[ObjectKey, int] = {}  # key -> how many pins and sessions protect it
         self._pins: dict[int, _Pin] = {}  # HARD or SOFT
         self._pinned: dict[ObjectKey, int] = {}  # key -> how many pins hold it
@@ -174,7 +176,7 @@ class Protections:
                         f"pinning {new} more bytes of cache_salt {salt!r} would exceed its quota ({have} bytes pinned "
                         f"already, quota {quota}): pinned bytes count against the quota"
                     )
-            pin = _Pin(next(self._ids), salt, sizes, PinState.HARD if ttl_s is None else PinState.SOFT,
+            pin = _Pin(self._new_id_locked(), salt, sizes, PinState.HARD if ttl_s is None else PinState.SOFT,
                        None if ttl_s is None else self._clock() + ttl_s)  # fmt: skip
             self._pins[pin.id] = pin
             for key, size in sizes.items():
@@ -298,6 +300,14 @@ class Protections:
             self._count[key] = n
         else:
             del self._count[key]
+
+    def _new_id_locked(self) -> int:
+        # Random, not a counter: an UNPIN needs no owner check when nobody can guess another's pin id.
+        # Below 2**53, so a pin id is exact in JSON read by a browser.
+        while True:
+            pin_id = secrets.randbits(53)
+            if pin_id and pin_id not in self._pins and pin_id not in self._ended_pins:
+                return pin_id
 
     def _live_pin_locked(self, pin_id: int, verb: str) -> _Pin:
         pin = self._pins.get(pin_id)

@@ -107,6 +107,12 @@ class ServerContext:
         published first, says so."""
         call.described = self.events.wants(ChunkRequestDone)
 
+    def forget_if_idle(self, client: ClientId) -> None:
+        """A clean goodbye: a client with no context and no lease left is no longer watched (loop
+        thread: called from SYNC handlers only)."""
+        if not self.contexts.owned_by(client) and not self.storage.leases_of(client):
+            self.liveness.forget(client)
+
     def release_quietly(self, lease: LeaseId, owner: ClientId) -> None:
         """Release a lease that may have ended already (TTL, revocation): freeing is idempotent."""
         if not lease:
@@ -115,6 +121,15 @@ class ServerContext:
             self.storage.release(lease, owner)
         except KVDepotError:
             pass  # already expired or released
+
+    def abort_quietly(self, lease: LeaseId, owner: ClientId) -> None:
+        """Abort a reservation that may hold nothing (NO_LEASE) or have ended already."""
+        if not lease:
+            return
+        try:
+            self.storage.abort(lease, owner)
+        except KVDepotError:
+            pass  # already expired or aborted
 
     def expire_sessions(self) -> int:
         """End the lookup sessions nobody will end (``SessionTable.expire``), releasing what they still

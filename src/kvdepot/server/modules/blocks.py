@@ -50,7 +50,7 @@ from kvdepot.layout import PagedFormat
 from kvdepot.protocol import messages as m
 from kvdepot.rpc.dispatch import Call, HandlerMode, HandlerSpec, Reply
 from kvdepot.server.modules import ServerContext
-from kvdepot.server.modules.common import context_and_keys, count_short_retrieve, lock_for_retrieve, touch_agent_session
+from kvdepot.server.modules.common import context_and_keys, count_short_retrieve, lock_for_retrieve, store_protects, touch_after_store
 from kvdepot.server.state import Context
 from kvdepot.storage.manager import Toucher
 from kvdepot.types import ClientId, LeaseId
@@ -60,7 +60,10 @@ log = logging.getLogger(__name__)
 MAX_CACHES_PER_CLIENT = 64
 MAX_OPEN_EVENTS = 256  # a worker's "ready" events this server keeps open per cache (a worker reuses a few)
 POLL_MIN_S, POLL_MAX_S = 50e-6, 2e-3  # how often pending copies are looked at
-STORE_PATIENCE_S = 120.0  # a store whose request set no deadline gives up waiting for its copy after this
+# The most a store holds a BLOCKING worker waiting for its copy (its deadline may be sooner): the client's
+# default request timeout, past which nobody waits for the reply. Four stores that waited 120 s for a ready
+# event that never fires held every worker, and every BLOCKING request of every client waited behind them.
+STORE_PATIENCE_S = 10.0
 
 
 class CacheState(enum.Enum):
@@ -81,6 +84,9 @@ class RegisteredCache:
     label: str  # the transfer path, for metrics: cuda_ipc or host_file
     state: CacheState = CacheState.OPEN
     busy: int = 0
+    # A store's copy that outlived its patience (its ready event did not fire): the stores after it
+    # would queue on the same stream behind it, so they are refused at once until it ends.
+    stalled: Completion | None = None
     _events: OrderedDict = field(default_factory=OrderedDict)  # the worker's exported events, opened
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -404,11 +410,16 @@ class BlockTransferModule:
             raise BadRequest(f"first={body.first} is outside the {len(keys)} keys")
         sent = keys[body.first :]
         ids = self._block_ids(rc, call, len(sent))
-        touch_agent_session(self.ctx, call, keys)
+        protect = store_protects(call, keys, keys[: body.first])
         self.ctx.chunk_tokens(context, sent, body.token_ids)
         size = context.chunk_bytes
         # SERVER: the copy below writes the slots; a lease that ends meanwhile keeps them until abort/commit.
-        res = self.storage.reserve(sent, size, call.client, body.cache_salt, protect=keys[: body.first], toucher=Toucher.SERVER)
+        res = self.storage.reserve(sent, size, call.client, body.cache_salt, protect=protect, toucher=Toucher.SERVER)
+        try:
+            touch_after_store(self.ctx, call, keys, res.statuses)
+        except BaseException:
+            self.ctx.abort_quietly(res.lease_id, call.client)
+            raise
         chosen = [i for i, s in enumerate(res.statuses) if s == m.SlotStatus.ALLOCATED]
         if chosen:
             self._copy_out(call, rc, ids, chosen, [res.offsets[i] for i in chosen], size, res.lease_id)
@@ -425,14 +436,19 @@ class BlockTransferModule:
         part way for the copies it queued (on the watcher, both)."""
         owner = call.client
         try:
+            _refuse_behind_stall(rc)
             rc.begin()
         except BaseException:
             self.storage.abort(LeaseId(lease), owner)
             raise
 
         def abort_late() -> None:
+            if rc.stalled is done:
+                rc.stalled = None
             self.storage.abort(LeaseId(lease), owner)
             rc.end()
+
+        done: Completion | None = None
 
         handed_over = started = False
         try:
@@ -444,6 +460,7 @@ class BlockTransferModule:
             patience = min(STORE_PATIENCE_S, max(0.0, call.deadline - time.monotonic()))
             if not done.wait(patience):
                 handed_over = True
+                rc.stalled = done
                 self._watcher.after(done, abort_late)
                 raise KVDepotTimeout(
                     f"the copy out of the worker's blocks did not end within {patience:.1f} s (does its ready event ever fire?): "
@@ -526,3 +543,15 @@ class BlockTransferModule:
         self.ctx.metrics.retrieved(context.spec.model, found, found * context.chunk_bytes, rc.label)
         self.ctx.chunk_request_done("retrieve", call, context, body.keys, found)
         return Reply(m.RetrieveBlocksReply(found=found))
+
+
+def _refuse_behind_stall(rc: RegisteredCache) -> None:
+    """A store on a cache whose earlier store's copy is stuck (its ready event never fired) would only
+    queue behind it on the cache's save stream and hold a BLOCKING worker for its whole patience: it is
+    refused at once instead, until that copy ends."""
+    stalled = rc.stalled
+    if stalled is not None and not stalled.done():
+        raise KVDepotTimeout(
+            f"an earlier store into kv cache {rc.id} is still waiting for its ready event; stores queue behind it, "
+            f"so this one is a miss (refused until that copy ends)"
+        )

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from kvdepot.errors import BadRequest, KVDepotError
 from kvdepot.limits import MAX_KEYS
+from kvdepot.protocol import messages as m
 from kvdepot.rpc.dispatch import Call
 from kvdepot.server.modules import ServerContext
 from kvdepot.server.state import Context
@@ -39,15 +40,39 @@ def context_and_keys(ctx: ServerContext, call: Call) -> tuple[Context, list[Obje
 MAX_AGENT_SESSION_NAME = 256
 
 
+# What a store that kept none of its chunks was told: refused (a quota, or no space), not one of its turns.
+REFUSED = frozenset({m.SlotStatus.OVER_QUOTA, m.SlotStatus.NO_SPACE})
+
+
+def check_agent_session(call: Call) -> None:
+    """Refuse a bad agent_session name before anything is done for the request."""
+    name = call.body.agent_session
+    if len(name) > MAX_AGENT_SESSION_NAME:
+        raise BadRequest(f"agent_session names are at most {MAX_AGENT_SESSION_NAME} characters, got {len(name)}")
+
+
 def touch_agent_session(ctx: ServerContext, call: Call, keys: list[ObjectKey]) -> None:
     """A LOOKUP or STORE naming an agent session is one of its turns: open or renew it and keep ``keys``
     (the request's whole chain) from eviction until its deadline (storage/pins.py)."""
-    name = call.body.agent_session
-    if not name:
+    check_agent_session(call)
+    if call.body.agent_session:
+        ctx.storage.touch_agent_session(call.body.cache_salt, call.body.agent_session, keys)
+
+
+def store_protects(call: Call, keys: list[ObjectKey], prefix: list[ObjectKey]) -> list[ObjectKey]:
+    """What a store's reservation must not evict to make room: the prefix it extends, and for an agent
+    session's turn its whole chain (the session is touched only once the store is known not refused)."""
+    check_agent_session(call)
+    return keys if call.body.agent_session else prefix
+
+
+def touch_after_store(ctx: ServerContext, call: Call, keys: list[ObjectKey], statuses: list[m.SlotStatus]) -> None:
+    """A store's agent-session turn, once its reservation is made: a store refused outright (every chunk
+    over quota or without space) stored nothing, so it is no activity of the session: it opens none and
+    renews none."""
+    if statuses and all(s in REFUSED for s in statuses):
         return
-    if len(name) > MAX_AGENT_SESSION_NAME:
-        raise BadRequest(f"agent_session names are at most {MAX_AGENT_SESSION_NAME} characters, got {len(name)}")
-    ctx.storage.touch_agent_session(call.body.cache_salt, name, keys)
+    touch_agent_session(ctx, call, keys)
 
 
 def lock_for_retrieve(ctx: ServerContext, call: Call, toucher: Toucher, check: Callable[[], None] | None = None) -> tuple[Context, ReadLock]:

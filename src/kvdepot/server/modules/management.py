@@ -118,8 +118,7 @@ class ManagementModule:
         for lease in self.ctx.sessions.end_context(context.id):
             self.ctx.release_quietly(lease, call.client)
         self.ctx.forget_contexts([context])
-        if not self.ctx.contexts.owned_by(call.client) and not self.ctx.storage.leases_of(call.client):
-            self.ctx.liveness.forget(call.client)  # a clean goodbye: stop watching it (SYNC: loop thread)
+        self.ctx.forget_if_idle(call.client)
         return Reply(m.Ack())
 
     def get_chunk_size(self, call: Call) -> Reply:

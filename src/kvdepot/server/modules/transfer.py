@@ -8,13 +8,14 @@ The inline store copies up to hundreds of MiB into the arena, so it is BLOCKING.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
-from kvdepot.errors import BadRequest, KVDepotError, LeaseRevoked
+from kvdepot.errors import BadRequest, KVDepotError, LeaseRevoked, UnknownContext
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 from kvdepot.rpc.dispatch import Call, HandlerMode, HandlerSpec, Reply
 from kvdepot.server.modules import ServerContext
-from kvdepot.server.modules.common import context_and_keys, count_short_retrieve, lock_for_retrieve, touch_agent_session
+from kvdepot.server.modules.common import context_and_keys, count_short_retrieve, lock_for_retrieve, store_protects, touch_after_store
 from kvdepot.server.state import Context
 from kvdepot.storage.manager import ReadLock, Toucher
 from kvdepot.types import LeaseId
@@ -53,28 +54,37 @@ class TransferModule:
         context, keys = context_and_keys(self.ctx, call)
         self._require_watchable(call)
         self.ctx.chunk_tokens(context, keys, call.body.token_ids)
-        touch_agent_session(self.ctx, call, keys)  # before the reservation: its make-room eviction spares them
-        res = self.storage.reserve(keys, context.chunk_bytes, call.client, call.body.cache_salt, toucher=Toucher.CLIENT)
+        protect = store_protects(call, keys, [])
+        res = self.storage.reserve(keys, context.chunk_bytes, call.client, call.body.cache_salt, protect=protect, toucher=Toucher.CLIENT)
+        try:
+            touch_after_store(self.ctx, call, keys, res.statuses)
+        except BaseException:
+            self.ctx.abort_quietly(res.lease_id, call.client)
+            raise
         allocated = sum(1 for s in res.statuses if s == m.SlotStatus.ALLOCATED)
         self.ctx.chunk_request_done("store", call, context, call.body.keys, allocated)
         return Reply(m.PrepareStoreReply(lease_id=res.lease_id, offsets=res.offsets, statuses=[int(s) for s in res.statuses]))
 
-    def _context_for_finish(self, call: Call, finish) -> Context:
-        """The caller's context for a COMMIT; a revoked client finishing an old lease is told so, and
-        the lease's quarantined space goes back (its block is over: it no longer touches it)."""
+    def _context_for_finish(self, call: Call, finish: Callable[[], object], what: str) -> Context:
+        """The caller's context for a COMMIT. Without one (the client was revoked, or unregistered the
+        context first) the lease it names is still ended, as the abort or release ``finish`` does, so its
+        space goes back now instead of at its TTL into quarantine for the life of the process (the lease
+        is the caller's own: the table checks the owner); the client is told which and why."""
         try:
             return self.ctx.context_of(call.body.context_id, call.client)
         except LeaseRevoked:
-            try:
-                finish()
-            except KVDepotError:
-                pass
+            _finish_quietly(finish)
             raise
+        except UnknownContext as exc:
+            ended = _finish_quietly(finish)
+            self.ctx.forget_if_idle(call.client)  # the unregister's goodbye, now that nothing is held
+            how = f"it was {what}" if ended else "it had ended already"
+            raise UnknownContext(f"{exc.message}; lease {call.body.lease_id} it names was not committed: {how}") from None
 
     def commit_store(self, call: Call) -> Reply:
         body: m.CommitStoreRequest = call.body
         lease = LeaseId(body.lease_id)
-        context = self._context_for_finish(call, lambda: self.storage.abort(lease, call.client, by_client=True))
+        context = self._context_for_finish(call, lambda: self.storage.abort(lease, call.client, by_client=True), "aborted")
         if body.abort:
             self.storage.abort(lease, call.client, by_client=True)
             return Reply(m.CommitStoreReply(committed=0))
@@ -87,20 +97,21 @@ class TransferModule:
         context, keys = context_and_keys(self.ctx, call)
         if not 0 <= body.first <= len(keys) or body.count < 0:
             raise BadRequest(f"first={body.first}, count={body.count} do not fit the {len(keys)} keys")
-        touch_agent_session(self.ctx, call, keys)
+        protect = store_protects(call, keys, keys[: body.first])
         sent = keys[body.first : body.first + body.count] if body.count else keys[body.first :]
         self.ctx.chunk_tokens(context, sent, body.token_ids)
         size = context.chunk_bytes
         max_frame = self.ctx.config.rpc.max_frame_bytes
         per = codec.check_payload(call.payload, len(sent), size, context.rows, body.rows_per_frame, max_frame, call.request_id)
         # SERVER: this thread copies into the slots; if the lease ends meanwhile, they stay reserved.
-        res = self.storage.reserve(sent, size, call.client, body.cache_salt, protect=keys[: body.first], toucher=Toucher.SERVER)
+        res = self.storage.reserve(sent, size, call.client, body.cache_salt, protect=protect, toucher=Toucher.SERVER)
         try:
+            touch_after_store(self.ctx, call, keys, res.statuses)
             for i, (offset, status) in enumerate(zip(res.offsets, res.statuses)):
                 if status == m.SlotStatus.ALLOCATED:
                     self.storage.copy_into(offset, [f.buffer for f in call.payload[i * per : (i + 1) * per]])
         except BaseException:
-            self.storage.abort(res.lease_id, call.client)
+            self.ctx.abort_quietly(res.lease_id, call.client)
             raise
         committed = self.storage.commit(res.lease_id, call.client)
         self.ctx.metrics.stored(context.spec.model, committed, committed * size, "inline")
@@ -126,7 +137,7 @@ class TransferModule:
     def commit_retrieve(self, call: Call) -> Reply:
         body: m.CommitRetrieveRequest = call.body
         lease = LeaseId(body.lease_id)
-        self._context_for_finish(call, lambda: self.storage.release(lease, call.client, by_client=True))
+        self._context_for_finish(call, lambda: self.storage.release(lease, call.client, by_client=True), "released")
         # A lease that ended while its reader could still read kept its pins, so that read was sound;
         # LeaseExpired here means the pins did go (the reader could not be watched): the reads were unsafe.
         self.storage.release(lease, call.client, by_client=True)
@@ -156,3 +167,12 @@ class TransferModule:
                 pass
 
         return Reply(m.RetrieveInlineReply(found=len(lock.offsets), rows_per_frame=rpf), payload, on_sent=release)
+
+
+def _finish_quietly(finish: Callable[[], object]) -> bool:
+    """End a lease that may have ended already (TTL, revocation, another finish); whether this did."""
+    try:
+        finish()
+    except KVDepotError:
+        return False
+    return True
