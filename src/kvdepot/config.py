@@ -108,6 +108,7 @@ class RpcConfig(ConfigStruct, frozen=True, kw_only=True):
     ] = ""
 
     def _check_together(self) -> None:
+        _unbracket_host(self)
         if self.port == 0 and not self.ipc_path:
             raise ConfigError("no endpoint: give --port or --ipc-path")
         if bool(self.curve_server_key) != bool(self.curve_clients):
@@ -125,7 +126,7 @@ class RpcConfig(ConfigStruct, frozen=True, kw_only=True):
 
     @property
     def endpoints(self) -> list[str]:
-        eps = [f"tcp://{self.host}:{self.port}"] if self.port else []
+        eps = [tcp_endpoint(self.host, self.port)] if self.port else []
         if self.ipc_path:
             eps.append(f"ipc://{self.ipc_path}")
         return eps
@@ -174,6 +175,14 @@ class StorageConfig(ConfigStruct, frozen=True, kw_only=True):
 ADMIN_TOKEN_ENV = "KVDEPOT_ADMIN_TOKEN"
 
 
+def _unbracket_host(config: msgspec.Struct) -> None:
+    """``--host [::1]`` (an IPv6 address as a URL writes it) is ``::1``: the socket APIs want it bare,
+    and the endpoints bracket it again where a port follows."""
+    host = unbracket(config.host)  # type: ignore[attr-defined]
+    if host != config.host:  # type: ignore[attr-defined]
+        msgspec.structs.force_setattr(config, "host", host)
+
+
 def is_loopback(host: str) -> bool:
     """Does binding ``host`` keep a port to this machine? (a host name other than localhost counts as
     not: it may resolve to anything)"""
@@ -219,6 +228,7 @@ class HttpConfig(ConfigStruct, frozen=True, kw_only=True):
                 f"prometheus_port={self.prometheus_port}, admin_token={token})")
 
     def _check_together(self) -> None:
+        _unbracket_host(self)
         # A token read from a file (a Kubernetes secret, `--from-file`) often ends in a newline that no
         # Authorization header can carry: every mutating request was refused as a wrong token. The guard
         # strips what a client sends, so the token is stripped too (a blank one is then no token at all).
@@ -301,6 +311,63 @@ class ObservabilityConfig(ConfigStruct, frozen=True, kw_only=True):
                                   f"give the host where the router's subscriber binds")  # fmt: skip
 
 
+_ANY_IPV4 = ("*", "0.0.0.0", "")
+
+
+def hosts_overlap(a: str, b: str) -> bool:
+    """Could listeners on hosts ``a`` and ``b`` clash on one port? Two different addresses do not (nor
+    IPv4 and IPv6 ones); a wildcard clashes with its family, ``::`` (dual-stack) with all; a host name
+    might be any address, so it counts as clashing."""
+    a, b = unbracket(a), unbracket(b)
+    if "::" in (a, b):
+        return True
+    ip_a, ip_b = _ip_or_none(a), _ip_or_none(b)
+    if a in _ANY_IPV4 or b in _ANY_IPV4:
+        other = ip_b if a in _ANY_IPV4 else ip_a
+        return other is None or other.version == 4
+    if ip_a is None or ip_b is None:
+        return True  # a name resolves to some address: maybe the other one
+    return ip_a == ip_b
+
+
+def _ip_or_none(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(unbracket(host))
+    except ValueError:
+        return None
+
+
+def unbracket(host: str) -> str:
+    """``[::1]`` -> ``::1`` (an IPv6 literal as a URL writes it); anything else as it is."""
+    inner = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    return inner if _is_ipv6(inner) else host
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).version == 6
+    except ValueError:
+        return False
+
+
+def host_port(host: str, port: int | str) -> str:
+    """``HOST:PORT``, an IPv6 literal bracketed (``[::1]:8080``): ``::1:8080`` is no address a client reads."""
+    host = unbracket(host)
+    return f"[{host}]:{port}" if _is_ipv6(host) else f"{host}:{port}"
+
+
+def tcp_endpoint(host: str, port: int | str) -> str:
+    """``tcp://HOST:PORT`` as ZeroMQ binds or connects it (an IPv6 literal bracketed)."""
+    return f"tcp://{host_port(host, port)}"
+
+
+def is_ipv6_endpoint(endpoint: str) -> bool:
+    """Does this ``tcp://`` endpoint name an IPv6 address (its socket then needs ``ZMQ_IPV6``)? The
+    same test as ``kvdepot.rpc.endpoints.is_ipv6_endpoint``, for the layers that may not import rpc."""
+    host = zmq_endpoint_host(endpoint)
+    return host is not None and _is_ipv6(unbracket(host.split(";", 1)[-1]))
+
+
 def zmq_endpoint_host(endpoint: str) -> str | None:
     """The host a tcp:// ZeroMQ endpoint binds (``*`` for every interface); None for ipc:// and the like,
     which stay on this machine."""
@@ -362,6 +429,36 @@ class ServerConfig(ConfigStruct, frozen=True, kw_only=True):
     ] = False
 
     def _check_together(self) -> None:
+        self._check_own_ports()
+        self._check_authentication()
+
+    def _listeners(self) -> list[tuple[str, str, int]]:
+        """(flag, host, port) of every TCP port this server listens on (a port 0 is off)."""
+        rpc, http, obs = self.rpc, self.http, self.observability
+        out = [("--port", rpc.host, rpc.port), ("--http-port", http.host, http.port), ("--prometheus-port", http.host, http.prometheus_port)]
+        kv_events = [("--kv-events-replay-endpoint", obs.kv_events_replay_endpoint)]
+        if not obs.kv_events_connect:  # a connected PUB socket listens on nothing
+            kv_events.append(("--kv-events-endpoint", obs.kv_events_endpoint))
+        for flag, endpoint in kv_events:
+            host, port = zmq_endpoint_host(endpoint), endpoint.rpartition(":")[2]
+            if host is not None and port.isdigit():
+                out.append((flag, unbracket(host), int(port)))
+        return [(flag, host, port) for flag, host, port in out if port]
+
+    def _check_own_ports(self) -> None:
+        """Two of this server's own listeners on one port: the second bind failed with "in use (another
+        process listens there)", and the operator went looking for a process that does not exist."""
+        listeners = self._listeners()
+        for i, (flag_a, host_a, port) in enumerate(listeners):
+            for flag_b, host_b, port_b in listeners[i + 1 :]:
+                if flag_a.startswith("--kv-events") and flag_b.startswith("--kv-events"):
+                    continue  # with each other: their bind's error names both flags already, and no other process
+                if port == port_b and hosts_overlap(host_a, host_b):
+                    where = host_a if host_a == host_b else f"{host_a} and {host_b}"
+                    raise ConfigError(f"{flag_a} and {flag_b} are both port {port} on {where}: this server cannot "
+                                      f"listen on one port twice; give each its own")  # fmt: skip
+
+    def _check_authentication(self) -> None:
         """Off loopback, anyone who reaches a port could read and poison the cache: authentication, or
         the operator's explicit --insecure."""
         if self.insecure:

@@ -6,10 +6,14 @@ setup that was meant), never in a traceback or a server that starts and then ref
   was refused. A damaged secret key is named too, not a ZMQError traceback.
 - The admin token: one read from a file ends in a newline no Authorization header can carry; it is the
   token without it (before, every mutating request was refused as a wrong token).
+- Two of the server's own ports on one number are named as such at start, not as a port "in use (another
+  process listens there)".
+- A peer flooding the KV-events replay socket with malformed requests gets a few log lines, then a count.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -20,8 +24,10 @@ from support.servers import CHUNK, LAYOUT, MODEL, SMALL_L1, make_kv, make_tokens
 
 from kvdepot import ClientOptions, CurveClientKeys, KVClient
 from kvdepot.bench.serverproc import ServerProcess, free_port
-from kvdepot.config import HttpConfig, RpcConfig, ServerConfig
+from kvdepot.config import HttpConfig, ObservabilityConfig, RpcConfig, ServerConfig
 from kvdepot.errors import ConfigError, HandshakeRefused
+from kvdepot.observability import kv_events
+from kvdepot.observability.kv_events import END_OF_REPLAY, KVEventsPublisher
 from kvdepot.rpc.security import CurveServerKeys, load_key_pair, write_key_files
 from kvdepot.server.main import rpc_security
 
@@ -138,3 +144,91 @@ def test_an_ipc_path_that_cannot_be_had_is_named_as_such(tmp_path):
     r = _server_cli("--port", str(free_port()), "--http-port", "0", "--shm-dir", str(tmp_path), "--ipc-path", str(missing))
     assert r.returncode == 2, r.stderr
     assert "--ipc-path" in r.stderr and "no-such-dir" in r.stderr and "--host" not in r.stderr, r.stderr
+
+
+# --- the server's own ports ------------------------------------------------------------------------------
+
+
+def test_rpc_and_http_on_one_port_name_both_flags_not_another_process(tmp_path):
+    """``--port 8080 --http-port 8080`` said "127.0.0.1:8080 is in use (another process listens there)":
+    the operator looked for a process that was this server itself."""
+    port = free_port()
+    r = _server_cli("--port", str(port), "--http-port", str(port), "--shm-dir", str(tmp_path))
+    assert r.returncode == 2, r.stderr
+    assert "--port and --http-port" in r.stderr and str(port) in r.stderr, r.stderr
+    assert "another process" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("kvdepot-")], "an arena was reserved by a server that refused to start"
+
+
+def test_every_pair_of_the_servers_own_listeners_is_checked_and_distinct_addresses_are_not_a_collision():
+    with pytest.raises(ConfigError, match="--port and --prometheus-port are both port 9100"):
+        ServerConfig(rpc=RpcConfig(port=9100), http=HttpConfig(prometheus_port=9100))
+    with pytest.raises(ConfigError, match="--http-port and --kv-events-endpoint are both port 8080"):
+        ServerConfig(observability=ObservabilityConfig(kv_events_endpoint="tcp://127.0.0.1:8080"))
+    with pytest.raises(ConfigError, match="--port and --kv-events-replay-endpoint"):
+        ServerConfig(observability=ObservabilityConfig(kv_events_endpoint="tcp://127.0.0.1:5557", kv_events_replay_endpoint="tcp://*:5555"),
+                     insecure=True)  # fmt: skip
+    with pytest.raises(ConfigError, match="--port and --http-port"):  # --insecure skips the loopback rule, not this one
+        ServerConfig(rpc=RpcConfig(host="0.0.0.0", port=8080), http=HttpConfig(host="127.0.0.1"), insecure=True)
+    # Not one socket address: each binds.
+    ServerConfig(rpc=RpcConfig(host="127.0.0.1", port=8080), http=HttpConfig(host="::1"))
+    ServerConfig(rpc=RpcConfig(host="127.0.0.1", port=8080), http=HttpConfig(host="127.0.0.2"))
+    ServerConfig(observability=ObservabilityConfig(kv_events_endpoint="tcp://127.0.0.1:8080", kv_events_connect=True))  # connects: no listener
+
+
+# --- the KV-events replay socket's log -----------------------------------------------------------------------
+
+
+class _FrozenClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _replay_request_answered(sock) -> None:
+    """Send a well-formed request and read to its end marker: every request sent before it was handled."""
+    sock.send_multipart([b"", (0).to_bytes(8, "big"), b"no-such-topic"])
+    while True:
+        assert sock.poll(10_000), "no reply from the replay socket"
+        if sock.recv_multipart()[2] == END_OF_REPLAY:
+            return
+
+
+def test_a_flood_of_malformed_replay_requests_logs_a_few_lines_then_a_count(tmp_path, caplog):
+    """Every malformed request was one warning: a peer that can reach the (unauthenticated) replay socket
+    filled the log at the rate it could send."""
+    import zmq
+
+    flood = 200
+    pub = KVEventsPublisher(f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay")
+    clock = _FrozenClock()
+    if hasattr(pub, "_malformed"):  # the interval is not what is tested: no line is due to time passing
+        pub._malformed._clock = clock
+    caplog.set_level(logging.WARNING, logger=kv_events.__name__)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        pub.bind()
+        pub.start()
+        sock.connect(f"ipc://{tmp_path}/replay")
+        for _ in range(flood):
+            sock.send_multipart([b"", b"not 8 bytes"])
+        _replay_request_answered(sock)
+
+        def lines() -> list[str]:
+            return [r.getMessage() for r in caplog.records if r.name == kv_events.__name__ and "malformed" in r.getMessage()]
+
+        first = kv_events.MALFORMED_LOG_FIRST
+        assert len(lines()) == first, f"{len(lines())} lines for {flood} malformed requests"
+        clock.now += kv_events.MALFORMED_LOG_EVERY_S  # the interval passes: the count is logged, once
+        for _ in range(2):  # the second is read after the loop went round once more past the first
+            _replay_request_answered(sock)
+        assert len(lines()) == first + 1, lines()
+        assert f"ignored {flood - first} more" in lines()[-1] and f"{flood} in all" in lines()[-1], lines()[-1]
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+        pub.close()

@@ -29,7 +29,7 @@ from kvdepot import __version__
 from kvdepot.admin import routes
 from kvdepot.admin.backend import AdminBackend, Quotas
 from kvdepot.admin.guard import AdminGuard
-from kvdepot.config import HttpConfig
+from kvdepot.config import HttpConfig, host_port
 from kvdepot.errors import EndpointInUse
 
 __all__ = ["AdminBackend", "HttpServer", "Quotas", "build_app"]
@@ -94,7 +94,7 @@ class HttpServer:
 
     @property
     def address(self) -> str:
-        return f"{self._config.host}:{self._config.port}"
+        return host_port(self._config.host, self._config.port)  # [::1]:8080, not ::1:8080
 
     def bind(self) -> None:
         """Listen on the port now (``start`` serves it), so a taken port is known before anything

@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvdepot.admin.guard import AdminGuard
+from kvdepot.config import host_port
 from kvdepot.errors import EndpointInUse
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ class PrometheusServer:
 
     @property
     def address(self) -> str:
-        return f"{self._host}:{self._port}"
+        return host_port(self._host, self._port)
 
     def bind(self) -> None:
         """Listen now (``start`` serves): EndpointInUse names a taken port; OSError another failure."""

@@ -65,12 +65,13 @@ import string
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import msgspec
 import zmq
 
+from kvdepot.config import is_ipv6_endpoint
 from kvdepot.events import ChunkTokens, EventKind, L1Changed, NamespaceSeen, ObjectEvent, TierCleared, TierRemoved, TierStored
 from kvdepot.observability.bus import Dropped
 from kvdepot.types import NAMESPACE_BYTES, ObjectKey
@@ -84,6 +85,8 @@ MAX_TOPICS = 65536  # topics whose sequence is kept; the least recently used is 
 REPLAY_WARN_S = 60.0  # a replay request that names no topic, on a server of several, is logged this often
 MAX_TOPIC_BYTES = 4096  # a replay request's topic frame
 RESET_LOG_S = 60.0  # a reset is logged at most this often (an overloaded bus drops on every round)
+MALFORMED_LOG_FIRST = 5  # malformed replay requests logged one by one; past them...
+MALFORMED_LOG_EVERY_S = 60.0  # ...one line at most this often, with how many came since
 # Blocks remembered as announced per L2 medium (for its clear; ~190 bytes each, so ~48 MiB a medium at
 # most). Past it the least recently announced is withdrawn (BlockRemoved): tiers whose own drops kvdepot
 # never hears of (Valkey TTL, S3 lifecycle, a peer's pool) would otherwise grow it for the server's life.
@@ -127,6 +130,45 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 
 # --- the publisher --------------------------------------------------------------------------------
+
+
+def _enable_ipv6(sock: zmq.Socket, endpoint: str) -> None:
+    """``tcp://[::1]:5557``: ZeroMQ refuses an IPv6 address ("No such device") unless ZMQ_IPV6 is set
+    before bind or connect (only for an IPv6 endpoint: with it, ``*`` would bind ``::``, not ``0.0.0.0``)."""
+    if is_ipv6_endpoint(endpoint):
+        sock.setsockopt(zmq.IPV6, 1)
+
+
+class _LogLimit:
+    """A warning any peer can cause (the replay socket has no authentication), logged the first
+    ``first`` times, then at most once every ``every_s`` as a count: one line per request let a
+    misbehaving or hostile peer fill the log, and the dashboard's recent warnings, with nothing else."""
+
+    def __init__(self, first: int, every_s: float, summary: str, clock: Callable[[], float] = time.monotonic) -> None:
+        """``summary``: the count's line, formatted with (unlogged since the last line, all so far)."""
+        self._first, self._every, self._summary, self._clock = first, every_s, summary, clock
+        self.total = 0  # every occurrence, logged or not
+        self._unlogged = 0  # since the last line
+        self._next = 0.0  # when the next summary may be logged
+
+    def hit(self, message: str, *args: object) -> None:
+        """One occurrence: logged as it is while under ``first``, else counted for the next summary."""
+        self.total += 1
+        if self.total <= self._first:
+            quiet = " (more are counted, and logged once every %.0f s)" if self.total == self._first else ""
+            log.warning(message + quiet, *args, *((self._every,) if quiet else ()))
+            self._next = self._clock() + self._every
+            return
+        self._unlogged += 1
+        self.flush()
+
+    def flush(self) -> None:
+        """Log how many went unlogged, if any did and the interval has passed."""
+        if not self._unlogged or self._clock() < self._next:
+            return
+        log.warning(self._summary, self._unlogged, self.total)
+        self._unlogged = 0
+        self._next = self._clock() + self._every
 
 
 class _Generations:
@@ -216,6 +258,7 @@ class KVEventsPublisher:
         self._buffer_lock = threading.Lock()
         self._start_seq = time.time_ns() // 1000
         self._replay_warned = 0.0
+        self._malformed = _LogLimit(MALFORMED_LOG_FIRST, MALFORMED_LOG_EVERY_S, "ignored %d more malformed KV-events replay requests (%d in all)")
         self._encode = msgspec.msgpack.Encoder().encode
         self._ctx = zmq.Context()
         self._pub: zmq.Socket | None = None
@@ -234,6 +277,7 @@ class KVEventsPublisher:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.LINGER, 0)
             self._pub.setsockopt(zmq.SNDHWM, 100_000)
+            _enable_ipv6(self._pub, self.endpoint)
             if self.connect:
                 self._pub.connect(self.endpoint)
             else:
@@ -245,6 +289,7 @@ class KVEventsPublisher:
                 # marker, or a subscriber busy when it starts gets a gappy replay and waits for an end for ever.
                 self._replay.setsockopt(zmq.SNDHWM, (self._buffer.maxlen or 0) + 16)
                 self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_TOPIC_BYTES)  # a request is an empty frame, 8 bytes, a topic
+                _enable_ipv6(self._replay, self.replay_endpoint)
                 self._replay.bind(self.replay_endpoint)
         except zmq.ZMQError as exc:
             self.close()
@@ -496,6 +541,7 @@ class KVEventsPublisher:
         sock = self._replay
         assert sock is not None
         while not self._stop.is_set():
+            self._malformed.flush()  # a flood that stopped still gets its count logged
             try:
                 if not sock.poll(100):
                     continue
@@ -503,7 +549,7 @@ class KVEventsPublisher:
             except zmq.ZMQError:
                 return
             if len(frames) not in (3, 4) or len(frames[2]) != 8:
-                log.warning("ignored a malformed KV-events replay request (%d frames)", len(frames))
+                self._malformed.hit("ignored a malformed KV-events replay request (%d frames)", len(frames))
                 continue
             client, start = frames[0], int.from_bytes(frames[2], "big")
             with self._buffer_lock:

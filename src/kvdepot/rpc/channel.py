@@ -36,6 +36,7 @@ from kvdepot.errors import ErrorCode, HandshakeRefused, KVDepotError, KVDepotTim
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.messages import RequestType
+from kvdepot.rpc.endpoints import enable_ipv6
 from kvdepot.rpc.security import SocketSecurity
 
 OnReply = Callable[[int, object, list], None]  # (request index, typed reply, payload frames)
@@ -73,6 +74,7 @@ class RpcChannel:
         sock.setsockopt(zmq.RCVHWM, 0)
         if self._security is not None:
             self._security.apply_client(sock)
+        enable_ipv6(sock, self.url)  # tcp://[::1]:PORT: ZeroMQ refuses an IPv6 address without it
         self._monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
         sock.connect(self.url)
         self._sock = sock

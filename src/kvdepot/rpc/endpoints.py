@@ -7,16 +7,50 @@ serves ``ipc://PATH``. A held lock means a live server: refuse to start. A free 
 file still there means a server died without cleaning up: the stale socket is removed and bound anew.
 At a clean exit the socket file is removed; the lock file stays (removing it would let two later
 servers lock two different files of the same name).
+
+TCP endpoints on IPv6: ZeroMQ refuses an IPv6 address (``No such device``) unless the socket has
+``ZMQ_IPV6`` set before it binds or connects, and ``tcp://HOST:PORT`` must bracket an IPv6 literal
+(``tcp://[::1]:5555``; ``kvdepot.config.tcp_endpoint`` writes one). ``enable_ipv6`` sets the option
+on a socket whose endpoints need it.
 """
 
 from __future__ import annotations
 
 import fcntl
+import ipaddress
 import os
+from collections.abc import Iterable
+
+import zmq
 
 from kvdepot.errors import EndpointInUse
 
-__all__ = ["EndpointInUse", "IpcClaim"]
+__all__ = ["EndpointInUse", "IpcClaim", "enable_ipv6", "is_ipv6_endpoint"]
+
+
+def is_ipv6_endpoint(endpoint: str) -> bool:
+    """Does this ``tcp://`` endpoint name an IPv6 address (so its socket needs ``ZMQ_IPV6``)?
+    (``kvdepot.config.is_ipv6_endpoint`` is the same test for the layers that read configuration: the
+    RPC layer reads none, see tests/unit/test_imports.py.)"""
+    if not endpoint.startswith("tcp://"):
+        return False
+    address = endpoint[len("tcp://") :]
+    if address.startswith("["):  # only IPv6 is ever bracketed
+        return True
+    host = address.rsplit(":", 1)[0].split(";", 1)[-1]  # ZeroMQ's "SOURCE;DEST" form: the destination decides
+    try:
+        return ipaddress.ip_address(host.strip("[]")).version == 6
+    except ValueError:
+        return False
+
+
+def enable_ipv6(sock: zmq.Socket, endpoints: Iterable[str] | str) -> None:
+    """Set ``ZMQ_IPV6`` on ``sock`` when one of ``endpoints`` is IPv6; call before bind or connect.
+    (Only then: with it set a wildcard ``*`` binds ``::`` instead of ``0.0.0.0``, and a host name may
+    resolve to an IPv6 address the server does not listen on: an IPv4 set-up keeps what it had.)"""
+    eps = [endpoints] if isinstance(endpoints, str) else endpoints
+    if any(is_ipv6_endpoint(ep) for ep in eps):
+        sock.setsockopt(zmq.IPV6, 1)
 
 
 class IpcClaim:

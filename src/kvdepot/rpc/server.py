@@ -37,7 +37,7 @@ from kvdepot.observability.metrics import Metrics
 from kvdepot.protocol import codec
 from kvdepot.protocol.messages import RequestType
 from kvdepot.rpc.dispatch import Call, HandlerMode, HandlerSpec, Reply
-from kvdepot.rpc.endpoints import IpcClaim
+from kvdepot.rpc.endpoints import IpcClaim, enable_ipv6
 from kvdepot.rpc.security import SocketSecurity
 from kvdepot.types import ClientId
 
@@ -192,6 +192,7 @@ class RpcServer:
         router.setsockopt(zmq.MAXMSGSIZE, 4 * max(self._max_frame, codec.MAX_BODY_BYTES) + (1 << 20))
         router.setsockopt(zmq.RCVHWM, 0)
         router.setsockopt(zmq.SNDHWM, 0)
+        enable_ipv6(router, self._endpoints)  # tcp://[::1]:PORT: ZeroMQ refuses an IPv6 address without ZMQ_IPV6
         if self._security is not None:
             self._security.apply_server(self._ctx, router)
         ep = ""

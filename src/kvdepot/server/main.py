@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from kvdepot import __version__
 from kvdepot.admin.http import HttpServer
 from kvdepot.admin.prometheus import PrometheusServer
-from kvdepot.config import BlockTransfer, RpcConfig, ServerConfig, is_loopback
+from kvdepot.config import BlockTransfer, RpcConfig, ServerConfig, host_port, is_loopback
 from kvdepot.errors import ConfigError, EndpointInUse
 from kvdepot.gpu import runtime
 from kvdepot.observability.metrics import Metrics
@@ -194,7 +194,7 @@ class KVDepotServer:
             self.storage.shm_offer(ClientId(b"")).path,
             self.config.storage.chunk_size,
             self.config.storage.hash_algorithm.value,
-            f"{self.config.http.host}:{self.config.http.port}" if self.http else "off",
+            host_port(self.config.http.host, self.config.http.port) if self.http else "off",
         )
         if self.config.insecure and not (is_loopback(self.config.rpc.host) and is_loopback(self.config.http.host)):
             log.warning("--insecure: serving off loopback without authentication; anyone who reaches these ports can read and write the cache")
