@@ -21,6 +21,7 @@ from kvdepot.connectors.common import Direction
 from kvdepot.hashing import chunk_hashes
 
 from support.servers import Server
+from support.vllm_objects import blocks, request, step, tokens
 
 CS = 128  # chunk size = vLLM's CPU block size here, unless a test says otherwise
 BS = 128
@@ -53,10 +54,6 @@ def layout(dtype: str = "float32") -> KVLayout:
     return KVLayout(L, H, D, dtype)
 
 
-def tokens(n: int, seed: int = 0) -> list[int]:
-    return np.random.default_rng(seed).integers(3, 30000, size=n).tolist()
-
-
 def store(url: str, toks: list[int], n_chunks: int, rank: int = 0, world: int = 1, salt: str = "", chunk: int = CS) -> np.ndarray:
     lay = layout()
     kv = np.random.default_rng(rank + 7).standard_normal(lay.chunk_shape(n_chunks * chunk)).astype(np.float32)
@@ -76,55 +73,13 @@ def scheduler(url: str, world: int = 1, chunk: int = CS, hash_cache=None, **opti
     return SchedulerSide(config, MODEL, layout(), BS, world_size=world, hash_cache=hash_cache)
 
 
-def request(req_id: str, toks: list[int], salt: str | None = None, vllm_hashes: bool = False):
-    """A vLLM request; ``vllm_hashes``: with vLLM's own sha256 prefix hashes, as its engine core makes."""
-    from vllm import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    hasher = None
-    if vllm_hashes:
-        init_none_hash(sha256)
-        hasher = get_request_block_hasher(BS, sha256)
-    return Request(req_id, list(toks), SamplingParams(max_tokens=8), None, cache_salt=salt, block_hasher=hasher)
-
-
-def blocks(ids: list[int]):
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
-
-    return KVCacheBlocks((tuple(KVCacheBlock(i) for i in ids),))
-
-
-def step(new=(), cached=(), scheduled=None, preempted=()):
-    """A SchedulerOutput: ``new`` = [(req, block_ids, num_computed)], ``cached`` = [(req, new_block_ids,
-    num_computed)], ``scheduled`` = {req_id: tokens this step}."""
-    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-
-    so = SchedulerOutput.make_empty()
-    for req, ids, computed in new:
-        req.num_computed_tokens = computed
-        so.scheduled_new_reqs.append(NewRequestData.from_request(req, (list(ids),)))
-    cd = CachedRequestData.make_empty()
-    for req, ids, computed in cached:
-        cd.req_ids.append(req.request_id)
-        cd.new_block_ids.append((list(ids),) if ids else None)
-        cd.num_computed_tokens.append(computed)
-        cd.num_output_tokens.append(req.num_output_tokens)
-    so.scheduled_cached_reqs = cd
-    so.num_scheduled_tokens = dict(scheduled or {})
-    so.total_num_scheduled_tokens = sum(so.num_scheduled_tokens.values())
-    so.preempted_req_ids = set(preempted)
-    return so
-
-
-def worker_meta(*req_ids: str):
+def worker_meta(*loads):
+    """The workers' report that these synchronous loads (``LoadOp``s) ran."""
     from vllm.v1.outputs import KVConnectorOutput
 
     from kvdepot.connectors.vllm.metadata import KVDepotWorkerMetadata
 
-    return KVConnectorOutput(kv_connector_worker_meta=KVDepotWorkerMetadata(set(req_ids)))
+    return KVConnectorOutput(kv_connector_worker_meta=KVDepotWorkerMetadata.of(loads))
 
 
 def test_never_claims_the_whole_prompt(server):
@@ -153,7 +108,7 @@ def test_a_hit_is_the_prefix_every_tp_rank_holds(server):
     assert [(op.block_ids, op.skip_blocks) for op in meta.loads] == [([10, 11], 0)]
     # Chunks 2 and 3 are computed this step; each rank's worker stores its own shard of them.
     assert [(op.block_ids, len(op.hashes)) for op in meta.saves] == [([12, 13], 2)]
-    s.update_connector_output(worker_meta("tp"))
+    s.update_connector_output(worker_meta(*meta.loads))
     assert server.status()["l1"]["read_locked"] == 0
     s.request_finished(req)
     assert server.status()["sessions"] == 0
@@ -184,7 +139,7 @@ def test_load_plan_skips_what_vllm_holds_and_locks_follow_the_load(parts_server,
     assert load.hashes == hashes[1:4] and load.block_ids == ids[2:8] and load.skip_blocks == 1 and not load.is_async
     assert meta.saves == []  # the 10 computed tokens complete no chunk
     assert s.build_connector_meta(step(cached=[(req, [], 4 * cs + 10)], scheduled={"r1": 1})).loads == []  # planned once
-    s.update_connector_output(worker_meta("r1"))
+    s.update_connector_output(worker_meta(*meta.loads))
     st = srv.status()
     assert st["l1"]["read_locked"] == 0 and st["sessions"] == 1
     s.request_finished(req)
@@ -280,7 +235,7 @@ def running_after_a_hit(server, req_id: str):
     assert s.get_num_new_matched_tokens(req, 0) == (2 * CS, False)
     s.update_state_after_alloc(req, blocks([1, 2, 3, 4]), 2 * CS)
     first = s.build_connector_meta(step(new=[(req, [1, 2, 3, 4], 2 * CS)], scheduled={req_id: CS + 7}))
-    s.update_connector_output(worker_meta(req_id))
+    s.update_connector_output(worker_meta(*first.loads))
     return s, req, toks, first
 
 
@@ -423,6 +378,49 @@ def test_a_request_preempted_and_admitted_again_within_one_schedule_keeps_its_ne
     assert [(op.block_ids, op.skip_blocks) for op in meta.loads] == [([9, 8], 0)]
     assert s.states["again"].saves_planned == len(meta.saves) == 1  # this step's save only
     s.request_finished(req)
+    s.shutdown()
+
+
+def test_a_report_of_the_load_before_a_readmission_leaves_the_new_loads_locks_alone(server):
+    """With async scheduling the step that ran a request's load is reported after the next schedule. If
+    that schedule preempted the request and admitted it again (reset_prefix_cache between the two), its
+    new lookup locked the chunks and a new load is in flight when the old load's report comes in: taken
+    for the new load's, it freed the new lookup's locks before the workers had read the chunks (a miss,
+    or chunks evicted under the load). Reports name their load's attempt; a stale one changes nothing."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from kvdepot.connectors.vllm.request_state import Locks
+
+    toks = tokens(3 * CS + 7)
+    store(server.url, toks, 2)
+    s = scheduler(server.url)
+    w = worker(server.url, cpu_caches())
+    req = request("stale", toks)
+    assert s.get_num_new_matched_tokens(req, 0) == (2 * CS, False)
+    s.update_state_after_alloc(req, blocks([1, 2, 3, 4]), 2 * CS)
+    first = s.build_connector_meta(step(new=[(req, [1, 2, 3, 4], 2 * CS)], scheduled={"stale": CS + 7}))
+    w.start_load_kv(first)
+    w.wait_for_save(first)
+    stale = w.take_worker_meta()  # the first step's report, not yet delivered
+    assert stale is not None and stale.loaded == {"stale"}
+    # The next schedule: preempted and admitted again; a new lookup locks the two chunks, a new load goes.
+    assert s.get_num_new_matched_tokens(req, 0) == (2 * CS, False)
+    s.update_state_after_alloc(req, blocks([9, 8, 7, 6]), 2 * CS)
+    second = s.build_connector_meta(step(preempted={"stale"}, cached=[(req, [9, 8, 7, 6], 2 * CS)], scheduled={"stale": CS + 7}))
+    assert [op.block_ids for op in second.loads] == [[9, 8]]
+    assert server.wait_status(lambda st: st["l1"]["read_locked"] == 2)["l1"]["read_locked"] == 2
+    s.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=stale))  # the first step's, late
+    assert server.status()["l1"]["read_locked"] == 2, "a stale report freed the new load's locks"
+    assert s.states["stale"].locks is Locks.LOADING
+    w.handle_preemptions(second)
+    w.start_load_kv(second)
+    w.wait_for_save(second)
+    s.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=w.take_worker_meta()))  # its own report
+    assert s.states["stale"].locks is Locks.HELD
+    assert server.wait_status(lambda st: st["l1"]["read_locked"] == 0)["l1"]["read_locked"] == 0
+    s.request_finished(req)
+    assert server.wait_status(lambda st: st["sessions"] == 0)["sessions"] == 0
+    w.shutdown()
     s.shutdown()
 
 
@@ -628,6 +626,63 @@ def test_layerwise_saves_copy_each_layer_once_it_is_written_and_commit_whole(ser
             assert server.status()["l1"]["ready"] == before, "committed before its last layer was written"
     save_now(w, step)  # (wait_for_save does not hand the step's saves over twice)
     assert server.status()["l1"]["ready"] == before + 2
+    r = worker(server.url, dst)
+    r.start_load_kv(meta(loads=[load]))
+    assert r.take_load_errors() == set() and blocks_equal(written, [3, 4], dst, [8, 9])
+    w.shutdown()
+    r.shutdown()
+
+
+class LayerCount:
+    """Counts the gathers of each layer a worker's saver ran; ``wait(layer, n)`` waits until layer
+    ``layer`` has ``n`` of them (or gives up after ``bound_s``, a bound, never a measurement)."""
+
+    def __init__(self, w, bound_s: float = 10.0) -> None:
+        import threading
+
+        self.counts = [0] * w.paged.num_layers
+        self._cond = threading.Condition()
+        self._gather = w.paged.gather
+        self._bound_s = bound_s
+        w.paged.gather = self._counted
+
+    def _counted(self, block_ids, out, layer=None) -> None:
+        self._gather(block_ids, out, layer)
+        with self._cond:
+            for i in range(len(self.counts)) if layer is None else (layer,):
+                self.counts[i] += 1
+            self._cond.notify_all()
+
+    def wait(self, layer: int, n: int) -> list[int]:
+        with self._cond:
+            self._cond.wait_for(lambda: self.counts[layer] >= n, timeout=self._bound_s)
+            return list(self.counts)
+
+
+def test_layerwise_saves_copy_each_layer_during_the_forward_in_a_step_without_synchronous_loads(server):
+    """vLLM calls start_load_kv after the forward when the step has no synchronous load (most steps:
+    its loads run before the forward only when the forward needs them). The step's layerwise saves were
+    handed over there, after every layer's save_kv_layer had found no save to open: nothing was copied
+    during the forward. The first layer's hook hands them over now: after the hook of layer N, layer N's
+    chunks are copied and no later layer's; the step's start_load_kv and wait_for_save add none."""
+    written, src = cpu_caches(seed=29), cpu_caches()
+    save, load = ops(tokens(2 * CS + 1, seed=29), 2, [3, 4], [8, 9], req="nosync")
+    w = worker(server.url, src, layerwise_saves=True)
+    count = LayerCount(w)
+    before = server.status()["l1"]["ready"]
+    step_meta = meta(saves=[save])
+    w.handle_preemptions(step_meta)  # the step as vLLM drives it: no synchronous load, so no start_load_kv yet
+    shipped = []
+    for i, name in enumerate(src):
+        src[name].copy_(written[name])  # layer i's forward writes its blocks
+        w.save_kv_layer(name, step_meta)
+        shipped.append(count.wait(i, 2))  # both chunks of layer i, before layer i + 1 computes
+    assert shipped == [[2] * (i + 1) + [0] * (L - i - 1) for i in range(L)]
+    w.start_load_kv(step_meta)  # after the forward (nothing loads synchronously)
+    save_now(w, step_meta)
+    assert count.counts == [2] * L  # every layer once: the step's saves went to the saver once
+    assert server.status()["l1"]["ready"] == before + 2
+    dst = cpu_caches()
     r = worker(server.url, dst)
     r.start_load_kv(meta(loads=[load]))
     assert r.take_load_errors() == set() and blocks_equal(written, [3, 4], dst, [8, 9])

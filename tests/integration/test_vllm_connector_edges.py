@@ -15,6 +15,8 @@ import pytest
 from kvdepot import ClientOptions, KVClient, KVLayout
 from kvdepot.bench.engines.vllm_engines import require_vllm
 
+from support.vllm_objects import blocks, request, step, tokens
+
 CS = BS = 128  # one chunk is one vLLM CPU block here
 MODEL = "edges-model"
 L, H, D = 3, 2, 64
@@ -28,10 +30,6 @@ def vllm_present():
 @pytest.fixture
 def server(make_server):
     return make_server(ipc=False, base=("--chunk-size", str(CS), "--l1-size-gb", "0.25", "--no-prefault"))
-
-
-def tokens(n: int, seed: int = 0) -> list[int]:
-    return np.random.default_rng(seed).integers(3, 30000, size=n).tolist()
 
 
 def connector(url: str, **options):
@@ -63,34 +61,6 @@ def worker(url: str, **options):
     w = WorkerSide(ConnectorConfig(url=url, chunk_size=CS, **options), MODEL, BS, "auto", 0, 1)
     w.register_kv_caches({f"model.layers.{i}.self_attn.attn": whole[i] for i in range(L)})
     return w
-
-
-def request(req_id: str, toks: list[int]):
-    from vllm import SamplingParams
-    from vllm.v1.request import Request
-
-    return Request(req_id, list(toks), SamplingParams(max_tokens=8), None)
-
-
-def blocks(ids: list[int]):
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
-
-    return KVCacheBlocks((tuple(KVCacheBlock(i) for i in ids),))
-
-
-def step(new=(), scheduled=None, preempted=()):
-    """A SchedulerOutput: ``new`` = [(req, block_ids, num_computed)], ``scheduled`` = {req_id: tokens}."""
-    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
-
-    so = SchedulerOutput.make_empty()
-    for req, ids, computed in new:
-        req.num_computed_tokens = computed
-        so.scheduled_new_reqs.append(NewRequestData.from_request(req, (list(ids),)))
-    so.num_scheduled_tokens = dict(scheduled or {})
-    so.total_num_scheduled_tokens = sum(so.num_scheduled_tokens.values())
-    so.preempted_req_ids = set(preempted)
-    return so
 
 
 def run_step(w, meta) -> None:

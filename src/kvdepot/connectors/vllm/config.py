@@ -33,7 +33,7 @@ class ConnectorConfig(ClientSettings, frozen=True, kw_only=True):
                ge=0, le=64),
     ] = 0  # fmt: skip
     layerwise_saves: Annotated[
-        bool, option("with async_saves: a step's saves are handed over before the forward and copy layer N while layer N+1 computes")
+        bool, option("with async_saves: a step's saves are handed over by the forward's first layer and copy layer N while layer N+1 computes")
     ] = False
     hash_cache: Annotated[
         bool, option("reuse kvdepot's chunk hashes of prefixes this engine saw before, keyed by vLLM's own sha256 prefix hashes")

@@ -158,7 +158,9 @@ class KVDepotConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
         if self._worker is not None:
-            self._worker.save_kv_layer(layer_name)  # layerwise_saves: this layer's part may go now
+            meta = self._connector_metadata  # (vLLM calls this hook only while the step's is bound)
+            step = meta if isinstance(meta, KVDepotConnectorMetadata) else None
+            self._worker.save_kv_layer(layer_name, step)  # layerwise_saves: this layer's part may go now
 
     def wait_for_save(self) -> None:
         assert self._worker is not None

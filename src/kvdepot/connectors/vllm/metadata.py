@@ -7,6 +7,7 @@ always cover whole chunks, in token order: chunk ``i`` of an op is blocks
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
@@ -23,6 +24,9 @@ class LoadOp:
     block_ids: list[int]
     skip_blocks: int = 0
     is_async: bool = False
+    # Which of the scheduler's loads this is (unique per scheduler): the workers' reports name it, so a
+    # report of an earlier admission's load (preempted and admitted again) is told apart from this one's.
+    attempt: int = 0
 
 
 @dataclass(slots=True)
@@ -49,11 +53,19 @@ class KVDepotConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVDepotWorkerMetadata(KVConnectorWorkerMetadata):
-    """Request ids whose synchronous load ran in this step (on every worker: the step is collective)."""
+    """Request ids whose synchronous load ran in this step (on every worker: the step is collective), and
+    each one's ``LoadOp.attempt``: the scheduler frees a request's locks only for the load in flight."""
 
     loaded: set[str] = field(default_factory=set)
+    attempts: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KVDepotWorkerMetadata):
-            return KVDepotWorkerMetadata(self.loaded | other.loaded)
+            return KVDepotWorkerMetadata(self.loaded | other.loaded, {**self.attempts, **other.attempts})
         return self
+
+    @classmethod
+    def of(cls, ops: Iterable[LoadOp]) -> KVDepotWorkerMetadata:
+        """The report of these loads, done."""
+        attempts = {op.req_id: op.attempt for op in ops}
+        return cls(set(attempts), attempts)

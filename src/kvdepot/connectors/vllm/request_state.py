@@ -14,11 +14,18 @@ The request's ``Phase``::
 and, apart from it, what the server holds for the request (``Locks``: its session's lease)::
 
     NONE ──open_session──► HELD ──plan_load──► PLANNED ──hand_to_workers──► LOADING ──loaded──┐
-     ▲                      ▲ ▲                                                                │
+     ▲                      ▲ ▲                 (op.attempt: a new number)  (a report naming   │
+     │                      │ │                                              that attempt)      │
      │                      │ └────────────────────────────────────────────────────────────────┘
      │                      └── renewed by the client's heartbeat while the request is held here
      │                          (waiting in vLLM's queue, or computing a slow step)
      └── close_session (HELD, PLANNED or LOADING): request finished, preempted, lookup failed
+
+A preempted request admitted again goes round once more (NONE -> ... -> LOADING) with a load of a new
+attempt, while the workers' report of its earlier load may still be on its way (async scheduling: the
+step that ran it is reported after the next schedule). Only a report of the attempt in flight
+(``is_loading``) moves LOADING -> HELD and frees the locks: a stale one would free the new session's
+locks before its load has read the chunks.
 
 Each transition is a named method that checks the state it leaves and raises IllegalTransition,
 changing nothing, from any other. Only the scheduler's thread moves a request (vLLM's scheduler hooks).
@@ -120,6 +127,10 @@ class RequestState:
         assert op is not None
         self.in_flight = op
         return op
+
+    def is_loading(self, attempt: int) -> bool:
+        """Whether the workers' report of load ``attempt`` ends this request's load in flight."""
+        return self.locks is Locks.LOADING and self.in_flight is not None and self.in_flight.attempt == attempt
 
     def loaded(self) -> None:
         """LOADING -> HELD: the workers are done reading (they held their own locks meanwhile)."""

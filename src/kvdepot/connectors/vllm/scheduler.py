@@ -18,6 +18,7 @@ per rank and a hit is the shortest prefix that all ranks hold.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -127,6 +128,7 @@ class SchedulerSide:
         # with async scheduling the next step is planned before this one's load errors are known.
         self._schedule = 0
         self._sync_loaded: dict[int, int] = {}
+        self._attempts = itertools.count(1)  # LoadOp.attempt: the workers' reports name the load they ran
 
     def __repr__(self) -> str:
         return f"SchedulerSide(chunk_size={self.chunk_size}, requests={len(self.states)}, {self.hash_cache!r})"
@@ -190,6 +192,7 @@ class SchedulerSide:
                 block_ids=st.block_ids[first * bpc : hit * bpc],
                 skip_blocks=skip,
                 is_async=self.config.load_async,
+                attempt=next(self._attempts),
             )
         )
         if first > 0:
@@ -234,9 +237,7 @@ class SchedulerSide:
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        done: set[str] = set(output.finished_recving or ())
-        if isinstance(output.kv_connector_worker_meta, KVDepotWorkerMetadata):
-            done |= output.kv_connector_worker_meta.loaded
+        done = self._loads_done(output)
         invalid = output.invalid_block_ids or set()
         failed = output.failed_recving or set()
         if invalid:
@@ -246,16 +247,35 @@ class SchedulerSide:
                 op = st.in_flight
                 if op is not None and op.is_async and not invalid.isdisjoint(op.block_ids[op.skip_blocks :]):
                     st.load_failed = True
-        for req_id in done:
+        for st in done:
+            op = st.in_flight
+            assert op is not None
+            if st.req_id in failed or not invalid.isdisjoint(op.block_ids[op.skip_blocks :]):
+                st.load_failed = True
+            if st.load_failed:
+                log.info("kvdepot: the load for %s failed; it is served uncached", st.req_id)
+            st.loaded()
+            self._free_locks(st)  # the workers hold their own locks while they read
+
+    def _loads_done(self, output: KVConnectorOutput) -> list[RequestState]:
+        """The requests whose load in flight this output reports done. A synchronous load is reported
+        with its attempt (worker metadata): one of an earlier admission (the request was preempted and
+        admitted again before the step that ran it was reported) is ignored, so it cannot free the new
+        load's locks. An asynchronous load is reported by vLLM's finished_recving, without one; but
+        vLLM preempts only running requests, never one waiting for its load, so it is the one in flight."""
+        done: dict[str, RequestState] = {}
+        for req_id in output.finished_recving or ():
             st = self.states.get(req_id)
-            if st is not None and st.locks is Locks.LOADING:
-                op = st.in_flight
-                if req_id in failed or (op is not None and not invalid.isdisjoint(op.block_ids[op.skip_blocks :])):
-                    st.load_failed = True
-                if st.load_failed:
-                    log.info("kvdepot: the load for %s failed; it is served uncached", req_id)
-                st.loaded()
-                self._free_locks(st)  # the workers hold their own locks while they read
+            op = st.in_flight if st is not None else None
+            if st is not None and op is not None and op.is_async and st.is_loading(op.attempt):
+                done[req_id] = st
+        meta = output.kv_connector_worker_meta
+        if isinstance(meta, KVDepotWorkerMetadata):
+            for req_id, attempt in meta.attempts.items():
+                st = self.states.get(req_id)
+                if st is not None and st.is_loading(attempt):
+                    done[req_id] = st
+        return list(done.values())
 
     def request_finished(self, request: Request, block_ids: list[int] | None = None) -> tuple[bool, dict[str, Any] | None]:
         """``block_ids``: the blocks vLLM still holds for the request (None: not known)."""

@@ -81,7 +81,7 @@ class WorkerSide:
         self._failed_loaded: dict[int, int] = {}  # blocks whose synchronous load failed (any rank) -> step
         self._step = 0
         self._finished_async: set[str] = set()
-        self._loaded: set[str] = set()
+        self._loaded: dict[str, int] = {}  # synchronous loads done -> their attempt (LoadOp.attempt)
         self._layerwise: LayerwiseLoad | None = None
         self._device_layerwise: DeviceLayerwiseLoad | None = None
         self._async_queue: queue.Queue[tuple[LoadOp, Ready | None] | None] | None = None
@@ -189,10 +189,7 @@ class WorkerSide:
         if self.device is not None:
             self._device_start_load(meta)
             return
-        if meta.saves and self.config.layerwise_saves and self._saves is not None and self.paged is not None:
-            # Handed over before the forward: the saver gathers each layer once save_kv_layer says so.
-            self._save_gate = LayerGate(self.paged.num_layers)
-            self._submit_save(meta.saves, self._save_gate)
+        self._stage_layerwise_saves(meta)  # (a step with synchronous loads: before the forward)
         sync_ops: list[LoadOp] = []
         for op in meta.loads:
             if op.is_async:
@@ -208,7 +205,7 @@ class WorkerSide:
         for op in sync_ops:
             self.load(op, parallel=True)
         with self._lock:
-            self._loaded.update(op.req_id for op in sync_ops)
+            self._loaded.update((op.req_id, op.attempt) for op in sync_ops)
         if self.config.debug_dump_dir:
             self._to_dump.extend(sync_ops)
 
@@ -357,7 +354,7 @@ class WorkerSide:
                 for op in job.ops:
                     self._load_errors.update(op.block_ids[op.skip_blocks :])
         with self._lock:
-            self._loaded.update(op.req_id for op in job.ops)
+            self._loaded.update((op.req_id, op.attempt) for op in job.ops)
 
     def _unsafe_saves(self, meta: KVDepotConnectorMetadata, forward_failed: bool) -> set[str]:
         """The requests whose saves of this step must not be committed (a future miss, never a wrong
@@ -415,13 +412,25 @@ class WorkerSide:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=get_tp_group().cpu_group)
         return [bool(v) for v in t.tolist()]
 
-    def save_kv_layer(self, layer_name: str) -> None:
-        """Layer ``layer_name`` of this step is written: its part of the step's saves may go."""
-        gate = self._save_gate
+    def save_kv_layer(self, layer_name: str, meta: KVDepotConnectorMetadata | None = None) -> None:
+        """Layer ``layer_name`` of this step is written: its part of the step's saves may go. ``meta``:
+        the step's, bound by vLLM; the first layer's call hands the step's saves over if start_load_kv
+        has not (vLLM calls it after the forward in a step without synchronous loads)."""
+        gate = self._save_gate if meta is None else self._stage_layerwise_saves(meta)
         if gate is not None:
             index = self.layer_index.get(layer_name)
             if index is not None:
                 gate.open(index)
+
+    def _stage_layerwise_saves(self, meta: KVDepotConnectorMetadata) -> LayerGate | None:
+        """With ``layerwise_saves``: the step's saves, handed to the saver once, at the first of
+        start_load_kv (before the forward only in a step with synchronous loads) and the first
+        save_kv_layer, so layer N is copied while layer N+1 computes whatever the step loads. The saver
+        gathers each layer once its gate opens; ``wait_for_save`` ends the step's gate."""
+        if self._save_gate is None and meta.saves and self.config.layerwise_saves and self._saves is not None and self.paged is not None:
+            self._save_gate = LayerGate(self.paged.num_layers)
+            self._submit_save(meta.saves, self._save_gate)
+        return self._save_gate
 
     def _submit_save(self, ops: Sequence[SaveOp], gate: LayerGate | None) -> None:
         assert self._saves is not None
@@ -525,7 +534,7 @@ class WorkerSide:
         for load in loads:
             load.finish(engine_waits=True)
         with self._lock:
-            self._loaded.update(op.req_id for op in sync_ops)
+            self._loaded.update((op.req_id, op.attempt) for op in sync_ops)
 
     def _device_load(self, op: LoadOp, layer_events: list | None = None, ready: Ready | None = None) -> DeviceLoad:
         """Start ``op``'s copies into its blocks (after the engine's stream's work so far, or after
@@ -653,8 +662,8 @@ class WorkerSide:
 
     def take_worker_meta(self) -> KVDepotWorkerMetadata | None:
         with self._lock:
-            loaded, self._loaded = self._loaded, set()
-        return KVDepotWorkerMetadata(loaded) if loaded else None
+            loaded, self._loaded = self._loaded, {}
+        return KVDepotWorkerMetadata(set(loaded), loaded) if loaded else None
 
 
 class LayerwiseLoad:
