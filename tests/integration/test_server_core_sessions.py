@@ -2,8 +2,9 @@
 quota is below one chunk) stores nothing, so it neither opens the session it names nor renews it. A
 store that is let in (even in part) is a turn, as before.
 
-The stores are sent as bare requests: the client's own store first sends a LOOKUP naming the session,
-and a lookup is a turn whatever it finds."""
+The stores are sent as bare requests first, then through the client's own store(), whose inline path
+looks first at what is there already: that look must not be the turn (a lookup naming a session is one,
+whatever it finds)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from kvdepot.protocol import messages as m
 
-from support.servers import CHUNK, LAYOUT, make_tokens
+from support.servers import CHUNK, LAYOUT, make_kv, make_tokens
 
 
 def sessions(srv) -> dict[str, dict]:
@@ -44,3 +45,20 @@ def test_a_store_refused_by_its_quota_does_not_touch_its_agent_session(make_serv
         assert "refused" not in sessions(srv), "a store that stored nothing opened its agent session"
         assert store(c, transport, hashes, "", "kept") == [int(m.SlotStatus.ALLOCATED)] * 3
         assert sessions(srv)["kept"]["keys"] == 3
+
+
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_a_client_store_refused_by_its_quota_does_not_touch_its_agent_session(make_server, transport, seed):
+    srv = make_server("--eviction-policy", "isolated_lru")
+    r = httpx.put(f"{srv.http}/quota/q", json={"quota_bytes": 1}, timeout=10)
+    assert r.status_code == 200, r.text
+    tokens = make_tokens(3 * CHUNK, seed)
+    kv = make_kv(LAYOUT, len(tokens), seed)
+    with srv.client(transport=transport) as c:
+        assert c.store(tokens, kv, cache_salt="q", agent_session="refused") == 0
+        assert "refused" not in sessions(srv), "a store() that stored nothing opened its agent session"
+        assert c.store(tokens, kv, agent_session="kept") == len(tokens)
+        assert sessions(srv)["kept"]["keys"] == 3
+        # A store of what is all there already is still a turn (as on shm: its chunks all EXISTS).
+        assert c.store(tokens, kv, agent_session="again") == len(tokens)
+        assert sessions(srv)["again"]["keys"] == 3

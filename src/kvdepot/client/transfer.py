@@ -89,6 +89,17 @@ def _lookup(host: PathHost, hashes: list[ChunkHash], salt: str, agent_session: s
     return host.request(body).hits or 0
 
 
+def _probe_before_store(host: PathHost, hashes: list[ChunkHash], salt: str, agent_session: str) -> int:
+    """An inline store's look at what is there already, so it sends only the rest. The store request
+    carries the agent session itself, and the server counts it as a turn only if the store was let in
+    (one refused outright stored nothing): so the probe names no session, unless nothing is left to
+    send, when it is the turn (as a store whose every chunk exists is one on the shm path)."""
+    first = _lookup(host, hashes, salt)
+    if first == len(hashes) and agent_session:
+        first = _lookup(host, hashes, salt, agent_session)
+    return first
+
+
 def _copy_chunks(slots: StoreSlots, kv: np.ndarray, cs: int) -> None:
     for i, slot in enumerate(slots):
         if slot is not None:
@@ -258,7 +269,7 @@ class InlinePath:
     def prepare_store(self, hashes: list[ChunkHash], salt: str, agent_session: str = "", token_ids: Sequence[int] = ()) -> Iterator[StoreSlots]:
         h = self._host
         reg = h.registration
-        first = _lookup(h, hashes, salt, agent_session)  # skip sending what is already there
+        first = _probe_before_store(h, hashes, salt, agent_session)  # skip sending what is already there
         n_new = len(hashes) - first
         buffer = self._staging.acquire(n_new * reg.chunk_bytes)  # this block's alone
         staging = buffer[: n_new * reg.chunk_bytes].reshape(n_new, reg.chunk_bytes)
@@ -292,7 +303,7 @@ class InlinePath:
             with self.prepare_store(hashes, salt, agent_session, token_ids) as slots:
                 _copy_chunks(slots, kv, cs)
             return leading_stored(slots.statuses)
-        first = _lookup(h, hashes, salt, agent_session)
+        first = _probe_before_store(h, hashes, salt, agent_session)
         if first == len(hashes):
             return len(hashes)
         frames = []
