@@ -204,8 +204,8 @@ class ContextLink:
         try:
             return self.channel.call(body, timeout_s=self.options.timeout_s)
         except UnknownContext as exc:
-            raise LeaseExpired(f"the server no longer knows this client's context (it declared the client gone after a silence, "
-                               f"or it restarted), so the lease ended with it: {exc.message}") from None  # fmt: skip
+            raise LeaseExpired(f"the server no longer knows this client's context (unregistered, declared gone after a silence, "
+                               f"or the server restarted), so the lease did not stay: {exc.message}") from None  # fmt: skip
 
     def pipeline(self, requests: list[tuple[object, Sequence]], on_reply=None, borrowed: bool = False) -> list:
         """Pipelined requests on our context, registering again once if the server forgot it. The
