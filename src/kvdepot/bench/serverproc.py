@@ -14,6 +14,8 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
+from kvdepot.config import host_port, tcp_endpoint
+
 
 def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> str:
     """Poll ``url`` until it answers 200; '' then, else why not (the process exited, or the time ran
@@ -64,11 +66,11 @@ class ServerProcess:
 
     @property
     def url(self) -> str:
-        return f"tcp://{self.host}:{self.port}"
+        return tcp_endpoint(self.host, self.port)  # tcp://[::1]:PORT for an IPv6 host
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
+        return f"http://{host_port(self.host, self.http_port)}"
 
     @property
     def ipc_url(self) -> str:
@@ -91,6 +93,7 @@ class ServerProcess:
         # Wait for a PING reply (the server binds before it answers).
         from kvdepot.protocol import codec
         from kvdepot.protocol.messages import PingRequest
+        from kvdepot.rpc.endpoints import enable_ipv6
 
         ctx = zmq.Context.instance()
         deadline = time.monotonic() + timeout_s
@@ -99,6 +102,7 @@ class ServerProcess:
                 raise RuntimeError(f"kvdepot server exited with {self.proc.returncode} (see {self.log_path})")
             s = ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            enable_ipv6(s, self.url)  # ZeroMQ refuses an IPv6 address without ZMQ_IPV6
             if self.curve is not None:
                 self.curve.apply_client(s)
             s.connect(self.url)

@@ -1,6 +1,7 @@
 """The ``peer`` L2 tier: a kvdepot server's objects readable by every other server of the cluster.
 
-``--l2 'peer:discovery=HEAD:PORT,host=10.0.0.2,secret=...'`` (the keys are ``PeerConfig``'s). The store
+``--l2 'peer:discovery=HEAD:PORT,host=10.0.0.2,secret=...'`` (the keys are ``PeerConfig``'s; on IPv6,
+``discovery=[fd00::1]:31995,host=fd00::2``: a discovery address brackets an IPv6 host). The store
 controller pushes each object L1 holds into this node's published pool (its one copy) and publishes its
 location; a LOOKUP on another server resolves its chunks in the directory and its prefetch pulls them
 from here into that server's L1, where its engine retrieves them as local hits.

@@ -10,13 +10,14 @@ import threading
 
 from kvdepot.config import add_config_args, config_values
 from kvdepot.errors import ConfigError, KVDepotError
+from kvdepot.peer.addresses import address_id, node_id
 from kvdepot.peer.config import PeerConfig, PeerFlags
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", nargs="?", choices=["run", "status"], default="run",
                    help="run: a node until SIGINT/SIGTERM (default); status: ring, members and masters as a node sees them")  # fmt: skip
-    p.add_argument("--node", default="", help="status: the node's HOST:PORT (control port; default: --host:--port)")
+    p.add_argument("--node", default="", help="status: the node's HOST:PORT (control port; IPv6 bracketed: [::1]:31995; default: --host:--port)")
     p.add_argument("--json", action="store_true", help="status: the whole answer as JSON")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default: %(default)s)")
     add_config_args(p, PeerFlags, "peer node")
@@ -29,7 +30,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvdepot peer: {exc}", file=sys.stderr)
         return 2
     if args.action == "status":
-        return status(config, args.node or f"{config.host}:{config.port}", args.json)
+        try:
+            target = address_id(args.node) if args.node else node_id(config.host, config.port)
+        except ValueError as exc:
+            print(f"kvdepot peer status: --node {exc}", file=sys.stderr)
+            return 2
+        return status(config, target, args.json)
     return run(config)
 
 

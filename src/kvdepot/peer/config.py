@@ -5,8 +5,11 @@ from __future__ import annotations
 import os
 from typing import Annotated, ClassVar
 
-from kvdepot.config import ConfigStruct, option
+import msgspec
+
+from kvdepot.config import ConfigStruct, flag_of, option
 from kvdepot.errors import ConfigError
+from kvdepot.peer.addresses import address_id, canonical_host, check_host, split_host_port
 from kvdepot.peer.discovery import DEFAULT_MAX_MASTERS
 from kvdepot.peer.ring import DEFAULT_VNODES
 
@@ -20,10 +23,10 @@ class PeerConfig(ConfigStruct, frozen=True, kw_only=True):
 
     discovery: Annotated[
         str,
-        option("the head node's HOST:PORT (its control port), then optionally other nodes' to bootstrap through, "
-               "comma-separated; empty: this node is the head"),
+        option("the head node's HOST:PORT (its control port; an IPv6 address in brackets: [::1]:31995), then optionally other "
+               "nodes' to bootstrap through, comma-separated; empty: this node is the head"),
     ] = ""  # fmt: skip
-    host: Annotated[str, option("address this node listens on and tells the others (control and data plane)", min_length=1)] = "127.0.0.1"
+    host: Annotated[str, option("address this node listens on and tells the others (control and data plane; IPv6: ::1 or [::1])", min_length=1)] = "127.0.0.1"
     port: Annotated[int, option("control port (discovery, directory); 0 picks a free one", ge=0, le=65535)] = DEFAULT_CONTROL_PORT
     data_port: Annotated[int, option("data-plane port (pages); 0 picks a free one", ge=0, le=65535)] = DEFAULT_DATA_PORT
     pool_size_mb: Annotated[int, option("published pool: host memory other nodes read this node's pages from (LRU)", ge=1)] = 1024
@@ -51,6 +54,21 @@ class PeerConfig(ConfigStruct, frozen=True, kw_only=True):
     def _check_together(self) -> None:
         if self.member_ttl_s <= self.heartbeat_interval_s:
             raise ConfigError("member_ttl_s must be longer than heartbeat_interval_s")
+        self._check_addresses()
+
+    def _check_addresses(self) -> None:
+        """A bad host or discovery address is refused here, naming it, rather than as a bind or a join
+        that never answers. ``[::1]`` is kept as ``::1``: the socket APIs want it bare."""
+        problem = check_host(self.host)
+        if problem:
+            raise ConfigError(f"{flag_of(type(self), 'host')}: {problem}")
+        if canonical_host(self.host) != self.host:
+            msgspec.structs.force_setattr(self, "host", canonical_host(self.host))
+        for address in self._addresses():
+            try:
+                split_host_port(address)
+            except ValueError as exc:
+                raise ConfigError(f"{flag_of(type(self), 'discovery')}: {exc}") from None
 
     @property
     def cluster_secret(self) -> str:
@@ -58,6 +76,11 @@ class PeerConfig(ConfigStruct, frozen=True, kw_only=True):
 
     @property
     def bootstrap(self) -> list[str]:
+        """The discovery addresses as node ids (``[::1]:31995``; IPv4 as written), so the head's own id
+        and the address the others were given compare equal."""
+        return [address_id(a) for a in self._addresses()]
+
+    def _addresses(self) -> list[str]:
         return [a.strip() for a in self.discovery.split(",") if a.strip()]
 
     def __repr__(self) -> str:  # the secret never reaches a log line

@@ -31,6 +31,8 @@ from typing import Protocol
 
 import xxhash
 
+from kvdepot.config import host_port
+from kvdepot.peer.addresses import listen_family
 from kvdepot.peer.auth import HandshakeFailed, client_handshake, recv_exact, serve_handshake
 from kvdepot.peer.pool import PoolEntry
 
@@ -113,6 +115,14 @@ class Transport(Protocol):
 REFUSAL_LOG_INTERVAL_S = 10.0
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket: IPv6 for an IPv6 host (``::`` takes IPv4 readers too, as the control
+    port's ZeroMQ socket does), IPv4 otherwise as before."""
+    family = listen_family(host)
+    dualstack = family == socket.AF_INET6 and host == "::" and socket.has_dualstack_ipv6()
+    return socket.create_server((host, port), family=family, backlog=128, reuse_port=False, dualstack_ipv6=dualstack)
+
+
 class DataServer:
     """Accepts readers on ``host:port`` (0 picks a free port) and serves each connection on a thread."""
 
@@ -120,7 +130,7 @@ class DataServer:
         self._source = source
         self._secret = secret
         self._send_timeout = send_timeout_s  # a reader that stops reading cannot pin a page longer
-        self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
+        self._listener = _listen(host, port)
         self.port = self._listener.getsockname()[1]
         self._closing = threading.Event()
         self._conns: set[socket.socket] = set()
@@ -307,7 +317,7 @@ class TcpTransport:
                     if not healthy:
                         break
             except (OSError, ConnectionError) as exc:
-                log.info("peer %s:%d: read failed (%s): the rest are misses", host, port, exc)
+                log.info("peer %s: read failed (%s): the rest are misses", host_port(host, port), exc)
             finally:
                 if healthy:
                     with peer.lock:
@@ -345,9 +355,9 @@ class TcpTransport:
             now = time.monotonic()
             if now - self._refusal_logged.get((host, port), -1e9) >= REFUSAL_LOG_INTERVAL_S:  # retried on every read
                 self._refusal_logged[(host, port)] = now
-                log.warning("peer %s:%d: %s", host, port, exc)
+                log.warning("peer %s: %s", host_port(host, port), exc)
         except OSError as exc:
-            log.info("peer %s:%d: cannot connect (%s)", host, port, exc)
+            log.info("peer %s: cannot connect (%s)", host_port(host, port), exc)
         if conn is not None:
             conn.close()
         return None

@@ -14,9 +14,17 @@ import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from kvdepot.config import host_port
 from kvdepot.observability.metrics import PeerMetrics
+from kvdepot.peer.addresses import listen_family
 
 log = logging.getLogger(__name__)
+
+
+def _http_server(host: str, port: int, handler: type[BaseHTTPRequestHandler]) -> ThreadingHTTPServer:
+    """The stdlib server binds AF_INET unless told otherwise: an IPv6 host needs its own family."""
+    server_class = type("MetricsHTTPServer", (ThreadingHTTPServer,), {"address_family": listen_family(host)})
+    return server_class((host, port), handler)
 
 
 class MetricsServer:
@@ -31,9 +39,9 @@ class MetricsServer:
 
     def start(self) -> bool:
         try:
-            self._server = ThreadingHTTPServer((self._host, self._port), self._handler())
+            self._server = _http_server(self._host, self._port, self._handler())
         except OSError as exc:
-            log.warning("peer %s: no metrics port (%s:%d: %s); the node serves without it", self._node_id, self._host, self._port, exc)
+            log.warning("peer %s: no metrics port (%s: %s); the node serves without it", self._node_id, host_port(self._host, self._port), exc)
             return False
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]

@@ -38,8 +38,10 @@ from collections.abc import Sequence
 import msgspec
 import zmq
 
+from kvdepot.config import tcp_endpoint
 from kvdepot.errors import KVDepotError, KVDepotTimeout
 from kvdepot.observability.metrics import PeerMetrics
+from kvdepot.peer.addresses import hint_target, listen_family, node_id
 from kvdepot.peer.config import PeerConfig
 from kvdepot.peer.dataplane import PageOutcome, PageRead, TcpTransport
 from kvdepot.peer.directory import DirectoryShard
@@ -79,9 +81,14 @@ def _new_incarnation() -> int:
 
 
 def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    with socket.socket(listen_family(host), socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _control_endpoint(node: str) -> str:
+    """A node's control endpoint from its id (ids bracket IPv6 already: ``tcp://[::1]:31995``)."""
+    return f"tcp://{node}"
 
 
 class PeerNode:
@@ -138,7 +145,7 @@ class PeerNode:
         cfg = self.config
         self._data_server = DataServer(self.pool, cfg.cluster_secret.encode(), cfg.host, cfg.data_port)
         port = cfg.port or _free_port(cfg.host)
-        self.info = PeerNodeInfo(id=f"{cfg.host}:{port}", host=cfg.host, control_port=port, data_port=self._data_server.port,
+        self.info = PeerNodeInfo(id=node_id(cfg.host, port), host=cfg.host, control_port=port, data_port=self._data_server.port,
                                  incarnation=_new_incarnation())  # fmt: skip
         self.head = (cfg.bootstrap or [self.info.id])[0]
         self._table = MemberTable(self.head, cfg.max_masters, cfg.member_ttl_s)
@@ -152,7 +159,7 @@ class PeerNode:
             self.disk, on_disk = open_disk(cfg.disk_path, int(cfg.disk_size_gb * (1 << 30)), self.pool, self._disk_dropped)
             self._disk_only = set(on_disk)
             self._warmer = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-peer-warm")
-        self._rpc = RpcServer([f"tcp://{cfg.host}:{port}"], self._handlers(), workers=4, security=self._security)
+        self._rpc = RpcServer([tcp_endpoint(cfg.host, port)], self._handlers(), workers=4, security=self._security)
         try:
             self._rpc.start()
         except BaseException:  # the control port is taken: give back what was opened
@@ -434,10 +441,10 @@ class PeerNode:
                     pending: list[int]) -> list[int]:  # fmt: skip
         """Fill ``found[i]`` for ``i`` in ``pending`` from the hinted node(s)' own pages; returns the
         indices still to look up."""
-        host, _, port = hint.strip().rpartition(":") if ":" in hint else (hint.strip(), "", "")
+        named, host = hint_target(hint)  # "[::1]:31995" names a node, "[::1]" a host (both canonical, as members' are)
         with self._view_lock:
             members = list(self._members.values())
-        nodes = [n.id for n in members if n.id == hint.strip()] or [n.id for n in members if n.host == (host or hint.strip())]
+        nodes = [n.id for n in members if named and n.id == named] or [n.id for n in members if n.host == host]
         asked = len(pending)
         for node in nodes:
             if node not in usable or not pending:
@@ -766,7 +773,7 @@ class PeerNode:
             idle = self._channels.setdefault(node, [])
             if idle:
                 return idle.pop()
-        return RpcChannel(f"tcp://{node}", self._zctx, security=self._client_security).open()
+        return RpcChannel(_control_endpoint(node), self._zctx, security=self._client_security).open()
 
     def _return_channel(self, node: str, ch: RpcChannel, healthy: bool) -> None:
         """Back to the idle list after a clean call; closed (never reused) after a failed one, whose late
