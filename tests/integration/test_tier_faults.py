@@ -235,6 +235,43 @@ def test_a_prefetch_too_slow_for_its_window_is_that_requests_miss_not_a_transpor
             os.kill(own_valkey.proc.pid, signal.SIGCONT)
 
 
+def test_a_poll_whose_timer_fires_a_hair_before_the_window_ends_is_still_that_requests_miss(own_valkey, make_server, seed):
+    """ZeroMQ's receive timer counts whole milliseconds, so a poll whose wait ends at the lookup's
+    deadline can give up just before it: that too is the slow prefetch (PrefetchTooSlow), not a server
+    that does not answer (it read as a transport failure, and SGLang's backend stopped all lookups for
+    ``retry_after_s``; flaky under load). Here every poll times out 2 ms before the time it was given."""
+    from kvdepot.connectors.common import is_transport_failure
+    from kvdepot.errors import KVDepotTimeout, PrefetchTooSlow
+    from kvdepot.hashing import chunk_hashes
+    from kvdepot.protocol import messages as m
+
+    srv = start_tier_server(make_server, valkey_spec(own_valkey.url, name="slow", socket_timeout_s=30), extra=("--l2-placement", "skip_l1"))
+    gone = make_prompt(3, seed)
+    with srv.client(timeout_s=1.0) as c:
+        store_full(c, gone)
+        wait_until(lambda: srv.status()["l1"]["objects"] == 0, timeout_s=30)
+        channel = c.link.channel
+        real_call, polls = channel.call, []
+
+        def early_timer(body, *args, timeout_s: float = 10.0, **kwargs):
+            if isinstance(body, m.QueryPrefetchStatusRequest):
+                polls.append(timeout_s)
+                time.sleep(max(0.0, timeout_s - 0.002))
+                raise KVDepotTimeout(f"{type(body).__name__} got no reply in time")
+            return real_call(body, *args, timeout_s=timeout_s, **kwargs)
+
+        channel.call = early_timer
+        os.kill(own_valkey.proc.pid, signal.SIGSTOP)
+        try:
+            with c.deadline(0.3), pytest.raises(PrefetchTooSlow) as raised:
+                c.link.stored_chunks(chunk_hashes(gone.tokens, gone.chunk), "")
+            assert not is_transport_failure(raised.value)
+            assert polls, "the lookup did not wait for a prefetch"
+        finally:
+            os.kill(own_valkey.proc.pid, signal.SIGCONT)
+            channel.call = real_call
+
+
 def test_skip_l1_keeps_in_l1_what_a_tier_failed_to_take(make_server, tmp_path, seed):
     """``skip_l1`` drops an object from L1 only once *every* tier has it: with one tier dead, nothing
     leaves L1, so nothing is lost."""

@@ -285,13 +285,14 @@ class ContextLink:
                 raise too_slow()
             time.sleep(delay)
             delay = min(delay * 2, STATUS_POLL_MAX_S)
+            poll = m.QueryPrefetchStatusRequest(context_id=0, session_id=session)
             try:
-                hits = self.request(m.QueryPrefetchStatusRequest(context_id=0, session_id=session)).hits
+                # Its wait ends at the lookup's deadline at the latest: a poll that times out is that
+                # deadline arriving (ZeroMQ's millisecond timer may say so a hair before it), so a slow
+                # prefetch, this request's miss; said as a timeout, it read as an unreachable server (a
+                # connector then stops asking it at all). The lookup just before it was answered.
+                hits = self.request(poll, timeout_s=max(1e-3, deadline - time.monotonic())).hits
             except KVDepotTimeout:
-                # A poll the deadline cut short is a slow prefetch, this request's miss; said as a
-                # timeout, it read as an unreachable server (a connector then stops asking it at all).
-                if time.monotonic() < deadline:
-                    raise
                 raise too_slow() from None
         return hits
 

@@ -23,6 +23,7 @@ close on it). It runs on the calling thread and must be quick.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import threading
 import time
@@ -251,7 +252,7 @@ class RpcChannel:
         assert sock is not None
         # A blocking recv with RCVTIMEO saves a poll() syscall per request. Past the deadline it is 0: a
         # reply that is already here is still taken (a begun call collected after a slower one's).
-        remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
+        remaining_ms = max(0, math.ceil((deadline - time.monotonic()) * 1000))  # up: never give up before it
         if remaining_ms != self._rcvtimeo:
             sock.setsockopt(zmq.RCVTIMEO, remaining_ms)
             self._rcvtimeo = remaining_ms
