@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+from support.addresses import has_ipv6_loopback
 from support.servers import CHUNK, LAYOUT, MODEL, SMALL_L1, assert_bytes_equal, make_kv, make_tokens
 
 from kvdepot import ClientOptions, KVClient
@@ -21,16 +22,7 @@ from kvdepot.rpc.channel import RpcChannel
 START_TIMEOUT_S = 60.0
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _ipv6_loopback(), reason="this machine's loopback has no IPv6 address")
+pytestmark = pytest.mark.skipif(not has_ipv6_loopback(), reason="this machine's loopback has no IPv6 address")
 
 
 def _free_ports(n: int) -> list[int]:

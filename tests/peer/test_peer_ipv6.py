@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import select
-import socket
 import subprocess
 import sys
 
 import httpx
 import pytest
+from support.addresses import free_port6, has_ipv6_loopback
 from support.peer_cluster import NodeProcess, check_pages, keys, page_bytes, wait_for
 from support.servers import SMALL_L1
 
@@ -29,22 +29,7 @@ FAST = {"heartbeat_interval_s": 0.3, "member_ttl_s": 1.5, "control_timeout_s": 0
 FAST_FLAGS = ["--heartbeat-interval-s", "0.3", "--member-ttl-s", "1.5", "--control-timeout-s", "0.5"]
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _ipv6_loopback(), reason="this machine's loopback has no IPv6 address")
-
-
-def free_port6() -> int:
-    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
-        s.bind(("::1", 0))
-        return s.getsockname()[1]
+pytestmark = pytest.mark.skipif(not has_ipv6_loopback(), reason="this machine's loopback has no IPv6 address")
 
 
 @pytest.fixture

@@ -46,3 +46,20 @@ def _usable(address: str) -> bool:
         except OSError:
             return False
     return True
+
+
+def has_ipv6_loopback() -> bool:
+    """Can a socket bind ``::1`` here?"""
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def free_port6() -> int:
+    """A port nothing listens on at ``::1`` right now."""
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+        s.bind(("::1", 0))
+        return s.getsockname()[1]

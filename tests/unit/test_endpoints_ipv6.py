@@ -5,11 +5,12 @@ the option on a socket whose endpoint needs it."""
 
 from __future__ import annotations
 
-import subprocess
 import threading
 
 import pytest
 import zmq
+
+from support.addresses import has_ipv6_loopback
 
 from kvdepot.config import HttpConfig, RpcConfig, host_port, tcp_endpoint
 from kvdepot.config import is_ipv6_endpoint as config_is_ipv6_endpoint
@@ -17,14 +18,6 @@ from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 from kvdepot.rpc.channel import RpcChannel
 from kvdepot.rpc.endpoints import enable_ipv6, is_ipv6_endpoint
-
-
-def has_ipv6_loopback() -> bool:
-    try:
-        out = subprocess.run(["ip", "-6", "addr", "show", "lo"], capture_output=True, text=True, check=False).stdout
-    except OSError:
-        return False
-    return "::1/128" in out
 
 
 needs_ipv6 = pytest.mark.skipif(not has_ipv6_loopback(), reason="this machine's loopback has no IPv6 address")
