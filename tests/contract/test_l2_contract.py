@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import select
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -353,6 +354,21 @@ def _started_local_tier(kind: str, tmp_path):
     return tier
 
 
+def _hold_puts(tier) -> tuple[threading.Event, threading.Semaphore, Callable[[], None]]:
+    """From now on every put of ``tier`` waits for ``gate`` (set it to let them through); ``entered`` is
+    released once per put that reached the gate; ``restore`` puts the real put back."""
+    gate, entered = threading.Event(), threading.Semaphore(0)
+    real_put = tier._put
+
+    def held_put(key, payload):
+        entered.release()
+        assert gate.wait(10)
+        return real_put(key, payload)
+
+    tier._put = held_put
+    return gate, entered, lambda: setattr(tier, "_put", real_put)
+
+
 @pytest.mark.parametrize("local_kind", ["memory", "fs"])
 @pytest.mark.parametrize("when", ["before_the_write", "during_the_write"])
 @pytest.mark.parametrize("how", ["delete", "clear"])
@@ -366,22 +382,14 @@ def test_a_delete_or_clear_after_a_store_was_submitted_is_not_undone_by_its_writ
     try:
         keys = make_keys(3)
         items = [(k, make_payload(rng, 4096)) for k in keys]
-        gate, inside = threading.Event(), threading.Event()
-        real_put = tier._put
-
-        def slow_put(key, payload):
-            inside.set()
-            assert gate.wait(10)
-            return real_put(key, payload)
-
-        tier._put = slow_put
+        gate, inside, restore = _hold_puts(tier)
         if when == "before_the_write":  # the pool's workers are busy: the store waits its turn
             blockers = [tier.submit_store([(k, make_payload(rng, 64))]) for k in make_keys(2)]
-            assert inside.wait(10)
+            assert inside.acquire(timeout=10)
             stored = tier.submit_store([(k, memoryview(p)) for k, p in items])
         else:
             stored = tier.submit_store([(k, memoryview(p)) for k, p in items])
-            assert inside.wait(10)  # its first write is under way
+            assert inside.acquire(timeout=10)  # its first write is under way
         end = tier.submit_delete(keys) if how == "delete" else tier.submit_clear()
         time.sleep(0.2)
         gate.set()
@@ -393,7 +401,7 @@ def test_a_delete_or_clear_after_a_store_was_submitted_is_not_undone_by_its_writ
         if when == "before_the_write":
             for b in blockers:
                 wait(tier, b)
-        tier._put = real_put  # and the tier works on
+        restore()  # and the tier works on
         assert store(tier, items[:1]).value == [True] and present(tier, keys[0])
     finally:
         tier.close()
@@ -448,20 +456,12 @@ def test_a_store_submitted_after_a_delete_or_clear_that_has_not_run_yet_lands(lo
     try:
         keys = make_keys(3)
         new = [make_payload(rng, 4096) for _ in keys]
-        gate, inside = threading.Event(), threading.Semaphore(0)
-        real_put = tier._put
-
-        def held_put(key, payload):
-            inside.release()
-            assert gate.wait(10)
-            return real_put(key, payload)
-
-        tier._put = held_put
+        gate, inside, restore = _hold_puts(tier)
         blockers = [tier.submit_store([(k, make_payload(rng, 64))]) for k in make_keys(2)]  # both workers
         assert inside.acquire(timeout=10) and inside.acquire(timeout=10)  # no worker is free: the delete waits
         end = tier.submit_delete(keys) if how == "delete" else tier.submit_clear()
         again = tier.submit_store([(k, memoryview(p)) for k, p in zip(keys, new)])
-        tier._put = real_put
+        restore()
         gate.set()
         assert wait(tier, end).ok
         assert wait(tier, again).value == [True] * 3, "the store submitted after the delete was voided"

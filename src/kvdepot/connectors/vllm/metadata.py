@@ -53,19 +53,17 @@ class KVDepotConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVDepotWorkerMetadata(KVConnectorWorkerMetadata):
-    """Request ids whose synchronous load ran in this step (on every worker: the step is collective), and
-    each one's ``LoadOp.attempt``: the scheduler frees a request's locks only for the load in flight."""
+    """The requests whose synchronous load ran in this step (on every worker: the step is collective),
+    each with its ``LoadOp.attempt``: the scheduler frees a request's locks only for the load in flight."""
 
-    loaded: set[str] = field(default_factory=set)
-    attempts: dict[str, int] = field(default_factory=dict)
+    loaded: dict[str, int] = field(default_factory=dict)  # request id -> attempt
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KVDepotWorkerMetadata):
-            return KVDepotWorkerMetadata(self.loaded | other.loaded, {**self.attempts, **other.attempts})
+            return KVDepotWorkerMetadata({**self.loaded, **other.loaded})
         return self
 
     @classmethod
     def of(cls, ops: Iterable[LoadOp]) -> KVDepotWorkerMetadata:
         """The report of these loads, done."""
-        attempts = {op.req_id: op.attempt for op in ops}
-        return cls(set(attempts), attempts)
+        return cls({op.req_id: op.attempt for op in ops})

@@ -271,7 +271,7 @@ class SchedulerSide:
                 done[req_id] = st
         meta = output.kv_connector_worker_meta
         if isinstance(meta, KVDepotWorkerMetadata):
-            for req_id, attempt in meta.attempts.items():
+            for req_id, attempt in meta.loaded.items():
                 st = self.states.get(req_id)
                 if st is not None and st.is_loading(attempt):
                     done[req_id] = st

@@ -663,7 +663,7 @@ class WorkerSide:
     def take_worker_meta(self) -> KVDepotWorkerMetadata | None:
         with self._lock:
             loaded, self._loaded = self._loaded, {}
-        return KVDepotWorkerMetadata(set(loaded), loaded) if loaded else None
+        return KVDepotWorkerMetadata(loaded) if loaded else None
 
 
 class LayerwiseLoad:
