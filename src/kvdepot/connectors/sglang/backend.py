@@ -69,6 +69,7 @@ _STORED = (SlotStatus.ALLOCATED, SlotStatus.EXISTS, SlotStatus.BUSY)  # written 
 class KVDepotHiCacheStorage(HostPoolsV2, HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
         self.storage_config = storage_config
+        self._init_pools_v2()
         self.settings = SGLangSettings.from_extra(storage_config.extra_config, "kvdepot SGLang backend option")
         self.runtime = SGLangRuntime.read().with_budget(self.settings.prefetch_timeout_base, self.settings.prefetch_timeout_per_ki_token)
         for note in self.runtime.notes:

@@ -87,6 +87,7 @@ def split_settings(extra: dict[str, Any] | None) -> tuple[PeerSGLangSettings, Pe
 class PeerHiCacheStorage(HostPoolsV2, HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
         self.storage_config = storage_config
+        self._init_pools_v2()
         self.settings, self.peer_config = split_settings(storage_config.extra_config)
         self.runtime = SGLangRuntime.read().with_budget(self.settings.prefetch_timeout_base, self.settings.prefetch_timeout_per_ki_token)
         mla = storage_config.is_mla_model

@@ -144,26 +144,24 @@ class HostPoolsV2:
 
     storage_config: Any
 
-    def _v2_state(self) -> tuple[dict[str, ExtraPool | None], set[str], threading.Lock]:
-        if not hasattr(self, "_extra_pools"):
-            self._extra_pools: dict[str, ExtraPool | None] = {}
-            self._refused: set[str] = set()
-            self._refused_lock = threading.Lock()
-        return self._extra_pools, self._refused, self._refused_lock
+    def _init_pools_v2(self) -> None:
+        """Called by the backend's ``__init__``."""
+        self._extra_pools: dict[str, ExtraPool | None] = {}  # None: registered, refused
+        self._refused: set[str] = set()  # what was logged already
+        self._refused_lock = threading.Lock()
 
     def refuse(self, what: str) -> None:
         """Log ``what`` once per backend: SGLang calls per request, and the reason never changes."""
-        _, refused, lock = self._v2_state()
-        with lock:
-            if what in refused:
+        with self._refused_lock:
+            if what in self._refused:
                 return
-            refused.add(what)
+            self._refused.add(what)
         log.warning("kvdepot (SGLang): %s; its pages are misses", what)
 
     # --- registration -------------------------------------------------------------------------------
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        pools, _, _ = self._v2_state()
+        pools = self._extra_pools
         self.registered_pools = getattr(self, "registered_pools", {})
         self.registered_pools[host_pool_name] = host_pool
         name = str(getattr(host_pool_name, "value", host_pool_name))
@@ -198,7 +196,7 @@ class HostPoolsV2:
         if policy not in SUPPORTED_POLICIES:
             self.refuse(f"the {name!r} pool's hit policy {policy!r} is not supported")
             return None
-        pools, _, _ = self._v2_state()
+        pools = self._extra_pools
         if name not in pools:
             self.refuse(f"the {name!r} pool was never registered (register_mem_host_pool_v2)")
         return pools.get(name)
