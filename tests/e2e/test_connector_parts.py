@@ -7,8 +7,8 @@ L2 prefetch answer "not known yet", preemption, chunks that vanish between looku
 
 from __future__ import annotations
 
+import hashlib
 import logging
-
 import time
 
 import numpy as np
@@ -298,22 +298,60 @@ def test_a_request_admitted_while_its_l2_lookup_runs_drops_the_lookup(parts_serv
     s.shutdown()
 
 
-def test_requests_with_a_lora_adapter_are_not_cached(server, caplog):
-    """The adapter changes the KV of the same tokens and kvdepot's keys do not name it: such a request
-    neither reads another's chunks nor saves its own (said once in the log)."""
+def adapter_dir(path, weights: bytes):
+    """A PEFT adapter directory as vLLM reads one (the scheduler hashes its files, never loads them)."""
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8, "lora_alpha": 16}')
+    (path / "adapter_model.safetensors").write_bytes(weights)
+    return str(path)
+
+
+def test_requests_with_a_lora_adapter_are_cached_under_their_adapter(server, tmp_path, caplog):
+    """The adapter changes the KV of the same tokens, so a LoRA request's chain starts from its adapter's
+    root: it never reads the base model's chunks or another adapter's, and the same weights under
+    another name and path read what it saved. Its saves send no tokens to KV events (they name no
+    adapter). An adapter whose files are not here (a hub id) is served uncached, said once."""
     from vllm.lora.request import LoRARequest
 
-    caplog.set_level(logging.INFO, logger="kvdepot.connectors.vllm.scheduler")
+    from kvdepot.connectors.vllm.adapters import ROOT_TAG, adapter_digest
+
+    caplog.set_level(logging.INFO, logger="kvdepot.connectors.vllm.adapters")
     toks = tokens(2 * CS + 1)
-    store(server.url, toks, 2)
-    s = scheduler(server.url)
-    adapted = request("lora", toks)
-    adapted.lora_request = LoRARequest("my-adapter", 1, "/nonexistent")
-    assert s.get_num_new_matched_tokens(adapted, 0) == (0, False)
-    s.update_state_after_alloc(adapted, blocks([1, 2, 3]), 0)
-    assert s.build_connector_meta(step(new=[(adapted, [1, 2, 3], 0)], scheduled={"lora": 2 * CS + 1})).saves == []
-    assert s.get_num_new_matched_tokens(request("plain", toks), 0) == (2 * CS, False)  # the base model's request hits
-    assert caplog.text.count("LoRA adapter are not cached") == 1
+    store(server.url, toks, 2)  # the base model's chunks
+    x = adapter_dir(tmp_path / "x", b"x-weights" * 100)
+    x_copy = adapter_dir(tmp_path / "x-copy", b"x-weights" * 100)
+    y = adapter_dir(tmp_path / "y", b"y-weights" * 100)
+    s = scheduler(server.url, kv_events_token_ids=True)
+
+    def adapted(req_id: str, name: str, path: str, int_id: int):
+        req = request(req_id, toks)
+        req.lora_request = LoRARequest(name, int_id, path)
+        return req
+
+    first = adapted("x1", "x", x, 1)
+    assert s.get_num_new_matched_tokens(first, 0) == (0, False)  # the base model's chunks are not its
+    s.update_state_after_alloc(first, blocks([1, 2, 3]), 0)
+    (save,) = s.build_connector_meta(step(new=[(first, [1, 2, 3], 0)], scheduled={"x1": 2 * CS + 1})).saves
+    root = hashlib.sha256(ROOT_TAG + adapter_digest(x)).digest()
+    assert save.hashes == chunk_hashes(toks[: 2 * CS], CS, prefix=root)
+    assert not set(save.hashes) & set(chunk_hashes(toks[: 2 * CS], CS))
+    assert save.token_ids == []
+    s.request_finished(first)
+
+    lay = layout()
+    with KVClient(server.url, MODEL, lay, options=ClientOptions(chunk_size=CS)) as c, c.prepare_store(save.hashes) as slots:
+        for slot in slots:
+            slot[...] = 1.0  # what the workers would have saved
+    assert s.get_num_new_matched_tokens(adapted("x2", "x-again", x_copy, 2), 0) == (2 * CS, False)
+    assert s.get_num_new_matched_tokens(adapted("y1", "y", y, 3), 0) == (0, False)
+    assert s.get_num_new_matched_tokens(request("plain", toks), 0) == (2 * CS, False)  # the base model's own
+
+    hub = adapted("hub1", "hub", "some-org/some-adapter", 4)
+    assert s.get_num_new_matched_tokens(hub, 0) == (0, False)
+    s.update_state_after_alloc(hub, blocks([4, 5, 6]), 0)
+    assert s.build_connector_meta(step(new=[(hub, [4, 5, 6], 0)], scheduled={"hub1": 2 * CS + 1})).saves == []
+    assert s.get_num_new_matched_tokens(adapted("hub2", "hub", "some-org/some-adapter", 4), 0) == (0, False)
+    assert caplog.text.count("is not a local directory here") == 1
     s.shutdown()
 
 

@@ -7,7 +7,7 @@ first on its ``sys.path``, and that name would shadow vLLM.)
 Commands arrive one per line on stdin; each gets exactly one JSON reply line on the file descriptor
 given by --result-fd (stdout and stderr stay free for vLLM's logs, which go to a file):
 
-    {"op": "generate", "prompts": [{"ids": [...], "salt": "..."}], "max_tokens": 16}
+    {"op": "generate", "prompts": [{"ids": [...], "salt": "...", "lora": ["name", id, "path"]}], "max_tokens": 16}
         -> {"outputs": [{"token_ids": [...], "num_cached_tokens": n, "ttft_s": t, "num_preemptions": p}],
             "seconds": s}
     {"op": "reset_prefix_cache"} -> {"ok": true}
@@ -46,6 +46,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
 
     kv = json.loads(args.kv_transfer_config)
     llm = LLM(
@@ -71,9 +72,10 @@ def main() -> None:
             op = cmd["op"]
             if op == "generate":
                 prompts = [prompt(p) for p in cmd["prompts"]]
+                loras = [LoRARequest(*p["lora"]) if p.get("lora") else None for p in cmd["prompts"]]
                 params = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"], ignore_eos=True)
                 t0 = time.perf_counter()
-                outs = llm.generate(prompts, params, use_tqdm=False)
+                outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras if any(loras) else None)
                 seconds = time.perf_counter() - t0
                 reply(
                     {

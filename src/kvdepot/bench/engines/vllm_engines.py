@@ -100,6 +100,43 @@ def make_tiny_model(path: Path, shape: ModelShape = TINY) -> TinyModel:
     return TinyModel(str(path), shape.layers, shape.kv_heads, head_dim)
 
 
+@dataclass(frozen=True)
+class TinyLora:
+    """A LoRA adapter of the tiny model, as a request names it (vLLM's ``LoRARequest`` fields)."""
+
+    name: str
+    int_id: int
+    path: str
+
+    def named(self, name: str, int_id: int, path: str | None = None) -> TinyLora:
+        return TinyLora(name, int_id, path or self.path)
+
+
+LORA_RANK = 8
+
+
+def make_tiny_lora(path: Path, name: str, int_id: int, seed: int, shape: ModelShape = TINY) -> TinyLora:
+    """A random rank-8 PEFT adapter of ``make_tiny_model``'s attention projections (q, k, v), large
+    enough to change the KV and the greedy tokens of the same prompt."""
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    kv_width = shape.kv_heads * (shape.hidden // shape.heads)
+    tensors = {}
+    for layer in range(shape.layers):
+        for proj, width in (("q_proj", shape.hidden), ("k_proj", kv_width), ("v_proj", kv_width)):
+            module = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{module}.lora_A.weight"] = torch.randn(LORA_RANK, shape.hidden, generator=gen) * 0.2
+            tensors[f"{module}.lora_B.weight"] = torch.randn(width, LORA_RANK, generator=gen) * 0.2
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": LORA_RANK, "lora_alpha": 2 * LORA_RANK, "lora_dropout": 0.0,
+              "target_modules": ["q_proj", "k_proj", "v_proj"], "bias": "none", "fan_in_fan_out": False}  # fmt: skip
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return TinyLora(name, int_id, str(path))
+
+
 def make_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
     rng = random.Random(seed)
     return [words(rng, n) for n in lengths]
@@ -278,8 +315,11 @@ class Engine:
             raise RuntimeError(f"{self.name}: {reply['error']}\n{reply.get('traceback', '')}")
         return reply
 
-    def generate(self, prompts: list[list[int]], max_tokens: int = 16, salt: str = "") -> dict:
-        return self.call({"op": "generate", "prompts": [{"ids": p, "salt": salt} for p in prompts], "max_tokens": max_tokens})
+    def generate(self, prompts: list[list[int]], max_tokens: int = 16, salt: str = "", lora: TinyLora | None = None) -> dict:
+        """Greedy outputs of ``prompts``; ``lora``: each served with that adapter (the engine runs with
+        ``enable_lora``)."""
+        adapter = [lora.name, lora.int_id, lora.path] if lora is not None else None
+        return self.call({"op": "generate", "prompts": [{"ids": p, "salt": salt, "lora": adapter} for p in prompts], "max_tokens": max_tokens})
 
     def one(self, prompt: list[int], max_tokens: int = 16, reset_prefix_cache: bool = True) -> dict:
         """Reset vLLM's own prefix cache (unless told not to), then one request alone: its output, with ``seconds``."""

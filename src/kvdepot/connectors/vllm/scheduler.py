@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from kvdepot.client.client import KVClient
 from kvdepot.client.options import Transport
 from kvdepot.connectors.common import Breakers, Direction, FailureTally, ResilientClient, is_transport_failure
+from kvdepot.connectors.vllm.adapters import AdapterRoots
 from kvdepot.connectors.vllm.config import ConnectorConfig
 from kvdepot.connectors.vllm.hash_cache import ChunkHashCache
 from kvdepot.connectors.vllm.hints import PrefillRate, agent_session, source_hint
@@ -121,7 +122,7 @@ class SchedulerSide:
         self.pool = ClientPool(config, model, layout, world_size, self.chunk_size, self._held_sessions)
         self.states: dict[str, RequestState] = {}
         self.prefill_rate = PrefillRate()
-        self._lora_said = False  # that LoRA requests are not cached: logged once
+        self.adapters = AdapterRoots()  # each LoRA adapter's chain root (adapters.py)
         self._readmitted: set[str] = set()  # preempted and admitted again within this schedule (see _state)
         # Blocks that synchronous loads of this schedule and the last one write -> the schedule's number. A
         # save computed over one must wait for the workers' verdict on that load (SaveOp.over_loaded_blocks):
@@ -306,8 +307,9 @@ class SchedulerSide:
         st = self.states.get(request.request_id)
         if st is None or st.request is not request:
             params = getattr(request, "kv_transfer_params", None)
-            st = RequestState(request.request_id, request, request.cache_salt or "", self._eligible(request), source_hint(params),
-                              agent_session(params))  # fmt: skip
+            root = self._root(request)
+            st = RequestState(request.request_id, request, request.cache_salt or "", root is not None and not _has_media(request),
+                              source_hint(params), agent_session(params), root=root or b"")  # fmt: skip
             self.states[request.request_id] = st
         elif st.phase is Phase.ADMITTED:
             # Admitted again before build_connector_meta told us of its preemption (vLLM preempted and
@@ -316,15 +318,11 @@ class SchedulerSide:
             self._readmitted.add(st.req_id)
         return st
 
-    def _eligible(self, request: Request) -> bool:
-        """Keys hold tokens, not what else shapes the KV: images, audio and embeddings, and a LoRA
-        adapter. Asked again before every save: a streaming-input session can gain media later."""
-        if getattr(request, "lora_request", None) is not None:
-            if not self._lora_said:
-                self._lora_said = True
-                log.info("kvdepot: requests with a LoRA adapter are not cached (the adapter changes the KV; keys do not name it yet)")
-            return False
-        return not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
+    def _root(self, request: Request) -> bytes | None:
+        """Where the request's hash chain starts: b"" for the base model, its adapter's root for a LoRA
+        request (``adapters.py``); None: an adapter kvdepot cannot name, served uncached."""
+        lora = getattr(request, "lora_request", None)
+        return b"" if lora is None else self.adapters.root(lora)
 
     def _hashes(self, st: RequestState, n_chunks: int) -> list[ChunkHash]:
         """The first ``n_chunks`` chained hashes, extending the cached chain as tokens arrive."""
@@ -344,7 +342,7 @@ class SchedulerSide:
         if have < n_chunks:
             cs = self.chunk_size
             tokens = st.request.all_token_ids[have * cs : n_chunks * cs]
-            prefix = st.hashes[-1] if st.hashes else b""
+            prefix = st.hashes[-1] if st.hashes else st.root
             st.hashes.extend(chunk_hashes(tokens, cs, algorithm, prefix))  # (a list: no numpy detour)
             if cache is not None:
                 cache.put(seen, have, st.hashes)
@@ -430,7 +428,7 @@ class SchedulerSide:
 
     def _plan_save(self, st: RequestState, done_tokens: int, block_state, meta: KVDepotConnectorMetadata) -> None:
         """Save the chunks whose KV is complete once this step has run."""
-        if st.eligible and not self._eligible(st.request):
+        if st.eligible and _has_media(st.request):
             st.eligible = False  # media joined the request since: its chunks' KV is no longer its tokens'
             log.info("kvdepot: request %s gained media or embeddings; its KV is not saved from now on", st.req_id)
         if not st.eligible:
@@ -452,7 +450,9 @@ class SchedulerSide:
             return
         first = st.stored_chunks
         cs = self.chunk_size
-        tokens = list(request.all_token_ids[first * cs : full * cs]) if self.config.kv_events_token_ids else []
+        # A LoRA request's chunks go to KV events without tokens: the events name no adapter, and a router
+        # that hashes tokens itself would index them as the base model's.
+        tokens = list(request.all_token_ids[first * cs : full * cs]) if self.config.kv_events_token_ids and not st.root else []
         loaded = self._sync_loaded
         over = [b for b in st.block_ids[: full * bpc] if b in loaded] if loaded else []
         meta.saves.append(SaveOp(st.req_id, list(hashes[first:full]), st.salt, st.block_ids[first * bpc : full * bpc], tokens, over))
@@ -506,3 +506,9 @@ class SchedulerSide:
             fn(*args)
         except KVDepotError as exc:
             self.pool.failed(exc, fn.__name__)  # what the server still holds for us ends with its TTL
+
+
+def _has_media(request: Request) -> bool:
+    """Keys hold tokens (and an adapter, ``_root``), not what else shapes the KV: images, audio and
+    embeddings. Asked again before every save: a streaming-input session can gain media later."""
+    return bool(getattr(request, "mm_features", None)) or getattr(request, "prompt_embeds", None) is not None
