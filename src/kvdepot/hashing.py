@@ -88,16 +88,23 @@ def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(arr)).cast("B")
 
 
+EXTRA_TAG = b"kvdepot/chunk-extra/1\0"
+
+
 def chunk_hashes(
     tokens: Sequence[int] | np.ndarray,
     chunk_size: int,
     algorithm: HashAlgorithm | str = HashAlgorithm.SHA256,
     prefix: bytes = b"",
+    extras: Sequence[bytes] | None = None,
 ) -> list[ChunkHash]:
     """The chained hashes of every complete chunk of ``tokens``.
 
     ``prefix`` is ``h[-1]``: empty for a prompt's start, or the last hash of a known prefix, so a caller
-    can extend a chain without rehashing it.
+    can extend a chain without rehashing it. ``extras[i]``: what else shapes chunk ``i``'s KV (an image
+    whose placeholder tokens it holds); empty for none. It is folded into the link before the chunk,
+    ``h[i] = H(H(h[i-1] || EXTRA_TAG || extras[i]) || tokens)``, so every hashed input keeps the shape
+    (one digest, then the chunk's tokens) and no choice of tokens can pass for a link plus extras.
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
@@ -108,7 +115,16 @@ def chunk_hashes(
     out: list[ChunkHash] = []
     prev = prefix
     # One call per chunk on (prev || chunk): measurably faster than update() chains for 1 KiB chunks.
-    for i in range(0, end, step):
+    if extras is None:
+        for i in range(0, end, step):
+            prev = hasher(prev + data[i : i + step])
+            out.append(ChunkHash(prev))
+        return out
+    if len(extras) < end // step:
+        raise ValueError(f"extras has {len(extras)} entries for {end // step} chunks")
+    for c, i in enumerate(range(0, end, step)):
+        if extras[c]:
+            prev = hasher(prev + EXTRA_TAG + extras[c])
         prev = hasher(prev + data[i : i + step])
         out.append(ChunkHash(prev))
     return out

@@ -22,6 +22,7 @@ from kvdepot.hashing import chunk_hashes
 
 from support.servers import Server
 from support.vllm_objects import blocks, request, step, tokens
+from support.vllm_objects import image as image_item
 
 CS = 128  # chunk size = vLLM's CPU block size here, unless a test says otherwise
 BS = 128
@@ -355,18 +356,112 @@ def test_requests_with_a_lora_adapter_are_cached_under_their_adapter(server, tmp
     s.shutdown()
 
 
-def test_a_request_that_gains_media_later_is_saved_no_more(server):
-    """A streaming-input session starts as text and gains audio or images later (vLLM extends its
-    mm_features): the chunks after that hold KV that its token ids alone do not name, and saving them
-    under those ids would hand another session's media KV to a request of the same text."""
-    toks = tokens(600, seed=41)
-    s = scheduler(server.url)
-    req = request("streaming", toks)
+IMAGE_TOKEN = 7  # the placeholder id every image's positions hold
+
+
+def with_placeholders(toks: list[int], *spans: tuple[int, int]) -> list[int]:
+    out = list(toks)
+    for offset, length in spans:
+        out[offset : offset + length] = [IMAGE_TOKEN] * length
+    return out
+
+
+def store_chain(url: str, hashes) -> None:
+    """Stores chunks under ``hashes`` as the workers would have saved them."""
+    with KVClient(url, MODEL, layout(), options=ClientOptions(chunk_size=CS)) as c, c.prepare_store(list(hashes)) as slots:
+        for slot in slots:
+            slot[...] = 1.0
+
+
+def planned_save(s, req, block_ids: list[int], n_tokens: int):
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
-    s.update_state_after_alloc(req, blocks([5, 6]), 0)
-    assert len(s.build_connector_meta(step(new=[(req, [5, 6], 0)], scheduled={"streaming": 256})).saves) == 1
-    req.mm_features = [object()]  # audio arrived
-    assert s.build_connector_meta(step(cached=[(req, [7, 8, 9], 256)], scheduled={"streaming": 256})).saves == []
+    s.update_state_after_alloc(req, blocks(block_ids), 0)
+    (save,) = s.build_connector_meta(step(new=[(req, block_ids, 0)], scheduled={req.request_id: n_tokens})).saves
+    s.request_finished(req)
+    return save
+
+
+def test_requests_with_images_are_cached_under_their_images(server):
+    """Every image's placeholders are the same token id, so a chunk that holds an image's placeholders
+    names the image (vLLM's identifier, its place), and every later chunk inherits it through the chain:
+    the same text with another image shares the chunks before the image only, the same image hits,
+    and the text alone (placeholder ids and all) never reads an image's KV."""
+    toks = with_placeholders(tokens(3 * CS + 1, seed=51), (300, 64))  # an image in chunk 2
+    s = scheduler(server.url)
+    save = planned_save(s, request("a1", toks, media=[("image-a", 300, 64)]), [1, 2, 3, 4], 3 * CS + 1)
+    plain = chunk_hashes(toks[: 3 * CS], CS)
+    assert save.hashes[:2] == plain[:2] and save.hashes[2] != plain[2]  # before the image: text only
+    store_chain(server.url, save.hashes)
+
+    assert s.get_num_new_matched_tokens(request("a2", toks, media=[("image-a", 300, 64)]), 0) == (3 * CS, False)
+    assert s.get_num_new_matched_tokens(request("b", toks, media=[("image-b", 300, 64)]), 0) == (2 * CS, False)
+    assert s.get_num_new_matched_tokens(request("text", toks), 0) == (2 * CS, False)
+    moved = with_placeholders(tokens(3 * CS + 1, seed=51), (290, 64))
+    assert s.get_num_new_matched_tokens(request("moved", moved, media=[("image-a", 290, 64)]), 0) == (2 * CS, False)
+    s.shutdown()
+
+
+def test_the_hash_cache_tells_images_and_adapters_apart(server, tmp_path):
+    """vLLM's own prefix hashes name a request's media and adapter, so the cache of kvdepot chains
+    keyed by them never hands one image's (or adapter's) chain to a request of the same tokens with
+    another."""
+    from vllm.lora.request import LoRARequest
+
+    from kvdepot.connectors.vllm.hash_cache import ChunkHashCache
+
+    toks = with_placeholders(tokens(3 * CS + 1, seed=53), (10, 64))
+    s = scheduler(server.url, hash_cache=ChunkHashCache(CS, BS))
+    hashes = {}
+    x = LoRARequest("x", 1, adapter_dir(tmp_path / "x", b"weights"))
+    for name, media, adapter in (("a", "image-a", None), ("b", "image-b", None), ("x", "image-a", x)):
+        req = request(name, toks, vllm_hashes=True, media=[(media, 10, 64)], lora_request=adapter)
+        s.get_num_new_matched_tokens(req, 0)
+        hashes[name] = s.states[name].hashes
+        s.request_finished(req)
+    again = request("a-again", toks, vllm_hashes=True, media=[("image-a", 10, 64)])
+    s.get_num_new_matched_tokens(again, 0)
+    assert s.hash_cache.hits == 3 and s.states["a-again"].hashes == hashes["a"]
+    assert len({tuple(h) for h in hashes.values()}) == 3
+    s.request_finished(again)
+    s.shutdown()
+
+
+def test_an_image_across_a_chunk_boundary_names_both_chunks(server):
+    toks = with_placeholders(tokens(3 * CS + 1, seed=52), (100, 64))  # placeholders 100..163: chunks 0 and 1
+    s = scheduler(server.url)
+    a = planned_save(s, request("a", toks, media=[("image-a", 100, 64)]), [1, 2, 3, 4], 3 * CS + 1)
+    b = planned_save(s, request("b", toks, media=[("image-b", 100, 64)]), [5, 6, 7, 8], 3 * CS + 1)
+    assert all(x != y for x, y in zip(a.hashes, b.hashes))
+    assert a.hashes[0] != chunk_hashes(toks[:CS], CS)[0]
+    s.shutdown()
+
+
+def test_a_streaming_session_that_gains_media_keeps_saving_under_it(server):
+    """A streaming-input session starts as text and gains an image later (vLLM appends to its
+    mm_features and its tokens): the chunks already saved hold none of it, and the later ones are saved
+    under the image. Media that landed inside chunks already hashed (no append does that) would stop
+    the request's saves: its keys could not name what its KV holds."""
+    toks = with_placeholders(tokens(4 * CS + 1, seed=41), (2 * CS + 10, 64))
+    s = scheduler(server.url)
+    req = request("streaming", toks[: 2 * CS + 1])
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    s.update_state_after_alloc(req, blocks([5, 6, 7]), 0)
+    (first,) = s.build_connector_meta(step(new=[(req, [5, 6, 7], 0)], scheduled={"streaming": 2 * CS + 1})).saves
+    assert first.hashes == chunk_hashes(toks[: 2 * CS], CS)
+    req.append_output_token_ids(toks[2 * CS + 1 :])  # the rest of the input, the image's placeholders in it
+    req.mm_features = [image_item("image-a", 2 * CS + 10, 64)]
+    (later,) = s.build_connector_meta(step(cached=[(req, [8, 9], 2 * CS + 1)], scheduled={"streaming": 2 * CS})).saves
+    whole = planned_save(scheduler(server.url, save_decode=True), request("whole", toks, media=[("image-a", 2 * CS + 10, 64)]),
+                         [1, 2, 3, 4, 10], 4 * CS + 1)  # fmt: skip
+    assert first.hashes + later.hashes == whole.hashes[:4]  # as if the image had been there from the start
+    assert later.hashes != chunk_hashes(toks[: 4 * CS], CS)[2:4]
+
+    late = request("late", toks[: 2 * CS + 1])
+    assert s.get_num_new_matched_tokens(late, 0) == (0, False)  # hashes its two chunks
+    s.update_state_after_alloc(late, blocks([11, 12, 13]), 0)
+    late.mm_features = [image_item("image-b", 10, 64)]  # inside chunk 0, hashed already
+    assert s.build_connector_meta(step(new=[(late, [11, 12, 13], 0)], scheduled={"late": 2 * CS + 1})).saves == []
+    s.request_finished(late)
     s.request_finished(req)
     s.shutdown()
 

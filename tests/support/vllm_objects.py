@@ -18,8 +18,11 @@ def tokens(n: int, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(3, 30000, size=n).tolist()
 
 
-def request(req_id: str, toks: Sequence[int], salt: str | None = None, vllm_hashes: bool = False, block_size: int = BLOCK_SIZE) -> Any:
-    """A vLLM request; ``vllm_hashes``: with vLLM's own sha256 prefix hashes, as its engine core makes."""
+def request(req_id: str, toks: Sequence[int], salt: str | None = None, vllm_hashes: bool = False, block_size: int = BLOCK_SIZE,
+            media: Sequence[tuple[str, int, int]] = (), lora_request: Any = None) -> Any:  # fmt: skip
+    """A vLLM request; ``vllm_hashes``: with vLLM's own sha256 prefix hashes, as its engine core makes.
+    ``media``: (identifier, offset, length) of image items whose placeholders ``toks`` holds there;
+    ``lora_request``: vLLM's ``LoRARequest`` of the adapter that serves it."""
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -29,7 +32,15 @@ def request(req_id: str, toks: Sequence[int], salt: str | None = None, vllm_hash
     if vllm_hashes:
         init_none_hash(sha256)
         hasher = get_request_block_hasher(block_size, sha256)
-    return Request(req_id, list(toks), SamplingParams(max_tokens=8), None, cache_salt=salt, block_hasher=hasher)
+    return Request(req_id, list(toks), SamplingParams(max_tokens=8), None, cache_salt=salt, block_hasher=hasher,
+                   mm_features=[image(*m) for m in media] or None, lora_request=lora_request)  # fmt: skip
+
+
+def image(identifier: str, offset: int, length: int) -> Any:
+    """vLLM's record of one image item of a request (its processed data left out, as for a cached item)."""
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    return MultiModalFeatureSpec(data=None, modality="image", identifier=identifier, mm_position=PlaceholderRange(offset, length))
 
 
 def blocks(ids: Iterable[int]) -> Any:

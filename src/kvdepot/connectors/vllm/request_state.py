@@ -67,6 +67,7 @@ class RequestState:
     source_hint: str = ""  # a router's HOST[:PORT] of where this prompt's KV was computed (kv_transfer_params)
     agent_session: str = ""  # the conversation it is a turn of (kv_transfer_params' kvdepot_agent_session)
     root: bytes = b""  # where its hash chain starts: its LoRA adapter's root (adapters.py), b"" for the base model
+    media_seen: int = 0  # its media items (vLLM's mm_features) known when its chunks were last hashed
     phase: Phase = Phase.NEW
     locks: Locks = Locks.NONE
     hashes: list[ChunkHash] = field(default_factory=list)  # chained hashes of leading complete chunks

@@ -31,6 +31,7 @@ from kvdepot.connectors.vllm.adapters import AdapterRoots
 from kvdepot.connectors.vllm.config import ConnectorConfig
 from kvdepot.connectors.vllm.hash_cache import ChunkHashCache
 from kvdepot.connectors.vllm.hints import PrefillRate, agent_session, source_hint
+from kvdepot.connectors.vllm.media import first_offset, media_extras
 from kvdepot.connectors.vllm.metadata import KVDepotConnectorMetadata, KVDepotWorkerMetadata, LoadOp, SaveOp
 from kvdepot.connectors.vllm.request_state import Locks, Phase, RequestState
 from kvdepot.errors import KVDepotError
@@ -308,7 +309,7 @@ class SchedulerSide:
         if st is None or st.request is not request:
             params = getattr(request, "kv_transfer_params", None)
             root = self._root(request)
-            st = RequestState(request.request_id, request, request.cache_salt or "", root is not None and not _has_media(request),
+            st = RequestState(request.request_id, request, request.cache_salt or "", root is not None and _embeds(request) is None,
                               source_hint(params), agent_session(params), root=root or b"")  # fmt: skip
             self.states[request.request_id] = st
         elif st.phase is Phase.ADMITTED:
@@ -326,6 +327,8 @@ class SchedulerSide:
 
     def _hashes(self, st: RequestState, n_chunks: int) -> list[ChunkHash]:
         """The first ``n_chunks`` chained hashes, extending the cached chain as tokens arrive."""
+        if not self._media_still_named(st):
+            return []
         if len(st.hashes) >= n_chunks:
             return st.hashes[:n_chunks]
         clients = self.pool.get()
@@ -343,10 +346,28 @@ class SchedulerSide:
             cs = self.chunk_size
             tokens = st.request.all_token_ids[have * cs : n_chunks * cs]
             prefix = st.hashes[-1] if st.hashes else st.root
-            st.hashes.extend(chunk_hashes(tokens, cs, algorithm, prefix))  # (a list: no numpy detour)
+            media = getattr(st.request, "mm_features", None)
+            extras = media_extras(media, have, n_chunks, cs) if media else None
+            st.hashes.extend(chunk_hashes(tokens, cs, algorithm, prefix, extras))  # (a list: no numpy detour)
             if cache is not None:
                 cache.put(seen, have, st.hashes)
         return st.hashes[:n_chunks]
+
+    def _media_still_named(self, st: RequestState) -> bool:
+        """False (and the request served uncached from now on) when media joined the request at places
+        whose chunks were hashed already: a streaming-input session appends them after its tokens, so
+        this is a check, not a case vLLM makes."""
+        features = getattr(st.request, "mm_features", None) or ()
+        if len(features) > st.media_seen:
+            offset = first_offset(features, st.media_seen)
+            st.media_seen = len(features)
+            if offset is not None and offset < len(st.hashes) * self.chunk_size:
+                st.eligible = False
+                log.warning("kvdepot: request %s gained media inside chunks already hashed; it is served uncached from now on", st.req_id)
+        if st.eligible and _embeds(st.request) is not None:
+            st.eligible = False
+            log.info("kvdepot: request %s gained prompt embeddings; its KV is not saved from now on", st.req_id)
+        return st.eligible
 
     def _start_lookup(self, st: RequestState, max_chunks: int) -> None:
         clients = self.pool.get()
@@ -428,9 +449,6 @@ class SchedulerSide:
 
     def _plan_save(self, st: RequestState, done_tokens: int, block_state, meta: KVDepotConnectorMetadata) -> None:
         """Save the chunks whose KV is complete once this step has run."""
-        if st.eligible and _has_media(st.request):
-            st.eligible = False  # media joined the request since: its chunks' KV is no longer its tokens'
-            log.info("kvdepot: request %s gained media or embeddings; its KV is not saved from now on", st.req_id)
         if not st.eligible:
             return
         request = st.request
@@ -508,7 +526,7 @@ class SchedulerSide:
             self.pool.failed(exc, fn.__name__)  # what the server still holds for us ends with its TTL
 
 
-def _has_media(request: Request) -> bool:
-    """Keys hold tokens (and an adapter, ``_root``), not what else shapes the KV: images, audio and
-    embeddings. Asked again before every save: a streaming-input session can gain media later."""
-    return bool(getattr(request, "mm_features", None)) or getattr(request, "prompt_embeds", None) is not None
+def _embeds(request: Request) -> Any:
+    """A request's prompt embeddings (None: it has tokens). Keys name tokens, an adapter (``_root``) and
+    media (``media.py``), not embeddings: such a request is served uncached."""
+    return getattr(request, "prompt_embeds", None)
