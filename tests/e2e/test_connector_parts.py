@@ -466,6 +466,32 @@ def test_a_streaming_session_that_gains_media_keeps_saving_under_it(server):
     s.shutdown()
 
 
+def test_prompts_given_as_embeddings_are_cached_under_their_rows(server):
+    """A prompt of embeddings has token ids 0 everywhere: each chunk names its rows (their bytes, dtype
+    and width), so the same rows hit, rows that differ from some chunk on share the chunks before it,
+    and the same values in another dtype are other keys."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    rows = torch.randn(3 * CS + 1, 32, generator=torch.Generator().manual_seed(5))
+
+    def embedded(req_id: str, embeds):
+        return Request(req_id, None, SamplingParams(max_tokens=8), None, prompt_embeds=embeds)
+
+    s = scheduler(server.url)
+    save = planned_save(s, embedded("e1", rows), [1, 2, 3, 4], 3 * CS + 1)
+    assert not set(save.hashes) & set(chunk_hashes([0] * 3 * CS, CS))
+    store_chain(server.url, save.hashes)
+    assert s.get_num_new_matched_tokens(embedded("e2", rows.clone()), 0) == (3 * CS, False)
+    changed = rows.clone()
+    changed[2 * CS + 5] += 1.0
+    assert s.get_num_new_matched_tokens(embedded("e3", changed), 0) == (2 * CS, False)
+    assert s.get_num_new_matched_tokens(embedded("e4", rows.to(torch.bfloat16)), 0) == (0, False)
+    assert s.get_num_new_matched_tokens(request("zeros", [0] * (3 * CS + 1)), 0) == (0, False)
+    s.shutdown()
+
+
 def test_a_model_with_sliding_window_attention_is_refused_at_start():
     """vLLM frees the blocks that leave a sliding window while a save may still read them: refused,
     saying so, rather than served with that race."""

@@ -61,3 +61,18 @@ def test_first_offset_reads_the_items_added_since():
     assert first_offset(items) == 10
     assert first_offset(items, 2) == 90
     assert first_offset(items, 3) is None
+
+
+def test_prompt_embedding_rows_name_their_chunks_and_none_past_them():
+    import torch  # the engine's: installed with vLLM, which the suite needs
+
+    from kvdepot.connectors.vllm.embeds import embeds_extras
+
+    rows = torch.arange(40 * 4, dtype=torch.float32).reshape(40, 4)
+    extras = embeds_extras(rows, None, 0, 4, CS)  # rows 0..39: chunks 0, 1 and half of 2
+    assert extras is not None and extras[3] == b"" and len(set(extras[:3])) == 3
+    assert embeds_extras(rows, None, 3, 5, CS) is None
+    assert embeds_extras(rows.clone(), None, 1, 2, CS) == [extras[1]]
+    assert embeds_extras(rows.to(torch.float64), None, 0, 1, CS) != extras[:1]
+    mixed = embeds_extras(rows, [i % 2 == 0 for i in range(40)], 0, 1, CS)
+    assert mixed != extras[:1]

@@ -8,6 +8,8 @@ Commands arrive one per line on stdin; each gets exactly one JSON reply line on 
 given by --result-fd (stdout and stderr stay free for vLLM's logs, which go to a file):
 
     {"op": "generate", "prompts": [{"ids": [...], "salt": "...", "lora": ["name", id, "path"]}], "max_tokens": 16}
+        (a prompt {"embeds": {"seed": s, "rows": n}} instead of "ids": n random embedding rows, for an
+        engine started with enable_prompt_embeds)
         -> {"outputs": [{"token_ids": [...], "num_cached_tokens": n, "ttft_s": t, "num_preemptions": p}],
             "seconds": s}
     {"op": "reset_prefix_cache"} -> {"ok": true}
@@ -45,7 +47,7 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
+    from vllm.inputs import EmbedsPrompt, TokensPrompt
     from vllm.lora.request import LoRARequest
 
     kv = json.loads(args.kv_transfer_config)
@@ -60,8 +62,16 @@ def main() -> None:
         kv_transfer_config=KVTransferConfig(**kv) if kv else None,
         **json.loads(args.llm_kwargs),
     )
-    def prompt(p: dict) -> TokensPrompt:
-        return TokensPrompt(prompt_token_ids=p["ids"], **({"cache_salt": p["salt"]} if p.get("salt") else {}))
+    def prompt(p: dict) -> TokensPrompt | EmbedsPrompt:
+        salt = {"cache_salt": p["salt"]} if p.get("salt") else {}
+        if p.get("embeds"):
+            import torch
+
+            spec = p["embeds"]
+            hidden = llm.llm_engine.model_config.get_hidden_size()
+            rows = torch.randn(spec["rows"], hidden, generator=torch.Generator().manual_seed(spec["seed"])) * 0.08
+            return EmbedsPrompt(prompt_embeds=rows.to(llm.llm_engine.model_config.dtype), **salt)
+        return TokensPrompt(prompt_token_ids=p["ids"], **salt)
 
     reply({"ready": True, "pid": os.getpid()})
     for line in sys.stdin:

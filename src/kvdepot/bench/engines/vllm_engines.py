@@ -321,6 +321,11 @@ class Engine:
         adapter = [lora.name, lora.int_id, lora.path] if lora is not None else None
         return self.call({"op": "generate", "prompts": [{"ids": p, "salt": salt, "lora": adapter} for p in prompts], "max_tokens": max_tokens})
 
+    def generate_embedded(self, seed: int, rows: int, max_tokens: int = 16) -> dict:
+        """Greedy output of a prompt of ``rows`` random embedding rows drawn from ``seed`` (the engine
+        runs with ``enable_prompt_embeds``)."""
+        return self.call({"op": "generate", "prompts": [{"embeds": {"seed": seed, "rows": rows}}], "max_tokens": max_tokens})
+
     def one(self, prompt: list[int], max_tokens: int = 16, reset_prefix_cache: bool = True) -> dict:
         """Reset vLLM's own prefix cache (unless told not to), then one request alone: its output, with ``seconds``."""
         if reset_prefix_cache:

@@ -29,6 +29,7 @@ from kvdepot.client.options import Transport
 from kvdepot.connectors.common import Breakers, Direction, FailureTally, ResilientClient, is_transport_failure
 from kvdepot.connectors.vllm.adapters import AdapterRoots
 from kvdepot.connectors.vllm.config import ConnectorConfig
+from kvdepot.connectors.vllm.embeds import embeds_extras
 from kvdepot.connectors.vllm.hash_cache import ChunkHashCache
 from kvdepot.connectors.vllm.hints import PrefillRate, agent_session, source_hint
 from kvdepot.connectors.vllm.media import first_offset, media_extras
@@ -309,7 +310,7 @@ class SchedulerSide:
         if st is None or st.request is not request:
             params = getattr(request, "kv_transfer_params", None)
             root = self._root(request)
-            st = RequestState(request.request_id, request, request.cache_salt or "", root is not None and _embeds(request) is None,
+            st = RequestState(request.request_id, request, request.cache_salt or "", root is not None,
                               source_hint(params), agent_session(params), root=root or b"")  # fmt: skip
             self.states[request.request_id] = st
         elif st.phase is Phase.ADMITTED:
@@ -346,8 +347,7 @@ class SchedulerSide:
             cs = self.chunk_size
             tokens = st.request.all_token_ids[have * cs : n_chunks * cs]
             prefix = st.hashes[-1] if st.hashes else st.root
-            media = getattr(st.request, "mm_features", None)
-            extras = media_extras(media, have, n_chunks, cs) if media else None
+            extras = self._extras(st.request, have, n_chunks)
             st.hashes.extend(chunk_hashes(tokens, cs, algorithm, prefix, extras))  # (a list: no numpy detour)
             if cache is not None:
                 cache.put(seen, have, st.hashes)
@@ -364,10 +364,19 @@ class SchedulerSide:
             if offset is not None and offset < len(st.hashes) * self.chunk_size:
                 st.eligible = False
                 log.warning("kvdepot: request %s gained media inside chunks already hashed; it is served uncached from now on", st.req_id)
-        if st.eligible and _embeds(st.request) is not None:
-            st.eligible = False
-            log.info("kvdepot: request %s gained prompt embeddings; its KV is not saved from now on", st.req_id)
         return st.eligible
+
+    def _extras(self, request: Request, first: int, end: int) -> list[bytes] | None:
+        """What chunks ``[first, end)`` hold besides tokens: media items (``media.py``) and prompt
+        embeddings (``embeds.py``); None for neither (the plain chain)."""
+        media = getattr(request, "mm_features", None)
+        extras = media_extras(media, first, end, self.chunk_size) if media else None
+        embeds = getattr(request, "prompt_embeds", None)
+        if embeds is not None:
+            rows = embeds_extras(embeds, getattr(request, "prompt_is_token_ids", None), first, end, self.chunk_size)
+            if rows is not None:
+                extras = rows if extras is None else [a + b for a, b in zip(extras, rows)]
+        return extras
 
     def _start_lookup(self, st: RequestState, max_chunks: int) -> None:
         clients = self.pool.get()
@@ -525,8 +534,3 @@ class SchedulerSide:
         except KVDepotError as exc:
             self.pool.failed(exc, fn.__name__)  # what the server still holds for us ends with its TTL
 
-
-def _embeds(request: Request) -> Any:
-    """A request's prompt embeddings (None: it has tokens). Keys name tokens, an adapter (``_root``) and
-    media (``media.py``), not embeddings: such a request is served uncached."""
-    return getattr(request, "prompt_embeds", None)
