@@ -492,7 +492,7 @@ def test_prompts_given_as_embeddings_are_cached_under_their_rows(server):
     s.shutdown()
 
 
-def test_a_model_with_sliding_window_attention_is_refused_at_start():
+def test_a_model_whose_every_layer_slides_is_refused_at_start():
     """vLLM frees the blocks that leave a sliding window while a save may still read them: refused,
     saying so, rather than served with that race."""
     from types import SimpleNamespace as NS
@@ -509,7 +509,7 @@ def test_a_model_with_sliding_window_attention_is_refused_at_start():
                 model_config=NS(use_mla=False, model=MODEL), cache_config=NS(block_size=BS, cache_dtype="auto"))  # fmt: skip
     spec = SlidingWindowSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.bfloat16, sliding_window=4 * BS)
     groups = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
-    with pytest.raises(NotImplementedError, match="full-attention models; this model's KV cache is SlidingWindowSpec"):
+    with pytest.raises(NotImplementedError, match="this model.s KV cache is SlidingWindowSpec in every layer"):
         KVDepotConnector(config, KVConnectorRole.SCHEDULER, groups)
 
 

@@ -100,6 +100,27 @@ def make_tiny_model(path: Path, shape: ModelShape = TINY) -> TinyModel:
     return TinyModel(str(path), shape.layers, shape.kv_heads, head_dim)
 
 
+def make_tiny_sliding_model(path: Path, shape: ModelShape = TINY, window: int = 128) -> TinyModel:
+    """A random-weight Gemma-2 (its layers alternate a ``window``-token sliding window and full
+    attention, as Gemma 2 and 3 and gpt-oss do) with ``make_tiny_model``'s tokenizer."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    make_tiny_model(path, shape)  # the tokenizer (its Llama weights are replaced below)
+    for stale in path.glob("model*.safetensors*"):
+        stale.unlink()
+    head_dim = shape.hidden // shape.heads
+    config = Gemma2Config(
+        vocab_size=VOCAB, hidden_size=shape.hidden, intermediate_size=2 * shape.hidden, num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=head_dim,
+        max_position_embeddings=shape.max_positions, sliding_window=window, query_pre_attn_scalar=head_dim,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.08, torch_dtype="float32",
+    )  # fmt: skip
+    torch.manual_seed(1234)
+    Gemma2ForCausalLM(config).save_pretrained(path)
+    return TinyModel(str(path), shape.layers, shape.kv_heads, head_dim)
+
+
 @dataclass(frozen=True)
 class TinyLora:
     """A LoRA adapter of the tiny model, as a request names it (vLLM's ``LoRARequest`` fields)."""

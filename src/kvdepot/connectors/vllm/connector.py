@@ -108,11 +108,13 @@ class KVDepotConnector(KVConnectorBase_V1):
             from vllm.v1.kv_cache_interface import FullAttentionSpec
 
             if not isinstance(spec, FullAttentionSpec):
-                # Sliding windows: vLLM frees a running request's blocks that leave the window, while an
-                # asynchronous save may still read them, and prefix hits hold null blocks.
+                # A model whose every layer slides: vLLM frees a running request's blocks that leave the
+                # window, while an asynchronous save may still read them, and prefix hits hold null blocks.
+                # (A model that mixes window and full layers arrives here as full attention: this connector
+                # does not take vLLM's hybrid KV-cache manager, so vLLM allocates every layer that way.)
                 raise NotImplementedError(
-                    f"kvdepot's vLLM connector supports full-attention models; this model's KV cache is {type(spec).__name__}: "
-                    "serve it without the connector"
+                    f"kvdepot's vLLM connector supports models with full-attention layers (alone, or mixed with sliding-window "
+                    f"ones); this model's KV cache is {type(spec).__name__} in every layer: serve it without the connector"
                 )
             # On a GPU the cache is per-token K/V already: chunks keep the shared layout and the plain model id
             # (the worker decides the same, from the tensors it is given).
