@@ -387,10 +387,11 @@ def test_requests_with_images_are_cached_under_their_images(server):
     the same text with another image shares the chunks before the image only, the same image hits,
     and the text alone (placeholder ids and all) never reads an image's KV."""
     toks = with_placeholders(tokens(3 * CS + 1, seed=51), (300, 64))  # an image in chunk 2
-    s = scheduler(server.url)
+    s = scheduler(server.url, kv_events_token_ids=True)
     save = planned_save(s, request("a1", toks, media=[("image-a", 300, 64)]), [1, 2, 3, 4], 3 * CS + 1)
     plain = chunk_hashes(toks[: 3 * CS], CS)
     assert save.hashes[:2] == plain[:2] and save.hashes[2] != plain[2]  # before the image: text only
+    assert save.token_ids == []  # KV events name no media: no tokens a router could index as the text's
     store_chain(server.url, save.hashes)
 
     assert s.get_num_new_matched_tokens(request("a2", toks, media=[("image-a", 300, 64)]), 0) == (3 * CS, False)

@@ -477,9 +477,11 @@ class SchedulerSide:
             return
         first = st.stored_chunks
         cs = self.chunk_size
-        # A LoRA request's chunks go to KV events without tokens: the events name no adapter, and a router
-        # that hashes tokens itself would index them as the base model's.
-        tokens = list(request.all_token_ids[first * cs : full * cs]) if self.config.kv_events_token_ids and not st.root else []
+        # Chunks whose keys name more than tokens (an adapter, media, embeddings) go to KV events without
+        # tokens: the events name none of that, and a router that hashes tokens itself would index them
+        # as the plain prompt's.
+        plain = not st.root and not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
+        tokens = list(request.all_token_ids[first * cs : full * cs]) if self.config.kv_events_token_ids and plain else []
         loaded = self._sync_loaded
         over = [b for b in st.block_ids[: full * bpc] if b in loaded] if loaded else []
         meta.saves.append(SaveOp(st.req_id, list(hashes[first:full]), st.salt, st.block_ids[first * bpc : full * bpc], tokens, over))
