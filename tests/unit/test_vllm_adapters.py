@@ -67,3 +67,30 @@ def test_a_root_is_kept_for_the_engines_life_unless_vllm_reloads_the_adapter_in_
     reloaded = roots.root(lora("a", path, load_inplace=True))
     assert reloaded is not None and reloaded != first  # vLLM reads the files again
     assert AdapterRoots().root(lora("a", path)) == reloaded  # a restarted engine reads them too
+
+
+def test_a_hub_adapter_is_read_from_the_local_cache_once_vllm_downloaded_it(tmp_path, monkeypatch):
+    """vLLM's workers download a hub adapter when they first serve it, after the scheduler saw its
+    first request: until then it has no root, and it is looked for again every RETRY_S, never
+    downloaded by the scheduler."""
+    from huggingface_hub import constants  # installed with vLLM, which the suite needs
+
+    from kvdepot.connectors.vllm.adapters import RETRY_S
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a download attempt would fail loudly, not hang
+    now = [100.0]
+    roots = AdapterRoots(clock=lambda: now[0])
+    request = lora("sql", "some-org/sql-adapter")
+    assert roots.root(request) is None  # not downloaded yet
+
+    repo = tmp_path / "hub" / "models--some-org--sql-adapter"
+    make_adapter(repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    now[0] += RETRY_S / 2
+    assert roots.root(request) is None  # not looked for again yet
+    now[0] += RETRY_S
+    found = roots.root(request)
+    assert found is not None and found == AdapterRoots().root(lora("local", make_adapter(tmp_path / "local")))
+    assert roots.root(lora("abs", str(tmp_path / "missing"))) is None  # an absolute path is never a hub id

@@ -17,9 +17,10 @@ scheduler, on its first request, and kept for the engine's life: vLLM keeps the 
 long, so files replaced under a running engine must not change the keys of what it still computes with
 the old ones (a restart re-reads both). The exception is a request with ``load_inplace``, on which vLLM
 reloads the files: its root follows the files' sizes and modification times, hashed again when they
-change. An adapter kvdepot cannot read here (not a local directory: a
-hub id vLLM resolves in the worker; a tensorizer-loaded one; no weights file) has no root: its requests
-are served uncached, said once per adapter in the log.
+change. A hub id is read from the Hugging Face cache, where vLLM's workers download it: until they have
+(its first requests), it has no root, and it is looked for again every ``RETRY_S``. An adapter kvdepot
+cannot read here otherwise (a path that is not a directory; a tensorizer-loaded one; no weights file)
+has no root for good. Without a root, requests are served uncached, said once per adapter.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -38,13 +40,17 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt")
 EMBEDDING_FILES = ("new_embeddings.safetensors", "new_embeddings.bin")
 READ_BYTES = 1 << 20
+RETRY_S = 30.0  # a hub adapter not in the local cache yet: how long until it is looked for again
 
 
 class AdapterRoots:
     """Adapter -> chain root (or None: uncacheable), computed once per (name, path) and kept."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock=time.monotonic) -> None:
         self._roots: dict[tuple, bytes | None] = {}
+        self._retry_at: dict[tuple, float] = {}  # hub adapters not downloaded yet: when to look again
+        self._said: set[tuple] = set()  # adapters whose lack of a root was logged
+        self._clock = clock
 
     def __repr__(self) -> str:
         return f"AdapterRoots({len(self._roots)} adapters)"
@@ -54,28 +60,43 @@ class AdapterRoots:
         key: tuple = (str(lora_request.lora_name), str(lora_request.lora_path))
         if getattr(lora_request, "load_inplace", False):
             key += (_signature(os.path.expanduser(key[1])),)
-        if key not in self._roots:
-            self._roots[key] = self._compute(lora_request)
+        retry = self._retry_at.get(key)
+        if key not in self._roots or (retry is not None and self._clock() >= retry):
+            self._retry_at.pop(key, None)
+            self._roots[key] = self._compute(key, lora_request)
         return self._roots[key]
 
-    def _compute(self, lora_request: Any) -> bytes | None:
+    def _without_root(self, key: tuple, level: int, message: str, *args) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            log.log(level, message, *args)
+
+    def _compute(self, key: tuple, lora_request: Any) -> bytes | None:
         name, path = lora_request.lora_name, lora_request.lora_path
         if getattr(lora_request, "tensorizer_config_dict", None):
-            log.info("kvdepot: LoRA adapter %r is loaded by tensorizer: its requests are not cached (its weights are not files kvdepot can name)", name)
+            self._without_root(key, logging.INFO, "kvdepot: LoRA adapter %r is loaded by tensorizer: its requests are not cached "
+                               "(its weights are not files kvdepot can name)", name)  # fmt: skip
             return None
         directory = os.path.expanduser(str(path))
         if not os.path.isdir(directory):
-            log.info("kvdepot: LoRA adapter %r (%s) is not a local directory here: its requests are not cached "
-                     "(kvdepot names an adapter by its files; give vLLM a local path)", name, path)  # fmt: skip
-            return None
+            cached = None if os.path.isabs(directory) else _hub_snapshot(str(path))
+            if cached is None:
+                if not os.path.isabs(directory):
+                    self._retry_at[key] = self._clock() + RETRY_S
+                self._without_root(key, logging.INFO, "kvdepot: LoRA adapter %r (%s) is not a local directory or a downloaded hub "
+                                   "adapter here: its requests are not cached until it is (kvdepot names an adapter by its files)",
+                                   name, path)  # fmt: skip
+                return None
+            directory = cached
         try:
             digest = adapter_digest(directory)
         except OSError as exc:
-            log.warning("kvdepot: LoRA adapter %r (%s) could not be read (%s): its requests are not cached", name, path, exc)
+            self._without_root(key, logging.WARNING, "kvdepot: LoRA adapter %r (%s) could not be read (%s): its requests are not cached",
+                               name, path, exc)  # fmt: skip
             return None
         if digest is None:
-            log.info("kvdepot: LoRA adapter %r (%s) has no %s and weights file kvdepot knows: its requests are not cached",
-                     name, path, CONFIG_FILE)  # fmt: skip
+            self._without_root(key, logging.INFO, "kvdepot: LoRA adapter %r (%s) has no %s and weights file kvdepot knows: its "
+                               "requests are not cached", name, path, CONFIG_FILE)  # fmt: skip
             return None
         log.info("kvdepot: LoRA adapter %r (%s): its requests are cached under content digest %s", name, path, digest.hex()[:16])
         return hashlib.sha256(ROOT_TAG + digest).digest()
@@ -112,3 +133,15 @@ def _signature(directory: str) -> tuple:
             continue
         out.append((name, st.st_size, st.st_mtime_ns))
     return tuple(out)
+
+
+def _hub_snapshot(repo_id: str) -> str | None:
+    """The local snapshot of a Hugging Face hub adapter, if one was downloaded (as vLLM's workers do);
+    never a download here: the scheduler must not wait on the network."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        found = snapshot_download(repo_id=repo_id, local_files_only=True)
+    except Exception:  # not an id, not cached, no huggingface_hub: all "not here"
+        return None
+    return found if os.path.isdir(found) else None
