@@ -535,4 +535,3 @@ class SchedulerSide:
             fn(*args)
         except KVDepotError as exc:
             self.pool.failed(exc, fn.__name__)  # what the server still holds for us ends with its TTL
-
