@@ -436,9 +436,9 @@ class ServerConfig(ConfigStruct, frozen=True, kw_only=True):
         """(flag, host, port) of every TCP port this server listens on (a port 0 is off)."""
         rpc, http, obs = self.rpc, self.http, self.observability
         out = [("--port", rpc.host, rpc.port), ("--http-port", http.host, http.port), ("--prometheus-port", http.host, http.prometheus_port)]
-        kv_events = [("--kv-events-replay-endpoint", obs.kv_events_replay_endpoint)]
-        if not obs.kv_events_connect:  # a connected PUB socket listens on nothing
-            kv_events.append(("--kv-events-endpoint", obs.kv_events_endpoint))
+        # A connected PUB socket (--kv-events-connect) listens on nothing.
+        kv_events = [] if obs.kv_events_connect else [("--kv-events-endpoint", obs.kv_events_endpoint)]
+        kv_events.append(("--kv-events-replay-endpoint", obs.kv_events_replay_endpoint))
         for flag, endpoint in kv_events:
             host, port = zmq_endpoint_host(endpoint), endpoint.rpartition(":")[2]
             if host is not None and port.isdigit():
@@ -451,8 +451,6 @@ class ServerConfig(ConfigStruct, frozen=True, kw_only=True):
         listeners = self._listeners()
         for i, (flag_a, host_a, port) in enumerate(listeners):
             for flag_b, host_b, port_b in listeners[i + 1 :]:
-                if flag_a.startswith("--kv-events") and flag_b.startswith("--kv-events"):
-                    continue  # with each other: their bind's error names both flags already, and no other process
                 if port == port_b and hosts_overlap(host_a, host_b):
                     where = host_a if host_a == host_b else f"{host_a} and {host_b}"
                     raise ConfigError(f"{flag_a} and {flag_b} are both port {port} on {where}: this server cannot "

@@ -238,13 +238,35 @@ def test_off_loopback_the_zeromq_port_needs_curve_or_insecure(host, monkeypatch)
 def test_off_loopback_the_kv_event_sockets_need_insecure(flag, endpoint):
     """They name every chunk hash and tenant's cache_salt and have no authentication: the same rule as
     the RPC and HTTP ports (they used to bind anywhere without a word)."""
-    local = ("--kv-events-endpoint", "tcp://127.0.0.1:5557")
+    local = ("--kv-events-endpoint", "tcp://127.0.0.1:5556")  # not 5557: one port for both sockets is refused
     args = (flag, endpoint) if flag == "--kv-events-endpoint" else (*local, flag, endpoint)
     with pytest.raises(ConfigError, match=rf"{re.escape(flag)} {re.escape(endpoint)} is not loopback .*--insecure"):
         server_from_args(parse(*args))
     assert server_from_args(parse(*args, "--insecure")).insecure
     for here in ("tcp://127.0.0.1:5558", "tcp://localhost:5558", "ipc:///tmp/kv-events"):
         server_from_args(parse(*local, "--kv-events-replay-endpoint", here))
+
+
+@pytest.mark.parametrize(
+    ("publish", "replay"),
+    [("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5557"), ("tcp://*:5557", "tcp://127.0.0.1:5557"), ("tcp://localhost:5557", "tcp://127.0.0.1:5557")],
+)
+def test_the_two_kv_event_sockets_on_one_port_are_refused_naming_both_flags(publish, replay):
+    """They passed the check and the second bind failed at start; the server's other ports on one number
+    were already refused here."""
+    args = ("--kv-events-endpoint", publish, "--kv-events-replay-endpoint", replay, "--insecure")
+    with pytest.raises(ConfigError, match="--kv-events-endpoint and --kv-events-replay-endpoint are both port 5557"):
+        server_from_args(parse(*args))
+
+
+def test_kv_event_sockets_that_cannot_clash_are_accepted():
+    """Two ports, two addresses, or a PUB socket that connects (it listens on nothing)."""
+    for publish, replay in (("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"), ("tcp://127.0.0.1:5557", "tcp://127.0.0.2:5557"),
+                            ("tcp://127.0.0.1:5557", "ipc:///tmp/kv-events-replay"), ("ipc:///tmp/kv-events", "tcp://127.0.0.1:5557")):  # fmt: skip
+        server_from_args(parse("--kv-events-endpoint", publish, "--kv-events-replay-endpoint", replay))
+    connected = server_from_args(parse("--kv-events-endpoint", "tcp://127.0.0.1:5557", "--kv-events-connect",
+                                       "--kv-events-replay-endpoint", "tcp://127.0.0.1:5557"))  # fmt: skip
+    assert connected.observability.kv_events_connect
 
 
 @pytest.mark.parametrize("endpoint", ["http://10.0.0.9:4318/v1/traces", "http://collector:4318/v1/traces"])
