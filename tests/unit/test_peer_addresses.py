@@ -8,6 +8,7 @@ read is refused at configuration, naming the setting and how to write it.
 from __future__ import annotations
 
 import argparse
+import socket
 
 import pytest
 
@@ -75,3 +76,34 @@ def test_a_server_process_on_ipv6_has_bracketed_urls_and_ipv4_ones_are_as_before
     assert ServerProcess(host="::1", port=5555, http_port=8080).http_url == "http://[::1]:8080"
     assert ServerProcess(port=5555, http_port=8080).url == "tcp://127.0.0.1:5555"
     assert ServerProcess(port=5555, http_port=8080).http_url == "http://127.0.0.1:8080"
+
+
+def _resolver(table: dict[str, list[socket.AddressFamily]], asked: list[str]):
+    """A stand-in for ``socket.getaddrinfo`` that answers from ``table`` and records each name asked."""
+
+    def getaddrinfo(host, port, family=0, type=0, proto=0, flags=0):
+        asked.append(host)
+        if host not in table:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(f, socket.SOCK_STREAM, 6, "", ("::1" if f == socket.AF_INET6 else "127.0.0.1", port or 0)) for f in table[host]]
+
+    return getaddrinfo
+
+
+def test_the_listen_family_follows_what_the_host_resolves_to_and_literals_need_no_lookup(monkeypatch):
+    """A name whose only address was IPv6 bound an AF_INET socket, which cannot bind it: the data-plane
+    listener failed to start on an IPv6-only host name."""
+    from kvdepot.peer.addresses import listen_family
+
+    asked: list[str] = []
+    table = {"node6.test": [socket.AF_INET6], "node4.test": [socket.AF_INET], "both.test": [socket.AF_INET6, socket.AF_INET]}
+    monkeypatch.setattr(socket, "getaddrinfo", _resolver(table, asked))
+    assert listen_family("node6.test") == socket.AF_INET6
+    assert listen_family("node4.test") == socket.AF_INET
+    assert listen_family("both.test") == socket.AF_INET  # mixed: its IPv4 address, as before
+    assert listen_family("nowhere.test") == socket.AF_INET  # unresolved: as before, and its bind says why
+    assert asked == ["node6.test", "node4.test", "both.test", "nowhere.test"]
+    asked.clear()
+    for literal, family in (("::1", socket.AF_INET6), ("[::1]", socket.AF_INET6), ("::", socket.AF_INET6), ("127.0.0.1", socket.AF_INET), ("0.0.0.0", socket.AF_INET)):
+        assert listen_family(literal) == family, literal
+    assert asked == [], "a literal needs no lookup"

@@ -38,9 +38,20 @@ def node_id(host: str, port: int | str) -> str:
 
 
 def listen_family(host: str) -> socket.AddressFamily:
-    """The family a socket bound to ``host`` needs: AF_INET6 for an IPv6 literal, else AF_INET as
-    before (a host name binds its IPv4 address, as it did)."""
-    return socket.AF_INET6 if is_ipv6_host(host) else socket.AF_INET
+    """The family a socket bound to ``host`` needs: AF_INET6 for an IPv6 literal or a name whose only
+    addresses are IPv6, else AF_INET as before (a name with an IPv4 address binds that one). A literal
+    is decided without a lookup; a name that does not resolve stays AF_INET, and its bind says why."""
+    bare = unbracket(host)
+    try:
+        return socket.AF_INET6 if ipaddress.ip_address(bare).version == 6 else socket.AF_INET
+    except ValueError:
+        pass
+    try:
+        families = {info[0] for info in socket.getaddrinfo(bare, None, type=socket.SOCK_STREAM)}
+    except (OSError, UnicodeError):  # gaierror is an OSError; a name too long to encode is not
+        return socket.AF_INET
+    # An AF_INET socket cannot bind a name with no IPv4 address ("address family for hostname not supported").
+    return socket.AF_INET6 if families == {socket.AF_INET6} else socket.AF_INET
 
 
 def check_host(host: str) -> str:
