@@ -415,14 +415,16 @@ class BlockTransferModule:
         size = context.chunk_bytes
         # SERVER: the copy below writes the slots; a lease that ends meanwhile keeps them until abort/commit.
         res = self.storage.reserve(sent, size, call.client, body.cache_salt, protect=protect, toucher=Toucher.SERVER)
+        chosen = [i for i, s in enumerate(res.statuses) if s == m.SlotStatus.ALLOCATED]
+        if chosen:  # aborts the reservation itself if the copy fails
+            self._copy_out(call, rc, ids, chosen, [res.offsets[i] for i in chosen], size, res.lease_id)
+        # The turn only once the copy ended: a store refused behind a stalled one, or that timed out
+        # waiting for its ready event, stored nothing. Before the commit, so the chain stays protected.
         try:
             touch_after_store(self.ctx, call, keys, res.statuses)
         except BaseException:
             self.ctx.abort_quietly(res.lease_id, call.client)
             raise
-        chosen = [i for i, s in enumerate(res.statuses) if s == m.SlotStatus.ALLOCATED]
-        if chosen:
-            self._copy_out(call, rc, ids, chosen, [res.offsets[i] for i in chosen], size, res.lease_id)
         committed = self.storage.commit(res.lease_id, call.client)
         self.ctx.metrics.stored(context.spec.model, committed, committed * size, rc.label)
         self.ctx.chunk_request_done("store", call, context, body.keys, committed)

@@ -67,9 +67,10 @@ def store_protects(call: Call, keys: list[ObjectKey], prefix: list[ObjectKey]) -
 
 
 def touch_after_store(ctx: ServerContext, call: Call, keys: list[ObjectKey], statuses: list[m.SlotStatus]) -> None:
-    """A store's agent-session turn, once its reservation is made: a store refused outright (every chunk
-    over quota or without space) stored nothing, so it is no activity of the session: it opens none and
-    renews none."""
+    """A store's agent-session turn, once its reservation is made (and where the server copies the
+    chunks itself, once that copy has ended): a store refused outright (every chunk over quota or
+    without space), or whose copy failed, stored nothing, so it is no activity of the session: it opens
+    none and renews none."""
     if statuses and all(s in REFUSED for s in statuses):
         return
     touch_agent_session(ctx, call, keys)
