@@ -431,6 +431,46 @@ def test_the_observer_sees_each_request_start_and_finish_on_the_loop_thread(serv
     assert observer.seen() == [("started", me, LOOP), ("finished", me, LOOP)] * 3
 
 
+def disconnects(server: RpcServer) -> dict[str, float]:
+    get = server.metrics.registry.get_sample_value
+    return {kind: get("kvdepot_disconnects_total", {"kind": kind}) or 0.0 for kind in ("goodbye", "no_goodbye")}
+
+
+def test_a_goodbye_counts_once_for_its_own_disconnect_and_not_for_a_client_that_goes_on(serve, raw):
+    """An UNREGISTER was counted, and the next disconnect of anyone took it: a client that unregistered a
+    context and went on (as KVClient does when it cannot use a context it registered) made a client that
+    died later read as a goodbye, and so did the second of two contexts one client unregistered."""
+
+    def ack(call: Call) -> Reply:
+        return Reply(m.Ack())
+
+    server = serve(ping_handler(), HandlerSpec(RequestType.UNREGISTER_CONTEXT, ack, SYNC), goodbyes=(RequestType.UNREGISTER_CONTEXT,),
+                   housekeeping_interval_s=0.01)  # fmt: skip
+
+    def say(r: Raw, *bodies: msgspec.Struct) -> None:
+        for rid, body in enumerate(bodies, 1):
+            r.send(rid, body)
+            assert r.recv()[0] == rid
+
+    stays = raw(b"stays")
+    say(stays, m.UnregisterContextRequest(context_id=1), m.PingRequest())  # unregisters, then goes on: no goodbye
+    dies = raw(b"dies")
+    say(dies, m.PingRequest())
+    dies.close()
+    wait_for("the first disconnect", lambda: sum(disconnects(server).values()) == 1)
+    assert disconnects(server) == {"goodbye": 0, "no_goodbye": 1}
+
+    leaves = raw(b"leaves")
+    say(leaves, m.UnregisterContextRequest(context_id=2), m.UnregisterContextRequest(context_id=3))  # two contexts, one goodbye
+    leaves.close()
+    wait_for("the second disconnect", lambda: sum(disconnects(server).values()) == 2)
+    dies_too = raw(b"dies-too")
+    say(dies_too, m.PingRequest())
+    dies_too.close()
+    wait_for("the third disconnect", lambda: sum(disconnects(server).values()) == 3)
+    assert disconnects(server) == {"goodbye": 1, "no_goodbye": 2}
+
+
 def test_housekeeping_runs_on_the_loop_thread_and_survives_its_own_failure(serve, channel):
     handler_thread: list[int] = []
     runs: list[int] = []

@@ -84,7 +84,8 @@ class RpcServer:
         max_unsent_bytes: int = MAX_UNSENT_BYTES,
     ) -> None:
         """``goodbyes``: request types after which a client closes its connection on purpose (its
-        disconnect is then counted as a goodbye, not as a client that died). ``io_threads``: ZeroMQ's
+        disconnect is then counted as a goodbye, not as a client that died; once per connection however
+        many it sends, and not at all if it sends another request after it). ``io_threads``: ZeroMQ's
         threads moving bytes between the sockets and the kernel; each connection is served by one, so
         more than one lets inline payloads to several clients move at once."""
         self._endpoints = endpoints
@@ -121,7 +122,9 @@ class RpcServer:
         self._claims = [IpcClaim(ep.removeprefix("ipc://")) for ep in endpoints if ep.startswith("ipc://")]
         # Clients of BLOCKING requests whose reply never reached the loop (appended by workers; deque ops are atomic).
         self._finished_unanswered: deque[ClientId] = deque()
-        self._goodbyes = 0  # clean UNREGISTERs whose disconnect has not been seen yet (loop thread)
+        # Routing ids whose last request was a goodbye, their disconnect not seen yet (loop thread). A set:
+        # a client that unregisters two contexts leaves once; one that speaks again has not left.
+        self._goodbyes: set[bytes] = set()
         self._refusals = 0  # failed handshakes whose disconnect has not been seen yet (loop thread)
         self._refusal_logged: dict[str, float] = {}  # reason -> when last logged (a refused client retries every 0.1 s)
         self.add_handlers(handlers)
@@ -263,7 +266,9 @@ class RpcServer:
                     self._refusals -= 1  # the refused connection closing: counted as refused already
                     self.metrics.disconnects.labels("refused").inc()
                 elif self._goodbyes:
-                    self._goodbyes -= 1  # a client that said goodbye closed its socket: all is well
+                    # A client that said goodbye closed its socket: all is well. (ZeroMQ does not say
+                    # whose connection closed: any pending goodbye stands for it.)
+                    self._goodbyes.pop()
                     self.metrics.disconnects.labels("goodbye").inc()
                     log.debug("a client closed its connection after its goodbye (%s)", endpoint)
                 else:
@@ -372,7 +377,9 @@ class RpcServer:
                              f"(over {self._max_unsent}): this request is refused until it reads them")  # fmt: skip
             return
         if rtype in self._goodbye_types:
-            self._goodbyes += 1
+            self._goodbyes.add(ident)
+        elif self._goodbyes:
+            self._goodbyes.discard(ident)  # it speaks again: it did not leave
         deadline = received + header.timeout_ms / 1000 if header.timeout_ms > 0 else float("inf")
         call = Call(client, header.request_id, rtype, body, payload, deadline, received)
         self.observer.request_started(client)
