@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvdepot.bench.engines.vllm_engines import AUDIO_TOKENS, BLOCK, Engine, connector_config, expected_hit, make_prompts, make_tiny_audio_model, require_vllm
+from kvdepot.bench.engines.vllm_engines import (AUDIO_TOKENS, BLOCK, Engine, connector_config, expected_hit, make_audio_prompt,
+                                                make_tiny_audio_model, require_vllm)  # fmt: skip
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -27,7 +28,7 @@ def audio_model(tmp_path_factory):
 
 
 def test_each_clip_reads_only_its_own_kv_and_the_text_before_it_is_shared(audio_model, server, workdir):
-    (words,) = make_prompts(seed=71, lengths=[3 * BLOCK + 60])
+    words = make_audio_prompt(seed=71, n=3 * BLOCK + 60)
     marks = [AUDIO_TOKENS["<|audio_bos|>"], AUDIO_TOKENS["<|AUDIO|>"], AUDIO_TOKENS["<|audio_eos|>"]]
     prompt = words[:AUDIO_AT] + marks + words[AUDIO_AT:]
     engine = Engine(audio_model, connector_config(server.url), workdir, name="audio", llm_kwargs={"limit_mm_per_prompt": {"audio": 1}})

@@ -80,7 +80,8 @@ class ServerProcess:
     def start(self, timeout_s: float = 30.0) -> ServerProcess:
         import zmq
 
-        self.port = self.port or free_port()
+        # Not the HTTP port: two free_port() calls can return the same number, which the server refuses.
+        self.port = self.port or free_port(avoid={self.http_port})
         cmd = [*self.prefix, sys.executable, "-m", "kvdepot.cli", "server", "--port", str(self.port), "--http-port", str(self.http_port)]
         if self.host != "127.0.0.1":
             cmd += ["--host", self.host]

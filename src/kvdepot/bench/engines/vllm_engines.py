@@ -122,6 +122,13 @@ def make_tiny_sliding_model(path: Path, shape: ModelShape = TINY, window: int = 
 
 
 AUDIO_TOKENS = {"<|AUDIO|>": 3, "<|audio_bos|>": 4, "<|audio_eos|>": 5}  # the tiny audio model's placeholders
+AUDIO_FIRST_WORD = 6  # its words come after them (an id shared by a word and a placeholder breaks vLLM's matching)
+
+
+def make_audio_prompt(seed: int, n: int) -> list[int]:
+    """``n`` words of ``make_tiny_audio_model``'s vocabulary (never a placeholder id)."""
+    rng = random.Random(seed)
+    return [rng.randrange(AUDIO_FIRST_WORD, VOCAB) for _ in range(n)]
 
 
 def make_tiny_audio_model(path: Path, shape: ModelShape = TINY) -> TinyModel:
@@ -136,7 +143,7 @@ def make_tiny_audio_model(path: Path, shape: ModelShape = TINY) -> TinyModel:
                               Qwen2AudioProcessor, Qwen2Config, WhisperFeatureExtractor)  # fmt: skip
 
     path.mkdir(parents=True, exist_ok=True)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | AUDIO_TOKENS | {f"w{i}": FIRST_WORD + i for i in range(VOCAB - FIRST_WORD)}
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | AUDIO_TOKENS | {f"w{i}": AUDIO_FIRST_WORD + i for i in range(VOCAB - AUDIO_FIRST_WORD)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
