@@ -155,9 +155,19 @@ def test_alignment_must_be_a_power_of_two(alignment):
         ExtentAllocator(1024, alignment=alignment)
 
 
-def test_base_must_be_aligned():
+def test_an_unaligned_base_gives_offsets_aligned_from_it():
+    """Offsets are the base plus multiples of the alignment: the L1 starts its slots half a page in."""
+    a = ExtentAllocator(8 * U, alignment=U, base=U + 8)
+    offsets = [a.allocate(1), a.allocate(U + 1), a.allocate(U)]
+    assert offsets == [U + 8, 2 * U + 8, 4 * U + 8]
+    a.free(offsets[1])
+    assert a.allocate(2 * U) == 2 * U + 8
+    a.check_invariants()
+
+
+def test_base_must_not_be_negative():
     with pytest.raises(ValueError):
-        ExtentAllocator(1024, alignment=U, base=8)
+        ExtentAllocator(1024, alignment=U, base=-8)
 
 
 @pytest.mark.parametrize("size", [0, -1])

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from kvdepot.storage.allocator import ExtentAllocator
+from kvdepot.storage.allocator import SLOT_PAGE_OFFSET, ExtentAllocator
 from kvdepot.storage.l2.envelope import copy_digest
 
 ALIGNMENT = 4096
@@ -56,9 +56,9 @@ class PublishedPool:
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes < ALIGNMENT:
             raise ValueError(f"pool of {capacity_bytes} bytes is smaller than one page ({ALIGNMENT})")
-        self._mm = mmap.mmap(-1, capacity_bytes)
+        self._mm = mmap.mmap(-1, capacity_bytes + ALIGNMENT)
         self._view = memoryview(self._mm)
-        self._alloc = ExtentAllocator(capacity_bytes, ALIGNMENT)
+        self._alloc = ExtentAllocator(capacity_bytes, ALIGNMENT, base=SLOT_PAGE_OFFSET)
         self._index: OrderedDict[bytes, PoolEntry] = OrderedDict()
         self._retired = 0
         self._evictions = 0

@@ -25,7 +25,7 @@ from kvdepot.config import EvictionPolicyName, StorageConfig
 from kvdepot.errors import ConfigError
 from kvdepot.events import NO_EVENTS, EventListener, EventSink
 from kvdepot.shm import HEADER_BYTES, Prefaulter, SharedArena, liveness_offset
-from kvdepot.storage.allocator import ExtentAllocator
+from kvdepot.storage.allocator import SLOT_PAGE_OFFSET, ExtentAllocator
 from kvdepot.storage.controllers import (
     BACKGROUND_LEASE_TTL_S,
     EvictionController,
@@ -159,9 +159,9 @@ class StorageManager:
         # Specs first: a bad one must fail before the arena (real memory) exists.
         specs = [registry.parse_spec(spec, i) for i, spec in enumerate(config.l2)]
         self._arena = SharedArena.create(
-            config.l1_size_bytes + HEADER_BYTES, shm_dir=config.shm_dir, allow_over_memory=config.l1_over_memory
+            HEADER_BYTES + ALIGNMENT + config.l1_size_bytes, shm_dir=config.shm_dir, allow_over_memory=config.l1_over_memory
         )
-        allocator = ExtentAllocator(config.l1_size_bytes, alignment=ALIGNMENT, base=HEADER_BYTES)
+        allocator = ExtentAllocator(config.l1_size_bytes, alignment=ALIGNMENT, base=HEADER_BYTES + SLOT_PAGE_OFFSET)
         extra = {} if holder_alive is None else {"holder_alive": holder_alive}
         policy = make_policy(config.eviction_policy)
         quota_of = policy.quota if isinstance(policy, IsolatedLRUPolicy) else (lambda salt: None)
