@@ -15,7 +15,7 @@ from sortedcontainers import SortedList
 
 # Slots that engines copy into and out of (the L1 arena, the peer pool) start half a page in. Those
 # copies run in glibc's memcpy, which moves runs of 4 KiB to a few hundred KiB with ``rep movsb``; on AMD
-# Zen that runs ~3 x slower when the destination sits 1-31 bytes past the source modulo 4 KiB (measured
+# Zen that runs ~3 x slower when the destination sits a few bytes past the source modulo 4 KiB (measured
 # on the 2-core VM: 2.2 against 7-9 GB/s). numpy's large arrays sit 16 bytes past a page, torch's 64,
 # mmap'd and pinned buffers at 0: a page-aligned slot read into a numpy array met exactly that. Half a
 # page is far from all of them.
