@@ -20,6 +20,7 @@ from kvdepot.config import EvictionPolicyName, StorageConfig
 from kvdepot.errors import UnknownLease
 from kvdepot.events import EventKind, ObjectEvent, RemovedBecause
 from kvdepot.shm import HEADER_BYTES
+from kvdepot.storage.allocator import SLOT_PAGE_OFFSET
 from kvdepot.storage.l1 import Toucher
 from kvdepot.storage.manager import (
     TIER_CLEAR_WAIT_S,
@@ -29,7 +30,6 @@ from kvdepot.storage.manager import (
     PrefaultStatus,
     Prefetched,
     PrefetchStats,
-    SLOT_PAGE_OFFSET,
     StorageManager,
     StorageSnapshot,
     StoreStats,

@@ -65,7 +65,8 @@ class ExtentAllocator:
         return -(-size // self.alignment) * self.alignment
 
     def allocate(self, size: int) -> int | None:
-        """An offset (``base`` plus a multiple of the alignment) of at least ``size`` bytes, or None when no free extent is large enough."""
+        """An offset (``base`` plus a multiple of the alignment) of at least ``size`` bytes, or None when
+        no free extent is large enough."""
         if size <= 0:
             raise ValueError(f"allocation size must be positive, got {size}")
         need = self.round_up(size)
