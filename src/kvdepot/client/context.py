@@ -44,7 +44,10 @@ from kvdepot.client.options import ClientOptions
 from kvdepot.client.registration import ContextIdentity, Registration, choose_path
 from kvdepot.client.renewal import LeaseRenewer
 from kvdepot.client.transfer import PathChanged, TransferPath
-from kvdepot.errors import ErrorCode, KVDepotError, KVDepotTimeout, LeaseExpired, PrefetchTooSlow, ServerUnreachable, UnknownContext
+from kvdepot.errors import (
+    ErrorCode, KVDepotError, KVDepotTimeout, LeaseExpired, LeaseRevoked, PrefetchTooSlow, ServerUnreachable, UnknownContext,
+    UnknownLease,
+)  # fmt: skip
 from kvdepot.layout import KVLayout
 from kvdepot.protocol import messages as m
 from kvdepot.rpc.channel import RpcChannel
@@ -53,6 +56,7 @@ from kvdepot.types import ChunkHash
 log = logging.getLogger(__name__)
 
 STATUS_POLL_MAX_S = 0.005  # the longest pause between two asks for an L2 prefetch's result
+RELEASE_BEHIND_TRIES = 3  # sends of a read's release whose reply nobody waits for, while the server answers with a failure
 
 
 class ContextLink:
@@ -206,6 +210,37 @@ class ContextLink:
         except UnknownContext as exc:
             raise LeaseExpired(f"the server no longer knows this client's context (unregistered, declared gone after a silence, "
                                f"or the server restarted), so the lease did not stay: {exc.message}") from None  # fmt: skip
+
+    def release_behind(self, body: m.CommitRetrieveRequest, tries: int = RELEASE_BEHIND_TRIES) -> None:
+        """A shared-memory read's release, sent without waiting for its reply (``RpcChannel.send_behind``):
+        its outcome changes nothing for the caller, as the server keeps the pins of a reader whose
+        process runs even past the lease's TTL or a revocation (storage/l1.py), so what it read was sound
+        whatever the reply says. A reply that says the lease is over already needs nothing (a revocation
+        is logged: the operator wants to know); any other error (the server busy past the deadline,
+        failing) leaves the lease held, so the release is sent again, ``tries`` times in all. One that
+        cannot be sent is logged: its lease then ends at its TTL, as a failed ``finish``'s."""
+
+        what = f"{type(body).__name__} of lease {getattr(body, 'lease_id', '?')}"
+
+        def on_reply(_result, error: KVDepotError | None) -> None:
+            if error is None or isinstance(error, (UnknownLease, UnknownContext)):
+                return
+            if isinstance(error, LeaseRevoked):  # declared gone meanwhile: its pins were kept, its read sound
+                log.warning("kvdepot: %s: %s", what, error.message)
+                return
+            if isinstance(error, LeaseExpired):
+                # Only if the server stopped watching a reader that still ran: a broken invariant.
+                log.error("kvdepot: %s: %s; the server let go of the pins while this process read", what, error.message)
+                return
+            if tries > 1:
+                self.release_behind(body, tries - 1)
+            else:
+                log.warning("kvdepot: %s failed %d times, the last: %s; the lease ends at its TTL", what, RELEASE_BEHIND_TRIES, error)
+
+        try:
+            self.channel.send_behind(body, on_reply, timeout_s=self.options.timeout_s)
+        except KVDepotError as exc:
+            log.warning("kvdepot: could not send %s: %s; the lease ends at its TTL", what, exc)
 
     def pipeline(self, requests: list[tuple[object, Sequence]], on_reply=None, borrowed: bool = False) -> list:
         """Pipelined requests on our context, registering again once if the server forgot it. The

@@ -8,6 +8,11 @@ others wait their turn, within their own deadline (a call whose deadline passes 
 holds the channel times out: no call waits past its deadline), and a late reply to a request given up
 on is recognised by its id and dropped.
 
+A request may also be *sent behind* (``send_behind``): sent now, its reply left for whichever later
+exchange on the channel receives it (ZeroMQ keeps one connection's messages in order, so the server
+has handled it before anything this channel sends later). For finishes whose outcome the caller does
+not wait for: a shared-memory read's release (one round trip a retrieve instead of two).
+
 Life cycle: ``RpcChannel(url)`` builds nothing; ``open`` connects the socket; ``close`` closes it. A
 ``Heartbeat`` runs a callback on its own thread, started and stopped explicitly.
 
@@ -23,6 +28,7 @@ close on it). It runs on the calling thread and must be quick.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
 import threading
@@ -40,7 +46,11 @@ from kvdepot.protocol.messages import RequestType
 from kvdepot.rpc.endpoints import enable_ipv6
 from kvdepot.rpc.security import SocketSecurity
 
+log = logging.getLogger(__name__)
+
 OnReply = Callable[[int, object, list], None]  # (request index, typed reply, payload frames)
+OnBehind = Callable[[object, KVDepotError | None], None]  # (typed reply or None, the error the server answered or None)
+MAX_BEHIND = 64  # replies to requests sent behind that may wait unread; past it, sending one collects them first
 BORROWED_GRACE_S = 2.0  # past an error or the deadline: how long a server that answers may take to read what was sent
 Answered = Callable[[RequestType], None]
 
@@ -63,6 +73,7 @@ class RpcChannel:
         self.last_request = 0.0  # monotonic time of the last request sent
         self.closed = False
         self.answered: Answered | None = None
+        self._behind: dict[int, tuple[object, OnBehind]] = {}  # request id -> (body, on_reply), lock held
 
     def __repr__(self) -> str:
         return f"RpcChannel({self.url!r}, open={self._sock is not None and not self.closed})"
@@ -84,7 +95,10 @@ class RpcChannel:
 
     def _replace_socket(self) -> None:
         """Drop the connection and everything queued on it, and connect afresh (a new routing id: to
-        the server a new client, which registers again). Called with the lock held."""
+        the server a new client, which registers again). Called with the lock held. Replies to requests
+        sent behind go with the old connection: nobody hears them (the server did or did not handle them;
+        its leases are the old identity's, which the new one could not finish anyway)."""
+        self._behind.clear()
         self._close_socket()
         if not self.closed:
             self.open()
@@ -92,6 +106,7 @@ class RpcChannel:
     def close(self) -> None:
         with self._lock:
             self.closed = True
+            self._behind.clear()
             self._close_socket()
 
     def _close_socket(self) -> None:
@@ -131,12 +146,61 @@ class RpcChannel:
             raise
         return PendingCall(self, body, rid, deadline)
 
+    def send_behind(self, body, on_reply: OnBehind, timeout_s: float = 10.0) -> None:
+        """Send one request (no payload) and return without waiting for its reply: a later exchange on
+        this channel that receives it calls ``on_reply(result, None)``, or ``on_reply(None, error)`` for
+        the server's error reply, on that exchange's thread, with the channel held (it must be quick; it
+        may send behind again). ``timeout_s`` is the server's deadline for handling it. Past
+        ``MAX_BEHIND`` unread replies, this collects them first (within ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        with self._exclusive(body, timeout_s):
+            while len(self._behind) >= MAX_BEHIND:
+                header, reply_body, _ = self._recv(body, deadline)
+                self._took_behind(header, reply_body)
+            rid = self._send(body, (), timeout_s)
+            self._behind[rid] = (body, on_reply)
+
+    def collect_behind(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for the replies to requests sent behind; returns how many are still
+        unread (0: the server handled every one, and each ``on_reply`` ran)."""
+        deadline = time.monotonic() + timeout_s
+        with _TryLock(self._lock, timeout_s) as got:
+            if not got:
+                return len(self._behind)
+            try:
+                while self._behind and self._sock is not None:
+                    header, reply_body, _ = self._recv(None, deadline)  # its timeout is caught below
+                    self._took_behind(header, reply_body)
+            except KVDepotTimeout:
+                pass
+            return len(self._behind)
+
+    def _took_behind(self, header, reply_body) -> bool:
+        """If ``header`` answers a request sent behind: decode it, hand it over, True. Lock held."""
+        pending = self._behind.pop(header.request_id, None)
+        if pending is None:
+            return False
+        body, on_reply = pending
+        rtype = codec.request_type_of(body)
+        if self.answered is not None:
+            self.answered(rtype)
+        try:
+            result, error = codec.decode_reply_body(rtype, header, reply_body), None
+        except KVDepotError as exc:
+            result, error = None, exc
+        try:
+            on_reply(result, error)
+        except Exception:
+            log.exception("kvdepot: handling the reply to %s sent behind failed", type(body).__name__)
+        return True
+
     def _reply_to(self, body, rid: int, deadline: float, want_payload: bool = False):
         """Receive until the reply to ``rid`` comes; decode it. Called with the lock held."""
         while True:
             header, reply_body, frames = self._recv(body, deadline)
             if header.request_id != rid:
-                continue  # a late reply to a request given up on
+                self._took_behind(header, reply_body)  # else a late reply to a request given up on
+                continue
             rtype = codec.request_type_of(body)
             if self.answered is not None:
                 self.answered(rtype)
@@ -200,6 +264,7 @@ class RpcChannel:
             header, reply_body, frames = self._recv(requests[0][0], deadline)
             index = pending.pop(header.request_id, None)
             if index is None:
+                self._took_behind(header, reply_body)
                 continue
             deadline = time.monotonic() + timeout_s if until is None else min(time.monotonic() + timeout_s, until)
             rtype = codec.request_type_of(requests[index][0])

@@ -242,7 +242,8 @@ class WorkerSide:
     @contextmanager
     def retrieve(self, op: LoadOp) -> Iterator[list[np.ndarray]]:
         """The views of the op's chunks (a prefix of them: what the server still has). Chunks not
-        given, or given under a lease that expired while they were read, are reported as errors."""
+        given, or whose block failed to end, are reported as errors. (A shm block's release goes behind
+        and cannot fail it: the server keeps a live reader's pins, so what was read is sound.)"""
         stack = ExitStack()
         found = 0
         try:
@@ -260,7 +261,7 @@ class WorkerSide:
         finally:
             try:
                 stack.close()
-            except KVDepotError as exc:  # e.g. LeaseExpired: the bytes may have changed under us
+            except KVDepotError as exc:  # the block's end failed: its bytes are not trusted
                 self._failed(Direction.LOAD, exc, f"the load for {op.req_id}")
                 found = 0
             if found < len(op.hashes):

@@ -1,0 +1,115 @@
+"""A shared-memory read's release is sent behind: one round trip a retrieve, not two.
+
+The release's reply changes nothing for the reader (the server keeps a live reader's pins, even past
+its lease's TTL), so the block ends once the release is sent; the reply is read by the channel's next
+exchange. These tests hold the parts of that promise that can fail: the block waits for one reply,
+the release still reaches the server (before anything the client sends later), a failed release is
+told and retried, and unread replies never pile up without bound.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from kvdepot.client.context import RELEASE_BEHIND_TRIES
+from kvdepot.errors import ErrorCode, KVDepotError, UnknownLease
+from kvdepot.protocol import messages as m
+from kvdepot.rpc.channel import MAX_BEHIND, RpcChannel
+
+from support.servers import CHUNK, LAYOUT, assert_bytes_equal, make_kv, make_tokens
+
+
+def _count_replies(channel: RpcChannel) -> list[int]:
+    """Count the replies ``channel`` receives from now on (wrapping its one receive)."""
+    seen = [0]
+    recv = channel._recv
+
+    def counting(body, deadline):
+        seen[0] += 1
+        return recv(body, deadline)
+
+    channel._recv = counting
+    return seen
+
+
+def test_a_shm_retrieve_waits_for_one_reply_and_its_release_still_lands(server, seed):
+    tokens = make_tokens(4 * CHUNK, seed)
+    kv = make_kv(LAYOUT, len(tokens), seed)
+    with server.client() as c:
+        assert c.transport == "shm"
+        assert c.store(tokens, kv) == 4 * CHUNK
+        c.ping()
+        seen = _count_replies(c.link.channel)
+        with c.prepare_retrieve(tokens) as views:
+            got = np.concatenate([np.array(v) for v in views], axis=2)
+        assert seen[0] == 1, f"a shm retrieve block received {seen[0]} replies: its release was waited for"
+        assert_bytes_equal(got, kv)
+        # ZeroMQ keeps one connection in order: the next request finds the release handled.
+        assert c.ping() is True
+        assert seen[0] == 3  # the release's reply, read on the way to the PING's
+        assert server.status()["leases"] == 0
+        # The same through retrieve(): one PREPARE reply each, and from the second on the previous
+        # release's reply, already there, read on the way.
+        for _ in range(3):
+            assert_bytes_equal(c.retrieve(tokens), kv)
+        assert seen[0] == 3 + 3 + 2
+        c.ping()
+        assert server.status()["leases"] == 0
+
+
+def test_a_release_the_server_refuses_is_told_to_its_sender(server):
+    channel = RpcChannel(server.ipc_url).open()
+    heard: list = []
+    try:
+        channel.send_behind(m.CommitRetrieveRequest(context_id=1, lease_id=987654), lambda r, e: heard.append((r, e)))
+        assert heard == []  # not read yet: nothing waited for it
+        assert channel.ping() is True  # the next exchange reads it on the way
+        assert len(heard) == 1
+        result, error = heard[0]
+        assert result is None and isinstance(error, KVDepotError) and error.code == ErrorCode.UNKNOWN_CONTEXT, heard
+    finally:
+        channel.close()
+
+
+def test_unread_replies_are_collected_before_they_pile_up(server):
+    channel = RpcChannel(server.ipc_url).open()
+    heard: list = []
+    try:
+        for i in range(3 * MAX_BEHIND):
+            channel.send_behind(m.PingRequest(), lambda r, e, i=i: heard.append((i, r, e)))
+        assert len(channel._behind) <= MAX_BEHIND
+        assert len(heard) >= 2 * MAX_BEHIND  # collected by the sends themselves
+        assert channel.collect_behind(10.0) == 0
+        assert [i for i, _, _ in heard] == list(range(3 * MAX_BEHIND))  # each once, in order
+        assert all(isinstance(r, m.PingReply) and e is None for _, r, e in heard)
+    finally:
+        channel.close()
+
+
+def test_a_failed_release_is_sent_again_then_given_up_on_with_a_warning(server, caplog):
+    """A release the server could not handle (here: a deadline that passed) leaves the lease held, so
+    it is sent again, RELEASE_BEHIND_TRIES times in all; one whose lease is gone is not."""
+    with server.client() as c:
+        link = c.link
+        sent: list = []
+        real = link.channel.send_behind
+
+        def failing(body, on_reply, timeout_s=10.0):
+            sent.append(body.lease_id)
+            real(body, on_reply, timeout_s)
+            on_reply(None, KVDepotError("the request waited past its deadline", ErrorCode.DEADLINE_EXCEEDED))
+
+        link.channel.send_behind = failing
+        with caplog.at_level(logging.WARNING, logger="kvdepot.client.context"):
+            link.release_behind(m.CommitRetrieveRequest(context_id=link.registration.context_id, lease_id=424242))
+        assert sent == [424242] * RELEASE_BEHIND_TRIES
+        assert any("failed 3 times" in r.getMessage() for r in caplog.records), caplog.text
+
+        sent.clear()
+        link.channel.send_behind = lambda body, on_reply, timeout_s=10.0: (sent.append(body.lease_id), on_reply(None, UnknownLease("no lease")))
+        link.release_behind(m.CommitRetrieveRequest(context_id=link.registration.context_id, lease_id=7))
+        assert sent == [7]
+        assert c.ping() is True  # the real sends' replies (UNKNOWN_LEASE) are read and dropped quietly
+        assert link.channel.collect_behind(5.0) == 0
