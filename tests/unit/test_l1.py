@@ -95,6 +95,13 @@ def test_reserve_write_allocates_packed_offsets_under_one_lease(make_table):
     t.check_invariants()
 
 
+def test_lease_ids_start_where_the_table_is_told_and_never_at_no_lease():
+    t = ObjectTable(ExtentAllocator(4 * SLOT, alignment=SLOT), make_policy("lru"), first_lease_id=10**12)
+    assert [t.reserve_write(ks(i), SLOT, A).lease_id for i in (1, 2)] == [10**12, 10**12 + 1]
+    with pytest.raises(ValueError, match="NO_LEASE"):
+        ObjectTable(ExtentAllocator(4 * SLOT, alignment=SLOT), make_policy("lru"), first_lease_id=0)
+
+
 def test_reserve_write_statuses_allocated_exists_busy_no_space(make_table):
     t = make_table(4)
     assert store(t, [1]) == [AL]

@@ -23,6 +23,7 @@ from kvdepot.shm import HEADER_BYTES
 from kvdepot.storage.allocator import SLOT_PAGE_OFFSET
 from kvdepot.storage.l1 import Toucher
 from kvdepot.storage.manager import (
+    LEASE_ID_SPREAD,
     TIER_CLEAR_WAIT_S,
     ClearResult,
     L1Stats,
@@ -145,6 +146,21 @@ def test_every_slot_starts_half_a_page_in_and_l1_holds_its_whole_size(make_manag
     arena = m.arena_bytes()
     assert max(r.offsets) + SIZE <= len(arena)
     arena[max(r.offsets) : max(r.offsets) + SIZE] = 7  # the last slot is writable to its end
+
+
+def test_each_server_starts_its_lease_ids_somewhere_else(make_manager):
+    """A restarted server that numbered leases from 1 again would take a finish meant for the old one's
+    lease (a release sent behind, a late commit, from the same client) as the finish of a new lease of
+    that client, and drop pins another of its threads still reads under."""
+    firsts = []
+    for i in range(4):
+        m = make_manager()
+        r = m.reserve(keys(f"p{i}", 1), SIZE, A, toucher=Toucher.CLIENT)
+        firsts.append(int(r.lease_id))
+        assert 1 <= r.lease_id <= LEASE_ID_SPREAD
+        second = m.reserve(keys(f"q{i}", 1), SIZE, A, toucher=Toucher.CLIENT).lease_id
+        assert second == r.lease_id + 1  # then counted, as before
+    assert len(set(firsts)) == len(firsts), firsts
 
 
 def test_an_abort_frees_only_what_the_lease_reserved(make_manager):

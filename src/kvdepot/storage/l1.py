@@ -211,9 +211,12 @@ class ObjectTable:
         holder_alive: HolderAlive = _always_alive,
         protected: Protected = _never_protected,
         pinned: Protected | None = None,
+        first_lease_id: int = 1,
     ) -> None:
         """``protected``: kept from eviction (pinned, or an agent session's); ``pinned``: of those, the
-        ones a tenant's quota does not override either (default: all of them)."""
+        ones a tenant's quota does not override either (default: all of them). ``first_lease_id``: where
+        lease ids start (a server starts at a random one, so a finish meant for a lease of the server
+        before a restart never names a lease of the new one)."""
         self._alloc = allocator
         self._protected = protected  # called under the lock: it must not call back into the table
         self._pinned = pinned or protected
@@ -230,7 +233,9 @@ class ObjectTable:
         self._by_owner: dict[ClientId, set[LeaseId]] = {}  # ACTIVE, per owner
         self._quarantine: dict[LeaseId, Lease] = {}  # QUARANTINED
         self._ended: OrderedDict[LeaseId, Ending] = OrderedDict()  # recently ended by force
-        self._ids = itertools.count(1)
+        if first_lease_id < 1:
+            raise ValueError(f"first_lease_id must be at least 1 (0 is NO_LEASE), got {first_lease_id}")
+        self._ids = itertools.count(first_lease_id)
         self._generations = itertools.count(1)
         self._counters = _Counters()
         self._listeners: list[EventListener] = []

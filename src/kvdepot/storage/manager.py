@@ -15,6 +15,7 @@ config. ``snapshot`` is typed all the way down, so ``/status`` and ``/metrics`` 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -78,6 +79,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 ALIGNMENT = 4096
+# Lease ids start at a random point below this: a client's finish (a release sent behind, a late commit)
+# meant for a lease of this server before a restart then never names a lease of the new one.
+LEASE_ID_SPREAD = 1 << 48
 TIER_CLEAR_WAIT_S = 30.0
 
 
@@ -168,7 +172,7 @@ class StorageManager:
         self._protections = Protections(config.agent_session_ttl_s, quota_of)
         self._table = ObjectTable(
             allocator, policy, lease_ttl_s=config.lease_ttl_s, protected=self._protections.is_protected,
-            pinned=self._protections.is_pinned, **extra
+            pinned=self._protections.is_pinned, first_lease_id=1 + secrets.randbelow(LEASE_ID_SPREAD), **extra
         )
         services = TierServices(node=node, arena=self._arena, events=self._table, sink=events)
         try:
