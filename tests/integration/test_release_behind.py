@@ -1,10 +1,12 @@
-"""A shared-memory read's release is sent behind: one round trip a retrieve, not two.
+"""A shared-memory retrieve is one round trip: its release is sent behind, and L1 is asked first.
 
 The release's reply changes nothing for the reader (the server keeps a live reader's pins, even past
 its lease's TTL), so the block ends once the release is sent; the reply is read by the channel's next
 exchange. These tests hold the parts of that promise that can fail: the block waits for one reply,
 the release still reaches the server (before anything the client sends later), a failed release is
-told and retried, and unread replies never pile up without bound.
+told and retried, and unread replies never pile up without bound. With L2 tiers, a retrieve that L1
+holds whole asks nothing else (before, every one probed the tiers first: a LOOKUP round trip), and one
+that L1 holds only part of still gets the rest from the tiers.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from kvdepot.protocol import messages as m
 from kvdepot.rpc.channel import MAX_BEHIND, RpcChannel
 
 from support.servers import CHUNK, LAYOUT, assert_bytes_equal, make_kv, make_tokens
+from support.tiers import assert_prefix_bytes, make_prompt, start_tier_server, store_full, wait_store_idle
 
 
 def _count_replies(channel: RpcChannel) -> list[int]:
@@ -113,3 +116,28 @@ def test_a_failed_release_is_sent_again_then_given_up_on_with_a_warning(server, 
         assert sent == [7]
         assert c.ping() is True  # the real sends' replies (UNKNOWN_LEASE) are read and dropped quietly
         assert link.channel.collect_behind(5.0) == 0
+
+
+def test_with_l2_tiers_a_whole_l1_hit_is_one_round_trip_and_the_rest_comes_from_the_tiers(make_server, seed):
+    srv = start_tier_server(make_server, "memory:size_gb=0.25,name=mem")
+    prompt = make_prompt(4, seed)
+    with srv.client() as c:
+        assert c.transport == "shm"
+        store_full(c, prompt)
+        wait_store_idle(srv)
+        c.ping()
+        seen = _count_replies(c.link.channel)
+        assert_prefix_bytes(c.retrieve(prompt.tokens), prompt, prompt.n_tokens)
+        assert seen[0] == 1, f"a whole L1 hit with an L2 tier received {seen[0]} replies"
+
+        srv.clear()  # L1 empty; the tier holds all four chunks
+        c.ping()
+        seen[0] = 0
+        assert_prefix_bytes(c.retrieve(prompt.tokens), prompt, prompt.n_tokens)
+        assert seen[0] >= 3  # the lock (nothing), the probe that brought them in, the lock again
+        c.ping()
+        assert srv.status()["leases"] == 0
+        before = seen[0]
+        with c.prepare_retrieve(prompt.tokens) as views:  # now in L1 again: one reply
+            assert len(views) == 4
+        assert seen[0] == before + 1

@@ -220,8 +220,7 @@ class KVClient:
         if out is not None:
             out = self._check_kv(out, 0, raw)
         salt = cache_salt or ""
-        if self.registration.l2_tiers and self.transport == Transport.SHM:
-            self.link.stored_chunks(hashes, salt, probe=True)  # let the server bring L2 hits into L1 first
+        # Each path brings L2 hits into L1 as it needs: shm when L1 holds less than asked, inline first.
         return self._on_path(lambda path: path.retrieve_into(hashes, salt, out))
 
     def clear(self, scope: ClearScope | str = ClearScope.L1) -> int:
@@ -259,8 +258,7 @@ class KVClient:
         """Read-only views of the leading stored chunks (from chunk ``start``); released on exit."""
         hashes = self._as_hashes(tokens)
         salt = cache_salt or ""
-        if self.registration.l2_tiers and not session_id:
-            self.link.stored_chunks(hashes, salt, probe=True)  # let the server bring L2 hits into L1 first
+        # The path brings L2 hits into L1 as it needs (transfer.ShmPath.prepare_retrieve: L1 first).
         with ExitStack() as stack:
             yield self._on_path(lambda path: stack.enter_context(path.prepare_retrieve(hashes, salt, session_id, start)))
 

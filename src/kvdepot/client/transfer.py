@@ -194,10 +194,18 @@ class ShmPath:
 
     @contextmanager
     def prepare_retrieve(self, hashes: list[ChunkHash], salt: str, session_id: str, start: int) -> Iterator[list[np.ndarray]]:
+        """Read-only views of the leading chunks L1 holds, locked. L1 first: with L2 tiers and no
+        session (whose lookup brought them in already), only a run shorter than asked for costs a
+        probe (the server brings what L2 has into L1, waited for) and a second lock; a whole L1 hit
+        is one round trip."""
         h = self._host
-        req = m.PrepareRetrieveRequest(context_id=0, keys=list(hashes), cache_salt=salt, session_id=session_id, start=start)
         self._usable()
-        reply = h.request(req, path=self)
+        reply = self._lock(hashes, salt, session_id, start)
+        if h.registration.l2_tiers and not session_id and len(reply.offsets) < len(hashes) - start:
+            if reply.lease_id:
+                h.release_behind(m.CommitRetrieveRequest(context_id=h.registration.context_id, lease_id=reply.lease_id))
+            h.stored_chunks(hashes, salt, probe=True)
+            reply = self._lock(hashes, salt, session_id, start)
         reg = h.registration
         context_id = reg.context_id
         views = [self._slot(reg, off, False) for off in reply.offsets]
@@ -210,6 +218,10 @@ class ShmPath:
                     # here), the server keeps its read pins even past the lease's TTL (storage/l1.py,
                     # quarantine), so what was read is sound whatever the reply says. One round trip.
                     h.release_behind(m.CommitRetrieveRequest(context_id=context_id, lease_id=reply.lease_id))
+
+    def _lock(self, hashes: list[ChunkHash], salt: str, session_id: str, start: int) -> m.PrepareRetrieveReply:
+        req = m.PrepareRetrieveRequest(context_id=0, keys=list(hashes), cache_salt=salt, session_id=session_id, start=start)
+        return self._host.request(req, path=self)
 
     def store(self, hashes: list[ChunkHash], kv: np.ndarray, salt: str, agent_session: str = "", token_ids: Sequence[int] = ()) -> int:
         with self.prepare_store(hashes, salt, agent_session, token_ids) as slots:
