@@ -179,7 +179,7 @@ def test_a_paused_reader_keeps_its_bytes_until_its_process_is_gone(make_server, 
     reader.finish()
     log = reader.err.name
     text = Path(log).read_text()
-    assert "declared gone" in text and "CommitRetrieveRequest of lease" in text, text
+    assert "declared gone" in text and "the release of lease" in text, text
 
 
 def test_a_killed_paused_writer_gives_its_slots_back(make_server, spawn, seed):

@@ -220,7 +220,7 @@ class ContextLink:
         failing) leaves the lease held, so the release is sent again, ``tries`` times in all. One that
         cannot be sent is logged: its lease then ends at its TTL, as a failed ``finish``'s."""
 
-        what = f"{type(body).__name__} of lease {getattr(body, 'lease_id', '?')}"
+        what = f"the release of lease {body.lease_id}"
 
         def on_reply(_result, error: KVDepotError | None) -> None:
             if error is None or isinstance(error, (UnknownLease, UnknownContext)):

@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 OnReply = Callable[[int, object, list], None]  # (request index, typed reply, payload frames)
 OnBehind = Callable[[object, KVDepotError | None], None]  # (typed reply or None, the error the server answered or None)
-MAX_BEHIND = 64  # replies to requests sent behind that may wait unread; past it, sending one collects them first
+MAX_BEHIND = 64  # replies to requests sent behind that may wait unread; past it, the oldest is forgotten
 BORROWED_GRACE_S = 2.0  # past an error or the deadline: how long a server that answers may take to read what was sent
 Answered = Callable[[RequestType], None]
 
@@ -150,30 +150,16 @@ class RpcChannel:
         """Send one request (no payload) and return without waiting for its reply: a later exchange on
         this channel that receives it calls ``on_reply(result, None)``, or ``on_reply(None, error)`` for
         the server's error reply, on that exchange's thread, with the channel held (it must be quick; it
-        may send behind again). ``timeout_s`` is the server's deadline for handling it. Past
-        ``MAX_BEHIND`` unread replies, this collects them first (within ``timeout_s``)."""
-        deadline = time.monotonic() + timeout_s
+        may send behind again). ``timeout_s`` is the server's deadline for handling it. This never
+        receives (a reply it took could be the one a surrounding exchange waits for): past
+        ``MAX_BEHIND`` unread replies the oldest is forgotten, its reply then dropped as a late one."""
         with self._exclusive(body, timeout_s):
-            while len(self._behind) >= MAX_BEHIND:
-                header, reply_body, _ = self._recv(body, deadline)
-                self._took_behind(header, reply_body)
             rid = self._send(body, (), timeout_s)
             self._behind[rid] = (body, on_reply)
-
-    def collect_behind(self, timeout_s: float) -> int:
-        """Wait up to ``timeout_s`` for the replies to requests sent behind; returns how many are still
-        unread (0: the server handled every one, and each ``on_reply`` ran)."""
-        deadline = time.monotonic() + timeout_s
-        with _TryLock(self._lock, timeout_s) as got:
-            if not got:
-                return len(self._behind)
-            try:
-                while self._behind and self._sock is not None:
-                    header, reply_body, _ = self._recv(None, deadline)  # its timeout is caught below
-                    self._took_behind(header, reply_body)
-            except KVDepotTimeout:
-                pass
-            return len(self._behind)
+            while len(self._behind) > MAX_BEHIND:
+                forgotten = next(iter(self._behind))
+                log.debug("kvdepot: %d replies sent behind are unread; forgetting request %d", len(self._behind), forgotten)
+                del self._behind[forgotten]
 
     def _took_behind(self, header, reply_body) -> bool:
         """If ``header`` answers a request sent behind: decode it, hand it over, True. Lock held."""
