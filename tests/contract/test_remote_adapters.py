@@ -20,6 +20,7 @@ from kvdepot.storage.l2.valkey_adapter import ORPHAN_TTL_S, ValkeyAdapter, Valke
 
 from support.adapter_tasks import load, run, store
 from support.backends import ValkeyServer, WeedServer, s3_config, valkey_config
+from support.servers import pause
 
 MiB = 1 << 20
 RETRY_WAIT_S = 10.0  # the adapters probe a down tier every 2 s; allow a few probes
@@ -265,7 +266,7 @@ def test_valkey_hung_server_times_out_instead_of_blocking(own_valkey: ValkeyServ
     assert own_valkey.proc is not None
     try:
         assert store(adapter, new_key(), b"x" * 1000).ok
-        own_valkey.proc.send_signal(signal.SIGSTOP)
+        pause(own_valkey.proc.pid)
         started = time.monotonic()
         assert store(adapter, new_key(), b"y" * 1000).ok is False
         assert time.monotonic() - started < 3.0

@@ -14,7 +14,7 @@ import pytest
 from kvdepot import ClientOptions, KVClient
 from kvdepot.errors import KVDepotError, ServerUnreachable
 
-from support.servers import CHUNK, LAYOUT, MODEL, assert_bytes_equal, make_kv, make_tokens
+from support.servers import CHUNK, LAYOUT, MODEL, assert_bytes_equal, make_kv, make_tokens, pause
 from support.tiers import start_tier_server, valkey_spec
 
 
@@ -57,7 +57,7 @@ def test_a_clear_slower_than_the_lease_ttl_leaves_the_heartbeat_renewing_open_bl
     t = make_tokens(2 * CHUNK, seed)
     kv = make_kv(LAYOUT, len(t), seed)
     with srv.client() as c:  # renewals every 0.25 s
-        os.kill(own_valkey.proc.pid, signal.SIGSTOP)
+        pause(own_valkey.proc.pid)
         try:
             with c.prepare_store(t) as slots:
                 for i, slot in enumerate(slots):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from support.servers import wait_until
+from support.servers import pause, wait_until
 from support.tiers import start_tier_server, valkey_spec
 
 PAGE = 16
@@ -154,7 +154,7 @@ def test_a_slow_l2_prefetch_is_that_lookups_miss_and_lookups_of_l1_go_on(sglang,
         gone, kept = sglang_keys(list(range(3 * PAGE))), sglang_keys(list(range(1000, 1000 + 2 * PAGE)))
         assert b.batch_set_v1(gone, torch.arange(3 * PAGE)) == [True] * 3
         wait_until(lambda: srv.status()["l1"]["objects"] == 0, timeout_s=30)  # only the tier holds them now
-        os.kill(own_valkey.proc.pid, signal.SIGSTOP)
+        pause(own_valkey.proc.pid)
         try:
             assert b.batch_exists(gone) == 0  # past its share of SGLang's budget: a miss
             assert b.batch_set_v1(kept, torch.arange(2 * PAGE)) == [True] * 2  # skip_l1 keeps these in L1 while the tier hangs

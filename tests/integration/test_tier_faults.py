@@ -19,7 +19,7 @@ from kvdepot.bench.serverproc import free_port
 
 from support.backends import resize_tmpfs
 from support.plugin import RemoteBackend
-from support.servers import wait_until
+from support.servers import pause, wait_until
 from support.tiers import (
     BIG_CHUNK,
     assert_consistent,
@@ -183,7 +183,7 @@ def test_a_stuck_tier_never_blocks_stores_and_drops_beyond_the_queue_limit(how, 
     total = 4 * len(prompts)
     with srv.client() as c:
         if how == "hung":
-            os.kill(own_valkey.proc.pid, signal.SIGSTOP)
+            pause(own_valkey.proc.pid)
         try:
             # (no /status while the tier hangs: its usage() would wait on the backend too)
             for p in prompts:
@@ -224,7 +224,7 @@ def test_a_prefetch_too_slow_for_its_window_is_that_requests_miss_not_a_transpor
     with srv.client(timeout_s=1.0) as c:
         store_full(c, gone)
         wait_until(lambda: srv.status()["l1"]["objects"] == 0, timeout_s=30)  # only the tier holds them now
-        os.kill(own_valkey.proc.pid, signal.SIGSTOP)
+        pause(own_valkey.proc.pid)
         try:
             with pytest.raises(PrefetchTooSlow) as raised:
                 c.link.stored_chunks(chunk_hashes(gone.tokens, gone.chunk), "")
@@ -261,7 +261,7 @@ def test_a_poll_whose_timer_fires_a_hair_before_the_window_ends_is_still_that_re
             return real_call(body, *args, timeout_s=timeout_s, **kwargs)
 
         channel.call = early_timer
-        os.kill(own_valkey.proc.pid, signal.SIGSTOP)
+        pause(own_valkey.proc.pid)
         try:
             with c.deadline(0.3), pytest.raises(PrefetchTooSlow) as raised:
                 c.link.stored_chunks(chunk_hashes(gone.tokens, gone.chunk), "")

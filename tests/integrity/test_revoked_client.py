@@ -23,7 +23,7 @@ import pytest
 from kvdepot.errors import BadRequest, ErrorCode
 from kvdepot.protocol import messages as m
 
-from support.servers import CHUNK, LAYOUT, MODEL, RawPeer, make_tokens, wait_until
+from support.servers import CHUNK, LAYOUT, MODEL, RawPeer, make_tokens, pause, wait_until
 
 WORKER = Path(__file__).with_name("_paused_worker.py")
 SERVER_ARGS = ["--client-timeout-s", "1", "--heartbeat-interval-s", "0.2", "--lease-ttl-s", "600"]
@@ -59,7 +59,7 @@ class PausedWorker:
         return json.loads(text)
 
     def stop(self) -> None:
-        os.kill(self.proc.pid, signal.SIGSTOP)
+        pause(self.proc.pid)
 
     def resume_and_go(self) -> dict:
         os.kill(self.proc.pid, signal.SIGCONT)

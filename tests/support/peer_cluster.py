@@ -82,8 +82,12 @@ class NodeProcess:
             self.proc.wait(10)
 
     def pause(self) -> None:
+        """SIGSTOP, returning once every thread has stopped: right after ``kill`` one thread may still
+        serve a read (a stalled owner once served 9 of 20 pages in CI)."""
+        from support.servers import pause  # the test process only: node processes never pause anyone
+
         assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGSTOP)
+        pause(self.proc.pid)
 
     def resume(self) -> None:
         assert self.proc is not None

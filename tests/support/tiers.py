@@ -133,7 +133,8 @@ def assert_prefix_bytes(got: np.ndarray, p: Prompt, n_tokens: int) -> None:
 
 def assert_served_whole(c: KVClient, p: Prompt) -> None:
     """The simple API finds every chunk and returns the exact bytes."""
-    assert c.lookup(p.tokens) == p.n_tokens
+    found = c.lookup(p.tokens)
+    assert found == p.n_tokens, f"lookup found {found} of {p.n_tokens} tokens"
     assert_prefix_bytes(c.retrieve(p.tokens), p, p.n_tokens)
 
 

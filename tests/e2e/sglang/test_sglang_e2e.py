@@ -17,7 +17,7 @@ import pytest
 from kvdepot.bench.engines.sglang_engines import PAGE, SGLangServer, backend_config, storage_tokens
 from kvdepot.bench.engines.vllm_engines import FIRST_WORD, VOCAB
 
-from support.servers import never, wait_until
+from support.servers import never, pause, wait_until
 
 PROMPT_TOKENS = 768  # 12 pages; SGLang always computes the last token, so 11 pages can come from L3
 FROM_L3 = (PROMPT_TOKENS - 1) // PAGE * PAGE
@@ -131,7 +131,7 @@ def test_a_stalled_kvdepot_is_a_miss_inside_sglangs_prefetch_budget(sglang, serv
     assert storage_tokens(hit) == FROM_L3
     sglang.flush_cache()
     seen = len(sglang.log_text())
-    os.kill(server.proc.proc.pid, signal.SIGSTOP)
+    pause(server.proc.proc.pid)
     try:
         miss = sglang.generate(tokens)
         assert storage_tokens(miss) == 0 and miss["output_ids"] == cold["output_ids"]
