@@ -181,3 +181,45 @@ def test_repr_shows_state():
     a = ExtentAllocator(4 * U, alignment=U)
     a.allocate(U)
     assert repr(a) == "ExtentAllocator(capacity=64, used=16, free_extents=1, fragmentation=0.000)"
+
+
+def test_a_run_is_carved_side_by_side_from_the_best_fitting_extent():
+    a = ExtentAllocator(20 * U, alignment=U)
+    offs = fill(a, [1, 5, 1, 3, 1])  # holes to come at 16 (5 units) and 112 (3 units); tail 9 units at 176
+    a.free(offs[1])
+    a.free(offs[3])
+    assert a.allocate_run(U + 1, 2) == [16, 48]  # 2 x 2 units: the 3-unit hole is too small, the 5-unit one fits best
+    assert [a.size_of(16), a.size_of(48)] == [2 * U, 2 * U]
+    a.check_invariants()
+    assert a.allocate_run(U, 4) == [176, 192, 208, 224]  # 4 units: the 1- and 3-unit holes are too small; the tail
+    a.check_invariants()
+    assert a.allocate_run(U, 6) == []  # the tail has 5 units left: no extent holds 6 side by side
+    assert a.allocate(3 * U) == 112  # one by one they still fit
+    a.check_invariants()
+
+
+def test_the_pieces_of_a_run_are_freed_one_by_one_and_coalesce():
+    a = ExtentAllocator(8 * U, alignment=U)
+    run = a.allocate_run(U, 4)
+    assert run == [0, U, 2 * U, 3 * U] and a.stats().used == 4 * U and a.stats().allocations == 4
+    assert [a.size_of(o) for o in run] == [U] * 4
+    for o in (run[2], run[0], run[3], run[1]):
+        a.free(o)
+        a.check_invariants()
+    s = a.stats()
+    assert (s.used, s.free_extents, s.largest_free) == (0, 1, 8 * U)
+    with pytest.raises(KeyError):
+        a.free(run[0])
+
+
+def test_a_run_no_extent_holds_changes_nothing():
+    a = ExtentAllocator(8 * U, alignment=U)
+    fill(a, [3])
+    before = a.stats()
+    assert a.allocate_run(U, 6) == []
+    assert a.stats() == before
+    a.check_invariants()
+    with pytest.raises(ValueError):
+        a.allocate_run(U, 0)
+    with pytest.raises(ValueError):
+        a.allocate_run(0, 2)

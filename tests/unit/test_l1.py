@@ -490,6 +490,23 @@ def test_an_object_larger_than_l1_does_not_flush_the_cache(make_table):
     assert present(t, [1, 2, 3]) == [1, 2, 3]
 
 
+def test_a_batch_takes_its_slots_side_by_side_where_one_free_extent_holds_them(make_table):
+    """One allocation for the batch's absent keys (ascending, in key order); a single key still takes
+    the best-fitting hole, and a run piece a key did not use (a duplicate: BUSY) goes back at once."""
+    t = make_table(8)
+    store_one_by_one(t, [1, 2, 3])  # offsets 0, 64, 128
+    assert t.discard(ks(2)) == 1  # a one-slot hole at 64; five slots free from 192
+    r = t.reserve_write(ks(4, 5, 1, 6), SLOT, A)
+    assert r.statuses == [AL, AL, EX, AL]
+    assert r.offsets == [3 * SLOT, 4 * SLOT, -1, 5 * SLOT]  # not the hole: three side by side from the tail
+    t.commit_write(r.lease_id, A)
+    assert t.reserve_write(ks(7), SLOT, A).offsets == [SLOT]  # one key: best fit, the hole
+    r = t.reserve_write(ks(8, 8), SLOT, A)
+    assert (r.statuses, r.offsets) == ([AL, BU], [6 * SLOT, -1])
+    assert t.used_bytes() == 7 * SLOT  # 1, 3, 4, 5, 6, 7, 8: the second piece went back
+    t.check_invariants()
+
+
 def test_reserve_write_never_evicts_a_key_it_reported_as_existing(make_table):
     t = make_table(2)
     store(t, [1])

@@ -81,6 +81,27 @@ class ExtentAllocator:
         self._used += need
         return offset
 
+    def allocate_run(self, size: int, count: int) -> list[int]:
+        """``count`` allocations of ``size`` bytes side by side, carved from one free extent (best fit
+        for the whole run): ascending offsets, each freed on its own later. Empty when no free extent
+        holds the run (the caller then allocates one by one). One index update for the run instead of
+        one per allocation: the L1 reserves a request's chunks this way."""
+        if size <= 0 or count <= 0:
+            raise ValueError(f"allocation size and count must be positive, got {size} x {count}")
+        need = self.round_up(size)
+        total = need * count
+        i = self._by_size.bisect_left((total, -1))
+        if i == len(self._by_size):
+            return []
+        ext_size, offset = self._by_size[i]
+        self._remove_free(offset, ext_size)
+        if ext_size > total:
+            self._add_free(offset + total, ext_size - total)
+        offsets = list(range(offset, offset + total, need))
+        self._allocated.update(dict.fromkeys(offsets, need))
+        self._used += total
+        return offsets
+
     def free(self, offset: int) -> None:
         size = self._allocated.pop(offset, None)
         if size is None:

@@ -323,6 +323,12 @@ class ObjectTable:
             keep: set[ObjectKey] = set(protect)
             out_of_space = False
             over_quota = self._policy.refuses(salt, size)
+            # The absent keys' slots side by side from one free extent when one holds them all (what
+            # quotas or a later status leave unused goes back below); else one by one, evicting as needed.
+            absent = 0 if over_quota else sum(1 for key in keys if key not in self._objects)
+            run = self._alloc.allocate_run(size, absent) if absent > 1 else []
+            next_in_run = iter(run).__next__
+            used_of_run = 0
             for key in keys:
                 obj = self._objects.get(key)
                 if obj is not None:
@@ -344,7 +350,11 @@ class ObjectTable:
                     offsets.append(-1)
                     self._counters.quota_refused += 1
                     continue
-                offset = None if out_of_space else self._allocate_locked(size, keep)
+                if used_of_run < len(run):
+                    offset = next_in_run()
+                    used_of_run += 1
+                else:
+                    offset = None if out_of_space else self._allocate_locked(size, keep)
                 if offset is None:
                     out_of_space = True
                     statuses.append(SlotStatus.NO_SPACE)
@@ -357,6 +367,8 @@ class ObjectTable:
                 reserved.append(key)
                 statuses.append(SlotStatus.ALLOCATED)
                 offsets.append(offset)
+            for unused in run[used_of_run:]:
+                self._alloc.free(unused)
             if reserved:
                 self._add_lease_locked(
                     Lease(lease_id, LeaseKind.WRITE, owner, list(reserved), self._deadline(ttl_s), toucher=toucher)
