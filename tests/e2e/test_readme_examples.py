@@ -43,7 +43,11 @@ class Shell:
 
     def run(self, name: str, code: str, timeout_s: float = 600) -> str:
         r = subprocess.run(["bash", "-c", code], cwd=self.cwd, capture_output=True, text=True, timeout=timeout_s)
-        assert r.returncode == 0, f"README block {name!r} failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+        if r.returncode != 0:
+            (self.cwd / f"{name}.out").write_text(r.stdout + r.stderr)  # whole, for the tmp dir pytest keeps
+            first = r.stdout.find("Traceback")  # an engine's root cause comes first; its tail says only "failed"
+            cause = f"first traceback:\n{r.stdout[first : first + 4000]}\n...\n" if 0 <= first < len(r.stdout) - 2000 else ""
+            pytest.fail(f"README block {name!r} failed ({r.returncode}):\n{cause}{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
         return r.stdout
 
     def start(self, name: str, code: str) -> None:
