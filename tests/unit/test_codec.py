@@ -182,6 +182,17 @@ def test_slot_status_values_are_pinned():
     assert {s.name: s.value for s in SlotStatus} == {"ALLOCATED": 0, "EXISTS": 1, "BUSY": 2, "NO_SPACE": 3, "OVER_QUOTA": 4}
 
 
+def test_slot_statuses_from_the_wire_are_the_enum_and_an_unknown_value_is_refused():
+    from kvdepot.types import slot_statuses
+
+    got = slot_statuses([0, 1, 2, 3, 4, 0])
+    assert got == [SlotStatus.ALLOCATED, SlotStatus.EXISTS, SlotStatus.BUSY, SlotStatus.NO_SPACE, SlotStatus.OVER_QUOTA, SlotStatus.ALLOCATED]
+    assert all(type(s) is SlotStatus for s in got)
+    assert slot_statuses(s for s in (1, 1)) == [SlotStatus.EXISTS] * 2  # any iterable, as the inline path passes
+    with pytest.raises(ValueError):
+        slot_statuses([0, 99])
+
+
 def test_registry_covers_every_type_with_distinct_request_classes():
     assert set(REGISTRY) == set(RequestType)
     req_classes = [req for req, _ in REGISTRY.values()]

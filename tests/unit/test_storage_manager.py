@@ -379,7 +379,7 @@ def test_a_batch_its_quota_cuts_short_gives_back_the_slots_it_did_not_use(make_m
     m = make_manager(eviction_policy=EvictionPolicyName.ISOLATED_LRU)
     m.quotas().set("tenant", 2 * SIZE)
     r = m.reserve(keys("q", 4), SIZE, A, "tenant", toucher=Toucher.CLIENT)
-    assert r.statuses == [SlotStatus.ALLOCATED, SlotStatus.ALLOCATED, OQ, OQ]
+    assert r.statuses == [AL, AL, OQ, OQ]
     assert r.offsets[1] == r.offsets[0] + SIZE
     s = m.snapshot().l1
     assert (s.used_bytes, s.writing, s.largest_free_bytes) == (2 * SIZE, 2, (SLOTS - 2) * SIZE)

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from kvdepot.errors import TransportUnavailable, UnknownKVCache
 from kvdepot.gpu.memory import ExportedCache, open_event
 from kvdepot.protocol import messages as m
-from kvdepot.types import ChunkHash, SlotStatus
+from kvdepot.types import ChunkHash, SlotStatus, slot_statuses
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class RegisteredKVCache:
             return m.StoreBlocksRequest(context_id=0, cache_id=cache_id, keys=list(hashes), block_ids=ids, cache_salt=salt, first=first,
                                         ready_event=ready_event, agent_session=agent_session, token_ids=tokens)  # fmt: skip
 
-        return [SlotStatus(s) for s in self._request(make)[0].statuses]
+        return slot_statuses(self._request(make)[0].statuses)
 
     def retrieve(self, hashes: list[ChunkHash], block_ids: Sequence[Sequence[int]], salt: str = "", *, session_id: str = "",
                  start: int = 0, limit: int = 0, skip_first_n_tokens: int = 0, ready_event: bytes = b"") -> int:  # fmt: skip

@@ -29,7 +29,7 @@ from kvdepot.layout import KVLayout
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 from kvdepot.shm import Prefaulter, SharedArena
-from kvdepot.types import ChunkHash, SlotStatus, leading_run
+from kvdepot.types import ChunkHash, SlotStatus, leading_run, slot_statuses
 
 if TYPE_CHECKING:
     from kvdepot.client.registration import Registration
@@ -37,17 +37,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 INLINE_BATCH_BYTES = 32 << 20  # inline transfers go as pipelined messages of about this size
-
-_SLOT_STATUSES = {int(s): s for s in SlotStatus}
-
-
-def slot_statuses(wire: Sequence[int]) -> list[SlotStatus]:
-    """SlotStatus per chunk from a reply's ints (a dict lookup each: the enum's own call costs ~1 us a
-    chunk); a value this client does not know is the ValueError ``SlotStatus(value)`` raises."""
-    try:
-        return list(map(_SLOT_STATUSES.__getitem__, wire))
-    except KeyError:
-        return [SlotStatus(s) for s in wire]
 
 
 class StoreSlots(list):
@@ -305,7 +294,7 @@ class InlinePath:
             )
             requests.append((body, [f for frames in chunk_frames[i - first : j - first] for f in frames]))
         replies = h.pipeline(requests, borrowed=borrowed)
-        return slot_statuses([s for r in replies for s in r.statuses])
+        return slot_statuses(s for r in replies for s in r.statuses)
 
     @contextmanager
     def prepare_store(self, hashes: list[ChunkHash], salt: str, agent_session: str = "", token_ids: Sequence[int] = ()) -> Iterator[StoreSlots]:

@@ -327,7 +327,6 @@ class ObjectTable:
             # quotas or a later status leave unused goes back below); else one by one, evicting as needed.
             absent = 0 if over_quota else sum(1 for key in keys if key not in self._objects)
             run = self._alloc.allocate_run(size, absent) if absent > 1 else []
-            next_in_run = iter(run).__next__
             used_of_run = 0
             for key in keys:
                 obj = self._objects.get(key)
@@ -351,7 +350,7 @@ class ObjectTable:
                     self._counters.quota_refused += 1
                     continue
                 if used_of_run < len(run):
-                    offset = next_in_run()
+                    offset = run[used_of_run]
                     used_of_run += 1
                 else:
                     offset = None if out_of_space else self._allocate_locked(size, keep)
