@@ -6,13 +6,15 @@ import errno
 import os
 import random
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import msgspec
 import numpy as np
 import pytest
 
-from kvdepot.storage.l2 import envelope, registry
+from kvdepot.storage.l2 import envelope, fs_adapter, registry
 from kvdepot.storage.l2.fs_adapter import FsAdapter, FsConfig
 
 from .helpers import adapter_threads, load, lookup, make_keys, make_payload, present, store, unlock, wait
@@ -295,6 +297,43 @@ def test_a_full_disk_refuses_that_object_alone_and_the_tier_shrinks_to_fit(tmp_p
     newer = make_keys(1)[0]
     assert store(tier, [(newer, make_payload(rng, 5000))]).value == [True]
     assert present(tier, newer) and not present(tier, keep)
+
+
+def test_a_put_waits_while_another_looks_for_room_and_evicts_nothing_the_disk_holds(
+    tmp_path, open_tiers, rng, full_disk, monkeypatch
+) -> None:
+    """The disk filled (the tier shrank to what it held), then got room again. The first put after that
+    looks at the disk's free space; a put on the other worker meanwhile must wait for the answer. It
+    used to go on with the old capacity and evict the tier's oldest objects to fit, one per put, for
+    as long as the looking thread was off the CPU (here: while its statvfs sleeps)."""
+    full_disk["allow"] = 1 << 30
+    tier = open_tiers(tmp_path, workers=2)
+    held = make_keys(4)
+    store(tier, [(k, make_payload(rng, 5000)) for k in held])
+    full_disk["allow"] = 0
+    assert store(tier, [(make_keys(1)[0], make_payload(rng, 5000))]).value == [False]
+    assert tier.usage().capacity_bytes == tier.usage().used_bytes  # shrunk to what it holds
+
+    full_disk["allow"] = 1 << 30
+    monkeypatch.setattr(fs_adapter, "ROOM_CHECK_S", 0.05)
+    time.sleep(0.1)
+    real_statvfs, looking = os.statvfs, threading.Event()
+
+    def slow_statvfs(path):
+        if str(path).startswith(str(tmp_path)):
+            looking.set()
+            time.sleep(0.5)  # the looking thread off the CPU
+        return real_statvfs(path)
+
+    monkeypatch.setattr(os, "statvfs", slow_statvfs)
+    first, second = make_keys(2)
+    t1 = tier.submit_store([(first, memoryview(make_payload(rng, 5000)))])
+    assert looking.wait(5)
+    t2 = tier.submit_store([(second, memoryview(make_payload(rng, 5000)))])
+    assert wait(tier, t1).value == [True] and wait(tier, t2).value == [True]
+    assert [present(tier, k) for k in held] == [True] * 4, "objects evicted although the disk had room"
+    usage = tier.usage()
+    assert usage.objects == 6 and usage.capacity_bytes > usage.used_bytes, usage
 
 
 def test_a_failed_usage_query_does_not_take_the_tier_down(tmp_path, open_tiers, rng) -> None:

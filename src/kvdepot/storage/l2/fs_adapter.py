@@ -84,6 +84,7 @@ class FsAdapter(BackendAdapter):
         self._capacity = int(config.size_gb * (1 << 30))
         self._configured = self._capacity  # _capacity is less while the disk has no room for it all
         self._room_checked = 0.0  # when the disk's free space was last looked at (monotonic)
+        self._room_lock = threading.Lock()  # one put looks at the disk's free space; the rest wait for it
         self._o_direct = config.o_direct
         self._fsync = config.fsync
         self._index: OrderedDict[ObjectKey, int] = OrderedDict()  # key -> file bytes, oldest first
@@ -253,21 +254,31 @@ class FsAdapter(BackendAdapter):
         )  # fmt: skip
 
     def _regrow(self) -> None:
-        """Towards ``size_gb`` again, by what the disk has free now (keeping a sixteenth of it spare)."""
-        now = time.monotonic()
-        if now - self._room_checked < ROOM_CHECK_S:
+        """Towards ``size_gb`` again, by what the disk has free now (keeping a sixteenth of it spare).
+
+        The other workers' puts wait while one looks, and the look counts as done only with the new
+        capacity in place: a put that went on with the old one would evict objects the disk now has
+        room for (it did, a few dozen at a time, when the looking thread lost the CPU)."""
+        if time.monotonic() - self._room_checked < ROOM_CHECK_S:
             return
-        self._room_checked = now
-        try:
-            st = os.statvfs(self._root)
-        except OSError:
-            return
-        free = st.f_bavail * st.f_frsize
-        with self._mu:
-            fits = min(self._configured, self._used + self._reserved + free - free // 16)
-            if fits <= self._capacity:
+        with self._room_lock:
+            now = time.monotonic()
+            if now - self._room_checked < ROOM_CHECK_S:
+                return  # another put has just looked
+            try:
+                st = os.statvfs(self._root)
+            except OSError:
+                self._room_checked = now
                 return
-            self._capacity = fits
+            free = st.f_bavail * st.f_frsize
+            with self._mu:
+                fits = min(self._configured, self._used + self._reserved + free - free // 16)
+                grew = fits > self._capacity
+                if grew:
+                    self._capacity = fits
+                self._room_checked = now
+        if not grew:
+            return
         log.info("L2 %s: the disk has room again: the tier keeps up to %.3f GiB (size_gb %.3f)",
                  self.name, fits / (1 << 30), self._configured / (1 << 30))  # fmt: skip
 
