@@ -277,6 +277,24 @@ def test_a_batch_larger_than_the_pool_reports_only_the_pages_it_kept():
         assert stored == s.exists_many(names)
 
 
+@pytest.mark.parametrize("bad", ["key", "value"])
+def test_a_batch_refused_midway_leaves_the_directory_as_the_pool_is(bad):
+    """A batch with a bad key or an empty page used to raise after the pages before it went into the
+    pool and evicted others: the evicted pages' records stayed in the directory (counted by every
+    existence check, never readable) and the pages taken were never announced."""
+    with store(pool_size_mb=1) as s:
+        names = keys("p", 16)  # 16 x 64 KiB: the pool is full
+        assert all(s.batch_set(names, [page_bytes(n, 64 << 10) for n in names]))
+        assert s.batch_exists(names) == 16
+        with pytest.raises((ValueError, TypeError)):
+            if bad == "key":
+                s.batch_set(["new", ""], [page_bytes("new", 64 << 10), page_bytes("x", 64 << 10)])
+            else:
+                s.batch_set(["new", "empty"], [page_bytes("new", 64 << 10), b""])
+        seen = {n: (s.exists(n), s.get(n) is not None) for n in names + ["new"]}
+        assert not {n: v for n, v in seen.items() if v[0] != v[1]}, f"(exists, readable) disagree: {seen}"
+
+
 def test_an_unpublish_an_owner_missed_reaches_it_once_it_answers():
     """A clear while the writer suspects the other owner of the records: its unpublish to that owner
     is skipped. The stale records used to stay for good (nothing sent them again), and every existence

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
+import pytest
 from support.peer_cluster import check_pages, keys, page_bytes, wait_for
 
 from kvdepot.peer import PeerStore
@@ -281,3 +282,50 @@ def test_a_read_promotes_from_disk_only_within_its_deadline_and_a_slow_promote_s
             assert reader.node._suspects.get(owner.node_id, 0.0) <= time.monotonic(), "a slow promote made the owner suspect"
         finally:
             gate.set()
+
+
+@pytest.mark.parametrize("finish", ["delete", "clear"])
+def test_a_page_deleted_while_a_promote_loads_it_does_not_come_back(tmp_path, finish):
+    """A promote (a read's, or the warmer an existence check starts) reads the page from disk, then
+    puts it into the pool. A delete or clear between the two used to find it nowhere, and the promote
+    then put the deleted bytes in under a fresh generation and published them: served again."""
+    import threading
+
+    with PeerStore(port=0, data_port=0, pool_size_mb=1, disk_path=str(tmp_path / "l4"), **FAST) as store:
+        assert store.set("k", page_bytes("k", SIZE))
+        wait_for(lambda: store.status()["disk"]["written"] >= 1, 10, "the page on disk")
+        for i in range(40):  # 2.5 MiB through a 1 MiB pool: "k" is left on disk only
+            assert store.set(f"push{i}", page_bytes(f"push{i}", SIZE))
+        wait_for(lambda: store.node.disk.pending() == 0, 10, "the disk queue to drain")
+        assert store.node.pool.peek(b"k") is None and store.exists("k")
+        time.sleep(0.3)  # the warmer that exists() started is done
+        if store.node.pool.peek(b"k") is not None:  # it promoted the page: push it out again
+            for i in range(40, 80):
+                assert store.set(f"push{i}", page_bytes(f"push{i}", SIZE))
+        assert store.node.pool.peek(b"k") is None
+
+        fs = store.node.disk._fs
+        real_get = fs.get_now
+        racers, results = [], []
+
+        def invalidate():
+            results.append(store.delete("k") if finish == "delete" else store.clear() >= 1)
+
+        def get_now(key, dest):
+            ok = real_get(key, dest)
+            if bytes(key) == b"k" and not racers:  # read from disk; the copy into the pool comes next
+                t = threading.Thread(target=invalidate, daemon=True)
+                t.start()
+                t.join(0.5)  # the delete runs now, or waits while the promote excludes it
+                racers.append(t)
+            return ok
+
+        fs.get_now = get_now
+        store.get("k")  # the read racing the delete may see the old page; what stays is what matters
+        fs.get_now = real_get
+        assert racers
+        racers[0].join(10)
+        assert results == [True]
+        state = {"in the pool": store.node.pool.peek(b"k") is not None, "published": store.exists("k"),
+                 "served": store.get("k") is not None}  # fmt: skip
+        assert not any(state.values()), f"the {finish}d page came back: {state}"

@@ -547,3 +547,80 @@ def test_owed_unpublishes_keep_the_newest_generation_per_owner_and_key_and_count
     assert len(owed) == 3 and owed.dropped == 1
     assert owed.take() == {"n1": [(b"a", 5), (b"b", 1)], "n2": [(b"a", 2)]}
     assert owed.take() == {} and len(owed) == 0  # sent: owed again only if it fails again
+
+
+class _StallsOn:
+    """A pool whose acquire of one key stalls (an owner busy with a large request)."""
+
+    def __init__(self, pool, slow: bytes, delay_s: float) -> None:
+        self.pool, self.slow, self.delay_s = pool, slow, delay_s
+
+    def acquire(self, key, generation=0):
+        if key == self.slow:
+            time.sleep(self.delay_s)
+        return self.pool.acquire(key, generation)
+
+    def release(self, entry):
+        self.pool.release(entry)
+
+    def view(self, entry):
+        return self.pool.view(entry)
+
+
+def test_a_slice_that_fails_after_a_whole_one_drops_its_connection(monkeypatch):
+    """A read in slices whose second slice passes its deadline: the first slice's success used to put
+    the connection back, with the owner's late replies still coming, and the next read on it took
+    them for its own (a held page read as CORRUPT, or as another page's MISS)."""
+    from kvdepot.peer import dataplane
+    from kvdepot.peer.dataplane import DataServer, PageOutcome, PageRead, TcpTransport
+
+    monkeypatch.setattr(dataplane, "MAX_PAGES_PER_REQUEST", 2)  # both ends read the module's value
+    size = 4096
+    pool = PublishedPool(16 * size)
+    entries = {name: pool.put(name, name * size)[0] for name in (b"a", b"b", b"c", b"d", b"x")}
+    owner = DataServer(_StallsOn(pool, b"c", 0.6), b"s")
+    owner.start()
+    reader = TcpTransport(b"s", max_channels_per_peer=1)
+
+    def read(name):
+        e = entries[name]
+        return PageRead(name, e.generation, e.offset, e.length, e.checksum, memoryview(bytearray(size)))
+
+    try:
+        first = reader.read("127.0.0.1", owner.port, [read(b"a"), read(b"b"), read(b"c"), read(b"d")], time.monotonic() + 0.3)
+        assert first == [PageOutcome.HIT, PageOutcome.HIT, PageOutcome.MISS, PageOutcome.MISS]
+        assert reader.dropped == 1, "a connection whose read failed mid-request was put back for reuse"
+        time.sleep(1.0)  # the owner has sent c's and d's replies by now
+        again = reader.read("127.0.0.1", owner.port, [read(b"x")], time.monotonic() + 2.0)
+        assert again == [PageOutcome.HIT], f"a held page read as {again[0].name}"
+    finally:
+        reader.close()
+        owner.close()
+
+
+def test_strangers_that_never_finish_a_handshake_do_not_lock_readers_out(monkeypatch):
+    """Connections still in their handshake count towards the owner's cap: anyone who can reach the
+    data port could hold every place with sockets that send nothing, and each reader's new connection
+    was closed at once. At the cap the oldest connection still in its handshake makes way."""
+    from kvdepot.peer import dataplane
+    from kvdepot.peer.dataplane import DataServer, PageOutcome, PageRead, TcpTransport
+
+    monkeypatch.setattr(dataplane, "MAX_CONNECTIONS", 8)
+    pool = PublishedPool(1 << 20)
+    entry, _ = pool.put(b"k", b"p" * 4096)
+    owner = DataServer(pool, b"the-secret")
+    owner.start()
+    strangers = []
+    reader = TcpTransport(b"the-secret")
+    try:
+        strangers = [socket.create_connection(("127.0.0.1", owner.port)) for _ in range(8)]  # no secret, nothing sent
+        time.sleep(0.3)  # all accepted, each waiting for its handshake
+        dest = memoryview(bytearray(entry.length))
+        read = PageRead(b"k", entry.generation, entry.offset, entry.length, entry.checksum, dest)
+        assert reader.read("127.0.0.1", owner.port, [read], time.monotonic() + 2.0) == [PageOutcome.HIT]
+        assert bytes(dest) == b"p" * 4096
+    finally:
+        for s in strangers:
+            s.close()
+        reader.close()
+        owner.close()

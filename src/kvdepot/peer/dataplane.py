@@ -134,6 +134,10 @@ class DataServer:
         self.port = self._listener.getsockname()[1]
         self._closing = threading.Event()
         self._conns: set[socket.socket] = set()
+        # Of those, the ones that have not proved the secret yet, oldest first: at the cap, the oldest
+        # of them makes way for a new connection, so strangers that never finish a handshake cannot
+        # hold every place (a reader's handshake takes a round trip, theirs HANDSHAKE_TIMEOUT_S).
+        self._handshaking: dict[socket.socket, None] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.refused = 0  # handshakes that failed
@@ -181,14 +185,25 @@ class DataServer:
                 with self._lock:
                     if len(self._conns) >= MAX_CONNECTIONS:
                         self.refused += 1  # one thread per connection: a flood must not take the host's threads
-                        self._say_refused(f"{MAX_CONNECTIONS} connections are open: a new one was closed")
-                        conn.close()
-                        continue
+                        victim = next(iter(self._handshaking), None)
+                        if victim is None:
+                            self._say_refused(f"{MAX_CONNECTIONS} connections are open: a new one was closed")
+                            conn.close()
+                            continue
+                        del self._handshaking[victim]
+                        self._conns.discard(victim)
+                        self._say_refused(f"{MAX_CONNECTIONS} connections are open: the oldest one still in its handshake was closed")
+                        try:
+                            victim.shutdown(socket.SHUT_RDWR)  # its thread ends at once
+                        except OSError:
+                            pass
                     self._conns.add(conn)
+                    self._handshaking[conn] = None
                 self._start_serving(conn)
             except (OSError, RuntimeError) as exc:  # RuntimeError: "can't start new thread"
                 with self._lock:
                     self._conns.discard(conn)
+                    self._handshaking.pop(conn, None)
                 conn.close()
                 self._say_refused(f"cannot serve a connection ({type(exc).__name__}: {exc})")
 
@@ -206,6 +221,8 @@ class DataServer:
             # The whole handshake within HANDSHAKE_TIMEOUT_S, not each receive: a byte now and then
             # must not hold a connection (and its thread) that never proves the secret.
             serve_handshake(conn, self._secret, deadline=time.monotonic() + HANDSHAKE_TIMEOUT_S)
+            with self._lock:
+                self._handshaking.pop(conn, None)
             conn.settimeout(None)  # an idle pooled connection waits for its next request (keep-alive ends a dead one)
             while not self._closing.is_set():
                 head = conn.recv(_REQUEST.size, socket.MSG_WAITALL)
@@ -234,6 +251,7 @@ class DataServer:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._handshaking.pop(conn, None)
             conn.close()
 
     def _send_page(self, conn: socket.socket, key: bytes, generation: int, offset: int, length: int) -> None:
@@ -317,6 +335,7 @@ class TcpTransport:
                     if not healthy:
                         break
             except (OSError, ConnectionError) as exc:
+                healthy = False  # an earlier slice's True says nothing of this one: its replies may still be in flight
                 log.info("peer %s: read failed (%s): the rest are misses", host_port(host, port), exc)
             finally:
                 if healthy:

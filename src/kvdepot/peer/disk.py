@@ -121,21 +121,27 @@ class DiskTier:
 
     def load(self, key: bytes, into: Callable[[np.ndarray], object]) -> object | None:
         """Read ``key``'s page and hand it to ``into`` (which copies it where it goes); None when it is
-        not on disk or fails its checksum (then it is gone from disk too)."""
-        size = self._fs.payload_size(ObjectKey(key))
-        if size is None:
-            return None
-        buf = np.empty(size, np.uint8)
-        try:
-            if not self._fs.get_now(ObjectKey(key), memoryview(buf)):
+        not on disk or fails its checksum (then it is gone from disk too). The read and ``into`` run
+        under the lock every ``delete`` takes: a delete either comes first (nothing to load) or waits
+        until ``into`` has put the page where the delete's caller removes it afterwards."""
+        with self._io:
+            size = self._fs.payload_size(ObjectKey(key))
+            if size is None:
                 return None
-        except CorruptObject as exc:
-            self.corrupt += 1
-            log.warning("peer disk: page %s failed its checksum (%s): deleted, a miss", key.hex()[:16], exc)
-            self._tell_dropped()
-            return None
-        self.promoted += 1
-        return into(buf)
+            buf = np.empty(size, np.uint8)
+            try:
+                if not self._fs.get_now(ObjectKey(key), memoryview(buf)):
+                    return None
+                corrupt = None
+            except CorruptObject as exc:
+                corrupt = exc
+            if corrupt is None:
+                self.promoted += 1
+                return into(buf)
+        self.corrupt += 1
+        log.warning("peer disk: page %s failed its checksum (%s): deleted, a miss", key.hex()[:16], corrupt)
+        self._tell_dropped()  # off _io: the node may call delete
+        return None
 
     def size_of(self, key: bytes) -> int | None:
         return self._fs.payload_size(ObjectKey(key))

@@ -236,20 +236,23 @@ class PeerNode:
         t0 = time.perf_counter()
         entries: list[PoolEntry | None] = []
         evicted: list[PoolEntry] = []
-        self.located.forget(key for key, _ in items)  # a copy here now: read that, not a remote one
-        for key, data in items:
+        for key, _ in items:  # every key before any page goes in: a bad one refuses the whole batch
             _check_key(key)
-            entry, gone = self.pool.put(key, data)
-            evicted += gone
-            if entry is None and self.disk is not None:
-                entry = self._put_after_disk_catches_up(key, data, evicted)
-            entries.append(entry)
-            if entry is not None:
-                self._write_through(entry)
-        if evicted:
-            self._evicted(evicted)
-        # A page a later page of this batch evicted again is not announced (its record would be stale).
-        self._publish([e for e in entries if e is not None and e.published])
+        self.located.forget(key for key, _ in items)  # a copy here now: read that, not a remote one
+        try:
+            for key, data in items:
+                entry, gone = self.pool.put(key, data)
+                evicted += gone
+                if entry is None and self.disk is not None:
+                    entry = self._put_after_disk_catches_up(key, data, evicted)
+                entries.append(entry)
+                if entry is not None:
+                    self._write_through(entry)
+        finally:  # a page that raised (empty, not a buffer) still leaves the directory as the pool is
+            if evicted:
+                self._evicted(evicted)
+            # A page a later page of this batch evicted again is not announced (its record would be stale).
+            self._publish([e for e in entries if e is not None and e.published])
         newest = {e.key: e for e in entries if e is not None}  # a key given twice: its last page counts
         out = [e is not None and self._held(newest[e.key]) for e in entries]
         taken = [e for e in entries if e is not None]  # the write metrics count copies into the pool
@@ -333,6 +336,12 @@ class PeerNode:
             self.disk.delete(key)  # even when not there yet: a queued or running write of it is undone
             with self._disk_lock:
                 self._disk_only.discard(key)
+            # A promote that read the page from disk before the delete put it into the pool meanwhile
+            # (the delete waited for it): that copy goes too.
+            promoted = self.pool.remove(key)
+            if promoted is not None:
+                found = True
+                self._unpublish([promoted])
             if on_disk:
                 found = True
                 entry = entry or PoolEntry(key, 0, 0, bound, b"", published=False)
@@ -352,7 +361,9 @@ class PeerNode:
                 self.disk.delete(e.key)
             for key in disk_only:
                 self.disk.delete(key)
-            gone += [PoolEntry(key, 0, 0, bound, b"", published=False) for key in disk_only]
+            # Pages a promote read from disk before those deletes, and put into the pool meanwhile.
+            promoted = [e for key in disk_only if (e := self.pool.remove(key)) is not None]
+            gone += [PoolEntry(key, 0, 0, bound, b"", published=False) for key in disk_only] + promoted
             n += len(disk_only)
         self._unpublish(gone)
         return n
