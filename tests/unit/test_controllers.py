@@ -534,3 +534,59 @@ def test_a_step_that_fails_for_one_prefetch_ends_that_one_and_serves_the_others(
     assert sorted(t.chunks for t in told) == [0, 2]
     assert pf.snapshot().running == 0
     assert rig.table.lookup(keys(2)) == 2
+
+
+class _TierThatRecordsStores:
+    name, kind = "recording", "memory"
+
+    def __init__(self) -> None:
+        self.stores: list[list[ObjectKey]] = []
+
+    def submit_store(self, items):
+        self.stores.append([k for k, _ in items])
+        return len(self.stores)
+
+
+def test_skip_l1_never_discards_a_newer_object_still_awaiting_its_own_push(tmp_path):
+    """skip_l1 drops a pushed batch from L1 by key. When the pushed object went meanwhile (a DELETE
+    doomed it under the push's read lock) and the key was stored again before the drop, the drop took
+    the new object, which no tier had yet: after a DELETE and a fresh store, the key was nowhere."""
+    from kvdepot.storage.l1 import Toucher
+
+    k = ObjectKey(b"k" * 48)
+    a, b = ClientId(b"a"), ClientId(b"b")
+    arena = SharedArena.create(HEADER_BYTES + SLOTS * SIZE, shm_dir=str(tmp_path))
+    try:
+        table = ObjectTable(ExtentAllocator((SLOTS - 1) * SIZE, SIZE, base=HEADER_BYTES), LRUPolicy())
+        tier = _TierThatRecordsStores()
+        ctl = StoreController(table, arena, [tier], lambda: None, placement=Placement.SKIP_L1)
+        table.hold_for_l2(ctl.holds)
+        table.subscribe(ctl.on_events)
+
+        def store(owner):
+            r = table.reserve_write([k], SIZE, owner, toucher=Toucher.CLIENT)
+            assert r.lease_id
+            table.commit_write(r.lease_id, owner)
+
+        store(a)  # generation 1, queued
+        ctl.step([])  # pushed: read-locked by the store controller
+        assert tier.stores == [[k]]
+        assert table.remove([k]) == (0, 1)  # an operator's DELETE: doomed under the push's read lock
+        real_release = table.release_read
+
+        def release_then_store_again(*args, **kwargs):  # another client's STORE lands right after
+            n = real_release(*args, **kwargs)
+            assert table.get(k) is None  # generation 1 went with the push's lock
+            store(b)  # generation 2: READY, held for its own push
+            return n
+
+        table.release_read = release_then_store_again
+        ctl.step([(0, TaskResult(1, TaskKind.STORE, [True]))])  # generation 1's push is done
+        table.release_read = real_release
+        obj = table.get(k)
+        assert obj is not None and obj.generation == 2, "generation 2 was dropped before any tier had it"
+        ctl.step([])
+        assert tier.stores == [[k], [k]]  # generation 2's own push took it
+        table.check_invariants()
+    finally:
+        arena.close()

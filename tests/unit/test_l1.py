@@ -829,3 +829,30 @@ def test_a_run_of_accesses_orders_keys_as_one_access_per_key_head_last(name):
         assert list(one.candidates()) == list(run.candidates())
     run.on_access_run([keys[3], keys[5]])
     assert list(run.candidates())[-2:] == [keys[5], keys[3]]
+
+
+def test_a_reserve_into_an_l1_full_of_held_objects_walks_the_table_once_not_per_chunk():
+    """L2 hung (or a whole L1 behind): every object awaits its push. Each allocation of a reserve used
+    to walk the whole eviction order twice (once for an unheld victim, once more taking held ones),
+    under the table lock every client's request waits for: a 16-chunk PREPARE cost 32 x N checks."""
+    n = 2000
+    table = ObjectTable(ExtentAllocator(SLOT * n, SLOT), LRUPolicy())
+    table.hold_for_l2(lambda owner: True)  # the push never takes anything
+    for i in range(0, n, 500):
+        r = table.reserve_write([ObjectKey(b"o" + (i + j).to_bytes(7, "big")) for j in range(500)], SLOT, A, toucher=Toucher.CLIENT)
+        table.commit_write(r.lease_id, A)
+    assert table.stats().awaiting_l2 == n
+    checks = 0
+    real = table._evictable_locked
+
+    def counting(*a, **kw):
+        nonlocal checks
+        checks += 1
+        return real(*a, **kw)
+
+    table._evictable_locked = counting
+    r = table.reserve_write([ObjectKey(b"n" + j.to_bytes(7, "big")) for j in range(16)], SLOT, A, toucher=Toucher.CLIENT)
+    assert r.statuses == [AL] * 16
+    assert table.stats().evicted_awaiting_l2 == 16  # the last resort, counted
+    table.check_invariants()
+    assert checks <= 2 * n + 16 * 40, f"{checks} candidate checks for a 16-chunk reserve over {n} objects"

@@ -193,6 +193,11 @@ HolderAlive = Callable[[ClientId], bool]  # may this client's process still touc
 Protected = Callable[[ObjectKey], bool]  # is this key pinned or held by an agent session? (storage/pins.py)
 
 
+@dataclass(slots=True)
+class _LastResort:
+    take_held: bool = False  # an allocation of this batch found only held objects to evict
+
+
 def _always_alive(owner: ClientId) -> bool:
     return True
 
@@ -328,6 +333,9 @@ class ObjectTable:
             absent = 0 if over_quota else sum(1 for key in keys if key not in self._objects)
             run = self._alloc.allocate_run(size, absent) if absent > 1 else []
             used_of_run = 0
+            # Once an allocation of this batch found nothing but held objects to evict, the later ones
+            # start there: under this lock nothing can become evictable, and each walk is the whole table.
+            last_resort = _LastResort()
             for key in keys:
                 obj = self._objects.get(key)
                 if obj is not None:
@@ -353,7 +361,7 @@ class ObjectTable:
                     offset = run[used_of_run]
                     used_of_run += 1
                 else:
-                    offset = None if out_of_space else self._allocate_locked(size, keep)
+                    offset = None if out_of_space else self._allocate_locked(size, keep, last_resort)
                 if offset is None:
                     out_of_space = True
                     statuses.append(SlotStatus.NO_SPACE)
@@ -474,12 +482,20 @@ class ObjectTable:
             return lease_id, [(o.key, o.offset, o.size) for o in found]
 
     def discard(self, keys: Sequence[ObjectKey]) -> int:
-        """Remove READY objects that nobody reads (L2-only placement); returns how many went."""
+        """Remove READY objects that nobody reads (L2-only placement); returns how many went. Never one
+        awaiting its own L2 push: the key was stored again after the pushed object went (that object was
+        removed or doomed meanwhile), and this one has reached no tier yet."""
         with self._locked():
             n = 0
             for key in keys:
                 obj = self._objects.get(key)
-                if obj is not None and obj.state is ObjectState.READY and obj.readers == 0 and not self._protected(key):
+                if (
+                    obj is not None
+                    and obj.state is ObjectState.READY
+                    and obj.readers == 0
+                    and not obj.awaiting_l2
+                    and not self._protected(key)
+                ):
                     self._remove_locked(obj, RemovedBecause.DISCARDED)
                     n += 1
             return n
@@ -770,20 +786,23 @@ class ObjectTable:
     def _deadline(self, ttl_s: float | None) -> float:
         return self._clock() + (self._ttl if ttl_s is None else ttl_s)
 
-    def _allocate_locked(self, size: int, keep: set[ObjectKey] = frozenset()) -> int | None:
+    def _allocate_locked(self, size: int, keep: set[ObjectKey] = frozenset(), last_resort: _LastResort | None = None) -> int | None:
         if self._alloc.round_up(size) > self._alloc.capacity:
             return None  # can never fit: do not flush the cache trying
         offset = self._alloc.allocate(size)
         if offset is None:
-            self._evict_locked(lambda: self._alloc.can_allocate(size), keep)
+            self._evict_locked(lambda: self._alloc.can_allocate(size), keep, True, last_resort)
             offset = self._alloc.allocate(size)
         return offset
 
-    def _evict_locked(self, enough: Callable[[], bool], keep: set[ObjectKey] = frozenset(), last_resort: bool = True) -> int:
+    def _evict_locked(
+        self, enough: Callable[[], bool], keep: set[ObjectKey] = frozenset(), last_resort: bool = True, sticky: _LastResort | None = None
+    ) -> int:
         """Evict in policy order until ``enough()``. Objects awaiting their L2 push go last, and only
-        with ``last_resort`` (an allocation that cannot wait)."""
+        with ``last_resort`` (an allocation that cannot wait). ``sticky``: shared by the allocations of
+        one locked batch, so that only the first of them looks for an unheld victim in vain."""
         evicted = 0
-        take_held = False
+        take_held = sticky is not None and sticky.take_held
         while not enough():
             # Collect a batch first (the policy must not change while we iterate it), then remove.
             batch: list[L1Object] = []
@@ -804,6 +823,8 @@ class ObjectTable:
                 if take_held or not last_resort or not self._counters.awaiting_l2:
                     break
                 take_held = True
+                if sticky is not None:
+                    sticky.take_held = True
                 continue
             for obj in batch:
                 if enough():
