@@ -209,6 +209,34 @@ def test_a_torn_file_under_the_real_name_is_a_miss(tmp_path, open_tiers, rng, ke
     assert not path.exists()
 
 
+def test_a_file_too_short_to_be_an_object_is_removed_at_restart(tmp_path, open_tiers, rng) -> None:
+    """A file under a real name shorter than a header and its key (a power loss with fsync off): the
+    index took its size as it was, and the payload size it reported was negative (the peer disk built
+    a buffer of it and failed every promote of that page, never removing the file)."""
+    tier = open_tiers(tmp_path)
+    key = make_keys(1)[0]
+    store(tier, [(key, make_payload(rng, 9000))])
+    tier.close()
+    path = Path(tier.path_of(key))
+    os.truncate(path, envelope.HEADER_BYTES // 2)
+    again = open_tiers(tmp_path)
+    assert again.payload_size(key) is None
+    assert not path.exists() and again.usage().objects == 0
+
+
+def test_storing_a_key_again_in_a_full_tier_evicts_nothing(tmp_path, open_tiers, rng) -> None:
+    """The new copy replaces the old one at its rename: room was made for the whole new size, and the
+    oldest object evicted for nothing (the memory tier, the reference, evicts nothing)."""
+    payload, keys = 4000, make_keys(4)
+    tier = open_tiers(tmp_path, size_gb=4 * (envelope.HEADER_BYTES + len(keys[0]) + payload) / (1 << 30))  # four objects
+    store(tier, [(k, make_payload(rng, payload)) for k in keys])
+    newer = make_payload(rng, payload)
+    assert store(tier, [(keys[3], newer)]).value == [True]  # a page replaced under its key
+    assert [present(tier, k) for k in keys] == [True] * 4
+    dest = np.zeros_like(newer)
+    assert load(tier, [keys[3]], [dest]) == [True] and np.array_equal(dest, newer)
+
+
 def test_a_byte_flipped_on_disk_is_a_miss(tmp_path, open_tiers, rng) -> None:
     tier = open_tiers(tmp_path)
     key = make_keys(1)[0]

@@ -408,6 +408,38 @@ def test_a_delete_or_clear_after_a_store_was_submitted_is_not_undone_by_its_writ
 
 
 @pytest.mark.parametrize("local_kind", ["memory", "fs"])
+@pytest.mark.parametrize("how", ["delete", "clear"])
+def test_a_delete_during_a_write_whose_reply_was_lost_still_removes_the_object(local_kind, how, tmp_path, rng) -> None:
+    """A write that lands but fails on the way back (the reply to a Valkey commit lost to a reset, an
+    S3 PUT whose answer timed out): the delete submitted meanwhile found nothing, and the failed store
+    skipped the check that undoes a write a delete has voided, so the deleted object was back."""
+    tier = _started_local_tier(local_kind, tmp_path)
+    try:
+        key, payload = make_keys(1)[0], make_payload(rng, 4096)
+        gate, inside = threading.Event(), threading.Event()
+        real_put = tier._put
+
+        def put_then_lose_the_reply(k, data):
+            inside.set()
+            assert gate.wait(10)
+            real_put(k, data)
+            raise ConnectionError("connection reset by peer (reading the reply)")
+
+        tier._put = put_then_lose_the_reply
+        stored = tier.submit_store([(key, memoryview(payload))])
+        assert inside.wait(10)
+        end = tier.submit_delete([key]) if how == "delete" else tier.submit_clear()
+        assert wait(tier, end).ok  # nothing there yet
+        gate.set()
+        assert wait(tier, stored).value == [False]
+        tier._put = real_put
+        # Asked of the backend itself: the failed write took the tier down for the tasks until it recovers.
+        assert tier._contains([key]) == [False], "the deleted object is back (its failed write was not undone)"
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("local_kind", ["memory", "fs"])
 def test_a_store_submitted_after_a_delete_lands_though_an_earlier_write_is_still_in_flight(local_kind, tmp_path, rng) -> None:
     """The delete guard is per write, not per key: an engine that stores a key again after an operator
     deleted it gets it stored, although the push from before the delete (a slow S3 put) is still running.

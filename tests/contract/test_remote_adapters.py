@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from kvdepot.errors import ConfigError
 from kvdepot.storage.l2 import registry
 from kvdepot.storage.l2.backend import BackendAdapter
 from kvdepot.storage.l2.contract import TaskResult
@@ -326,7 +327,7 @@ def test_s3_creates_its_bucket_on_first_use_and_counts_objects(s3_server) -> Non
         adapter.close()
 
 
-@pytest.mark.parametrize("prefix", ["", "kvd-{pid}"])
+@pytest.mark.parametrize("prefix", ["", "kvd-{pid}-"])
 def test_s3_clear_and_usage_leave_objects_it_did_not_write(s3_server, prefix) -> None:
     """An empty prefix, or one without a trailing "/", lists other applications' objects too: a clear
     deletes, and the usage counts, only the key-named objects this tier writes."""
@@ -346,6 +347,44 @@ def test_s3_clear_and_usage_leave_objects_it_did_not_write(s3_server, prefix) ->
         assert lookup(adapter, keys).value == 0
         left = [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]
         assert sorted(left) == sorted(foreign)
+    finally:
+        adapter.close()
+
+
+@pytest.mark.parametrize("prefix", ["kv-ab", "kvdepot-01", "cache7"])
+def test_an_s3_prefix_ending_in_a_hex_digit_is_refused(prefix) -> None:
+    """Names are <prefix><key hex>: "kv-ab" + <key hex> also reads as "kv-" + <hex>, so a clear of a
+    tier at "kv-" in the same bucket deleted that tier's objects. A prefix that ends in something else
+    ("kvdepot/", "kv-ab-", "") splits every name one way only."""
+    with pytest.raises(ConfigError, match="ends with a hex digit"):
+        s3_config("http://127.0.0.1:1", prefix=prefix)
+    for fine in ("", "kvdepot/", f"{prefix}-", f"{prefix}/"):
+        s3_config("http://127.0.0.1:1", prefix=fine)
+
+
+def test_an_s3_clear_that_could_not_delete_every_object_is_not_a_cleared_tier(s3_server) -> None:
+    """DeleteObjects answers 200 and lists what it could not delete (SlowDown, InternalError): the
+    clear used to count every object removed and announce the tier cleared while one was still served."""
+    adapter = S3Adapter("stuck", s3_config(s3_server.endpoint, bucket=f"kvd-stuck-{os.getpid()}"))
+    adapter.start()
+    try:
+        keys, value = [new_key() for _ in range(3)], os.urandom(1000)
+        for k in keys:
+            assert store(adapter, k, value).value == [True]
+        real, stuck = adapter._client.delete_objects, adapter.object_name(keys[0])
+
+        def delete_objects(**kwargs):  # the store refuses one object
+            kwargs["Delete"]["Objects"] = [o for o in kwargs["Delete"]["Objects"] if o["Key"] != stuck]
+            resp = real(**kwargs)
+            resp.setdefault("Errors", []).append({"Key": stuck, "Code": "InternalError", "Message": "try again"})
+            return resp
+
+        adapter._client.delete_objects = delete_objects
+        result = run(adapter, adapter.submit_clear())
+        assert not result.ok, f"the clear reported {result.value} removed while {stuck} is still there"
+        adapter._client.delete_objects = real
+        left = [o["Key"] for o in adapter._client.list_objects_v2(Bucket=adapter._config.bucket).get("Contents", [])]
+        assert left == [stuck]
     finally:
         adapter.close()
 

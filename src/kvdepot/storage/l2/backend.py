@@ -448,6 +448,13 @@ class BackendAdapter(ABC):
                 continue
             except Exception as exc:
                 failure = exc
+                if self._void(key, epoch, stamp):
+                    # The write may have landed before the failure (the reply to a commit lost, a PUT whose
+                    # answer timed out): a delete or clear since its submission must not be undone by it.
+                    try:
+                        self._delete(key)
+                    except Exception:
+                        pass
                 break
             if self._void(key, epoch, stamp):
                 try:

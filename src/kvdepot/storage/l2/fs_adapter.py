@@ -179,6 +179,9 @@ class FsAdapter(BackendAdapter):
                     if key is None or _fanout(key) != sub or not entry.is_file(follow_symlinks=False):
                         continue  # not ours: leave it alone
                     st = entry.stat(follow_symlinks=False)
+                    if st.st_size < HEADER_BYTES + len(key):  # torn (a power loss without fsync): never an object
+                        removed += _unlink_quiet(entry.path)
+                        continue
                     found.append((st.st_mtime_ns, key, st.st_size))
         found.sort(key=lambda f: f[0])
         index: OrderedDict[ObjectKey, int] = OrderedDict((key, size) for _, key, size in found)
@@ -193,7 +196,7 @@ class FsAdapter(BackendAdapter):
         for key in over:
             _unlink_quiet(self._path(key))
         if removed or over:
-            log.info("fs tier %s: removed %d unfinished writes, evicted %d objects over size_gb", self.name, removed, len(over))
+            log.info("fs tier %s: removed %d unfinished or torn writes, evicted %d objects over size_gb", self.name, removed, len(over))
         log.info("fs tier %s: %d objects, %d bytes found in %s", self.name, len(index), used, self._root)
 
     # --- backend primitives --------------------------------------------------------------------------
@@ -207,7 +210,7 @@ class FsAdapter(BackendAdapter):
         if self._capacity < self._configured:
             self._regrow()
         with self._mu:
-            victims = self._make_room(total)
+            victims = self._make_room(total, key)
             self._reserved += total
         committed = False
         tmp = os.path.join(directory, f"{TMP_PREFIX}{secrets.token_hex(8)}")
@@ -293,8 +296,10 @@ class FsAdapter(BackendAdapter):
         while dirs:
             _fsync_dir(dirs.pop())
 
-    def _make_room(self, need: int) -> list[ObjectKey]:
-        """Under ``_mu``: drop unpinned objects, oldest first, until ``need`` more bytes fit.
+    def _make_room(self, need: int, replacing: ObjectKey | None = None) -> list[ObjectKey]:
+        """Under ``_mu``: drop unpinned objects, oldest first, until ``need`` more bytes fit. The copy of
+        ``replacing`` already here leaves when the new one is renamed over it: its bytes count as freed,
+        and it is not dropped to make room for its own replacement.
 
         Returns the dropped keys, whose files the caller unlinks after releasing ``_mu``."""
         if need > self._capacity:
@@ -303,11 +308,13 @@ class FsAdapter(BackendAdapter):
         # the whole index on every put held _mu (which every lookup and load waits on) for ~0.3 s at a
         # million objects, full or not.
         over = self._used + self._reserved + need - self._capacity
+        if replacing is not None:
+            over -= self._index.get(replacing, 0)
         victims: list[tuple[ObjectKey, int]] = []
         for key, size in self._index.items():
             if over <= 0:
                 break
-            if self.is_pinned(key):
+            if key == replacing or self.is_pinned(key):
                 continue
             victims.append((key, size))
             over -= size

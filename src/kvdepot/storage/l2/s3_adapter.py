@@ -37,6 +37,7 @@ _READ_PIECE = 4 << 20
 # empty prefix, or one without a trailing "/" ("kvdepot" also lists "kvdepot-backups/..."), must never
 # make a clear delete another application's objects in a shared bucket.
 _OUR_NAME = re.compile(r"(?:[0-9a-f]{2})+")
+_HEX_DIGITS = frozenset("0123456789abcdef")
 
 
 class S3Config(ConfigStruct, frozen=True, kw_only=True):
@@ -61,6 +62,10 @@ class S3Config(ConfigStruct, frozen=True, kw_only=True):
             raise ConfigError("give both access_key_id and secret_access_key, or neither")
         if self.endpoint_url and not self.endpoint_url.startswith(("http://", "https://")):
             raise ConfigError(f"endpoint_url {self.endpoint_url!r} must start with http:// or https://")
+        if self.prefix[-1:] in _HEX_DIGITS:
+            # This tier's names are <prefix><key hex>: a prefix ending in a hex digit makes its names look
+            # like those of a tier whose prefix is shorter by those digits, whose clear would delete them.
+            raise ConfigError(f"prefix {self.prefix!r} ends with a hex digit; end it with another character, such as '/'")
 
 
 class S3Adapter(BackendAdapter):
@@ -198,12 +203,18 @@ class S3Adapter(BackendAdapter):
     def _clear(self) -> int:
         """Every object of ours under our prefix (``_OUR_NAME``), listed and deleted a thousand at a time."""
         self._ensure_bucket()
-        bucket, removed = self._config.bucket, 0
+        bucket, removed, failed = self._config.bucket, 0, []
         for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=self._config.prefix):
             names = [{"Key": o["Key"]} for o in self._ours(page)]
             if names:
-                self._client.delete_objects(Bucket=bucket, Delete={"Objects": names, "Quiet": True})
-                removed += len(names)
+                # Quiet: the answer lists only the objects that could not be deleted (and is a 200 all the same)
+                errors = self._client.delete_objects(Bucket=bucket, Delete={"Objects": names, "Quiet": True}).get("Errors") or []
+                removed += len(names) - len(errors)
+                failed += errors
+        if failed:
+            first = failed[0]
+            raise RuntimeError(f"s3 tier {self.name}: the clear could not delete {len(failed)} objects "
+                               f"(first: {first.get('Key')}: {first.get('Code')} {first.get('Message', '')})")  # fmt: skip
         return removed
 
     def _usage(self) -> tuple[int, int, int]:
