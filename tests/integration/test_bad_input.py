@@ -301,9 +301,10 @@ def test_out_of_range_start_and_first(peer):
         m.RetrieveInlineRequest(context_id=ctx, keys=keys, start=5),
         m.StoreInlineRequest(context_id=ctx, keys=keys, rows_per_frame=ROWS, first=3),
         m.StoreInlineRequest(context_id=ctx, keys=keys, rows_per_frame=ROWS, first=-1),
+        m.StoreInlineRequest(context_id=ctx, keys=keys, rows_per_frame=ROWS, first=1, count=5),  # past the keys
     ):
         with pytest.raises(KVDepotError) as exc_info:
-            peer.call(body)
+            peer.call(body, payload=[os.urandom(CHUNK_BYTES)] if getattr(body, "count", 0) else ())
         assert exc_info.value.code == ErrorCode.BAD_REQUEST, body
 
 

@@ -168,3 +168,60 @@ def test_waiting_for_another_threads_registration_is_within_the_deadline(make_se
         assert isinstance(outcome[0], KVDepotTimeout) and outcome[1] < TIMEOUT_S / 8, outcome
         assert found == [0], "the registering thread went on once the server answered"
         assert c.lookup(tokens) == 0
+
+
+def _given_up_while_the_server_stalls(srv, fn) -> None:
+    """``fn`` times out while the server is stopped; the server handles the request once it runs again
+    (its deadline starts when its loop takes the request in, not when the client sent it)."""
+    pause(srv.proc.proc.pid)
+    try:
+        with pytest.raises(KVDepotTimeout):
+            fn()
+    finally:
+        srv.proc.proc.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.parametrize("op", ["store", "retrieve"])
+def test_a_prepare_given_up_on_leaves_no_lease_behind(make_server, seed, op):
+    """The late reply named a lease nobody held. It ended at its TTL, with its holder alive, so it was
+    quarantined for as long as the engine ran: a store's slots never reused, a read's objects pinned
+    (never evicted, never cleared). The late reply now ends it, sent behind."""
+    ttl = 1.0
+    srv = make_server("--lease-ttl-s", str(ttl), "--client-timeout-s", "600")
+    tokens = make_tokens(2 * CHUNK, seed)
+    with srv.client(transport="shm") as c:
+        if op == "retrieve":
+            assert c.store(tokens, make_kv(LAYOUT, len(tokens), seed)) == 2 * CHUNK
+        prepare = c.prepare_store if op == "store" else c.prepare_retrieve
+
+        def give_up():
+            with c.deadline(0.3), prepare(tokens):
+                pass
+
+        _given_up_while_the_server_stalls(srv, give_up)
+        assert c.ping()  # this exchange reads the late reply
+        time.sleep(4 * ttl)
+        st = srv.status()
+        assert (st["leases"], st["quarantine"]["leases"]) == (0, 0), f"a lease nobody holds stays: {st['quarantine']}"
+        if op == "retrieve":
+            assert srv.clear()["removed"] == 2, "the objects stay pinned by a lease nobody holds"
+
+
+def test_a_pin_given_up_on_is_not_left_behind(make_server, seed):
+    """A late PIN_PREFIX reply named a hard pin whose id the caller never learned: it protected its
+    prefix (against the salt's quota) until an operator found it."""
+    import httpx
+
+    srv = make_server("--client-timeout-s", "600")
+    tokens = make_tokens(2 * CHUNK, seed)
+    with srv.client() as c:
+        assert c.store(tokens, make_kv(LAYOUT, len(tokens), seed)) == 2 * CHUNK
+
+        def give_up():
+            with c.deadline(0.3):
+                c.pin(tokens)
+
+        _given_up_while_the_server_stalls(srv, give_up)
+        assert c.ping() and c.ping()  # the late reply read, its unpin sent behind and answered
+        pins = httpx.get(f"{srv.http}/cache/pins", timeout=10).json()["pins"]
+        assert not [p for p in pins if p["state"] in ("hard", "soft")], f"a pin the caller was told timed out stays: {pins}"

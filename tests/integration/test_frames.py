@@ -20,6 +20,9 @@ LAYOUTS = {
     "rows-direct-128KiB": KVLayout(num_layers=2, num_kv_heads=8, head_dim=512),  # 4 rows/frame
     "rows-512KiB": KVLayout(num_layers=3, num_kv_heads=16, head_dim=1024),  # 2 rows/frame
     "row-split-1.25MiB": KVLayout(num_layers=1, num_kv_heads=40, head_dim=1024),  # a row spans 2 frames
+    # a 2 MiB chunk: one frame by the 2 MiB target, two by the 1 MiB limit (an inline view joined them
+    # only above the target, and failed on an assertion here)
+    "chunk-2MiB-in-1MiB-frames": KVLayout(num_layers=2, num_kv_heads=16, head_dim=1024),
 }
 
 

@@ -50,7 +50,7 @@ from kvdepot.errors import (
 )  # fmt: skip
 from kvdepot.layout import KVLayout
 from kvdepot.protocol import messages as m
-from kvdepot.rpc.channel import RpcChannel
+from kvdepot.rpc.channel import OnBehind, RpcChannel
 from kvdepot.types import ChunkHash
 
 log = logging.getLogger(__name__)
@@ -192,12 +192,49 @@ class ContextLink:
             raise PathChanged()
         body.context_id = reg.context_id
         try:
-            return self.channel.call(body, payload, timeout_s=timeout_s or self._timeout(), want_payload=want_payload)
+            return self.channel.call(body, payload, timeout_s=timeout_s or self._timeout(), want_payload=want_payload,
+                                     on_late=self._give_back_late(body))  # fmt: skip
         except UnknownContext:
             body.context_id = self._reregister(reg).context_id
             if path is not None and self.path is not path:
                 raise PathChanged() from None
-            return self.channel.call(body, payload, timeout_s=timeout_s or self._timeout(), want_payload=want_payload)
+            return self.channel.call(body, payload, timeout_s=timeout_s or self._timeout(), want_payload=want_payload,
+                                     on_late=self._give_back_late(body))  # fmt: skip
+
+    def _give_back_late(self, body) -> OnBehind | None:
+        """For a request whose reply hands this client a lease (a shm PREPARE) or a pin: what to do with that reply
+        when it comes after the caller gave up (``RpcChannel.call``'s ``on_late``). Nobody holds that
+        lease, so it is ended at once, sent behind; left alone, it would end only at its TTL, and then
+        be quarantined for as long as this process runs (the server cannot know its offsets never
+        reached anyone): its slots never reused, its read pins never dropped."""
+        context_id = body.context_id
+        if isinstance(body, m.PrepareStoreRequest):
+
+            def on_late(result, error: KVDepotError | None) -> None:
+                if error is None and result.lease_id:
+                    abort = m.CommitStoreRequest(context_id=context_id, lease_id=result.lease_id, abort=True)
+                    with suppress(KVDepotError):
+                        self.channel.send_behind(abort, lambda _r, _e: None, timeout_s=self.options.timeout_s)
+
+            return on_late
+        if isinstance(body, m.PrepareRetrieveRequest):
+
+            def on_late(result, error: KVDepotError | None) -> None:
+                if error is None and result.lease_id:
+                    self.release_behind(m.CommitRetrieveRequest(context_id=context_id, lease_id=result.lease_id))
+
+            return on_late
+        if isinstance(body, m.PinPrefixRequest):
+            # A pin outlives its client and only its (random) id ends it: one the caller never learned
+            # would protect its prefix, against the salt's quota, until an operator found it.
+
+            def on_late(result, error: KVDepotError | None) -> None:
+                if error is None and result.pin_id:
+                    with suppress(KVDepotError):
+                        self.channel.send_behind(m.UnpinRequest(pin_id=result.pin_id), lambda _r, _e: None, timeout_s=self.options.timeout_s)
+
+            return on_late
+        return None
 
     def finish(self, body):
         """A request as is, never re-registering: a commit, whose lease a new context would not know. It

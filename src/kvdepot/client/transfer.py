@@ -406,7 +406,9 @@ class InlinePath:
         reg = h.registration
         n_found = len(hashes) - start if session_id else h.stored_chunks(hashes[start:], salt, probe=True)
         buffer = None
-        if reg.chunk_bytes > codec.TARGET_FRAME_BYTES and n_found:
+        # A chunk comes in one frame only when it fits both the senders' target and the frame limit
+        # (codec.rows_per_frame_for): above either, its frames are joined here.
+        if reg.chunk_bytes > min(codec.TARGET_FRAME_BYTES, reg.max_frame_bytes) and n_found:
             buffer = self._staging.acquire(n_found * reg.chunk_bytes)
         views: dict[int, np.ndarray] = {}
 

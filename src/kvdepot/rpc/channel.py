@@ -125,12 +125,23 @@ class RpcChannel:
 
     # --- requests ------------------------------------------------------------------------------------
 
-    def call(self, body, payload: Sequence = (), timeout_s: float = 10.0, want_payload: bool = False, closing: bool = False):
-        """One request, one reply (typed; the server's error reply raises the matching KVDepotError)."""
+    def call(self, body, payload: Sequence = (), timeout_s: float = 10.0, want_payload: bool = False, closing: bool = False,
+             on_late: OnBehind | None = None):  # fmt: skip
+        """One request, one reply (typed; the server's error reply raises the matching KVDepotError).
+
+        ``on_late``: when this call times out, its reply may still come (the server handled the request
+        after the caller gave up: its deadline starts when its loop receives the request, not when it
+        was sent). The reply is then handed to ``on_late`` as one sent behind (``send_behind``), so a
+        request that took something (a lease) can give it back instead of leaving it to nobody."""
         deadline = time.monotonic() + timeout_s
         with self._exclusive(body, timeout_s):
             rid = self._send(body, payload, deadline - time.monotonic(), closing)
-            return self._reply_to(body, rid, deadline, want_payload)
+            try:
+                return self._reply_to(body, rid, deadline, want_payload)
+            except KVDepotTimeout:
+                if on_late is not None:
+                    self._keep_behind(rid, body, on_late)
+                raise
 
     def begin(self, body, timeout_s: float = 10.0) -> PendingCall:
         """Send one request now and collect its reply later (``PendingCall.result``), so that a caller
@@ -155,11 +166,15 @@ class RpcChannel:
         ``MAX_BEHIND`` unread replies the oldest is forgotten, its reply then dropped as a late one."""
         with self._exclusive(body, timeout_s):
             rid = self._send(body, (), timeout_s)
-            self._behind[rid] = (body, on_reply)
-            while len(self._behind) > MAX_BEHIND:
-                forgotten = next(iter(self._behind))
-                log.debug("kvdepot: %d replies sent behind are unread; forgetting request %d", len(self._behind), forgotten)
-                del self._behind[forgotten]
+            self._keep_behind(rid, body, on_reply)
+
+    def _keep_behind(self, rid: int, body, on_reply: OnBehind) -> None:
+        """Have a later exchange hand ``rid``'s reply to ``on_reply``. Lock held."""
+        self._behind[rid] = (body, on_reply)
+        while len(self._behind) > MAX_BEHIND:
+            forgotten = next(iter(self._behind))
+            log.debug("kvdepot: %d replies sent behind are unread; forgetting request %d", len(self._behind), forgotten)
+            del self._behind[forgotten]
 
     def _took_behind(self, header, reply_body) -> bool:
         """If ``header`` answers a request sent behind: decode it, hand it over, True. Lock held."""

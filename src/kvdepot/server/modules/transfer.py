@@ -95,7 +95,7 @@ class TransferModule:
     def store_inline(self, call: Call) -> Reply:
         body: m.StoreInlineRequest = call.body
         context, keys = context_and_keys(self.ctx, call)
-        if not 0 <= body.first <= len(keys) or body.count < 0:
+        if not 0 <= body.first <= len(keys) or not 0 <= body.count <= len(keys) - body.first:
             raise BadRequest(f"first={body.first}, count={body.count} do not fit the {len(keys)} keys")
         protect = store_protects(call, keys, keys[: body.first])
         sent = keys[body.first : body.first + body.count] if body.count else keys[body.first :]
