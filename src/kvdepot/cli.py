@@ -55,8 +55,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     base = args.url.rstrip("/") if args.url else f"http://{args.http_host}:{args.http_port}"
     parts = urlsplit(base)
+    try:
+        port = parts.port
+    except ValueError as exc:  # a port out of range or not a number: a message, not a traceback
+        print(f"kvdepot status: {base}: {exc}", file=sys.stderr)
+        return 1
     if parts.scheme == "http" and parts.hostname:
-        why = probe(parts.hostname, parts.port or 80, min(args.timeout_s, 1.0))
+        why = probe(parts.hostname, port or 80, min(args.timeout_s, 1.0))
         if why:
             print(f"kvdepot status: {why}", file=sys.stderr)
             return 1

@@ -30,6 +30,7 @@ import msgspec
 from kvdepot.errors import ConfigError
 from kvdepot.hashing import HashAlgorithm
 from kvdepot.limits import MAX_CHUNK_TOKENS, MAX_FRAME_BYTES
+from kvdepot.redact import mask_url
 
 GiB = 1 << 30
 MIN_L1_GB = 1 / 1024  # 1 MiB: below that no real chunk fits
@@ -300,7 +301,7 @@ class ObservabilityConfig(ConfigStruct, frozen=True, kw_only=True):
 
     def _check_together(self) -> None:
         if self.otlp_endpoint and not self.otlp_endpoint.startswith(("http://", "https://")):
-            raise ConfigError(f"--otlp-endpoint {self.otlp_endpoint}: give an OTLP/HTTP URL, e.g. http://collector:4318/v1/traces")
+            raise ConfigError(f"--otlp-endpoint {mask_url(self.otlp_endpoint)}: give an OTLP/HTTP URL, e.g. http://collector:4318/v1/traces")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ConfigError("--kv-events-replay-endpoint replays what --kv-events-endpoint publishes: give that too")
         if self.kv_events_connect:
@@ -487,7 +488,7 @@ class ServerConfig(ConfigStruct, frozen=True, kw_only=True):
             host = urlsplit(obs.otlp_endpoint).hostname or ""
             if not is_loopback(host):
                 raise ConfigError(
-                    f"--otlp-endpoint {obs.otlp_endpoint} sends every request's span (with its tenant's cache_salt) in clear "
+                    f"--otlp-endpoint {mask_url(obs.otlp_endpoint)} sends every request's span (with its tenant's cache_salt) in clear "
                     f"text off this machine: use an https:// collector, one on 127.0.0.1, or give --insecure on a trusted network"
                 )
 

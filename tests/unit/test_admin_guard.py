@@ -313,3 +313,19 @@ def test_the_prometheus_port_lets_go_of_a_connection_that_sends_half_a_request(m
             assert b"200" in conn.recv(1024).split(b"\r\n", 1)[0]
     finally:
         server.close()
+
+
+def test_refusals_under_made_up_methods_stay_bounded_and_rate_limited(caplog):
+    """The method is the client's own token (uvicorn's h11 parser takes any): past the cap on paths, one
+    entry per made-up method grew without bound, and each logged a warning (the flood the log exists
+    to stop, which also pushed every real warning out of /events/recent)."""
+    import logging
+
+    from kvdepot.admin.http import RefusalLog
+
+    refusals = RefusalLog(every_s=60.0, clock=lambda: 0.0)
+    with caplog.at_level(logging.WARNING, logger="kvdepot.admin.http"):
+        for i in range(2000):
+            refusals.refused(f"X{i}", "/status", "Host 'evil' does not name this server")
+    assert len(refusals._by_path) <= RefusalLog.MAX_PATHS + 1, f"{len(refusals._by_path)} entries kept"
+    assert len(caplog.records) <= RefusalLog.MAX_PATHS + 1, f"{len(caplog.records)} warnings within one minute"

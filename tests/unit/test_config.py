@@ -318,3 +318,20 @@ def test_kv_events_connect_needs_an_address_to_connect_to():
     with pytest.raises(ConfigError, match="every interface"):
         ObservabilityConfig(kv_events_endpoint="tcp://*:5557", kv_events_connect=True)
     assert ObservabilityConfig(kv_events_endpoint="tcp://indexer:5557", kv_events_connect=True).kv_events_connect
+
+
+@pytest.mark.parametrize("endpoint", ["http://kv:s3cr3t-token@collector.example:4318/v1/traces", "grpc://kv:s3cr3t-token@collector.example:4317"])
+def test_config_errors_withhold_the_otlp_endpoints_password(endpoint):
+    """An OTLP/HTTP endpoint may carry credentials (sent as basic auth): the errors printed it whole."""
+    from kvdepot.config import ObservabilityConfig
+
+    with pytest.raises(ConfigError) as err:
+        ServerConfig(observability=ObservabilityConfig(otlp_endpoint=endpoint))
+    assert "s3cr3t-token" not in str(err.value)
+
+
+def test_status_with_a_port_out_of_range_is_a_message_not_a_traceback(capsys):
+    from kvdepot.cli import main
+
+    assert main(["status", "--url", "http://127.0.0.1:99999"]) == 1
+    assert "kvdepot status:" in capsys.readouterr().err

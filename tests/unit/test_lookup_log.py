@@ -38,3 +38,19 @@ def test_every_file_of_the_lookup_log_stays_private_across_rotations(tmp_path):
         assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600, name
     [line] = path.read_text().splitlines()
     assert json.loads(line)["salt"] == "tenant-last"
+
+
+def test_a_link_planted_at_the_log_path_is_refused_not_followed(tmp_path):
+    """The log names every tenant's salt: a link at its path (a shared directory, or put there between
+    two rotations) had every lookup appended to its target, and the target's mode set to 0600."""
+    import pytest
+
+    victim = tmp_path / "victim.conf"
+    victim.write_text("precious\n")
+    os.chmod(victim, 0o644)
+    link = tmp_path / "lookups.log"
+    os.symlink(victim, link)
+    with pytest.raises(OSError):
+        LookupLog(str(link)).close()
+    assert victim.read_text() == "precious\n"
+    assert stat.S_IMODE(os.stat(victim).st_mode) == 0o644, "the link's target was made 0600"

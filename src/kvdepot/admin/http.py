@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 
 REFUSAL_LOG_EVERY_S = 60.0
+KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
 class RefusalLog:
@@ -54,7 +55,9 @@ class RefusalLog:
     def refused(self, method: str, path: str, reason: str) -> None:
         key = (method, path)
         if key not in self._by_path and len(self._by_path) >= self.MAX_PATHS:
-            key = (method, "(other paths)")
+            # The method is the client's own token too (uvicorn's h11 parser takes any): past the cap,
+            # every other request shares one entry, or a peer that varies it floods the log again.
+            key = ("(other methods)" if method not in KNOWN_METHODS else method, "(other paths)")
         entry = self._by_path.setdefault(key, [0.0, 0])
         now = self._clock()
         if now < entry[0]:

@@ -22,7 +22,9 @@ class _PrivateRotatingFile(logging.handlers.RotatingFileHandler):
     whatever the umask): the log names every tenant's salt."""
 
     def _open(self):
-        fd = os.open(self.baseFilename, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        # O_NOFOLLOW: a link planted at the path (a shared directory, or between two rotations) is refused,
+        # not followed: its target would get every tenant's lookups appended and its mode changed to 0600.
+        fd = os.open(self.baseFilename, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         os.fchmod(fd, 0o600)  # also a file that was there before
         return open(fd, self.mode, encoding=self.encoding, errors=self.errors)
 

@@ -33,6 +33,7 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from kvdepot.events import ChunkRequestDone, RequestDone
+from kvdepot.redact import mask_url
 
 log = logging.getLogger(__name__)
 
@@ -141,4 +142,4 @@ class OtlpExport:
         flush.start()
         flush.join(timeout_s)
         if flush.is_alive():
-            log.warning("spans not exported to %s within %.0f s at shutdown were dropped", self.endpoint, timeout_s)
+            log.warning("spans not exported to %s within %.0f s at shutdown were dropped", mask_url(self.endpoint), timeout_s)
