@@ -98,6 +98,8 @@ def test_a_request_preempted_outside_a_schedule_then_aborted_is_freed_without_wa
     run_step(w, first)  # its save is handed to the saver thread
     if preempted_first:
         # reset_prefix_cache preempted it (its blocks are freed), then it was aborted.
+        req.num_preemptions += 1  # (vLLM's _preempt_request)
+        req.num_computed_tokens = 0
         delay, _ = conn.request_finished(req, [])
         nxt = conn.build_connector_meta(step(preempted={"r"}))
         assert nxt.preempted == ["r"]

@@ -32,7 +32,7 @@ class ChunkHashCache:
             raise ValueError(f"chunk of {chunk_tokens} tokens is not whole vLLM hash blocks of {hash_block_tokens}")
         self._blocks_per_chunk = chunk_tokens // hash_block_tokens
         self._capacity = capacity
-        self._map: OrderedDict[bytes, tuple[tuple[ChunkHash, ...], int]] = OrderedDict()
+        self._map: OrderedDict[bytes | tuple[bytes, bytes], tuple[tuple[ChunkHash, ...], int]] = OrderedDict()
         self._algorithm: object = None
         self.hits = 0  # chunks whose hash came from the cache
         self.misses = 0  # chunks the caller had to hash after asking
@@ -47,22 +47,25 @@ class ChunkHashCache:
             self._map.clear()
             self._algorithm = algorithm
 
-    def known(self, block_hashes: Sequence[bytes], have: int, n_chunks: int) -> tuple[ChunkHash, ...]:
+    def known(self, block_hashes: Sequence[bytes], have: int, n_chunks: int, root: bytes = b"") -> tuple[ChunkHash, ...]:
         """The chain of chunk hashes of this prefix, as far as it is cached, up to ``n_chunks`` chunks;
         empty when nothing past the ``have`` chunks the caller already holds is cached. Chunks whose end
-        vLLM has not hashed yet are never known."""
+        vLLM has not hashed yet are never known. ``root``: where the chain starts (a LoRA adapter's root,
+        adapters.py): vLLM's hashes name an adapter by its name and path only, and an adapter reloaded
+        in place keeps both but gets a new root."""
         top = min(n_chunks, len(block_hashes) // self._blocks_per_chunk)
         if top <= have:
             return ()
         bpc = self._blocks_per_chunk
         entries = self._map
         end = top - 1
-        found = entries.get(block_hashes[(end + 1) * bpc - 1])
+        key = _keyer(root)
+        found = entries.get(key(block_hashes[(end + 1) * bpc - 1]))
         if found is None:  # a prefix of it, maybe: bisect for the last cached chunk end in [have, end)
             lo, hi = have, end
             while lo < hi:
                 mid = (lo + hi) // 2
-                got = entries.get(block_hashes[(mid + 1) * bpc - 1])
+                got = entries.get(key(block_hashes[(mid + 1) * bpc - 1]))
                 if got is None:
                     hi = mid
                 else:
@@ -70,23 +73,32 @@ class ChunkHashCache:
             if found is None:
                 self.misses += top - have
                 return ()
-        entries.move_to_end(block_hashes[(end + 1) * bpc - 1])
+        entries.move_to_end(key(block_hashes[(end + 1) * bpc - 1]))
         chain, length = found
         self.hits += length - have
         self.misses += top - length
         return chain[:length]
 
-    def put(self, block_hashes: Sequence[bytes], start: int, chain: Sequence[ChunkHash]) -> None:
-        """Remember chunks ``start..len(chain)-1`` of this prefix's chain (those whose end vLLM has hashed)."""
+    def put(self, block_hashes: Sequence[bytes], start: int, chain: Sequence[ChunkHash], root: bytes = b"") -> None:
+        """Remember chunks ``start..len(chain)-1`` of this prefix's chain (those whose end vLLM has hashed),
+        a chain that starts from ``root``."""
         bpc = self._blocks_per_chunk
         last = min(len(chain), len(block_hashes) // bpc)
         if last <= start:
             return
         frozen = tuple(chain[:last])
         entries = self._map
+        keyer = _keyer(root)
         for i in range(start, last):
-            key = block_hashes[(i + 1) * bpc - 1]
+            key = keyer(block_hashes[(i + 1) * bpc - 1])
             entries[key] = (frozen, i + 1)
             entries.move_to_end(key)
         while len(entries) > self._capacity:
             entries.popitem(last=False)
+
+
+def _keyer(root: bytes):
+    """The cache key of a vLLM prefix hash for a chain from ``root`` (the hash alone for the base model)."""
+    if not root:
+        return lambda h: h
+    return lambda h: (root, h)

@@ -80,6 +80,7 @@ class RequestState:
     load_failed: bool = False  # a load of its hit failed: served uncached from then on (not retried)
     stored_chunks: int = 0  # chunks [0, stored) are in kvdepot or saved by an earlier step
     saves_planned: int = 0  # save ops handed to the workers (async saves: its blocks wait for them)
+    preemptions: int = 0  # vLLM's request.num_preemptions when this side last heard of a preemption
     block_ids: list[int] = field(default_factory=list)
 
     def __repr__(self) -> str:

@@ -293,7 +293,11 @@ class SchedulerSide:
         # vLLM holds no blocks of it: preempted between schedules (reset_prefix_cache) and aborted before
         # build_connector_meta said so. The workers drain and forget its saves when that preemption
         # reaches them, so none is reported: waiting for one would keep the request in vLLM for good.
-        saving = self.config.async_saves and st.saves_planned > 0 and (block_ids is None or bool(block_ids))
+        # (Told by vLLM's preemption count, not by an empty ``block_ids``: vLLM passes the blocks of the
+        # computed tokens only, and a synchronous load whose first block failed leaves a request that
+        # still holds all its blocks with none computed; the workers do report that one.)
+        preempted_unseen = getattr(request, "num_preemptions", st.preemptions) > st.preemptions
+        saving = self.config.async_saves and st.saves_planned > 0 and not preempted_unseen
         self._end_session(st)
         return loading or saving, None
 
@@ -311,7 +315,8 @@ class SchedulerSide:
             params = getattr(request, "kv_transfer_params", None)
             root = self._root(request)
             st = RequestState(request.request_id, request, request.cache_salt or "", root is not None,
-                              source_hint(params), agent_session(params), root=root or b"")  # fmt: skip
+                              source_hint(params), agent_session(params), root=root or b"",
+                              preemptions=getattr(request, "num_preemptions", 0))  # fmt: skip
             self.states[request.request_id] = st
         elif st.phase is Phase.ADMITTED:
             # Admitted again before build_connector_meta told us of its preemption (vLLM preempted and
@@ -340,7 +345,7 @@ class SchedulerSide:
         seen = st.request.block_hashes if cache is not None else ()
         if cache is not None:
             cache.use(algorithm)  # a server restarted with another algorithm: nothing cached holds
-            known = cache.known(seen, len(st.hashes), n_chunks)  # a prefix this engine saw before: not hashed again
+            known = cache.known(seen, len(st.hashes), n_chunks, st.root)  # a prefix this engine saw before: not hashed again
             st.hashes.extend(known[len(st.hashes) :])
         have = len(st.hashes)
         if have < n_chunks:
@@ -350,7 +355,7 @@ class SchedulerSide:
             extras = self._extras(st.request, have, n_chunks)
             st.hashes.extend(chunk_hashes(tokens, cs, algorithm, prefix, extras))  # (a list: no numpy detour)
             if cache is not None:
-                cache.put(seen, have, st.hashes)
+                cache.put(seen, have, st.hashes, st.root)
         return st.hashes[:n_chunks]
 
     def _media_still_named(self, st: RequestState) -> bool:
@@ -495,6 +500,7 @@ class SchedulerSide:
         drained by the workers before the blocks could be reused, so none is owed a report any more."""
         self._end_session(st)
         st.saves_planned = 0
+        st.preemptions = getattr(st.request, "num_preemptions", st.preemptions)
         if st.phase is not Phase.NEW:
             st.preempt()
 
