@@ -6,7 +6,6 @@ vLLM's own request, block and scheduler-output types; no engine is started.
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace as NS
 
 import numpy as np
@@ -15,7 +14,7 @@ import pytest
 from kvdepot import ClientOptions, KVClient, KVLayout
 from kvdepot.bench.engines.vllm_engines import require_vllm
 
-from support.vllm_objects import blocks, request, step, tokens
+from support.vllm_objects import blocks, reports, request, run_step, step, tokens
 
 CS = BS = 128  # one chunk is one vLLM CPU block here
 MODEL = "edges-model"
@@ -63,21 +62,6 @@ def worker(url: str, **options):
     return w
 
 
-def run_step(w, meta) -> None:
-    """A worker's step as vLLM drives it: preemptions first, then the loads, the forward, the saves."""
-    w.handle_preemptions(meta)
-    w.start_load_kv(meta)
-    w.wait_for_save(meta)
-
-
-def reports(w, finished: set[str], wait_s: float = 1.0) -> set[str]:
-    """What the worker reports finished (get_finished's first set) over a few steps."""
-    got = w.take_finished_saves(finished)
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
-        got |= w.take_finished_saves(set())
-    return got
 
 
 @pytest.mark.parametrize("preempted_first", [True, False])

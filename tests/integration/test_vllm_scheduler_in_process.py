@@ -5,7 +5,6 @@ and a chain's keys follow its adapter's root."""
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace as NS
 
 import pytest
@@ -13,7 +12,7 @@ import pytest
 from kvdepot.bench.engines.vllm_engines import require_vllm
 from kvdepot.hashing import HashAlgorithm
 
-from support.vllm_objects import blocks, request, step, tokens
+from support.vllm_objects import blocks, reports, request, run_step, step, tokens
 
 CS = BS = 128
 
@@ -70,19 +69,6 @@ def worker_without_server():
     return w
 
 
-def run_step(w, meta) -> None:
-    w.handle_preemptions(meta)
-    w.start_load_kv(meta)
-    w.wait_for_save(meta)
-
-
-def reports(w, finished: set[str], wait_s: float = 1.0) -> set[str]:
-    got = w.take_finished_saves(finished)
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
-        got |= w.take_finished_saves(set())
-    return got
 
 
 def test_a_request_aborted_after_its_first_loaded_block_failed_is_reported_as_vllm_waits_for():

@@ -5,6 +5,7 @@ that skips without vLLM (``require_vllm``) can still import this module.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -71,3 +72,20 @@ def step(new: Iterable = (), cached: Iterable = (), scheduled: Mapping[str, int]
     so.total_num_scheduled_tokens = sum(so.num_scheduled_tokens.values())
     so.preempted_req_ids = set(preempted)
     return so
+
+
+def run_step(w: Any, meta: Any) -> None:
+    """A worker half's step as vLLM drives it: preemptions first, then the loads, the forward, the saves."""
+    w.handle_preemptions(meta)
+    w.start_load_kv(meta)
+    w.wait_for_save(meta)
+
+
+def reports(w: Any, finished: set[str], wait_s: float = 1.0) -> set[str]:
+    """What a worker half reports finished (get_finished's first set) over a few steps."""
+    got = w.take_finished_saves(finished)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        got |= w.take_finished_saves(set())
+    return got
