@@ -296,3 +296,32 @@ def test_a_plugin_never_imports_from_the_servers_working_directory(tmp_path, mon
     assert proc is not None
     assert proc.wait(60) != 7  # the real json.tool ran (it refuses an empty stdin), not the shadow
     assert not marker.exists()
+
+
+def test_a_plugin_told_to_stop_before_its_thread_ran_is_never_started(monkeypatch):
+    """A server closed right after it started (SIGTERM during start-up): the stop came while the
+    plugin's thread had not yet run, found the plugin STOPPED and left it so, and the thread then
+    started the process, which got no SIGTERM: the shutdown waited out the grace period to kill it."""
+    import threading
+
+    from kvdepot.server.plugins import Plugin, PluginState
+
+    gate = threading.Event()
+    real_run = Plugin._run
+
+    def late_run(self):  # the thread runs a moment after start(): the stop gets in first
+        gate.wait(5)
+        real_run(self)
+
+    monkeypatch.setattr(Plugin, "_run", late_run)
+    plugin = Plugin("late", "http.server", ("0", "--bind", "127.0.0.1"), dict(os.environ))
+    plugin.start()
+    plugin.signal(signal.SIGTERM)  # what PluginSupervisor.stop() does first
+    gate.set()
+    stopped = plugin.join(1.0)
+    snap = plugin.snapshot()
+    if not stopped:  # end the process the stop missed
+        plugin.signal(signal.SIGKILL)
+        plugin.join(5.0)
+    assert stopped, f"the plugin was started after it was told to stop: {snap}"
+    assert snap["state"] == PluginState.STOPPED.value and snap["restarts"] == 0

@@ -10,7 +10,7 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 
 from kvdepot.config import ObservabilityConfig
 from kvdepot.errors import ConfigError
-from kvdepot.events import EventKind, L1Changed, NamespaceSeen, ObjectEvent, TierCleared, TierStored
+from kvdepot.events import EventKind, L1Changed, NamespaceSeen, ObjectEvent, TierCleared, TierRemoved, TierStored
 from kvdepot.observability import kv_events
 from kvdepot.observability.bus import MAX_BATCH, EventBus
 from kvdepot.observability.kv_events import END_OF_REPLAY, KVEventsPublisher
@@ -203,6 +203,27 @@ def test_namespaces_are_forgotten_least_recently_used_first(make, monkeypatch):
     assert removed == [block(0)]  # the busy namespace is still known
     assert pub.unknown_namespace == 1  # the quiet one was forgotten
     assert "kvdepot_kv_event_unknown_namespace_total 1.0" in metrics.text().decode()
+
+
+@pytest.mark.parametrize("where", ["l1", "tier"])
+def test_a_removal_of_a_block_whose_namespace_was_forgotten_since_reaches_the_router(make, monkeypatch, where):
+    """Every rank and salt takes a place among the namespaces remembered, and a context announces its
+    namespace once: a quiet one is forgotten. Its announced blocks' removals were then skipped as of an
+    unknown namespace, and the router kept them for ever. They go by the topic they were announced on."""
+    monkeypatch.setattr(kv_events, "MAX_NAMESPACES", 2)
+    pub = make()
+    pub.name_tiers([("fs0", "fs")])
+    router = Router(make.ctx, pub, b"m")
+    pub.start()
+    quiet, key = namespace(1), ObjectKey(namespace(1) + block(0))
+    stored = l1(EventKind.STORED, quiet, range(1)) if where == "l1" else TierStored("fs0", "fs", (key,))
+    pub.handle([seen(quiet, "m"), stored])
+    pub.handle([seen(namespace(2), "m"), seen(namespace(3), "m")])  # two other salts or ranks: quiet is forgotten
+    removed = l1(EventKind.REMOVED, quiet, range(1)) if where == "l1" else TierRemoved("fs0", "fs", (key,), "evicted")
+    pub.handle([removed])
+    got = router.read()
+    assert any(isinstance(e, BlockStored) for _, _, b in got for e in b.events)
+    assert rebuild(got) == set(), "the router was never told the block left"
 
 
 # --- what is remembered per L2 medium -------------------------------------------------------------------

@@ -251,6 +251,9 @@ class KVEventsPublisher:
         self._metrics = metrics
         self._namespaces: OrderedDict[bytes, NamespaceSeen] = OrderedDict()  # least recently used first
         self._l1 = _Generations()
+        # key -> its topic: rank 0's blocks announced in L1 (bounded by what L1 holds), so that their removal
+        # is told even once their namespace was forgotten (a skipped removal is a phantom block for ever)
+        self._in_l1: dict[bytes, bytes] = {}
         # medium -> key -> its topic: rank 0's blocks announced there, least recently announced first
         self._in_tier: dict[str, OrderedDict[bytes, bytes]] = {}
         self._tokens: OrderedDict[bytes, bytes] = OrderedDict()  # key -> its chunk's token ids (uint32), newest last
@@ -348,15 +351,21 @@ class KVEventsPublisher:
             elif isinstance(e, L1Changed):
                 fresh = [o for o in e.events if self._l1.newest(o)]
                 for stored, run in itertools.groupby(fresh, key=lambda o: o.kind is EventKind.STORED):
-                    (self._stored if stored else self._removed)(by_topic, [o.key for o in run], L1_MEDIUM)
+                    (self._l1_stored if stored else self._l1_removed)(by_topic, [o.key for o in run])
             elif isinstance(e, TierStored):
                 self._tier_stored(by_topic, e.keys, self._medium(e.tier, e.kind))
             elif isinstance(e, TierRemoved):
                 medium = self._medium(e.tier, e.kind)
                 announced = self._in_tier.get(medium, {})
+                withdrawn, others = [], []
                 for key in e.keys:
-                    announced.pop(bytes(key), None)
-                self._removed(by_topic, e.keys, medium)
+                    topic = announced.pop(bytes(key), None)
+                    if topic is None:
+                        others.append(key)
+                    else:
+                        withdrawn.append((bytes(key), topic))
+                self._withdraw(by_topic, withdrawn, medium)  # by the topic announced: its namespace may be forgotten
+                self._removed(by_topic, others, medium)
             elif isinstance(e, TierCleared):
                 medium = self._medium(e.tier, e.kind)
                 self._withdraw(by_topic, self._in_tier.pop(medium, {}).items(), medium)
@@ -371,6 +380,7 @@ class KVEventsPublisher:
         for topic in sorted(self._last_seq):
             self._send(topic, [AllBlocksCleared()])
         self._in_tier.clear()
+        self._in_l1.clear()
         self.resets += 1
         if self._metrics is not None:
             self._metrics.kv_event_resets.inc()
@@ -478,6 +488,28 @@ class KVEventsPublisher:
 
     def _stored(self, by_topic: dict[bytes, list], keys: Iterable[ObjectKey], medium: str) -> None:
         self._stored_blocks(by_topic, self._blocks(keys), medium)
+
+    def _l1_stored(self, by_topic: dict[bytes, list], keys: Iterable[ObjectKey]) -> None:
+        """Announce L1's stores and remember each announced block's topic (until its removal)."""
+        blocks = self._blocks(keys)
+        self._stored_blocks(by_topic, blocks, L1_MEDIUM)
+        for ns_digest, (ns, hashes) in blocks.items():
+            topic = self._topic(ns.model)
+            for h in hashes:
+                self._in_l1[ns_digest + h] = topic
+
+    def _l1_removed(self, by_topic: dict[bytes, list], keys: Iterable[ObjectKey]) -> None:
+        """L1's removals: an announced block's by the topic it was announced on (its namespace may have
+        been forgotten since), any other's as before."""
+        withdrawn, others = [], []
+        for key in keys:
+            topic = self._in_l1.pop(bytes(key), None)
+            if topic is None:
+                others.append(key)
+            else:
+                withdrawn.append((bytes(key), topic))
+        self._withdraw(by_topic, withdrawn, L1_MEDIUM)
+        self._removed(by_topic, others, L1_MEDIUM)
 
     def _stored_blocks(self, by_topic: dict[bytes, list], blocks: dict[bytes, tuple[NamespaceSeen, list[bytes]]], medium: str) -> None:
         for ns_digest, (ns, hashes) in blocks.items():

@@ -148,7 +148,9 @@ class Plugin:
         delay = FIRST_DELAY_S
         while True:
             with self._lock:
-                if self._state is PluginState.STOPPING:
+                # _wake is set by signal() only: told to stop while still STOPPED (before this thread's first
+                # round), a plugin must not be started
+                if self._state is PluginState.STOPPING or self._wake.is_set():
                     break
                 self._move(PluginState.STARTING)
                 proc = self._spawn()
@@ -170,7 +172,8 @@ class Plugin:
             self._wake.wait(delay)
             delay = min(delay * 2, MAX_DELAY_S)
         with self._lock:
-            self._move(PluginState.STOPPED)
+            if self._state is not PluginState.STOPPED:
+                self._move(PluginState.STOPPED)
 
     def _spawn(self) -> subprocess.Popen | None:
         """Start the process (lock held, so ``stop`` never misses it); None if it could not be."""
