@@ -242,10 +242,14 @@ class WorkerSide:
     @contextmanager
     def retrieve(self, op: LoadOp) -> Iterator[list[np.ndarray]]:
         """The views of the op's chunks (a prefix of them: what the server still has). Chunks not
-        given, or whose block failed to end, are reported as errors. (A shm block's release goes behind
-        and cannot fail it: the server keeps a live reader's pins, so what was read is sound.)"""
+        given are reported as errors at once, before the views are used: a layer-by-layer load ends
+        only in ``wait_for_save``, which vLLM calls after ``get_block_ids_with_load_errors`` when it
+        defers it past the drafter (speculative decoding), and that step's token must not be kept.
+        Chunks whose block failed to end are reported then. (A shm block's release goes behind and
+        cannot fail it: the server keeps a live reader's pins, so what was read is sound.)"""
         stack = ExitStack()
         found = 0
+        reported = len(op.hashes)  # chunks from here on are reported missing already
         try:
             views: list[np.ndarray] = []
             client = self._resilient.get(Direction.LOAD) if self._resilient is not None else None
@@ -255,6 +259,9 @@ class WorkerSide:
                 except KVDepotError as exc:
                     self._failed(Direction.LOAD, exc, f"the load for {op.req_id}")
             found = len(views)
+            if found < reported:
+                self._report_missing(op, found)
+                reported = found
             if self.config.debug_load_delay_s:
                 time.sleep(self.config.debug_load_delay_s)  # (its lease is renewed meanwhile)
             yield views
@@ -264,7 +271,7 @@ class WorkerSide:
             except KVDepotError as exc:  # the block's end failed: its bytes are not trusted
                 self._failed(Direction.LOAD, exc, f"the load for {op.req_id}")
                 found = 0
-            if found < len(op.hashes):
+            if found < reported:
                 self._report_missing(op, found)
 
     def _scatter(self, op: LoadOp, i: int, view: np.ndarray, layer: int | None = None) -> None:
