@@ -13,6 +13,7 @@ import time
 import pytest
 from support.peer_cluster import NodeProcess, check_pages, keys, page_bytes, wait_for
 
+from kvdepot.bench.serverproc import free_port
 from kvdepot.peer import PeerStore
 from kvdepot.peer.dataplane import PageOutcome, PageRead
 from kvdepot.protocol import messages as m
@@ -267,6 +268,23 @@ def test_a_stalled_peer_is_a_timely_miss_and_serves_again_after(nodes):
         wait_for(lambda: check_pages(reader, "p", 20, SIZE)["hit"] == 20, 15, "service back after the stall")
 
 
+def test_a_node_started_before_its_head_joins_once_the_head_is_up():
+    """start() waits up to join_timeout_s for a master, but asked only once: the heartbeat thread starts
+    after that wait, so a node launched a moment before its head (a whole cluster started at once)
+    waited out the timeout and came up unjoined."""
+    port = free_port()
+    head: list[PeerStore] = []
+    late = threading.Timer(1.0, lambda: head.append(PeerStore(port=port, data_port=0, secret=SECRET, **FAST)))
+    late.start()
+    try:
+        with store(f"127.0.0.1:{port}", join_timeout_s=15.0) as node:
+            assert node.node.joined, "a head up 1 s after the node was never asked again within join_timeout_s"
+    finally:
+        late.join()
+        for h in head:
+            h.close()
+
+
 def test_a_batch_larger_than_the_pool_reports_only_the_pages_it_kept():
     """A later page of the same call evicts an earlier one from a full pool: the call used to report
     that one stored anyway, and SGLang took it for backed up though no node had it."""
@@ -418,6 +436,33 @@ def test_a_lookup_cut_short_by_its_own_deadline_does_not_suspect_the_owner():
             assert suspected()
         finally:
             gate.set()
+
+
+def test_records_of_pages_deleted_while_their_owner_was_stalled_do_not_outlive_its_return(nodes):
+    """The others expire a shard owner stopped past the TTL and send their unpublishes to the owners of
+    the new ring only (one owed to it is dropped once it has left). Back, its own view unchanged, it
+    kept the records of pages deleted meanwhile for good: every existence check counted pages no node
+    held. Now a node back after a TTL without a master's answer starts a new run with an empty shard of
+    others' records, and every node publishes its pages to it again."""
+    one_master = {"max_masters": 1}
+    head = nodes(extra=one_master)
+    d = nodes(discovery=head.node_id, extra=one_master)
+    with store(head.node_id, **one_master) as writer, store(head.node_id, **one_master) as reader:
+        wait_for(lambda: members_of(writer) == members_of(reader) == len(d.command("status")["members"]) == 4, 15, "4 members")
+        names = keys("gone", 60)
+        assert writer.batch_set(names, [page_bytes(n, 4096) for n in names]) == [True] * 60
+        assert d.command("status")["directory_records"] > 0  # d owns some of these keys' records
+        kept = keys("kept", 20)
+        assert reader.batch_set(kept, [page_bytes(n, 4096) for n in kept]) == [True] * 20
+        d.pause()
+        try:
+            wait_for(lambda: members_of(writer) == members_of(reader) == 3, 15, "d expired by the others")
+            assert sum(writer.delete(n) for n in names) == 60  # unpublished at the owners of now: d is not one
+        finally:
+            d.resume()
+        wait_for(lambda: members_of(writer) == members_of(reader) == 4 and d.command("status")["joined"], 15, "d back")
+        wait_for(lambda: reader.exists_many(names) == [False] * 60, 10, "the deleted pages gone from every shard")
+        assert check_pages(reader, "kept", 20, 4096) == {"hit": 20, "miss": 0, "wrong": 0}  # d's shard included
 
 
 def test_a_node_stalled_past_the_ttl_publishes_its_pages_again_when_it_wakes(nodes):

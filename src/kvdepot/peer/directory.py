@@ -81,6 +81,10 @@ class DirectoryShard:
                 del self._runs[node]
             return self._drop_locked(lambda key, rec: rec.node not in live)
 
+    def drop_other_nodes(self, node: str) -> int:
+        """Drop every record not of ``node`` (this node, back from an absence); returns how many went."""
+        return self._drop(lambda key, rec: rec.node != node)
+
     def keep_keys(self, mine: Callable[[bytes], bool]) -> int:
         """Drop the records of keys this shard no longer owns (after the ring changed)."""
         return self._drop(lambda key, rec: not mine(key))

@@ -127,6 +127,7 @@ class PeerNode:
         self._warmer = None  # a one-thread executor promoting pages that exists() found on disk
         self._cut_off = False  # no master answered the last heartbeat round
         self._last_heard = 0.0  # when a master last answered this node's heartbeat (monotonic)
+        self._last_answered_sent = 0.0  # when the last heartbeat a master answered was sent (monotonic)
         self.metrics = PeerMetrics(self._metrics_state)
         self._metrics_server = None
         self.planner = PullPlanner()
@@ -171,9 +172,9 @@ class PeerNode:
             raise
         self._data_server.start()
         self.state = NodeState.RUNNING
-        self._last_heard = time.monotonic()
+        self._last_heard = self._last_answered_sent = time.monotonic()
         self._tick()
-        if self.head != self.info.id and not self._joined.wait(cfg.join_timeout_s):
+        if self.head != self.info.id and not self._join_within(cfg.join_timeout_s):
             log.warning("peer %s: no master answered in %.1f s (is %s up, and is the secret right?); serving own pages, still trying",
                         self.info.id, cfg.join_timeout_s, self.head)  # fmt: skip
         if cfg.metrics_port:
@@ -187,6 +188,18 @@ class PeerNode:
         log.info("peer node %s up (data port %d, head %s, %s)", self.info.id, self.info.data_port, self.head,
                  "secret set" if self.secured else "open cluster: no secret")  # fmt: skip
         return self
+
+    def _join_within(self, timeout_s: float) -> bool:
+        """Heartbeat rounds until a master answers or ``timeout_s`` passes (the heartbeat thread is not
+        running yet: a head that comes up a moment after this node is joined a round later, not when the
+        whole timeout has passed)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._joined.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 or self._joined.wait(min(self.config.heartbeat_interval_s, left)):
+                break
+            self._safe_tick()
+        return self._joined.is_set()
 
     def close(self) -> None:
         if self.state is NodeState.CLOSED:
@@ -905,12 +918,18 @@ class PeerNode:
         targets = [t for t in dict.fromkeys(self.masters() + self.config.bootstrap) if t != self.info.id]
         body = m.PeerHeartbeatRequest(node=self.info)
         views: list[PeerMembershipReply] = []
+        answered_sent = None  # when the first heartbeat a master answered this round was sent
+        if not targets:
+            self._last_answered_sent = time.monotonic()  # the only master it knows is itself: never away from one
         for target in targets:
+            sent = time.monotonic()
             try:
                 view = self._call(target, body, min(self.config.control_timeout_s, self.config.heartbeat_interval_s))
             except KVDepotError:
                 continue
             views.append(view)
+            if answered_sent is None:
+                answered_sent = sent
         if self._is_master():
             for other in views:
                 self._table.adopt(other)
@@ -934,6 +953,12 @@ class PeerNode:
             heard = time.monotonic()
             rejoined = self._cut_off or heard - self._last_heard > self.config.member_ttl_s - self.config.heartbeat_interval_s
             self._last_heard = heard
+            # No master can have heard this node for longer than this between two answered heartbeats:
+            # past the TTL, some may have expired it (a round slowed by a dead target never gets here).
+            if answered_sent is not None and answered_sent - self._last_answered_sent > self.config.member_ttl_s:
+                self._renew_run()
+            if answered_sent is not None:
+                self._last_answered_sent = answered_sent
         self._cut_off = False
         self._apply(view, republish=rejoined)
         self._repay()
@@ -992,6 +1017,22 @@ class PeerNode:
                     "taking a run after it and publishing again", self.info.id, (earlier - self.info.incarnation) / 1e9)  # fmt: skip
         self.info = msgspec.structs.replace(self.info, incarnation=earlier + 1)
         self._table.heard(self.info)
+
+    def _renew_run(self) -> None:
+        """Back after about a TTL with no master's answer (a partition, a stall): the others have likely
+        expired this node and dropped it from their rings, so the unpublishes of pages they let go
+        meanwhile never came here, and nothing would ever remove those records from this shard (its own
+        view may not have changed at all). Drop every other node's record and go on as a new run of this
+        node, announced from the next heartbeat on: every node that sees the new run publishes all its
+        pages again (``_apply``), after this drop, so this shard ends up with what they hold, and a node
+        that had not expired this one is no exception."""
+        assert self.info is not None and self._table is not None
+        self.info = msgspec.structs.replace(self.info, incarnation=max(_new_incarnation(), self.info.incarnation + 1))
+        self._table.heard(self.info)
+        dropped = self.shard.drop_other_nodes(self.info.id)
+        self._heartbeat.kick()  # say so now, not a heartbeat later
+        log.warning("peer %s: back after no master answered for about a TTL: a new run; %d records of other nodes dropped "
+                    "(they publish again)", self.info.id, dropped)  # fmt: skip
 
     def _republish(self) -> None:
         """Publish every page this node holds to its owners under the current ring (those only on its
