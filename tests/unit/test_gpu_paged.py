@@ -138,6 +138,29 @@ def test_groups_address_their_own_layers(device):
     assert torch.equal(bits(out[0, :, 1]), bits(src[1][:, [1, 9]].reshape(2, 2 * BS, H, D)))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "apart"])
+def test_layers_that_all_share_a_group_other_than_the_first_use_that_groups_ids(device, stacked):
+    """Every layer in group 1 (a client's registration may say so): the one-kernel path of layers in
+    one allocation took group 0's ids, which address no layer, so a store gathered the wrong blocks and
+    a retrieve overwrote blocks of other requests; the per-layer path was right."""
+    src = random_layers("kv_first", "float16", device, stacked, seed=4)
+    cache = DevicePagedCache(src, "kv_first", BS, groups=[1] * L)
+    assert cache.num_groups == 2 and (cache._stacked is not None) == stacked
+    out = torch.empty((1, 2, L, 2 * BS, H, D), dtype=torch.float16, device=device)
+    cache.gather(cache.check_ids([[0, 1], [7, 5]], 2), out)
+    for layer in range(L):
+        assert torch.equal(bits(out[0, :, layer]), bits(src[layer][:, [7, 5]].reshape(2, 2 * BS, H, D)))
+    before = [t.clone() for t in src]
+    flipped = torch.flip(out, dims=[3])  # the tokens in reverse: bytes those blocks do not hold yet
+    cache.scatter(flipped, cache.check_ids([[0, 1], [7, 5]], 2))
+    settled(src)
+    for layer in range(L):
+        got = src[layer][:, [7, 5]].reshape(2, 2 * BS, H, D)
+        assert torch.equal(bits(got), bits(flipped[0, :, layer])), "group 1's blocks were not written"
+        assert torch.equal(bits(src[layer][:, [0, 1]]), bits(before[layer][:, [0, 1]])), "blocks of group 0 (no layer's) were written"
+
+
 def test_block_ids_are_checked_before_any_kernel():
     cache = DevicePagedCache(random_layers("kv_first", "float16", "cpu", True), "kv_first", BS)
     with pytest.raises(IndexError, match="outside"):

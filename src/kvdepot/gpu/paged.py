@@ -174,7 +174,7 @@ class DevicePagedCache:
         n, k, nl, tokens, h, d = out.shape
         out = out.view(self.views[0].dtype)
         if self._stacked is not None:
-            sel = self._stacked.index_select(2, self.device_ids(block_ids[0]))
+            sel = self._stacked.index_select(2, self.device_ids(block_ids[self.groups[0]]))  # every layer's group (one)
             out.copy_(sel.view(nl, k, n, tokens, h, d).permute(2, 1, 0, 3, 4, 5))
             return
         # Layers allocated apart: one indexing kernel per layer, writing straight into the strided chunk
@@ -198,7 +198,7 @@ class DevicePagedCache:
         layers = layers if layers is not None else range(nl)
         self._check_write_mode()
         if self._stacked is not None:
-            index = self.device_ids(block_ids[0][skip:])
+            index = self.device_ids(block_ids[self.groups[0]][skip:])  # every layer's group (one)
             part = src[:, :, layers.start : layers.stop].permute(2, 1, 0, 3, 4, 5).reshape(len(layers), k, per, bs, h, d)
             self._stacked[layers.start : layers.stop].index_copy_(2, index, part[:, :, skip:])
             return
