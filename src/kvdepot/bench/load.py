@@ -5,11 +5,13 @@ one real server. Once all are connected they start together and for ``--seconds`
 round: LOOKUP of its prompt (a Python list of token ids, as vLLM hands them over, hashed on the way),
 PREPARE of the prompt's chunks (``prepare_retrieve`` with the hashes the lookup made) and the copy out
 of them, and a PING; every call is timed. Prompts are ``own`` (each client its own, stored by itself
-first) or ``shared`` (one prompt that every client reads). Limits in the same run: single-thread
-memcpy of the same chunk sizes (aggregate GB/s) and a raw ZeroMQ round trip (latencies).
+first) or ``shared`` (one prompt that every client reads). Limits in the same run: memcpy of the
+same chunk sizes on min(clients, CPUs) threads at once (aggregate GB/s) and a raw ZeroMQ round trip
+(latencies).
 
 Two phases per client count: back to back (every client runs rounds without pause: the aggregate
-GB/s, and what latency becomes when the clients saturate the cores), then paced (``--rate`` rounds a
+GB/s: each client's bytes over the time to the end of its last round, summed; and what latency
+becomes when the clients saturate the cores), then paced (``--rate`` rounds a
 second per client from random phases, as requests reach engines: the latencies the target reads).
 
 What the figures answer: does the aggregate hold as clients are added, how far the tail of a LOOKUP
@@ -31,7 +33,7 @@ import numpy as np
 
 from kvdepot.bench.rawzmq import round_trips_like
 from kvdepot.bench.serverproc import ServerProcess, bench_server, wait_prefault
-from kvdepot.bench.stats import loadavg, memcpy_gbps, percentile
+from kvdepot.bench.stats import loadavg, memcpy_gbps_threads, percentile
 from kvdepot.layout import KVLayout
 
 MiB = 1 << 20
@@ -89,6 +91,7 @@ def _rounds(c, tokens: list[int], hashes: list, dst: list[np.ndarray], start: fl
     """Rounds from ``start`` until ``end`` (wall clock): back to back (``rate`` 0), or ``rate`` a
     second at a fixed pace from a random phase, as requests reach an engine."""
     lookup, prepare, ping, rounds, moved = [], [], [], 0, 0
+    finished = start  # wall clock at the end of the last round: a round begun before ``end`` ends after it
     pc = time.perf_counter
     period = 1.0 / rate if rate else 0.0
     due = start + (np.random.default_rng().random() * period)
@@ -113,13 +116,14 @@ def _rounds(c, tokens: list[int], hashes: list, dst: list[np.ndarray], start: fl
         t3 = pc()
         c.ping()
         t4 = pc()
+        finished = time.time()
         if found != len(tokens):
             return {"error": f"LOOKUP found {found} of {len(tokens)} tokens"}
         lookup.append(t1 - t0)
         prepare.append(t2 - t1)
         ping.append(t4 - t3)
         rounds += 1
-    return {"lookup": lookup, "prepare": prepare, "ping": ping, "rounds": rounds, "bytes": moved}
+    return {"lookup": lookup, "prepare": prepare, "ping": ping, "rounds": rounds, "bytes": moved, "elapsed": finished - start}
 
 
 class _Client:
@@ -156,7 +160,7 @@ class LoadResult:
     transport: str
     prompts: str
     clients: int
-    gbps: float  # back to back: every client's retrieved bytes / the window
+    gbps: float  # back to back: the sum of every client's retrieved bytes / the time its rounds took
     rounds: int
     lookup_p50_us: float  # back to back (every client saturating its core share)
     lookup_p99_us: float
@@ -204,7 +208,10 @@ def _run(server: ServerProcess, transport: str, prompts: str, n: int, tokens: in
     def us(results: list[dict], op: str, q: float) -> float:
         return percentile(values(results, op), q) * 1e6
 
-    return LoadResult(transport, prompts, n, sum(r["bytes"] for r in busy) / seconds / 1e9, sum(r["rounds"] for r in busy),
+    # Each client's own span (its last round overran the window by up to a round): bytes / window
+    # would count that round's bytes in time it did not get.
+    aggregate = sum(r["bytes"] / r["elapsed"] for r in busy if r["elapsed"] > 0) / 1e9
+    return LoadResult(transport, prompts, n, aggregate, sum(r["rounds"] for r in busy),
                       us(busy, "lookup", 50), us(busy, "lookup", 99), us(busy, "prepare", 50), us(busy, "prepare", 99),
                       us(busy, "ping", 50), us(busy, "ping", 99), paced_rate, us(paced, "lookup", 50), us(paced, "lookup", 99),
                       us(paced, "prepare", 99), us(paced, "ping", 99))  # fmt: skip
@@ -219,7 +226,9 @@ def main(args: argparse.Namespace) -> int:
     results: list[LoadResult] = []
     with server:
         wait_prefault(server)
-        memcpy = memcpy_gbps(chunk_bytes, args.tokens // CHUNK_TOKENS, 7).median
+        # The limit of N clients is memcpy on as many cores as they can use: min(N, CPUs) threads at once.
+        cpus = os.cpu_count() or 1
+        memcpy = {t: memcpy_gbps_threads(chunk_bytes, args.tokens // CHUNK_TOKENS, 7, t).median for t in sorted({min(n, cpus) for n in counts})}
         rtt = {"tcp": percentile(round_trips_like(server.url, 1000), 50), "ipc": percentile(round_trips_like(server.ipc_url, 1000), 50)}
         for transport in args.transports.split(","):
             for prompts in args.prompts.split(","):
@@ -238,22 +247,24 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print(results: list[LoadResult], memcpy: float, rtt: dict, args, chunk_bytes: int, load_start: str, load_end: str) -> None:
-    print(f"Prompt {args.tokens} tokens = {args.tokens // CHUNK_TOKENS} chunks of {chunk_bytes // MiB} MiB; single-thread memcpy of "
-          f"the same chunks {memcpy:.2f} GB/s; raw ZeroMQ RTT tcp {rtt['tcp'] * 1e6:.0f} µs, ipc {rtt['ipc'] * 1e6:.0f} µs; "
+def _print(results: list[LoadResult], memcpy: dict[int, float], rtt: dict, args, chunk_bytes: int, load_start: str, load_end: str) -> None:
+    cpus = os.cpu_count() or 1
+    copies = ", ".join(f"{t} thread{'s' if t > 1 else ''} {g:.2f}" for t, g in sorted(memcpy.items()))
+    print(f"Prompt {args.tokens} tokens = {args.tokens // CHUNK_TOKENS} chunks of {chunk_bytes // MiB} MiB; memcpy of "
+          f"the same chunks (aggregate GB/s): {copies}; raw ZeroMQ RTT tcp {rtt['tcp'] * 1e6:.0f} µs, ipc {rtt['ipc'] * 1e6:.0f} µs; "
           f"load {load_start} -> {load_end}; {os.cpu_count()} CPUs; paced phase {args.rate:g} rounds/s per client\n")  # fmt: skip
-    print("| path | prompts | clients | aggregate GB/s | / memcpy | / previous row | back to back: LOOKUP p50 / p99 µs | "
+    print("| path | prompts | clients | aggregate GB/s | / memcpy on min(clients, CPUs) threads | / previous row | back to back: LOOKUP p50 / p99 µs | "
           "paced: LOOKUP p50 / p99 µs | paced p99 / 1-client paced p50 | paced: PREPARE p99, PING p99 µs |")  # fmt: skip
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for key in dict.fromkeys((r.transport, r.prompts) for r in results):
         rows = [r for r in results if (r.transport, r.prompts) == key]
-        one = rows[0].paced_lookup_p50_us
+        one = next((r.paced_lookup_p50_us for r in rows if r.clients == 1), None)  # no 1-client run: no ratio
         prev = None
         for r in rows:
             step = f"{r.gbps / prev:.2f}" if prev else "—"
-            print(f"| {r.transport} | {r.prompts} | {r.clients} | {r.gbps:.2f} | {r.gbps / memcpy:.2f} | {step} | "
+            print(f"| {r.transport} | {r.prompts} | {r.clients} | {r.gbps:.2f} | {r.gbps / memcpy[min(r.clients, cpus)]:.2f} | {step} | "
                   f"{r.lookup_p50_us:.0f} / {r.lookup_p99_us:.0f} | {r.paced_lookup_p50_us:.0f} / {r.paced_lookup_p99_us:.0f} | "
-                  f"{r.paced_lookup_p99_us / one:.1f} | {r.paced_prepare_p99_us:.0f}, {r.paced_ping_p99_us:.0f} |")  # fmt: skip
+                  f"{f'{r.paced_lookup_p99_us / one:.1f}' if one else '—'} | {r.paced_prepare_p99_us:.0f}, {r.paced_ping_p99_us:.0f} |")  # fmt: skip
             prev = r.gbps
     print("\nBack to back: every client runs rounds without pause (the aggregate). Paced: the same clients at a fixed rate "
           "each, from random phases (the latencies an engine's requests see). Targets: the aggregate does not fall as clients "

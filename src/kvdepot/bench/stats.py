@@ -56,6 +56,45 @@ def memcpy_gbps(object_bytes: int, count: int, reps: int) -> Sample:
     return gbps(object_bytes * count, timed(run, reps, warmup=2))
 
 
+def memcpy_gbps_threads(object_bytes: int, count: int, reps: int, threads: int) -> Sample:
+    """Aggregate GB/s of ``threads`` threads each copying its own ``count`` objects of ``object_bytes``
+    at once (np.copyto lets go of the GIL): the limit of that many processes copying side by side, as
+    many clients of one server do. One thread is ``memcpy_gbps``."""
+    if threads <= 1:
+        return memcpy_gbps(object_bytes, count, reps)
+    import threading
+
+    bufs = [([np.full(object_bytes, 1, dtype=np.uint8) for _ in range(count)],
+             [np.full(object_bytes, 2, dtype=np.uint8) for _ in range(count)]) for _ in range(threads)]  # fmt: skip
+    go, done = threading.Barrier(threads + 1), threading.Barrier(threads + 1)
+    stop: list[bool] = []
+
+    def worker(src: list[np.ndarray], dst: list[np.ndarray]) -> None:
+        while True:
+            go.wait()
+            if stop:
+                return
+            for s, d in zip(src, dst):
+                np.copyto(d, s)
+            done.wait()
+
+    workers = [threading.Thread(target=worker, args=b, daemon=True) for b in bufs]
+    for t in workers:
+        t.start()
+
+    def run() -> None:
+        go.wait()
+        done.wait()
+
+    try:
+        return gbps(object_bytes * count * threads, timed(run, reps, warmup=2))
+    finally:
+        stop.append(True)
+        go.wait()
+        for t in workers:
+            t.join()
+
+
 def memcpy_seconds(nbytes: int, repeats: int = 7) -> float:
     """How long one single-threaded copy of ``nbytes`` takes at this machine's memory bandwidth (the
     floor of any read of them): the median over ``repeats`` copies of at least 128 MiB between touched
