@@ -144,3 +144,27 @@ def test_an_adapter_reloaded_in_place_gets_keys_of_its_own(tmp_path, hash_cache)
     st = sched.states["r2"]
     assert st.root != old_root
     assert not set(st.hashes) & set(old_keys), "the reloaded adapter's requests got the old adapter's keys"
+
+
+def test_a_layer_that_reuses_another_layers_kv_cache_is_not_counted_twice():
+    """Cross-layer KV sharing (Gemma 3n, Gemma 4): vLLM hands the worker a sharing layer as its
+    target's tensor again, and leaves it out of the KV-cache groups the scheduler half counts its layers
+    from. The worker counted it, so the halves' layouts (part of every key) differed: every lookup
+    missed, and every save stored the shared layers twice."""
+    import torch
+
+    from kvdepot.connectors.vllm.config import ConnectorConfig
+    from kvdepot.connectors.vllm.paged_layout import make_layout
+    from kvdepot.connectors.vllm.worker import WorkerSide
+
+    whole = torch.zeros(3, 12, 2, BS, 128, dtype=torch.bfloat16)
+    caches = {f"model.layers.{i}.self_attn.attn": whole[i] for i in range(3)}
+    caches["model.layers.3.self_attn.attn"] = caches["model.layers.1.self_attn.attn"]  # layer 3 reuses layer 1's
+    caches["model.layers.4.self_attn.attn"] = caches["model.layers.2.self_attn.attn"]
+    w = WorkerSide(ConnectorConfig(url="tcp://127.0.0.1:9", chunk_size=CS, timeout_s=0.2, retry_after_s=60.0), "m", BS, "auto", 0, 1)
+    try:
+        w.register_kv_caches(caches)
+        assert w._layout == make_layout(3, 2, 64, torch.bfloat16)  # what the scheduler makes of 3 layers in its group
+        assert sorted(w.layer_index.values()) == [0, 1, 2] and "model.layers.3.self_attn.attn" not in w.layer_index
+    finally:
+        w.shutdown()

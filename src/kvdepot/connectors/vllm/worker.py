@@ -846,11 +846,25 @@ class LayerGate:
 
 
 def _layer_order(kv_caches: dict) -> list[str]:
-    """Layer names in model order (the order chunks store layers in)."""
+    """Layer names in model order (the order chunks store layers in), each KV cache once. A layer that
+    reuses an earlier layer's KV cache (cross-layer KV sharing: Gemma 3n, Gemma 4) comes as that
+    layer's tensor again, and vLLM leaves it out of the KV-cache groups the scheduler half counts its
+    layers from: counted here too, the two halves' layouts (part of every key) differed, so every
+    lookup missed and every save stored the shared layers twice. Its own calls (``wait_for_layer_load``,
+    ``save_kv_layer``) name no layer of ours and do nothing: its target's did the work."""
     names = list(kv_caches)
     try:
         from vllm.model_executor.models.utils import extract_layer_index
 
-        return sorted(names, key=extract_layer_index)
+        names = sorted(names, key=extract_layer_index)
     except Exception:
-        return names
+        pass
+    seen: set[tuple] = set()
+    own = []
+    for name in names:
+        t = kv_caches[name]
+        where = (t.data_ptr(), tuple(t.shape), t.dtype) if hasattr(t, "data_ptr") else (id(t),)
+        if where not in seen:
+            seen.add(where)
+            own.append(name)
+    return own
