@@ -419,3 +419,29 @@ def test_server_help_lists_tier_types_and_their_options():
         "--l2-queue-limit",
     ):
         assert option in text, f"--help does not mention {option}"
+
+
+def test_a_lookup_without_a_lock_never_counts_chunks_its_own_prefetch_evicted(make_server, tmp_path, seed):
+    """A lookup (no lock: the client's, SGLang's, vLLM's tier's) whose prompt's head is in L1 and tail in
+    L2: its prefetch made room for the tail by evicting the head, so it counted chunks past a gap and
+    the retrieve that followed got less than the lookup said (here 34 chunks said, 32 got)."""
+    srv = start_tier_server(make_server, fs_spec(tmp_path / "disk"), chunk=BIG_CHUNK, l1_gb="0.0009765625")
+    room = srv.status()["l1"]["capacity_bytes"] // LAYOUT.chunk_bytes(BIG_CHUNK)
+    p = make_prompt(room + 4, seed, BIG_CHUNK)
+    with srv.client() as c:
+        hashes = c.hashes(p.tokens)
+        for i in range(0, len(hashes), 4):  # the whole prompt reaches the tier, 4 chunks at a time
+            with c.prepare_store(hashes[i : i + 4]) as slots:
+                for k, s in enumerate(slots):
+                    if s is not None:
+                        s[...] = p.kv[:, :, (i + k) * BIG_CHUNK : (i + k + 1) * BIG_CHUNK].view(s.dtype)
+            wait_store_idle(srv)
+        srv.clear()  # L1 only
+        with c.prepare_store(hashes[:2]) as slots:  # the head is back in L1
+            for k, s in enumerate(slots):
+                s[...] = p.kv[:, :, k * BIG_CHUNK : (k + 1) * BIG_CHUNK].view(s.dtype)
+        wait_store_idle(srv)
+        said = c.lookup(p.tokens)
+        got = c.retrieve(p.tokens)
+        assert got.shape[2] >= said, f"lookup said {said // BIG_CHUNK} chunks, the retrieve got {got.shape[2] // BIG_CHUNK}"
+        assert np.array_equal(as_bits(got), as_bits(p.kv[:, :, : got.shape[2]]))

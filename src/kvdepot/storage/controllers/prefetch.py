@@ -179,8 +179,12 @@ class PrefetchController:
             self._ask(job)
             return
         wanted = job.keys[job.start : job.start + result.value]
+        # The leading chunks already in L1 (the lookup's, and what earlier tiers supplied) are the prefix
+        # this load extends: making room by evicting them would load chunks past a gap (a lock-free
+        # lookup's count would then name chunks no retrieve can get).
         res = self._table.reserve_write(
-            wanted, job.size, PREFETCH_OWNER, job.salt, ttl_s=BACKGROUND_LEASE_TTL_S, toucher=Toucher.SERVER
+            wanted, job.size, PREFETCH_OWNER, job.salt, ttl_s=BACKGROUND_LEASE_TTL_S, protect=job.keys[: job.start],
+            toucher=Toucher.SERVER,
         )
         usable = leading_run(s.holds for s in res.statuses)
         load_keys = [k for k, st in zip(wanted[:usable], res.statuses) if st == SlotStatus.ALLOCATED]
