@@ -192,14 +192,27 @@ class ContextLink:
             raise PathChanged()
         body.context_id = reg.context_id
         try:
-            return self.channel.call(body, payload, timeout_s=timeout_s or self._timeout(), want_payload=want_payload,
-                                     on_late=self._give_back_late(body))  # fmt: skip
+            reply = self.channel.call(body, payload, timeout_s=timeout_s or self._timeout(), want_payload=want_payload,
+                                      on_late=self._give_back_late(body))  # fmt: skip
         except UnknownContext:
-            body.context_id = self._reregister(reg).context_id
+            reg = self._reregister(reg)
+            body.context_id = reg.context_id
             if path is not None and self.path is not path:
                 raise PathChanged() from None
-            return self.channel.call(body, payload, timeout_s=timeout_s or self._timeout(), want_payload=want_payload,
-                                     on_late=self._give_back_late(body))  # fmt: skip
+            reply = self.channel.call(body, payload, timeout_s=timeout_s or self._timeout(), want_payload=want_payload,
+                                      on_late=self._give_back_late(body))  # fmt: skip
+        if path is not None and (self._reg is not reg or self._forgotten is reg or self.path is not path):
+            # Another thread began registering again while this request was out (the check above came
+            # before it): the server that answered may be a restarted one, which gave this client its
+            # old context id again, so the reply's offsets may be a new arena's, which ``path`` cannot
+            # read (it would read or write the old arena's bytes at them). Its lease is given back, the
+            # registration waited for, and the request redone on the path it chose.
+            give_back = self._give_back_late(body)
+            if give_back is not None:
+                give_back(reply[0] if want_payload else reply, None)
+            self._live()
+            raise PathChanged()
+        return reply
 
     def _give_back_late(self, body) -> OnBehind | None:
         """For a request whose reply hands this client a lease (a shm PREPARE) or a pin: what to do with that reply

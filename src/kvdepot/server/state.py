@@ -7,6 +7,7 @@ it. (Sessions, one engine request each, are in ``sessions.py``.)
 from __future__ import annotations
 
 import itertools
+import secrets
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,7 +65,9 @@ class ContextRegistry:
         what a digest means from it)."""
         self._on_namespace = on_namespace
         self._lock = threading.Lock()
-        self._ids = itertools.count(1)
+        # From a random start, as lease ids: a client of a restarted server that sends a context id it had
+        # before gets UNKNOWN_CONTEXT (and registers again), never the new server's context of that number.
+        self._ids = itertools.count(1 + secrets.randbelow(1 << 40))
         self._contexts: dict[ContextId, Context] = {}
 
     def __len__(self) -> int:
