@@ -130,3 +130,106 @@ def test_lookup_l2_reads_are_cold(monkeypatch, tmp_path):
     # 2 prompt lengths x (1 warm-up + 3 reps): each timed lookup starts with the tier's files dropped
     # from the page cache, like the table's other fs reads ("fs reads are cold (fadvise DONTNEED)").
     assert sorted(set(drops)) == sorted(files) and len(drops) == 2 * 4 * len(files)
+
+
+# --- benchmarks/vllm_ttft.py: a "hit" that found nothing is not timed as a hit ----------------------------
+
+
+def _vllm_ttft():
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_ttft.py"
+    spec = importlib.util.spec_from_file_location("vllm_ttft_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_floor_leaves_out_kvdepot_hits_that_brought_less_than_vllms_own(capsys):
+    """Two of four kvdepot "hits" found nothing (recomputed, 1.6 s): the floor's median took them in and
+    read 4.02 x vLLM's own hit, where the hits that hit read 1.62 x, and nothing said two were misses."""
+    vt = _vllm_ttft()
+    F = vt.FloorRecord
+    recs = []
+    for d, (t, cached, mib) in enumerate([(0.40, 4096, 32.0), (0.41, 4096, 32.0), (1.60, 0, 0.0), (1.65, 0, 0.0)]):
+        recs += [F(d, "cold", 4128, 1.6, 0, [1]), F(d, "own", 4128, 0.25, 4096, [1]),
+                 F(d, "kvdepot", 4128, t, cached, [1], load_ms=20.0 if cached else 0.0, retrieve_ms=10.0 if cached else 0.0,
+                   copy_ms=10.0 if cached else 0.0, loaded_mib=mib)]  # fmt: skip
+    out = vt.report_floor(recs)
+    assert out["ratio"] == pytest.approx(0.405 / 0.25) and out["short_hits"] == 2
+    assert "doc2 0/4096 tokens" in capsys.readouterr().out  # said, not hidden
+
+
+def test_the_hit_columns_leave_out_hits_that_found_nothing_and_count_them():
+    vt = _vllm_ttft()
+    R = vt.Record
+    recs = [R("qa", "miss", "r0/doc0(4096)/q0", 4128, 1.6, 1.7, 0, [1]), R("qa", "miss", "r0/doc1(6144)/q0", 6176, 2.6, 2.7, 0, [1]),
+            R("qa", "hit", "r0/doc0(4096)/q1", 4128, 0.20, 0.3, 4096, [1]), R("qa", "hit", "r0/doc1(6144)/q1", 6176, 0.21, 0.3, 6144, [1]),
+            R("qa", "hit", "r0/doc0(4096)/q2", 4128, 1.60, 1.7, 0, [1]), R("qa", "hit", "r0/doc1(6144)/q2", 6176, 2.60, 2.7, 0, [1])]  # fmt: skip
+    s = vt.summarize("lmcache", recs)
+    assert s["qa_hit"] == pytest.approx(0.205) and s["hits_found_nothing"] == 2  # it read 0.905 s
+
+
+# --- bench soak: a prefetch poll the server never answered is unanswered, not refused ---------------------
+
+
+def test_a_prefetch_poll_the_server_never_answered_counts_as_unanswered(monkeypatch, capsys):
+    """A LOOKUP against a server with L2 tiers polls its prefetch; a poll with no reply became
+    PrefetchTooSlow, which the soak counted as a refusal: a server that stopped answering polls still
+    showed "0 unanswered"."""
+    import json
+    import sys
+    import threading
+
+    from kvdepot.bench import soak_client
+    from kvdepot.client.context import ContextLink
+    from kvdepot.errors import KVDepotTimeout
+
+    go = threading.Event()
+
+    class Stdin:  # "stop" once the first round ran
+        def __iter__(self):
+            go.wait(10)
+            yield "stop\n"
+
+    def request(body, timeout_s=None):
+        raise KVDepotTimeout("QueryPrefetchStatusRequest got no reply in time")
+
+    link = SimpleNamespace(registration=SimpleNamespace(l2_tiers=["fs"], context_id=1), lookup=lambda *a, **k: None,
+                           _timeout=lambda: 0.05, request=request, finish=lambda body: None)  # fmt: skip
+
+    class Client:
+        def __init__(self, *a, **k):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def hashes(self, tokens):
+            return [bytes([i % 256]) * 16 for i in range(len(tokens) // soak_client.CHUNK_TOKENS)]
+
+        def store(self, tokens, kv):
+            return len(tokens)
+
+        def ping(self):
+            return True
+
+        def lookup(self, tokens):
+            try:
+                return ContextLink.stored_chunks(link, self.hashes(tokens), "") * soak_client.CHUNK_TOKENS
+            finally:
+                go.set()
+
+    import kvdepot.client.client as cc
+
+    monkeypatch.setattr(sys, "stdin", Stdin())
+    monkeypatch.setattr(cc, "KVClient", Client)
+    soak_client.main({"url": "x", "uid": 1, "seed": 1, "transport": "shm", "timeout_s": 1.0, "report_every_s": 60})
+    counts = json.loads([line for line in capsys.readouterr().out.splitlines() if line.strip()][-1])["counts"]
+    assert counts.get("unanswered.prefetch_poll", 0) >= 1 and counts["unanswered"] >= 1
+    assert not any(k.startswith("refused.PREFETCH_TOO_SLOW") for k in counts)

@@ -305,8 +305,9 @@ def _judge(args, clients, faults, steady, steady_status, quiet, quiet_s, end, cl
         Check("every byte read matched", f"{totals['mismatched_chunks']} wrong of {totals['verified_chunks'] + totals['mismatched_chunks']} "
               f"chunks ({totals['verified_bytes'] / 1e9:.2f} GB checked)", "0 wrong, > 0 checked",
               totals["mismatched_chunks"] == 0 and totals["verified_chunks"] > 0),  # fmt: skip
-        Check("no client's own error or hang", f"{totals['client_crashes']} errors, {len(hung)} hung, {len(died)} died" + (f" ({'; '.join(died)})" if died else ""),
-              "0", not totals["client_crashes"] and not hung and not died),  # fmt: skip
+        Check("no client's own error or hang", f"{totals['client_crashes']} errors, {totals['client_errors_logged']} errors logged by the client library, "
+              f"{len(hung)} hung, {len(died)} died" + (f" ({'; '.join(died)})" if died else ""),
+              "0", not totals["client_crashes"] and not totals["client_errors_logged"] and not hung and not died),  # fmt: skip
         Check("no lease left", f"{quiet['leases']} leases, {quiet['quarantine']['leases']} quarantined ({quiet['quarantine']['bytes']} B), "
               f"{quiet['clients']} clients, after {quiet_s:.1f} s", "0", quiet["leases"] == 0 and quiet["quarantine"]["leases"] == 0
               and quiet["clients"] == 0),  # fmt: skip

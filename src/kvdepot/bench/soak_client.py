@@ -19,6 +19,7 @@ when stdin says ``stop`` (or closes); a crash of the client's own code is counte
 from __future__ import annotations
 
 import json
+import logging
 import random
 import sys
 import threading
@@ -133,7 +134,7 @@ def one_round(c, work: Workload, tally: Tally, rng: random.Random) -> None:
                 if rng.random() < 0.2:
                     time.sleep(0.05)  # a slow step holding its lease
                 _check(tally, cids, list(views), "zero-copy read")
-            tally.add("answered.release")
+            tally.add("sent.release")  # sent behind: no reply is waited for, so not counted as answered
         else:
             kv = c.retrieve(tokens[: found * CHUNK_TOKENS])
             tally.add("answered.retrieve")
@@ -148,12 +149,30 @@ def one_round(c, work: Workload, tally: Tally, rng: random.Random) -> None:
         tally.add("answered.ping")
 
 
+class _LogTally(logging.Handler):
+    """What the client library only logs, counted: an error it logged (e.g. a release answered LEASE_EXPIRED:
+    the server let go of a reader's pins while it read) and a release it could not send."""
+
+    def __init__(self, tally: Tally) -> None:
+        super().__init__(logging.WARNING)
+        self.tally = tally
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.ERROR:
+            self.tally.add("client_errors_logged")
+        elif "could not send" in str(record.msg):
+            self.tally.add("unanswered")
+            self.tally.add("unanswered.release")
+
+
 def main(spec: dict) -> int:
     from kvdepot.client.client import ClientOptions, KVClient
-    from kvdepot.errors import KVDepotError, KVDepotTimeout, ServerUnreachable
+    from kvdepot.errors import KVDepotError, KVDepotTimeout, PrefetchTooSlow, ServerUnreachable
 
     tally = Tally()
     stop = threading.Event()
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)  # still into client-N.log
+    logging.getLogger("kvdepot").addHandler(_LogTally(tally))
 
     def read_stdin() -> None:
         for line in sys.stdin:
@@ -179,6 +198,12 @@ def main(spec: dict) -> int:
             except (KVDepotTimeout, ServerUnreachable) as e:
                 tally.add("unanswered")
                 tally.add(f"unanswered.{type(e).__name__}")
+            except PrefetchTooSlow as e:
+                if isinstance(e.__context__, KVDepotTimeout):  # a prefetch poll the server never answered
+                    tally.add("unanswered")                     # (ContextLink.stored_chunks says "too slow")
+                    tally.add("unanswered.prefetch_poll")
+                else:
+                    tally.add(f"refused.{e.code.name}")
             except KVDepotError as e:  # a per-request problem the server answered: this request's miss
                 tally.add(f"refused.{e.code.name}")
             except Exception:  # the client's own bug: counted (the soak fails on it), and the loop goes on
