@@ -408,6 +408,24 @@ def test_a_delete_or_clear_after_a_store_was_submitted_is_not_undone_by_its_writ
 
 
 @pytest.mark.parametrize("local_kind", ["memory", "fs"])
+def test_a_store_refused_for_room_leaves_the_copy_of_its_key_that_was_there(local_kind, tmp_path, rng) -> None:
+    """A key stored again where only pinned objects could make room: the memory tier took the old copy
+    out before it found no room, so a refused store lost the key (and announced no removal)."""
+    tier = _started_local_tier(local_kind, tmp_path)
+    try:
+        a, b = make_keys(2)
+        old = make_payload(rng, 4 << 20)
+        assert store(tier, [(a, old), (b, make_payload(rng, 4 << 20))]).value == [True, True]
+        assert lookup(tier, [b]) == 1  # b pinned: only a could make room, and a is the key stored again
+        assert store(tier, [(a, make_payload(rng, 7 << 20))]).value == [False]
+        unlock(tier, [b])
+        dest = np.zeros_like(old)
+        assert load(tier, [a], [dest]) == [True] and np.array_equal(dest, old), "the refused store lost the copy there"
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("local_kind", ["memory", "fs"])
 @pytest.mark.parametrize("how", ["delete", "clear"])
 def test_a_delete_during_a_write_whose_reply_was_lost_still_removes_the_object(local_kind, how, tmp_path, rng) -> None:
     """A write that lands but fails on the way back (the reply to a Valkey commit lost to a reset, an

@@ -72,15 +72,19 @@ class MemoryAdapter(BackendAdapter):
         head = envelope.encode_header_with(key, body.nbytes, running.digest())
         stored = _Stored(head, body)  # built before anything is visible
         with self._mu:
-            old = self._objects.pop(key, None)
+            old = self._objects.pop(key, None)  # out of the way: its own bytes never make room for it
             if old is not None:
                 self._used -= old.size
-                self._retire(old)
             try:
                 self._make_room(stored.size)
             except RejectedObject:
+                if old is not None:  # refused: the copy there stays (a refused store changes nothing)
+                    self._objects[key] = old
+                    self._used += old.size
                 self._retire(stored)
                 raise
+            if old is not None:
+                self._retire(old)
             self._objects[key] = stored
             self._used += stored.size
 
