@@ -13,9 +13,10 @@ import time
 import pytest
 
 from kvdepot.errors import ConfigError
+from kvdepot.events import TierCleared, TierRemoved
 from kvdepot.storage.l2 import registry
 from kvdepot.storage.l2.backend import BackendAdapter
-from kvdepot.storage.l2.contract import TaskResult
+from kvdepot.storage.l2.contract import TaskResult, TierServices
 from kvdepot.storage.l2.s3_adapter import S3Adapter, S3Config
 from kvdepot.storage.l2.valkey_adapter import ORPHAN_TTL_S, ValkeyAdapter, ValkeyConfig
 
@@ -351,6 +352,19 @@ def test_s3_clear_and_usage_leave_objects_it_did_not_write(s3_server, prefix) ->
         adapter.close()
 
 
+class _Recorder:
+    """A tier's event sink that keeps what it was told."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def publish(self, event) -> None:
+        self.events.append(event)
+
+    def wants(self, kind) -> bool:
+        return True
+
+
 @pytest.mark.parametrize("prefix", ["kv-ab", "kvdepot-01", "cache7"])
 def test_an_s3_prefix_ending_in_a_hex_digit_is_refused(prefix) -> None:
     """Names are <prefix><key hex>: "kv-ab" + <key hex> also reads as "kv-" + <hex>, so a clear of a
@@ -365,7 +379,8 @@ def test_an_s3_prefix_ending_in_a_hex_digit_is_refused(prefix) -> None:
 def test_an_s3_clear_that_could_not_delete_every_object_is_not_a_cleared_tier(s3_server) -> None:
     """DeleteObjects answers 200 and lists what it could not delete (SlowDown, InternalError): the
     clear used to count every object removed and announce the tier cleared while one was still served."""
-    adapter = S3Adapter("stuck", s3_config(s3_server.endpoint, bucket=f"kvd-stuck-{os.getpid()}"))
+    sink = _Recorder()
+    adapter = S3Adapter("stuck", s3_config(s3_server.endpoint, bucket=f"kvd-stuck-{os.getpid()}"), TierServices(sink=sink))
     adapter.start()
     try:
         keys, value = [new_key() for _ in range(3)], os.urandom(1000)
@@ -385,6 +400,11 @@ def test_an_s3_clear_that_could_not_delete_every_object_is_not_a_cleared_tier(s3
         adapter._client.delete_objects = real
         left = [o["Key"] for o in adapter._client.list_objects_v2(Bucket=adapter._config.bucket).get("Contents", [])]
         assert left == [stuck]
+        # No TierCleared, so the objects it did delete are told one by one: announced, they would stay
+        # in a router's index (KV events) as phantom blocks.
+        told = {bytes(k) for e in sink.events if isinstance(e, TierRemoved) for k in e.keys}
+        assert not any(isinstance(e, TierCleared) for e in sink.events)
+        assert told == {bytes(k) for k in keys[1:]}
     finally:
         adapter.close()
 

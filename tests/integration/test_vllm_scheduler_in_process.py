@@ -99,22 +99,43 @@ def test_a_request_aborted_after_its_first_loaded_block_failed_is_reported_as_vl
         w.shutdown()
 
 
-def test_a_request_preempted_between_schedules_then_aborted_is_neither_waited_for_nor_reported():
+@pytest.mark.parametrize("counted", [True, False], ids=["vllm_counts_preemptions", "an_older_vllm"])
+def test_a_request_preempted_between_schedules_then_aborted_is_neither_waited_for_nor_reported(counted):
+    """Told by vLLM's preemption count; a vLLM without one (no ``num_preemptions``) by the empty list of
+    blocks it still holds, as before."""
     sched, w = scheduler(hash_cache=False), worker_without_server()
     try:
         req = request("p", tokens(4 * CS + 20, seed=1))
+        if not counted:
+            req = _WithoutPreemptionCount(req)
         assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
         sched.update_state_after_alloc(req, blocks([1, 2, 3, 4, 5]), 0)
         first = sched.build_connector_meta(step(new=[(req, [1, 2, 3, 4, 5], 0)], scheduled={"p": 4 * CS + 20}))
         assert [op.req_id for op in first.saves] == ["p"]
         run_step(w, first)
-        req.num_preemptions += 1  # vLLM's _preempt_request (reset_prefix_cache)
+        if counted:
+            req.num_preemptions += 1  # vLLM's _preempt_request (reset_prefix_cache)
         req.num_computed_tokens = 0
         delay, _ = sched.request_finished(req, [])
         run_step(w, sched.build_connector_meta(step(preempted={"p"})))
         assert not delay and not reports(w, {"p"})
     finally:
         w.shutdown()
+
+
+class _WithoutPreemptionCount:
+    """A vLLM request as an older vLLM made it: everything but ``num_preemptions``."""
+
+    def __init__(self, req) -> None:
+        object.__setattr__(self, "_req", req)
+
+    def __getattr__(self, name):
+        if name == "num_preemptions":
+            raise AttributeError(name)
+        return getattr(self._req, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._req, name, value)
 
 
 def _adapter(path, weights: bytes) -> str:

@@ -268,6 +268,31 @@ def test_a_stalled_peer_is_a_timely_miss_and_serves_again_after(nodes):
         wait_for(lambda: check_pages(reader, "p", 20, SIZE)["hit"] == 20, 15, "service back after the stall")
 
 
+def test_a_head_that_loses_its_other_master_keeps_its_run_and_its_records():
+    """The head serves every node all along, but its own heartbeats go unanswered until its table drops
+    the dead second master and takes another: the first answer then came more than a TTL after the
+    last, and the head took itself for a node that had been away (a new run, every other node's record
+    dropped from its shard, a whole-cluster re-publish) though nobody had expired it."""
+    two = {"max_masters": 2}
+    head = store(**two)
+    a, b = store(head.node.info.id, **two), store(head.node.info.id, **two)
+    try:
+        wait_for(lambda: all(len(s.node.members()) == 3 for s in (head, a, b)), 15, "3 members")
+        other = a if a.node.info.id in head.node.masters() else b
+        survivor = b if other is a else a
+        names = keys("k", 200)
+        assert all(survivor.batch_set(names, [page_bytes(n, 4096) for n in names]))
+        wait_for(lambda: len(head.node.shard) > 0, 5, "the head holding records of the survivor's pages")
+        run = head.node.info.incarnation
+        other.close()
+        wait_for(lambda: survivor.node.info.id in head.node.masters(), 15, "a new second master")
+        time.sleep(1.0)  # a few rounds with it
+        assert head.node.info.incarnation == run, "the head started a new run though no one had expired it"
+    finally:
+        for s in (head, a, b):
+            s.close()
+
+
 def test_a_node_started_before_its_head_joins_once_the_head_is_up():
     """start() waits up to join_timeout_s for a master, but asked only once: the heartbeat thread starts
     after that wait, so a node launched a moment before its head (a whole cluster started at once)

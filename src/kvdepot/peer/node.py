@@ -921,6 +921,10 @@ class PeerNode:
         answered_sent = None  # when the first heartbeat a master answered this round was sent
         if not targets:
             self._last_answered_sent = time.monotonic()  # the only master it knows is itself: never away from one
+        elif self._is_master() and len(self._table.view().members) > 1:
+            # A master that other nodes heartbeated within the TTL (its table, just expired, still holds
+            # them) was not away, whether or not another master answers it (all of those may be dead).
+            answered_sent = time.monotonic()
         for target in targets:
             sent = time.monotonic()
             try:
@@ -930,6 +934,12 @@ class PeerNode:
             views.append(view)
             if answered_sent is None:
                 answered_sent = sent
+        # No master can have heard this node for longer than this between two answered heartbeats:
+        # past the TTL, some may have expired it (a round slowed by a dead target never gets here).
+        if answered_sent is not None:
+            if answered_sent - self._last_answered_sent > self.config.member_ttl_s:
+                self._renew_run()
+            self._last_answered_sent = answered_sent
         if self._is_master():
             for other in views:
                 self._table.adopt(other)
@@ -953,12 +963,6 @@ class PeerNode:
             heard = time.monotonic()
             rejoined = self._cut_off or heard - self._last_heard > self.config.member_ttl_s - self.config.heartbeat_interval_s
             self._last_heard = heard
-            # No master can have heard this node for longer than this between two answered heartbeats:
-            # past the TTL, some may have expired it (a round slowed by a dead target never gets here).
-            if answered_sent is not None and answered_sent - self._last_answered_sent > self.config.member_ttl_s:
-                self._renew_run()
-            if answered_sent is not None:
-                self._last_answered_sent = answered_sent
         self._cut_off = False
         self._apply(view, republish=rejoined)
         self._repay()

@@ -296,7 +296,10 @@ class SchedulerSide:
         # (Told by vLLM's preemption count, not by an empty ``block_ids``: vLLM passes the blocks of the
         # computed tokens only, and a synchronous load whose first block failed leaves a request that
         # still holds all its blocks with none computed; the workers do report that one.)
-        preempted_unseen = getattr(request, "num_preemptions", st.preemptions) > st.preemptions
+        if hasattr(request, "num_preemptions"):
+            preempted_unseen = request.num_preemptions > st.preemptions
+        else:  # a vLLM without the count: the blocks it still holds are all there is to go by
+            preempted_unseen = block_ids is not None and not block_ids
         saving = self.config.async_saves and st.saves_planned > 0 and not preempted_unseen
         self._end_session(st)
         return loading or saving, None

@@ -204,14 +204,23 @@ class S3Adapter(BackendAdapter):
         """Every object of ours under our prefix (``_OUR_NAME``), listed and deleted a thousand at a time."""
         self._ensure_bucket()
         bucket, removed, failed = self._config.bucket, 0, []
-        for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=self._config.prefix):
-            names = [{"Key": o["Key"]} for o in self._ours(page)]
-            if names:
-                # Quiet: the answer lists only the objects that could not be deleted (and is a 200 all the same)
-                errors = self._client.delete_objects(Bucket=bucket, Delete={"Objects": names, "Quiet": True}).get("Errors") or []
-                removed += len(names) - len(errors)
-                failed += errors
+        skip = len(self._config.prefix)
+        gone: list[ObjectKey] = []  # what went, told as removed if the clear as a whole fails (no TierCleared then)
+        try:
+            for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=self._config.prefix):
+                names = [{"Key": o["Key"]} for o in self._ours(page)]
+                if names:
+                    # Quiet: the answer lists only the objects that could not be deleted (and is a 200 all the same)
+                    errors = self._client.delete_objects(Bucket=bucket, Delete={"Objects": names, "Quiet": True}).get("Errors") or []
+                    removed += len(names) - len(errors)
+                    failed += errors
+                    stuck = {e.get("Key") for e in errors}
+                    gone += [ObjectKey(bytes.fromhex(n["Key"][skip:])) for n in names if n["Key"] not in stuck]
+        except BaseException:
+            self._tell_removed(gone, "deleted")
+            raise
         if failed:
+            self._tell_removed(gone, "deleted")  # announced blocks that did go must not stay announced
             first = failed[0]
             raise RuntimeError(f"s3 tier {self.name}: the clear could not delete {len(failed)} objects "
                                f"(first: {first.get('Key')}: {first.get('Code')} {first.get('Message', '')})")  # fmt: skip
