@@ -122,6 +122,25 @@ def test_pinned_bytes_count_against_the_salt_quota(make_server, seed):
         assert unpinned <= 16 - 12, f"{unpinned} unpinned chunks of t kept: the pinned 12 did not count against the quota"
 
 
+def test_a_pin_refused_for_one_rank_leaves_no_pin_of_another(make_server, seed):
+    """A model served by two ranks is pinned once per rank; the second rank's pin refused (its salt's
+    quota) answered 409, and left the first rank's hard pin, whose id nobody was told: it protected its
+    prefix, against the tenant's quota, for good."""
+    srv = make_server("--l1-size-gb", "0.015625", "--eviction-policy", "isolated_lru")
+    t = make_tokens(6 * CHUNK, seed)
+    with srv.client(layout=BIG, rank=0, world_size=2) as c0, srv.client(layout=BIG, rank=1, world_size=2) as c1:
+        assert c0.store(t, make_kv(BIG, len(t), 0), cache_salt="t") == len(t)
+        assert c1.store(t, make_kv(BIG, len(t), 1), cache_salt="t") == len(t)
+        # Both ranks' lookups hold their prefixes (read locks), so the lowered quota evicts nothing yet.
+        assert c0.lookup_chunks(c0.hashes(t), cache_salt="t", session_id="s0") == 6
+        assert c1.lookup_chunks(c1.hashes(t), cache_salt="t", session_id="s1") == 6
+        ok(httpx.put(f"{srv.http}/quota/t", json={"quota_bytes": 8 * CHUNK_BYTES}, timeout=10))
+        r = call(srv, "POST", "/cache/pin", {"token_ids": t.tolist(), "cache_salt": "t"})  # rank 0's 6 fit, 12 do not
+        assert r.status_code == 409, r.text
+        pins = ok(call(srv, "GET", "/cache/pins"))["pins"]
+        assert pins == [], f"a pin refused with 409 left a hard pin nobody was told of: {pins}"
+
+
 def test_a_client_pins_unpins_and_closes_its_agent_session_over_rpc(make_server, seed):
     srv = small_server(make_server)
     (pt, pkv), (st, skv) = prompt(6, seed), prompt(6, seed + 1)

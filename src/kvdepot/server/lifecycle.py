@@ -82,7 +82,17 @@ class Lifecycle:
     # --- the controls --------------------------------------------------------------------------------
 
     def pin(self, targets: list[Target], cache_salt: str, ttl_s: float | None) -> dict:
-        pins = [self._storage.pin(t.keys, cache_salt, ttl_s) for t in targets]
+        pins: list[PinInfo] = []
+        try:
+            for t in targets:
+                pins.append(self._storage.pin(t.keys, cache_salt, ttl_s))
+        except BaseException:
+            # One namespace's pin refused (its salt's quota, too many pins): the request fails whole, so
+            # the pins already taken for the other targets go too (their ids are never told: a hard one
+            # would protect its prefix, and count against the quota, for good).
+            for p in pins:
+                self._storage.unpin(p.id)
+            raise
         return {
             "requested": sum(len(t.keys) for t in targets),
             "pinned": sum(p.pinned for p in pins),
