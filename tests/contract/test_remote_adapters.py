@@ -352,6 +352,72 @@ def test_s3_clear_and_usage_leave_objects_it_did_not_write(s3_server, prefix) ->
         adapter.close()
 
 
+def _fail_the_next_delete(adapter: ValkeyAdapter) -> None:
+    """The client's next DEL raises as a reset link would (its process dying right there alike)."""
+    from valkey.exceptions import ConnectionError as LinkDown
+
+    client = adapter._valkey
+    real = client.delete
+
+    def delete(*names):
+        client.delete = real  # once
+        raise LinkDown("connection reset by peer")
+
+    client.delete = delete
+
+
+def _parts_under(raw, prefix: bytes) -> list[bytes]:
+    return [n for n in raw.scan_iter(match=prefix + b"{*") if n.count(b":") >= 2]
+
+
+@pytest.mark.parametrize("how", ["overwrite", "delete"])
+def test_valkey_parts_no_manifest_names_expire_when_their_delete_never_came(valkey_adapter_factory, raw_valkey, how) -> None:
+    """The old parts of an overwritten or deleted object are deleted by the client after the script that
+    swaps or drops the manifest; a link that drops (a process that dies) right there left them without a
+    TTL (the commit had taken it off), named by no manifest, never counted: on the server for good."""
+    from valkey.exceptions import ConnectionError as LinkDown
+
+    a = valkey_adapter_factory(f"orphans-{how}", max_value_mib=1)
+    key = new_key()
+    a._put(key, memoryview(os.urandom(3 << 20)))  # three parts
+    assert len(_parts_under(raw_valkey, a._prefix)) == 3
+    _fail_the_next_delete(a)
+    with pytest.raises(LinkDown):
+        if how == "overwrite":
+            a._put(key, memoryview(os.urandom(3 << 20)))
+        else:
+            a._delete(key)
+    manifest = raw_valkey.get(a.manifest_name(key))
+    live = set(a.part_names(key, manifest[:20])) if manifest else set()
+    orphans = [p for p in _parts_under(raw_valkey, a._prefix) if p not in live]
+    assert len(orphans) == 3
+    assert all(raw_valkey.ttl(p) > 0 for p in orphans), {p: raw_valkey.ttl(p) for p in orphans}
+
+
+def test_a_valkey_clear_racing_a_store_leaves_the_object_count_right(valkey_adapter_factory, raw_valkey) -> None:
+    """A store committed while a clear unlinked what its scan found: the clear then deleted the counter,
+    and the store's count with it; the voided store's delete took it to -1, and usage under-counted for
+    good. The clear now takes off exactly the manifests it removed."""
+    a = valkey_adapter_factory("count")
+    b = valkey_adapter_factory("count-b", prefix=a._config.prefix)  # another worker of the same tier
+    a._put(new_key(), memoryview(b"x" * 100))
+    racing = new_key()
+    client, real = a._valkey, a._valkey.unlink
+
+    def unlink(*names):
+        client.unlink = real
+        b._put(racing, memoryview(b"y" * 100))  # commits after the clear's scan, before its unlinks end
+        return real(*names)
+
+    client.unlink = unlink
+    a._clear()
+    client.unlink = real
+    a._delete(racing)  # what the backend does with a store a clear voided
+    a._put(new_key(), memoryview(b"z" * 100))
+    manifests = [n for n in raw_valkey.scan_iter(match=a._prefix + b"{*") if b":" not in n[len(a._prefix) :]]
+    assert a._usage()[2] == len(manifests) == 1, f"usage says {a._usage()[2]} objects, the tier holds {len(manifests)}"
+
+
 class _Recorder:
     """A tier's event sink that keeps what it was told."""
 

@@ -122,3 +122,23 @@ def test_a_failover_loses_no_replicated_object_and_the_tier_serves_again(own_clu
     finally:
         adapter.close()
         raw.close()
+
+
+def test_cluster_parts_no_manifest_names_expire_when_their_delete_never_came(valkey_cluster_adapter_factory) -> None:
+    """As on one server: the commit script gives the replaced parts the orphan TTL in their own slot."""
+    from valkey.exceptions import ConnectionError as LinkDown
+
+    from .test_remote_adapters import _fail_the_next_delete
+
+    a = valkey_cluster_adapter_factory("orphans", max_value_mib=1)
+    key = new_key()
+    a._put(key, memoryview(os.urandom(3 << 20)))
+    assert a.in_cluster
+    old_meta = a._valkey.get(a.manifest_name(key))[:20]
+    _fail_the_next_delete(a)
+    with pytest.raises(LinkDown):
+        a._put(key, memoryview(os.urandom(3 << 20)))
+    assert all(a._valkey.ttl(n) > 0 for n in a.part_names(key, old_meta))
+    a._put(new_key(), memoryview(b"q" * 10))
+    assert a._clear() == 2 and a._valkey.get(a._counter) is None
+

@@ -67,10 +67,23 @@ _MAX_PARTS = 1 << 20  # more than this in a manifest means it is damaged
 # another tier's longer prefix cannot match ``<prefix>{`` at all (a prefix has no brace).
 _OUR_OBJECT = re.compile(rb"\{[0-9a-f]+\}(?::[0-9a-f]+:[0-9]+)?")
 
+# The parts a manifest's meta names (``part_names``), given the orphan TTL by the script that replaces or
+# drops that manifest: the client deletes them right after, and if it never gets to (it died, its link
+# dropped), they still expire instead of staying forever. Same hash slot as the manifest (the braces).
+_EXPIRE_PARTS = """
+local function expire_parts(mkey, meta, orphan_ttl)
+  if #meta < 20 or string.sub(meta, 1, 4) ~= 'KVV1' then return end
+  local nparts = struct.unpack('<I4', meta, 5)
+  if nparts > 1048576 then return end
+  local gen = (string.gsub(string.sub(meta, 13, 20), '.', function(c) return string.format('%02x', string.byte(c)) end))
+  for i = 0, nparts - 1 do redis.call('EXPIRE', mkey .. ':' .. gen .. ':' .. i, orphan_ttl) end
+end
+"""
+
 # KEYS: manifest, [counter,] parts...; ARGV: manifest value, ttl (0: none), meta length, "1" when KEYS[2]
-# is the counter (one server), "0" when it is not (a cluster: the counter lives in another slot).
+# is the counter (one server), "0" when it is not (a cluster: the counter lives in another slot), orphan TTL.
 # Returns the previous manifest's meta ("" if there was none); errors if a part vanished.
-_COMMIT = """
+_COMMIT = _EXPIRE_PARTS + """
 local ttl = tonumber(ARGV[2])
 local counted = ARGV[4] == '1'
 local first = counted and 3 or 2
@@ -85,17 +98,25 @@ end
 local old = redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[3]) - 1)
 if ttl > 0 then redis.call('SET', KEYS[1], ARGV[1], 'EX', ttl) else redis.call('SET', KEYS[1], ARGV[1]) end
 if old == '' and counted then redis.call('INCR', KEYS[2]) end
+if old ~= '' and old ~= string.sub(ARGV[1], 1, tonumber(ARGV[3])) then expire_parts(KEYS[1], old, tonumber(ARGV[5])) end
 return old
 """
 
-# KEYS: manifest, [counter]; ARGV: meta length, expected meta ("" = any).
+# KEYS: manifest, [counter]; ARGV: meta length, expected meta ("" = any), orphan TTL.
 # Deletes the manifest (if its meta matches) and returns its meta ("" if nothing was deleted).
-_DROP = """
+_DROP = _EXPIRE_PARTS + """
 local old = redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)
 if old == '' or (ARGV[2] ~= '' and old ~= ARGV[2]) then return '' end
 redis.call('DEL', KEYS[1])
 if #KEYS > 1 then redis.call('DECR', KEYS[2]) end
+expire_parts(KEYS[1], old, tonumber(ARGV[3]))
 return old
+"""
+
+# KEYS: counter. After a clear: a counter at (or, drifted, below) zero goes, so a cleared tier leaves no key.
+_DROP_ZERO = """
+if (tonumber(redis.call('GET', KEYS[1]) or '0') or 0) <= 0 then redis.call('DEL', KEYS[1]) end
+return 0
 """
 
 
@@ -146,6 +167,7 @@ class ValkeyAdapter(BackendAdapter):
         self._client: Any = None
         self._commit: Any = None
         self._drop: Any = None
+        self._drop_zero: Any = None
         self._in_cluster = False  # known once connected
         self._connect_lock = threading.Lock()
 
@@ -194,6 +216,7 @@ class ValkeyAdapter(BackendAdapter):
             client = valkey.Valkey(connection_pool=pool)
         self._commit = client.register_script(_COMMIT)
         self._drop = client.register_script(_DROP)
+        self._drop_zero = client.register_script(_DROP_ZERO)
         self._in_cluster = in_cluster
         self._client = client
 
@@ -246,11 +269,11 @@ class ValkeyAdapter(BackendAdapter):
                     pipe.set(name, data[i * self._part_bytes : (i + 1) * self._part_bytes], ex=ORPHAN_TTL_S)
                 pipe.execute()
             if self._in_cluster:
-                old = self._commit(keys=[mkey, *parts], args=[value, ttl, _META.size, 0], client=client)
+                old = self._commit(keys=[mkey, *parts], args=[value, ttl, _META.size, 0, ORPHAN_TTL_S], client=client)
                 if not old:
                     client.incr(self._counter)
             else:
-                old = self._commit(keys=[mkey, self._counter, *parts], args=[value, ttl, _META.size, 1], client=client)
+                old = self._commit(keys=[mkey, self._counter, *parts], args=[value, ttl, _META.size, 1, ORPHAN_TTL_S], client=client)
         except OutOfMemoryError as exc:
             # The server is at maxmemory with noeviction (Valkey's default policy): it refuses this
             # object, and it still serves what it holds. Taken for a dead server, it kept the tier down
@@ -318,17 +341,32 @@ class ValkeyAdapter(BackendAdapter):
         """Every key of ours (manifests, parts and the counter) goes; another tier's (whatever its
         prefix), the rest of the server's, or keys of another shape under our prefix are never touched."""
         client = self._valkey
-        count = int(client.get(self._counter) or 0)
-        batch: list[bytes] = []
+        skip = len(self._prefix)
+        manifests: list[bytes] = []
+        parts: list[bytes] = []
+        removed = 0
+
+        def flush(batch: list[bytes], counted: bool) -> None:
+            nonlocal removed
+            n = int(client.unlink(*batch))  # split by slot in a cluster (the counts summed)
+            if counted and n:
+                # Exactly the manifests this clear removed: a store that commits meanwhile counts its own
+                # (unlinking the counter instead lost the INCR of a commit that landed after the scan).
+                client.decrby(self._counter, n)
+                removed += n
+            batch.clear()
+
         for name in self._our_objects():
+            batch = parts if b":" in name[skip:] else manifests
             batch.append(name)
             if len(batch) >= 512:
-                client.unlink(*batch)  # split by slot in a cluster
-                batch.clear()
-        if batch:
-            client.unlink(*batch)
-        client.unlink(self._counter)
-        return max(0, count)
+                flush(batch, batch is manifests)
+        if manifests:
+            flush(manifests, True)
+        if parts:
+            flush(parts, False)
+        self._drop_zero(keys=[self._counter], client=client)
+        return removed
 
     def _our_objects(self) -> Iterator[bytes]:
         """The manifests and parts this tier wrote: ``<prefix>{*`` scanned (on every primary, in a
@@ -360,11 +398,11 @@ class ValkeyAdapter(BackendAdapter):
         """Delete the manifest first (the object is gone from then on), then its parts."""
         client = self._valkey
         if self._in_cluster:
-            old = self._drop(keys=[self.manifest_name(key)], args=[_META.size, expected_meta], client=client)
+            old = self._drop(keys=[self.manifest_name(key)], args=[_META.size, expected_meta, ORPHAN_TTL_S], client=client)
             if old:
                 client.decr(self._counter)
         else:
-            old = self._drop(keys=[self.manifest_name(key), self._counter], args=[_META.size, expected_meta], client=client)
+            old = self._drop(keys=[self.manifest_name(key), self._counter], args=[_META.size, expected_meta, ORPHAN_TTL_S], client=client)
         if old:
             self._delete_parts(key, old)
 
