@@ -43,13 +43,17 @@ def dserver(make_server):
     return make_server(ipc=False, base=("--chunk-size", str(DCS), "--l1-size-gb", "0.0625", "--no-prefault"))
 
 
-def device_worker(url, layers, **options):
+def worker(url, model, chunk, block, caches, **options):
     from kvdepot.connectors.vllm.config import ConnectorConfig
     from kvdepot.connectors.vllm.worker import WorkerSide
 
-    w = WorkerSide(ConnectorConfig(url=url, chunk_size=DCS, **options), "dmodel", DBS, "auto", 0, 1)
-    w.register_kv_caches({f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(layers)})
+    w = WorkerSide(ConnectorConfig(url=url, chunk_size=chunk, **options), model, block, "auto", 0, 1)
+    w.register_kv_caches(caches)
     return w
+
+
+def device_worker(url, layers, **options):
+    return worker(url, "dmodel", DCS, DBS, {f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(layers)}, **options)
 
 
 @pytest.mark.parametrize("transport", ["inline", "shm"])
@@ -93,12 +97,7 @@ def server(make_server):
 
 
 def cpu_worker(url, caches, **options):
-    from kvdepot.connectors.vllm.config import ConnectorConfig
-    from kvdepot.connectors.vllm.worker import WorkerSide
-
-    w = WorkerSide(ConnectorConfig(url=url, chunk_size=CS, **options), "cmodel", BS, "auto", 0, 1)
-    w.register_kv_caches(caches)
-    return w
+    return worker(url, "cmodel", CS, BS, caches, **options)
 
 
 def cpu_caches(seed=None):

@@ -55,6 +55,10 @@ from kvdepot.types import ChunkHash
 
 log = logging.getLogger(__name__)
 
+# Requests whose reply grants this client something only it can end (a lease, a pin): one nobody
+# receives is given back (``ContextLink._give_back``).
+_GRANTING = (m.PrepareStoreRequest, m.PrepareRetrieveRequest, m.PinPrefixRequest)
+
 STATUS_POLL_MAX_S = 0.005  # the longest pause between two asks for an L2 prefetch's result
 RELEASE_BEHIND_TRIES = 3  # sends of a read's release whose reply nobody waits for, while the server answers with a failure
 
@@ -207,9 +211,8 @@ class ContextLink:
             # old context id again, so the reply's offsets may be a new arena's, which ``path`` cannot
             # read (it would read or write the old arena's bytes at them). Its lease is given back, the
             # registration waited for, and the request redone on the path it chose.
-            give_back = self._give_back_late(body)
-            if give_back is not None:
-                give_back(reply[0] if want_payload else reply, None)
+            if isinstance(body, _GRANTING):
+                self._give_back(body, body.context_id, reply[0] if want_payload else reply)
             self._live()
             raise PathChanged()
         return reply
@@ -220,34 +223,30 @@ class ContextLink:
         lease, so it is ended at once, sent behind; left alone, it would end only at its TTL, and then
         be quarantined for as long as this process runs (the server cannot know its offsets never
         reached anyone): its slots never reused, its read pins never dropped."""
+        if not isinstance(body, _GRANTING):
+            return None
         context_id = body.context_id
-        if isinstance(body, m.PrepareStoreRequest):
 
-            def on_late(result, error: KVDepotError | None) -> None:
-                if error is None and result.lease_id:
-                    abort = m.CommitStoreRequest(context_id=context_id, lease_id=result.lease_id, abort=True)
-                    with suppress(KVDepotError):
-                        self.channel.send_behind(abort, lambda _r, _e: None, timeout_s=self.options.timeout_s)
+        def on_late(result, error: KVDepotError | None) -> None:
+            if error is None:
+                self._give_back(body, context_id, result)
 
-            return on_late
+        return on_late
+
+    def _give_back(self, body, context_id: int, result) -> None:
+        """End what ``result``, the reply to ``body``, granted and nobody holds: a read's lease is released
+        (as any read's, retried), a store's aborted, a pin unpinned (sent behind, never waited for)."""
         if isinstance(body, m.PrepareRetrieveRequest):
-
-            def on_late(result, error: KVDepotError | None) -> None:
-                if error is None and result.lease_id:
-                    self.release_behind(m.CommitRetrieveRequest(context_id=context_id, lease_id=result.lease_id))
-
-            return on_late
-        if isinstance(body, m.PinPrefixRequest):
-            # A pin outlives its client and only its (random) id ends it: one the caller never learned
-            # would protect its prefix, against the salt's quota, until an operator found it.
-
-            def on_late(result, error: KVDepotError | None) -> None:
-                if error is None and result.pin_id:
-                    with suppress(KVDepotError):
-                        self.channel.send_behind(m.UnpinRequest(pin_id=result.pin_id), lambda _r, _e: None, timeout_s=self.options.timeout_s)
-
-            return on_late
-        return None
+            if result.lease_id:
+                self.release_behind(m.CommitRetrieveRequest(context_id=context_id, lease_id=result.lease_id))
+            return
+        if isinstance(body, m.PrepareStoreRequest):
+            end = m.CommitStoreRequest(context_id=context_id, lease_id=result.lease_id, abort=True) if result.lease_id else None
+        else:  # a pin outlives its client and only its (random) id ends it
+            end = m.UnpinRequest(pin_id=result.pin_id) if result.pin_id else None
+        if end is not None:
+            with suppress(KVDepotError):
+                self.channel.send_behind(end, lambda _r, _e: None, timeout_s=self.options.timeout_s)
 
     def finish(self, body):
         """A request as is, never re-registering: a commit, whose lease a new context would not know. It

@@ -194,7 +194,7 @@ Protected = Callable[[ObjectKey], bool]  # is this key pinned or held by an agen
 
 
 @dataclass(slots=True)
-class _LastResort:
+class _BatchEviction:
     take_held: bool = False  # an allocation of this batch found only held objects to evict
 
 
@@ -335,7 +335,7 @@ class ObjectTable:
             used_of_run = 0
             # Once an allocation of this batch found nothing but held objects to evict, the later ones
             # start there: under this lock nothing can become evictable, and each walk is the whole table.
-            last_resort = _LastResort()
+            batch_eviction = _BatchEviction()
             for key in keys:
                 obj = self._objects.get(key)
                 if obj is not None:
@@ -361,7 +361,7 @@ class ObjectTable:
                     offset = run[used_of_run]
                     used_of_run += 1
                 else:
-                    offset = None if out_of_space else self._allocate_locked(size, keep, last_resort)
+                    offset = None if out_of_space else self._allocate_locked(size, keep, batch_eviction)
                 if offset is None:
                     out_of_space = True
                     statuses.append(SlotStatus.NO_SPACE)
@@ -786,23 +786,23 @@ class ObjectTable:
     def _deadline(self, ttl_s: float | None) -> float:
         return self._clock() + (self._ttl if ttl_s is None else ttl_s)
 
-    def _allocate_locked(self, size: int, keep: set[ObjectKey] = frozenset(), last_resort: _LastResort | None = None) -> int | None:
+    def _allocate_locked(self, size: int, keep: set[ObjectKey] = frozenset(), batch_eviction: _BatchEviction | None = None) -> int | None:
         if self._alloc.round_up(size) > self._alloc.capacity:
             return None  # can never fit: do not flush the cache trying
         offset = self._alloc.allocate(size)
         if offset is None:
-            self._evict_locked(lambda: self._alloc.can_allocate(size), keep, True, last_resort)
+            self._evict_locked(lambda: self._alloc.can_allocate(size), keep, True, batch_eviction)
             offset = self._alloc.allocate(size)
         return offset
 
     def _evict_locked(
-        self, enough: Callable[[], bool], keep: set[ObjectKey] = frozenset(), last_resort: bool = True, sticky: _LastResort | None = None
+        self, enough: Callable[[], bool], keep: set[ObjectKey] = frozenset(), last_resort: bool = True, batch_eviction: _BatchEviction | None = None
     ) -> int:
         """Evict in policy order until ``enough()``. Objects awaiting their L2 push go last, and only
-        with ``last_resort`` (an allocation that cannot wait). ``sticky``: shared by the allocations of
+        with ``last_resort`` (an allocation that cannot wait). ``batch_eviction``: shared by the allocations of
         one locked batch, so that only the first of them looks for an unheld victim in vain."""
         evicted = 0
-        take_held = sticky is not None and sticky.take_held
+        take_held = batch_eviction is not None and batch_eviction.take_held
         while not enough():
             # Collect a batch first (the policy must not change while we iterate it), then remove.
             batch: list[L1Object] = []
@@ -823,8 +823,8 @@ class ObjectTable:
                 if take_held or not last_resort or not self._counters.awaiting_l2:
                     break
                 take_held = True
-                if sticky is not None:
-                    sticky.take_held = True
+                if batch_eviction is not None:
+                    batch_eviction.take_held = True
                 continue
             for obj in batch:
                 if enough():

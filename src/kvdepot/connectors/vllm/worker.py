@@ -859,12 +859,8 @@ def _layer_order(kv_caches: dict) -> list[str]:
         names = sorted(names, key=extract_layer_index)
     except Exception:
         pass
-    seen: set[tuple] = set()
-    own = []
+    first_of: dict[tuple, str] = {}  # (address, shape, dtype) -> the first layer that has that cache
     for name in names:
         t = kv_caches[name]
-        where = (t.data_ptr(), tuple(t.shape), t.dtype) if hasattr(t, "data_ptr") else (id(t),)
-        if where not in seen:
-            seen.add(where)
-            own.append(name)
-    return own
+        first_of.setdefault((t.data_ptr(), tuple(t.shape), t.dtype), name)
+    return list(first_of.values())
