@@ -310,6 +310,26 @@ def test_a_node_started_before_its_head_joins_once_the_head_is_up():
             h.close()
 
 
+def test_a_node_that_joins_later_than_a_ttl_after_its_start_keeps_its_run():
+    """A node started longer than a member TTL before its head answers was never heard by any master, so
+    none could have expired it; yet its first answer came more than a TTL after its start, and it took
+    itself for a node that had been away: a new run (a spurious warning, a whole-cluster re-publish)."""
+    port = free_port()
+    head: list[PeerStore] = []
+    late = threading.Timer(2.5, lambda: head.append(PeerStore(port=port, data_port=0, secret=SECRET, **FAST)))
+    late.start()
+    started = time.time_ns()  # a run's incarnation is its start's wall clock; a new run's, a later one
+    try:
+        with store(f"127.0.0.1:{port}", join_timeout_s=15.0) as node:
+            assert node.node.joined
+            time.sleep(0.6)  # a round or two after the join
+            assert node.node.info.incarnation - started < 1e9, "a node's first join counted as a return from away"
+    finally:
+        late.join()
+        for h in head:
+            h.close()
+
+
 def test_a_batch_larger_than_the_pool_reports_only_the_pages_it_kept():
     """A later page of the same call evicts an earlier one from a full pool: the call used to report
     that one stored anyway, and SGLang took it for backed up though no node had it."""

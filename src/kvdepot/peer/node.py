@@ -936,8 +936,9 @@ class PeerNode:
                 answered_sent = sent
         # No master can have heard this node for longer than this between two answered heartbeats:
         # past the TTL, some may have expired it (a round slowed by a dead target never gets here).
+        # Before its first answer no master had heard it at all, so none can have expired it.
         if answered_sent is not None:
-            if answered_sent - self._last_answered_sent > self.config.member_ttl_s:
+            if self._joined.is_set() and answered_sent - self._last_answered_sent > self.config.member_ttl_s:
                 self._renew_run()
             self._last_answered_sent = answered_sent
         if self._is_master():
