@@ -142,3 +142,29 @@ def test_cluster_parts_no_manifest_names_expire_when_their_delete_never_came(val
     a._put(new_key(), memoryview(b"q" * 10))
     assert a._clear() == 2 and a._valkey.get(a._counter) is None
 
+
+
+def test_a_commit_retried_after_its_reply_was_lost_counts_the_object_once(valkey_cluster) -> None:
+    """The cluster client sends a script again when the connection drops before its reply (its retry on
+    connection errors). The first run stored the manifest; the second saw its own manifest and answered
+    with its meta, which the adapter took for an overwrite: the object count never went up."""
+    adapter = ValkeyAdapter("retry", valkey_config(valkey_cluster.url, max_value_mib=1))
+    adapter.start()
+    try:
+        assert store(adapter, new_key(), b"x" * 20_000).value == [True]
+        assert adapter.in_cluster
+        real = adapter._commit
+
+        def sent_twice(**kwargs):
+            real(**kwargs)  # ran on the server; its reply lost on the way back
+            return real(**kwargs)
+
+        adapter._commit = sent_twice
+        for value in (b"y" * 20_000, os.urandom(int(2.5 * MiB))):
+            key = new_key()
+            assert store(adapter, key, value).value == [True]
+            result, got = load(adapter, key, len(value))
+            assert result.value == [True] and got == value
+        assert adapter.usage().objects == 3
+    finally:
+        adapter.close()

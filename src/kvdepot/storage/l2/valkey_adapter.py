@@ -270,7 +270,9 @@ class ValkeyAdapter(BackendAdapter):
                 pipe.execute()
             if self._in_cluster:
                 old = self._commit(keys=[mkey, *parts], args=[value, ttl, _META.size, 0, ORPHAN_TTL_S], client=client)
-                if not old:
+                # Our own meta back (its generation is this store's): the client ran the script again after
+                # the reply was lost, and the first run was the one that found no manifest.
+                if not old or old == meta:
                     client.incr(self._counter)
             else:
                 old = self._commit(keys=[mkey, self._counter, *parts], args=[value, ttl, _META.size, 1, ORPHAN_TTL_S], client=client)
