@@ -329,3 +329,32 @@ def test_a_page_deleted_while_a_promote_loads_it_does_not_come_back(tmp_path, fi
         state = {"in the pool": store.node.pool.peek(b"k") is not None, "published": store.exists("k"),
                  "served": store.get("k") is not None}  # fmt: skip
         assert not any(state.values()), f"the {finish}d page came back: {state}"
+
+
+def test_a_page_in_the_pool_and_on_disk_promoted_during_a_clear_does_not_come_back(tmp_path):
+    """A clear takes the pool's pages, then deletes their disk copies. A promote between the two (a
+    reader holding an older non-resident record, or the warmer) found the page on disk and put it back
+    in the pool, published: the clear looked for such late copies among disk-only pages alone, so this
+    one stayed, served after the clear."""
+    with PeerStore(port=0, data_port=0, pool_size_mb=4, disk_path=str(tmp_path / "l4"), **FAST) as store:
+        assert store.set("k", page_bytes("k", SIZE))
+        wait_for(lambda: store.status()["disk"]["written"] >= 1, 10, "the page on disk")
+        node = store.node
+        assert node.pool.peek(b"k") is not None  # in the pool and on disk
+        disk = node.disk
+        real_delete = disk.delete
+        promoted = []
+
+        def delete(key):
+            if bytes(key) == b"k" and not promoted:
+                promoted.append(node.promote([b"k"]))  # the pool was just cleared; the disk still has it
+            return real_delete(key)
+
+        disk.delete = delete
+        try:
+            assert store.clear() >= 1
+        finally:
+            disk.delete = real_delete
+        assert promoted and promoted[0][0], "the promote did not run between the pool's clear and the disk's delete"
+        state = {"in the pool": node.pool.peek(b"k") is not None, "published": store.exists("k"), "served": store.get("k") is not None}
+        assert not any(state.values()), f"the cleared page came back: {state}"

@@ -374,8 +374,9 @@ class PeerNode:
                 self.disk.delete(e.key)
             for key in disk_only:
                 self.disk.delete(key)
-            # Pages a promote read from disk before those deletes, and put into the pool meanwhile.
-            promoted = [e for key in disk_only if (e := self.pool.remove(key)) is not None]
+            # Pages a promote read from disk before those deletes, and put into the pool meanwhile: those
+            # that were on disk only, and those the pool's clear had just taken (their disk copy was left).
+            promoted = [e for key in {*disk_only, *(e.key for e in gone)} if (e := self.pool.remove(key)) is not None]
             gone += [PoolEntry(key, 0, 0, bound, b"", published=False) for key in disk_only] + promoted
             n += len(disk_only)
         self._unpublish(gone)
