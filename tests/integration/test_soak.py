@@ -14,7 +14,7 @@ from kvdepot.bench.backends import find_valkey_binary
 CHECKS = {
     "every request answered", "every byte read matched", "no client's own error or hang", "no lease left",
     "no object half-written or locked", "arena back in one piece", "server heap back to steady",
-    "open files and threads back to steady", "clients killed and replaced", "clients stopped past the timeout",
+    "open files and threads back to steady", "clients killed and replaced", "clients stopped past the timeout, revoked",
     "tier backend restarted", "L1 overflowed", "disk tier filled", "every tier healthy at the end",
     "server up, no internal error, no traceback",
 }  # fmt: skip

@@ -116,6 +116,7 @@ def test_a_paused_writer_never_writes_into_the_next_owner_of_its_slots(make_serv
     wait_until(lambda: srv.metric("kvdepot_leases_ended_client_gone_total", how="revoked") >= 1, what="the revocation to be counted")
     assert srv.metric("kvdepot_clients_gone_total", how="revoked") == 1 and srv.metric("kvdepot_clients_gone_total", how="exited") == 0
     assert srv.metric("kvdepot_leases_ended_client_gone_total", how="revoked") == 1
+    assert srv.status()["clients_gone"] == {"exited": 0, "revoked": 1}  # what the soak's check reads
 
     with srv.client() as other:  # the keys are free again: another client stores its own bytes
         assert other.store(tokens, fill(5, len(tokens))) == N * CHUNK

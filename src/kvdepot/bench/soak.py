@@ -300,6 +300,7 @@ def _judge(args, clients, faults, steady, steady_status, quiet, quiet_s, end, cl
     hung = [c.uid for c in clients if c.fate == "hung"]
     died = [f"{c.uid}: {c.fate}" for c in clients if c.fate.startswith("died")]
     internal = quiet["errors"].get("INTERNAL", 0)
+    revoked = quiet.get("clients_gone", {}).get("revoked", 0)  # a stop past the client timeout that went unseen proves nothing
     checks = [
         Check("every request answered", f"{unanswered} unanswered of {answered + sum(refused.values()) + unanswered}", "0", unanswered == 0),
         Check("every byte read matched", f"{totals['mismatched_chunks']} wrong of {totals['verified_chunks'] + totals['mismatched_chunks']} "
@@ -320,8 +321,8 @@ def _judge(args, clients, faults, steady, steady_status, quiet, quiet_s, end, cl
         Check("open files and threads back to steady", f"files {steady['open_files']} -> {end['open_files']}, threads {steady['threads']} -> "
               f"{end['threads']}", "<= steady + 4", end["open_files"] <= steady["open_files"] + 4 and end["threads"] <= steady["threads"] + 4),  # fmt: skip
         Check("clients killed and replaced", f"{faults.done['kill_client']}", ">= 1", faults.done["kill_client"] >= 1),
-        Check("clients stopped past the timeout", f"{faults.done['stop_client']}; leases revoked {quiet['request_failures']['lease_revoked']}",
-              ">= 1", faults.done["stop_client"] >= 1),  # fmt: skip
+        Check("clients stopped past the timeout, revoked", f"{faults.done['stop_client']} stopped, {revoked} revoked; requests refused "
+              f"as revoked {quiet['request_failures']['lease_revoked']}", ">= 1, >= 1", faults.done["stop_client"] >= 1 and revoked >= 1),  # fmt: skip
         Check("L1 overflowed", f"{l1['evicted_objects']} objects evicted", "> 0", l1["evicted_objects"] > 0),
         Check("disk tier filled", f"{fs['stored']} chunks stored = {fs['stored'] * chunk_bytes / MiB:.0f} MiB into {fs['capacity_bytes'] / MiB:.0f} "
               f"MiB; {fs['used_bytes'] / MiB:.0f} MiB held" if fs else "no fs tier", "stored > capacity, held <= capacity",

@@ -66,6 +66,7 @@ def status_document(
         "contexts": contexts,
         "sessions": sessions,
         "clients": clients.active,
+        "clients_gone": {how: int(n) for how, n in counts(metrics.clients_gone).items()},  # exited, revoked (went silent)
         "requests": {k: v for k, v in counts(metrics.requests).items() if v},
         "errors": errors,
         "request_failures": {
