@@ -13,7 +13,7 @@ Per model::
       └──────────────── a hit, or no lookup for a window ──────────────────────┘
 
 Firing logs one warning (and one line when it ends), sets ``kvdepot_silent_miss_alarm{model}`` to 1 and
-adds a ``/healthcheck`` reason. ``check`` runs from the server's housekeeping; events come from the bus's
+adds a ``/healthcheck`` reason. A model forgotten to make room (``MAX_MODELS``) takes its series along. ``check`` runs from the server's housekeeping; events come from the bus's
 drain thread; both take the one lock.
 """
 
@@ -45,9 +45,10 @@ class SilentMissAlarm:
     KINDS = (ChunkRequestDone,)
 
     def __init__(self, window_s: float, on_change: Callable[[str, bool], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+                 clock: Callable[[], float] = time.monotonic, on_forget: Callable[[str], None] | None = None) -> None:  # fmt: skip
         self.window_s = window_s
         self._on_change = on_change  # (model, firing): the metric
+        self._on_forget = on_forget  # (model): a model no longer watched; its metric series goes
         self._clock = clock
         self._models: dict[str, _Model] = {}
         self._lock = threading.Lock()
@@ -81,6 +82,8 @@ class SilentMissAlarm:
         if m.firing or now - m.last_seen < 2 * self.window_s:
             return False
         del self._models[name]
+        if self._on_forget is not None:
+            self._on_forget(name)  # a fleet rolling model versions would otherwise keep every old one's series
         return True
 
     def check(self) -> None:

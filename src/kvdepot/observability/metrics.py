@@ -206,6 +206,13 @@ class Metrics:
         self._lookup_children.clear()
         self._hit_children.clear()
 
+    def forget_silent_miss(self, model: str) -> None:
+        """The alarm no longer watches ``model`` (it made room for another): its series goes too."""
+        try:
+            self.silent_miss.remove(model)
+        except KeyError:
+            pass  # it never fired, so it has no series
+
     # --- what the event bus hands over (its drain thread) -----------------------------------------------
 
     def subscribe_to(self, bus: Any) -> None:

@@ -87,7 +87,8 @@ class Observers:
         self.tenants = TenantTally()
         self.bus.subscribe("tenants", self._tally, (L1Changed,))
         metrics.watch_tenants(self.tenants.snapshot)
-        self.alarm = SilentMissAlarm(config.silent_miss_window_s, on_change=lambda model, firing: metrics.silent_miss.labels(model).set(int(firing)))
+        self.alarm = SilentMissAlarm(config.silent_miss_window_s, on_change=lambda model, firing: metrics.silent_miss.labels(model).set(int(firing)),
+                                     on_forget=metrics.forget_silent_miss)  # fmt: skip
         self.bus.subscribe("alarm", self.alarm.handle, SilentMissAlarm.KINDS)
         self._next_alarm_check = 0.0
         self.kv_events = kv_events_publisher(config, metrics, node or socket.gethostname())
