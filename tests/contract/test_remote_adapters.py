@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -499,3 +500,47 @@ def test_s3_tier_goes_down_with_its_server_and_comes_back(own_weed: WeedServer) 
     finally:
         adapter.close()
 
+
+def test_s3_clear_aborts_the_uploads_a_killed_server_left_unfinished(s3_adapter_factory) -> None:
+    """A server SIGKILLed during a multipart upload leaves the upload open: its parts stay stored (and
+    billed) though no object names them. A clear of the tier removes them too; another application's
+    upload under the same prefix (not a key-named object) is left alone."""
+    adapter = s3_adapter_factory("orphans", multipart_threshold_mib=6, part_size_mib=5)
+    adapter.start()
+    client, bucket, prefix = adapter._client, adapter._config.bucket, adapter._config.prefix
+    assert store(adapter, new_key(), b"x" * 100).value == [True]  # the bucket exists
+    ours, foreign = adapter.object_name(new_key()), f"{prefix}backups/day1"
+    for name in (ours, foreign):
+        upload = client.create_multipart_upload(Bucket=bucket, Key=name)["UploadId"]
+        client.upload_part(Bucket=bucket, Key=name, UploadId=upload, PartNumber=1, Body=os.urandom(5 * MiB))
+    assert run(adapter, adapter.submit_clear()).ok
+    left = [u["Key"] for u in client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])]
+    assert left == [foreign]
+    client.abort_multipart_upload(Bucket=bucket, Key=foreign, UploadId=client.list_multipart_uploads(Bucket=bucket, Prefix=foreign)["Uploads"][0]["UploadId"])
+
+
+def test_an_s3_upload_a_clear_aborted_is_a_refused_object_not_a_dead_tier(s3_adapter_factory) -> None:
+    """A store whose multipart upload a clear (another server's, on the same prefix) aborted while it
+    ran is that object's failure alone: the tier stays up and goes on storing."""
+    adapter = s3_adapter_factory("aborted", multipart_threshold_mib=6, part_size_mib=5)
+    other = s3_adapter_factory("other", prefix=adapter._config.prefix)
+    adapter.start()
+    other.start()
+    assert store(other, new_key(), b"x" * 100).value == [True]  # the bucket exists
+    real_upload_part = adapter._client.upload_part
+    cleared: list[TaskResult] = []
+    once = threading.Lock()
+
+    def upload_part(**kwargs):
+        with once:  # the parts go up in parallel: the first one clears, the others wait for it
+            if not cleared:
+                cleared.append(run(other, other.submit_clear()))  # between the upload's start and its parts
+        return real_upload_part(**kwargs)
+
+    adapter._client.upload_part = upload_part
+    key, value = new_key(), os.urandom(11 * MiB)
+    result = store(adapter, key, value)
+    assert cleared and cleared[0].ok
+    assert result.value == [False]
+    assert result.ok and adapter.usage().healthy, f"the tier was taken down: {result.error}"
+    assert store(adapter, new_key(), b"y" * 100).value == [True]

@@ -15,10 +15,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 
 from kvdepot.bench.serverproc import free_port
+
+from support.servers import pause
 
 from support.tiers import (
     Prompt,
@@ -31,6 +34,7 @@ from support.tiers import (
     store_full,
     store_stats,
     tier_of,
+    valkey_spec,
     wait_store_idle,
 )
 
@@ -105,3 +109,33 @@ def test_a_second_server_cannot_share_a_tier_directory(make_server, tmp_path):
     assert r.returncode != 0
     assert "in use by another fs tier" in r.stderr
     assert srv.alive() and tier_of(srv.status(), "disk")["healthy"]
+
+
+def test_sigterm_pushes_what_is_still_queued_for_a_tier_before_it_exits(own_valkey, make_server, seed):
+    """A graceful stop (SIGTERM: a rolling restart) with pushes still queued for a persistent tier: the
+    server pushes them before it exits, so the restarted server finds every prompt the engines stored.
+    The tier is made slow by SIGSTOPping its valkey-server while the prompts are stored (so the pushes
+    queue up in the store controller and the tier's pool), and resumed just after the SIGTERM."""
+    spec = valkey_spec(own_valkey.url, name="kv", socket_timeout_s=20)
+    srv = start_tier_server(make_server, spec, name="before")
+    prompts = [make_prompt(4, seed + i) for i in range(40)]  # 160 objects: 10 batches of 16, 8 in flight
+    with srv.client() as c:
+        warm = make_prompt(1, seed + 1000)
+        store_full(c, warm)
+        wait_store_idle(srv, accounted=1)  # connected, scripts loaded
+        pause(own_valkey.proc.pid)
+        try:
+            for p in prompts:
+                store_full(c, p)
+            srv.proc.proc.send_signal(signal.SIGTERM)
+            time.sleep(1.0)  # the server is shutting down while its tier is still stuck
+        finally:
+            os.kill(own_valkey.proc.pid, signal.SIGCONT)
+    assert srv.proc.stop(timeout_s=30) == 0
+    log = srv.log_text()
+    again = start_tier_server(make_server, spec, name="after")
+    with again.client() as c:
+        missing = [p for p in prompts if c.lookup(p.tokens) != p.n_tokens]
+        assert not missing, f"{len(missing)} of {len(prompts)} prompts lost at a graceful stop; log tail:\n{log[-2000:]}"
+        for p in prompts:
+            assert_served_whole(c, p)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -83,6 +84,9 @@ ALIGNMENT = 4096
 # meant for a lease of this server before a restart then never names a lease of the new one.
 LEASE_ID_SPREAD = 1 << 48
 TIER_CLEAR_WAIT_S = 30.0
+# At close (a SIGTERM), how long the pushes still queued for the tiers are given to land before the
+# rest is dropped (and said so): a graceful stop must not lose what a persistent tier was about to hold.
+L2_FLUSH_AT_CLOSE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -219,6 +223,7 @@ class StorageManager:
             self._driver.start()
 
     def close(self) -> None:
+        self._flush_l2(L2_FLUSH_AT_CLOSE_S)
         if self._driver is not None:
             self._driver.stop()
         for tier in self._tiers:
@@ -227,6 +232,26 @@ class StorageManager:
         if self._prefaulter is not None:
             self._prefaulter.stop()
         self._arena.close()
+
+    def _flush_l2(self, timeout_s: float) -> None:
+        """Before the tiers close: let the store controller push what is queued and in flight (the
+        server takes no new requests by now), for at most ``timeout_s``; then say what was not pushed.
+        A tier that is down fails its pushes at once, so it does not hold the stop up."""
+        if self._store is None or self._driver is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while True:
+            s = self._store.snapshot()
+            if not s.queued and not s.in_flight:
+                return
+            if time.monotonic() >= deadline:
+                break
+            self._driver.wake()
+            time.sleep(0.01)
+        log.warning(
+            "closing with L2 pushes unfinished after %.1f s: %d objects queued and %d batches in flight are "
+            "not pushed to the tiers (they are lost with L1)", timeout_s, s.queued, s.in_flight,
+        )  # fmt: skip
 
     # --- capacity and the arena ----------------------------------------------------------------------
 

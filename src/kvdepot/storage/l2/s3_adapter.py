@@ -23,7 +23,7 @@ from kvdepot.config import ConfigError, ConfigStruct, option
 from kvdepot.storage.l2 import envelope
 from kvdepot.storage.l2.backend import BackendAdapter
 from kvdepot.storage.l2.contract import AdapterType, TierServices
-from kvdepot.storage.l2.envelope import CorruptObject, DestinationMismatch
+from kvdepot.storage.l2.envelope import CorruptObject, DestinationMismatch, RejectedObject
 from kvdepot.types import ObjectKey
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,14 @@ class S3Adapter(BackendAdapter):
             self._client.put_object(Bucket=self._config.bucket, Key=name, Body=body, ContentLength=total)
             return
         part_bytes = max(self._config.part_size_mib << 20, math.ceil(total / MAX_PARTS))
-        self._put_multipart(name, [head, data], total, part_bytes)
+        try:
+            self._put_multipart(name, [head, data], total, part_bytes)
+        except Exception as exc:
+            if _error_code(exc) != "NoSuchUpload":
+                raise
+            # A clear (this server's, or another's on the same prefix) aborted the upload: this object
+            # is not stored, and the store is fine (as Valkey's part that a clear removed).
+            raise RejectedObject(f"its multipart upload was aborted meanwhile: {exc}") from None
 
     def _put_multipart(self, name: str, segments: list[memoryview], total: int, part_bytes: int) -> None:
         bucket = self._config.bucket
@@ -219,12 +226,29 @@ class S3Adapter(BackendAdapter):
         except BaseException:
             self._tell_removed(gone, "deleted")
             raise
+        self._abort_uploads()
         if failed:
             self._tell_removed(gone, "deleted")  # announced blocks that did go must not stay announced
             first = failed[0]
             raise RuntimeError(f"s3 tier {self.name}: the clear could not delete {len(failed)} objects "
                                f"(first: {first.get('Key')}: {first.get('Code')} {first.get('Message', '')})")  # fmt: skip
         return removed
+
+    def _abort_uploads(self) -> None:
+        """Abort the multipart uploads of our names under the prefix: a server killed during one leaves
+        its parts stored (and billed) for good otherwise, never listed as objects, never counted. One
+        still running (a store from before this clear, here or on another server sharing the prefix)
+        then fails as a refused object (``_put``), not as a backend failure."""
+        bucket, skip = self._config.bucket, len(self._config.prefix)
+        for page in self._client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=self._config.prefix):
+            for upload in page.get("Uploads", []) or []:
+                if not _OUR_NAME.fullmatch(upload["Key"], skip):
+                    continue
+                try:
+                    self._client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                except Exception as exc:
+                    if _error_code(exc) != "NoSuchUpload":  # completed or aborted meanwhile
+                        raise
 
     def _usage(self) -> tuple[int, int, int]:
         """One listing page under the prefix: exact when the tier holds at most 1000 objects, else
