@@ -262,6 +262,23 @@ def test_a_salt_of_megabytes_is_refused(srv, peer):
     assert srv.status()["leases"] == 0
 
 
+def test_a_model_name_or_hash_scheme_of_megabytes_is_refused(srv, peer):
+    """A context's model name is kept for its life and becomes a label of every per-model series of
+    /metrics and /status (and a KV-events topic): four registrations of an 8 MiB name made each /metrics
+    scrape 400 MB. Like cache_salt, it is bounded; a long model path is still fine."""
+    layout = m.LayoutSpec(num_layers=LAYOUT.num_layers, num_kv_heads=LAYOUT.num_kv_heads, head_dim=LAYOUT.head_dim)
+    contexts = srv.status()["contexts"]
+    for change in (dict(model="m" * (1 << 20)), dict(model="m", hash_scheme="s" * (1 << 20))):
+        fields = dict(protocol_version=m.PROTOCOL_VERSION, layout=layout) | change
+        with pytest.raises(KVDepotError) as exc_info:
+            peer.call(m.RegisterContextRequest(**fields))
+        assert exc_info.value.code == ErrorCode.BAD_REQUEST, exc_info.value.message
+        assert "at most" in exc_info.value.message
+    assert srv.status()["contexts"] == contexts, "a refused registration must not create a context"
+    ctx = peer.register(model="/models/" + "m" * 4000).context_id
+    assert peer.call(m.UnregisterContextRequest(context_id=ctx)).ok
+
+
 def test_bad_leases(srv, peer):
     ctx = peer.register().context_id
     for body, code in (

@@ -275,3 +275,41 @@ def test_turned_off_the_path_is_refused_with_the_reason(make_server, tmp_path):
             c.link.request(export_cache(cache.layers, "kv_first").request(BS))
         cache.close()
         assert c.ping()
+
+
+def test_malformed_cache_registrations_are_bad_requests_not_handler_crashes(blocks_server):
+    """A registration whose host-file path holds a NUL, whose layer strides do not fit in 64 bits, or whose
+    layer dtype is one the server cannot copy as bits (16-byte complex) is the client's bad input: it is
+    answered BAD_REQUEST, not INTERNAL (a handler that crashed, logged with its traceback), and the server
+    and its caches serve on."""
+    from kvdepot.errors import ErrorCode, KVDepotError
+    from kvdepot.gpu.memory import export_cache
+
+    with client_of(blocks_server) as c:
+        src = host_cache(c, seed=31)
+        good = export_cache(src.layers, "kv_first").request(BS)
+        path = good.memories[0].path
+
+        def changed(memory=None, **layer) -> m.RegisterKVCacheRequest:
+            req = export_cache(src.layers, "kv_first").request(BS)
+            if memory is not None:
+                req.memories = [memory]
+            for spec in req.layers:
+                for name, value in layer.items():
+                    setattr(spec, name, value)
+            return req
+
+        cases = {
+            "nul-in-path": changed(memory=m.HostFileMemory(path=path + "\x00x", size=good.memories[0].size)),
+            "stride-over-64-bits": changed(shape=[2, NB, BS, 2, 1], stride=[NB * BS * 32, BS * 32, 32, 16, (1 << 64) - 1]),
+            "complex128": changed(dtype="complex128", shape=[2, NB, BS, 2, 2], stride=[NB * BS * 4, BS * 4, 4, 2, 1]),
+        }
+        for name, req in cases.items():
+            with pytest.raises(KVDepotError) as exc_info:
+                c.link.request(req)
+            assert exc_info.value.code == ErrorCode.BAD_REQUEST, (name, exc_info.value.code, exc_info.value.message)
+        assert "REGISTER_KV_CACHE handler failed" not in blocks_server.log_text()
+        rc = c.register_kv_cache(src.layers, "kv_first", BS)  # the well-formed one is still taken
+        assert rc.store(c.hashes(tokens(31, 1)), [[0, 1, 2, 3]]) == [SlotStatus.ALLOCATED]
+        assert blocks_server.status()["gpu"]["caches"][0]["state"] == "open"
+        src.close()

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from kvdepot.errors import BadRequest, TransportUnavailable
-from kvdepot.gpu.runtime import device_uuid, dtype_name, require_torch, torch_dtype
+from kvdepot.gpu.runtime import bits_dtype, device_uuid, dtype_name, require_torch, torch_dtype
 from kvdepot.layout import PagedFormat
 from kvdepot.protocol import messages as m
 
@@ -332,6 +332,8 @@ def _open_cuda(spec: m.CudaIpcMemory, index: int) -> OpenedMemory:
 def _open_host_file(spec: m.HostFileMemory, shm_dir: str) -> OpenedMemory:
     torch = require_torch("the server-driven path")
     name = os.path.basename(spec.path)
+    if "\0" in spec.path:  # no file has one; os calls raise ValueError (an INTERNAL reply) for it
+        raise BadRequest(f"a host cache file path holds a NUL byte: {spec.path!r}")
     if os.path.dirname(os.path.realpath(spec.path)) != os.path.realpath(shm_dir) or not name.startswith(HOST_FILE_PREFIX):
         raise BadRequest(f"host cache files must be {HOST_FILE_PREFIX}* directly in {shm_dir}, not {spec.path!r}")
     if spec.size <= 0 or spec.offset < 0:
@@ -361,9 +363,15 @@ def layer_tensor(memory: OpenedMemory, spec: m.PagedLayerSpec):
         dtype = torch_dtype(spec.dtype)
     except ValueError:
         raise BadRequest(f"unknown dtype {spec.dtype!r}") from None
+    try:
+        bits_dtype(dtype)  # its bits are what a copy moves: a width without an integer dtype (16-byte complex) is no KV
+    except KeyError:
+        raise BadRequest(f"a layer of dtype {spec.dtype!r} cannot be copied as bits") from None
     item = torch.empty((), dtype=dtype).element_size()
     if len(spec.shape) != len(spec.stride) or not spec.shape or min(spec.shape) <= 0 or min(spec.stride) < 0:
         raise BadRequest(f"a layer of shape {spec.shape} and stride {spec.stride}")
+    if max(*spec.shape, *spec.stride) >= 1 << 63:  # torch takes int64 sizes and strides (a size-1 axis adds nothing to span)
+        raise BadRequest(f"a layer of shape {spec.shape} and stride {spec.stride} does not fit torch's 64-bit sizes")
     span = (sum((n - 1) * s for n, s in zip(spec.shape, spec.stride)) + 1) * item
     size = memory.data.numel()
     if spec.offset < 0 or spec.offset + span > size:

@@ -15,6 +15,11 @@ from kvdepot.server.liveness import check_client_info
 from kvdepot.server.modules import ServerContext
 
 MAX_BLOCK_REPORT = 1 << 40  # blocks per REPORT_BLOCK_ALLOCATION: far beyond any real engine
+# A context's model name is kept for its life and labels every per-model series of /metrics and /status (and
+# a KV-events topic): one of megabytes made each scrape hundreds of MB. Room for a local model path and the
+# connectors' suffixes; the hash scheme is a short tag.
+MAX_MODEL_NAME = 4096
+MAX_HASH_SCHEME = 256
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +59,11 @@ class ManagementModule:
             raise BadRequest(f"rank {body.rank} is outside world_size {body.world_size}")
         if not body.model:
             raise BadRequest("model must be named")
+        if len(body.model) > MAX_MODEL_NAME or len(body.hash_scheme) > MAX_HASH_SCHEME:
+            raise BadRequest(
+                f"model names are at most {MAX_MODEL_NAME} characters and hash schemes at most {MAX_HASH_SCHEME}, "
+                f"got {len(body.model)} and {len(body.hash_scheme)}"
+            )
         bad_info = check_client_info(body.client)
         if bad_info:
             raise BadRequest(f"bad client info: {bad_info}")
