@@ -59,7 +59,14 @@ class Context:
         return cast("list[ObjectKey]", [ns + h for h in hashes])  # one cast, not a NewType call per key
 
 
+_TERMS = ("layout", "chunk_size", "hash_scheme")
+
+
 class ContextRegistry:
+    """The live contexts, by id, and indexed by owner and by (model, world size, rank) and terms, so that
+    a registration's checks and a client's goodbye cost what that client or that model has, not what
+    every client has (one client registering thousands slowed everyone's requests on the loop)."""
+
     def __init__(self, on_namespace: Callable[[Context, str, bytes], None] | None = None) -> None:
         """``on_namespace(context, salt, digest)``: a context's first use of a namespace (KV events learn
         what a digest means from it)."""
@@ -69,30 +76,57 @@ class ContextRegistry:
         # before gets UNKNOWN_CONTEXT (and registers again), never the new server's context of that number.
         self._ids = itertools.count(1 + secrets.randbelow(1 << 40))
         self._contexts: dict[ContextId, Context] = {}
+        self._by_owner: dict[ClientId, dict[ContextId, Context]] = {}
+        # (model, world size, rank) -> the terms its contexts register with -> those contexts
+        self._by_group: dict[tuple[str, int, int], dict[tuple[str, ...], dict[ContextId, Context]]] = {}
 
     def __len__(self) -> int:
         return len(self._contexts)
+
+    @staticmethod
+    def _group(spec: NamespaceSpec) -> tuple[str, int, int]:
+        return spec.model, spec.world_size, spec.rank
+
+    @staticmethod
+    def _terms(ctx: Context) -> tuple[str, ...]:
+        terms = ctx.terms()
+        return tuple(terms[k] for k in _TERMS)
 
     def add(self, owner: ClientId, layout: KVLayout, spec: NamespaceSpec, hash_scheme: str = "", pid: int = 0) -> Context:
         with self._lock:
             ctx = Context(ContextId(next(self._ids)), owner, layout, spec, layout.chunk_bytes(spec.chunk_size), {}, self._on_namespace,
                           hash_scheme, pid)  # fmt: skip
             self._contexts[ctx.id] = ctx
+            self._by_owner.setdefault(owner, {})[ctx.id] = ctx
+            terms = self._terms(ctx)
+            self._by_group.setdefault(self._group(spec), {}).setdefault(terms, {})[ctx.id] = ctx
             return ctx
+
+    def _forget(self, ctx: Context) -> None:
+        """Under the lock: ``ctx`` out of every index."""
+        del self._contexts[ctx.id]
+        mine = self._by_owner[ctx.owner]
+        del mine[ctx.id]
+        if not mine:
+            del self._by_owner[ctx.owner]
+        group = self._by_group[self._group(ctx.spec)]
+        terms = self._terms(ctx)
+        del group[terms][ctx.id]
+        if not group[terms]:
+            del group[terms]
+        if not group:
+            del self._by_group[self._group(ctx.spec)]
 
     def cannot_share_with(self, spec: NamespaceSpec, hash_scheme: str) -> tuple[Context, dict[str, str]] | None:
         """A live context of the same model, world size and rank whose KV a context of ``spec`` could
         never read or reuse (another layout, chunk size or hash scheme), and the terms that differ."""
         mine = {"layout": spec.layout_fingerprint, "chunk_size": str(spec.chunk_size), "hash_scheme": hash_scheme or "(unnamed)"}
         with self._lock:
-            for c in self._contexts.values():
-                s = c.spec
-                if (s.model, s.world_size, s.rank) != (spec.model, spec.world_size, spec.rank):
-                    continue
-                theirs = c.terms()
+            for terms, contexts in self._by_group.get(self._group(spec), {}).items():
+                theirs = dict(zip(_TERMS, terms))
                 differ = {k: theirs[k] for k in mine if mine[k] != theirs[k] and not (k == "hash_scheme" and "(unnamed)" in (mine[k], theirs[k]))}
                 if differ:
-                    return c, differ
+                    return next(iter(contexts.values())), differ
         return None
 
     def get(self, context_id: int, owner: ClientId) -> Context:
@@ -108,7 +142,7 @@ class ContextRegistry:
     def remove(self, context_id: int, owner: ClientId) -> Context:
         with self._lock:
             ctx = self.get(context_id, owner)
-            del self._contexts[ctx.id]
+            self._forget(ctx)
             return ctx
 
     def largest_chunk_bytes(self) -> int:
@@ -124,11 +158,11 @@ class ContextRegistry:
             return list(seen.items())
 
     def owned_by(self, owner: ClientId) -> int:
-        return sum(1 for c in self._contexts.values() if c.owner == owner)
+        return len(self._by_owner.get(owner, ()))
 
     def remove_owner(self, owner: ClientId) -> list[Context]:
         with self._lock:
-            gone = [c for c in self._contexts.values() if c.owner == owner]
+            gone = list(self._by_owner.get(owner, {}).values())
             for c in gone:
-                del self._contexts[c.id]
+                self._forget(c)
             return gone
