@@ -11,7 +11,7 @@ import urllib.request
 from pathlib import Path
 
 from kvdepot import __version__
-from kvdepot.config import HttpConfig, add_server_args, server_from_args
+from kvdepot.config import HttpConfig, add_server_args, host_port, server_from_args
 from kvdepot.errors import ConfigError
 
 
@@ -53,7 +53,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from kvdepot.admin.summary import probe, summary
 
-    base = args.url.rstrip("/") if args.url else f"http://{args.http_host}:{args.http_port}"
+    base = args.url.rstrip("/") if args.url else f"http://{host_port(args.http_host, args.http_port)}"  # [::1]:8080
     parts = urlsplit(base)
     try:
         port = parts.port
@@ -170,6 +170,16 @@ def cmd_peer(args: argparse.Namespace) -> int:
     return peer_cli.main(args)
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds > 0")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvdepot", description="A KV-cache server for LLM inference engines.")
     p.add_argument("--version", action="version", version=f"kvdepot {__version__}")
@@ -188,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--http-host", default=http.host, help="the server's --http-host (default: %(default)s)")
     st.add_argument("--http-port", type=int, default=http.port, help="the server's --http-port (default: %(default)s)")
     st.add_argument("--url", default="", help="the HTTP API's base URL instead, e.g. http://10.0.0.5:8080 (default: from the two above)")
-    st.add_argument("--timeout-s", type=float, default=5.0, help="how long to wait for /status (default: %(default)s)")
+    st.add_argument("--timeout-s", type=_positive_seconds, default=5.0, help="how long to wait for /status (default: %(default)s)")
     st.add_argument("--json", action="store_true", help="print the whole /status document as JSON instead of a summary")
     st.set_defaults(func=cmd_status)
 

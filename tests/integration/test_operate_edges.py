@@ -146,6 +146,44 @@ def test_an_ipc_path_that_cannot_be_had_is_named_as_such(tmp_path):
     assert "--ipc-path" in r.stderr and "no-such-dir" in r.stderr and "--host" not in r.stderr, r.stderr
 
 
+def test_an_ipc_path_that_is_not_a_socket_is_refused_and_left_as_it_was(tmp_path):
+    """The claim unlinked whatever was at --ipc-path ("a dead server's stale socket"): a regular file
+    named there by mistake was deleted and the server started; a directory there ended in
+    ``kvdepot server: [Errno 21] Is a directory`` (exit 1), naming no flag."""
+    precious = tmp_path / "precious.txt"
+    precious.write_text("an operator's data")
+    directory = tmp_path / "a-directory"
+    directory.mkdir()
+    for path in (precious, directory):
+        r = _server_cli("--port", str(free_port()), "--http-port", "0", "--shm-dir", str(tmp_path), "--ipc-path", str(path), timeout=20)
+        assert r.returncode == 2, r.stderr
+        assert "--ipc-path" in r.stderr and str(path) in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert precious.read_text() == "an operator's data", "the server deleted the file at --ipc-path"
+    assert directory.is_dir()
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("kvdepot-")], "an arena was reserved by a server that refused to start"
+
+
+def test_a_shm_dir_that_cannot_hold_the_arena_is_named_with_its_flag(tmp_path):
+    """``--shm-dir /no/such/dir`` (or a file) ended in ``kvdepot server: [Errno 2] No such file or
+    directory: '/no/such/dir'`` with exit 1: no flag named, and not the exit 2 of a bad configuration."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for shm_dir in (tmp_path / "no-such-dir", a_file):
+        r = _server_cli("--port", str(free_port()), "--http-port", "0", "--shm-dir", str(shm_dir))
+        assert r.returncode == 2, r.stderr
+        assert "--shm-dir" in r.stderr and str(shm_dir) in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_two_tiers_under_one_name_are_refused_at_start(tmp_path):
+    """``--l2 memory:name=a --l2 memory:name=a`` started: /status, the metrics' tier label, a clear's
+    reply (tier name -> removed) and the KV events' medium then merged the two tiers into one."""
+    r = _server_cli("--port", str(free_port()), "--http-port", "0", "--shm-dir", str(tmp_path),
+                    "--l2", "memory:name=a,size_gb=0.01", "--l2", "memory:name=a,size_gb=0.01", timeout=20)  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert "--l2" in r.stderr and "'a'" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("kvdepot-")], "an arena was reserved by a server that refused to start"
+
+
 # --- the server's own ports ------------------------------------------------------------------------------
 
 

@@ -88,3 +88,14 @@ def test_a_server_on_ipv6_loopback_serves_a_client_and_its_http_ports(ipv6_serve
     assert httpx.get(f"{ipv6_server['http']}/healthcheck", timeout=10).status_code == 200
     r = httpx.get(f"{ipv6_server['prometheus']}/metrics", timeout=10)
     assert r.status_code == 200 and b"kvdepot_" in r.content, r.text[:200]
+
+
+def test_kvdepot_status_reads_a_server_whose_http_host_is_ipv6(ipv6_server):
+    """``kvdepot status --http-host ::1`` (the value the server itself took) built ``http://::1:PORT``
+    and failed with "Port could not be cast to integer value"; only ``[::1]`` or ``--url`` worked."""
+    port = ipv6_server["http"].rsplit(":", 1)[1]
+    for host in ("::1", "[::1]"):
+        r = subprocess.run([sys.executable, "-m", "kvdepot.cli", "status", "--http-host", host, "--http-port", port],
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert r.returncode == 0, (host, r.stderr)
+        assert ipv6_server["url"] in r.stdout, (host, r.stdout)

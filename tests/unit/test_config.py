@@ -335,3 +335,15 @@ def test_status_with_a_port_out_of_range_is_a_message_not_a_traceback(capsys):
 
     assert main(["status", "--url", "http://127.0.0.1:99999"]) == 1
     assert "kvdepot status:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1", "nan"])
+def test_status_with_a_timeout_that_is_no_timeout_is_a_usage_error_not_a_traceback(timeout, capsys):
+    """``kvdepot status --timeout-s -1`` ended in a ValueError traceback ("Timeout value out of range"
+    from the socket module), and ``0`` in "cannot connect: Operation now in progress"."""
+    from kvdepot.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["status", "--timeout-s", timeout, "--http-port", "1"])
+    assert exit_.value.code == 2
+    assert "--timeout-s" in capsys.readouterr().err

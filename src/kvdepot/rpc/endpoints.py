@@ -16,9 +16,11 @@ on a socket whose endpoints need it.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import ipaddress
 import os
+import stat
 from collections.abc import Iterable
 
 import zmq
@@ -73,11 +75,24 @@ class IpcClaim:
                 f"another kvdepot server is serving ipc://{self.path} (it holds {self.path}.lock); "
                 f"stop it or choose another --ipc-path",
             ) from None
-        self._fd = fd
         try:
-            os.unlink(self.path)  # left by a server that died: nobody serves it (the lock was free)
+            mode = os.lstat(self.path).st_mode
         except FileNotFoundError:
-            pass
+            mode = None
+        except OSError:
+            os.close(fd)
+            raise
+        if mode is not None and not stat.S_ISSOCK(mode):
+            # Only a socket can be a dead server's: anything else there (a file named by mistake, a
+            # directory) is someone's, and is never removed.
+            os.close(fd)
+            raise FileExistsError(errno.EEXIST, "exists and is not a socket: give --ipc-path a path of its own", self.path)
+        self._fd = fd
+        if mode is not None:
+            try:
+                os.unlink(self.path)  # left by a server that died: nobody serves it (the lock was free)
+            except FileNotFoundError:
+                pass
 
     def release(self) -> None:
         """Remove the socket file and give the endpoint up (call after the socket is closed)."""

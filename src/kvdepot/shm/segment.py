@@ -213,10 +213,13 @@ class SharedArena:
     def create(cls, size: int, shm_dir: str = SHM_DIR, allow_over_memory: bool = False) -> SharedArena:
         if size <= HEADER_BYTES:
             raise ValueError(f"arena size {size} is too small")
-        remove_stale_segments(shm_dir)
-        check_capacity(size, shm_dir, allow_over_memory)
         path = os.path.join(shm_dir, f"{_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            remove_stale_segments(shm_dir)
+            check_capacity(size, shm_dir, allow_over_memory)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        except OSError as exc:  # a directory that is not there, not a directory, or not writable
+            raise ConfigError(f"--shm-dir {shm_dir}: cannot create the L1 arena there: {exc.strerror or exc}") from None
         try:
             # Lock first: between create and lock, a sweeper could take a lock-free segment for stale.
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -166,6 +166,10 @@ class StorageManager:
         self._events = events
         # Specs first: a bad one must fail before the arena (real memory) exists.
         specs = [registry.parse_spec(spec, i) for i, spec in enumerate(config.l2)]
+        names = [spec.name for spec in specs]
+        if twice := sorted({name for name in names if names.count(name) > 1}):
+            # /status, the metrics' tier label, a clear's reply and the KV events' medium know a tier by its name
+            raise ConfigError(f"--l2: two tiers are named {twice[0]!r}: give each its own name=")
         self._arena = SharedArena.create(
             HEADER_BYTES + ALIGNMENT + config.l1_size_bytes, shm_dir=config.shm_dir, allow_over_memory=config.l1_over_memory
         )
