@@ -58,3 +58,30 @@ def test_a_taken_metrics_port_is_a_warning_not_a_failure(caplog):
         assert second.set("k", b"v" * 100) and second.get("k") == b"v" * 100
         assert "no metrics port" in caplog.text
         assert first.node._metrics_server.port == port
+
+
+def test_the_metrics_port_lets_go_of_a_connection_that_sends_half_a_request(monkeypatch):
+    """The metrics port listens on the node's own address (off loopback in a cluster), with no secret:
+    a stranger's connection that sends nothing, or half a request, held one thread and one descriptor
+    of the node's process for ever (the server's --prometheus-port closes such a one after 10 s)."""
+    import socket
+
+    from kvdepot.observability.metrics import PeerMetrics
+    from kvdepot.peer import monitor
+
+    monkeypatch.setattr(monitor, "IDLE_TIMEOUT_S", 0.5, raising=False)
+    server = monitor.MetricsServer(PeerMetrics(lambda: {}), "127.0.0.1", 0, True, "127.0.0.1:1")
+    assert server.start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:
+            conn.sendall(b"GET /metr")
+            try:
+                got = conn.recv(1024)
+            except TimeoutError:
+                got = None
+            assert got == b"", "the metrics port still holds a connection that sent half a request 10 s ago"
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:  # and it still serves
+            conn.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            assert b"200" in conn.recv(1024).split(b"\r\n", 1)[0]
+    finally:
+        server.close()

@@ -329,3 +329,32 @@ def test_refusals_under_made_up_methods_stay_bounded_and_rate_limited(caplog):
             refusals.refused(f"X{i}", "/status", "Host 'evil' does not name this server")
     assert len(refusals._by_path) <= RefusalLog.MAX_PATHS + 1, f"{len(refusals._by_path)} entries kept"
     assert len(caplog.records) <= RefusalLog.MAX_PATHS + 1, f"{len(caplog.records)} warnings within one minute"
+
+
+def test_the_admin_port_lets_go_of_a_connection_that_never_sends_a_whole_request(monkeypatch):
+    """uvicorn times out an idle connection only after it answered a request on it: one that sends
+    nothing, or half a request head, was kept for ever, each holding a descriptor of the server's
+    process. Off loopback (with a token, as required) any stranger could open them until the server ran
+    out of descriptors for its clients, its arena and its tiers."""
+    from kvdepot.admin import http
+    from kvdepot.bench.serverproc import free_port
+    from kvdepot.config import HttpConfig
+
+    monkeypatch.setattr(http, "REQUEST_HEAD_TIMEOUT_S", 0.5, raising=False)
+    port = free_port()
+    server = http.HttpServer(object(), HttpConfig(host="127.0.0.1", port=port))
+    server.start()
+    try:
+        for sent in (b"", b"GET /stat"):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+                conn.sendall(sent)
+                try:
+                    got = conn.recv(1024)
+                except TimeoutError:
+                    got = None
+                assert got == b"", f"a connection that sent {sent!r} is still held 10 s later"
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:  # a whole request is answered
+            conn.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nConnection: close\r\n\r\n" % port)
+            assert b"200" in conn.recv(1024).split(b"\r\n", 1)[0]
+    finally:
+        server.close()

@@ -91,3 +91,41 @@ def test_secret_keys_are_never_readable_by_others_not_even_while_being_written(t
         os.umask(old)
     assert len(seen) == 2 and all(mode & 0o077 == 0 for mode in seen), [oct(m) for m in seen]
     assert stat.S_IMODE(os.stat(keys["server_public"]).st_mode) == 0o644
+
+
+def test_a_stranger_retrying_with_an_unadmitted_key_does_not_flood_the_log(tmp_path, caplog):
+    """The server's public key (server.key) is public: whoever has it but no admitted client key reaches
+    the ZAP check on every attempt, and a ZeroMQ client retries every 0.1 s. The server logs its refused
+    handshakes at most once per 10 s per reason; the key check itself logged a warning on every attempt
+    (into the log and the recent-events ring, pushing every real warning out)."""
+    import logging
+    import time
+
+    from kvdepot.bench.serverproc import free_port
+    from kvdepot.rpc.server import RpcServer
+
+    keys = write_key_files(tmp_path / "keys")
+    stranger = write_key_files(tmp_path / "stranger")
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    server = RpcServer([endpoint], security=CurveServerKeys(keys["server_secret"], keys["clients"]), housekeeping_interval_s=0.05)
+    server.start()
+    ctx = zmq.Context()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvdepot"):
+            public, secret = load_key_pair(stranger["client_secret"])
+            for _ in range(20):  # twenty attempts, as a retrying client makes them in two seconds
+                sock = ctx.socket(zmq.DEALER)
+                sock.linger = 0
+                CurveClientKeys(load_public_key(keys["server_public"]), public, secret).apply_client(sock)
+                sock.connect(endpoint)
+                sock.send_multipart([b"", b"x"])
+                time.sleep(0.1)
+                sock.close(linger=0)
+            time.sleep(0.5)
+        refused = server.metrics.handshake_failures.labels("auth")._value.get()
+        assert refused >= 10, f"only {refused} refusals counted"
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) <= 2, f"{len(warnings)} warnings for {refused} refused attempts: {warnings[:3]}"
+    finally:
+        ctx.destroy(linger=0)
+        server.close()

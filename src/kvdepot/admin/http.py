@@ -24,6 +24,7 @@ import time
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from kvdepot import __version__
 from kvdepot.admin import routes
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 
 REFUSAL_LOG_EVERY_S = 60.0
+REQUEST_HEAD_TIMEOUT_S = 10.0  # a connection gets this long for each request's head (after it connects, or after a reply)
 KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
@@ -68,6 +70,41 @@ class RefusalLog:
         log.warning("admin API refused %s %s: %s%s", method, path, reason, more)
 
 
+class _HeadDeadline(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+    """uvicorn's protocol, with a deadline for each request's head. uvicorn times out an idle connection
+    only after it has answered a request on it: one that sends nothing, or half a request head, was
+    kept for ever, a descriptor of the server's process each, and off loopback anyone may open them.
+    A request being answered (a slow prefetch) is not cut: the deadline starts again after its reply."""
+
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_head_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_head_deadline()
+
+    def connection_lost(self, exc) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
+
+    def _arm_head_deadline(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        self._head_timer = self.loop.call_later(REQUEST_HEAD_TIMEOUT_S, self._head_deadline_passed)
+
+    def _head_deadline_passed(self) -> None:
+        self._head_timer = None
+        if self.cycle is not None and not self.cycle.response_complete:
+            return  # a request is being answered; armed again after its reply
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
 def build_app(server: AdminBackend, guard: AdminGuard) -> FastAPI:
     app = FastAPI(title="kvdepot", version=__version__, docs_url=None, redoc_url=None)
     refusals = RefusalLog()
@@ -90,7 +127,8 @@ class HttpServer:
         self._config = config
         guard = AdminGuard(config.host, config.port, config.allowed_hosts, config.admin_token)
         self._uvicorn = uvicorn.Server(
-            uvicorn.Config(build_app(server, guard), host=config.host, port=config.port, log_level="warning", lifespan="off")
+            uvicorn.Config(build_app(server, guard), host=config.host, port=config.port, log_level="warning", lifespan="off",
+                           http=_HeadDeadline)
         )
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None

@@ -20,6 +20,11 @@ from kvdepot.peer.addresses import listen_family
 
 log = logging.getLogger(__name__)
 
+# A connection that sends nothing (or half a request) gives its thread and descriptor back after this
+# long: the port listens on the node's address with no secret, and a stranger's idle connections held
+# one thread of the node's process each, for ever.
+IDLE_TIMEOUT_S = 10.0
+
 
 def _http_server(host: str, port: int, handler: type[BaseHTTPRequestHandler]) -> ThreadingHTTPServer:
     """The stdlib server binds AF_INET unless told otherwise: an IPv6 host needs its own family."""
@@ -58,6 +63,8 @@ class MetricsServer:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = IDLE_TIMEOUT_S
+
             def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
