@@ -544,3 +544,22 @@ def test_an_s3_upload_a_clear_aborted_is_a_refused_object_not_a_dead_tier(s3_ada
     assert result.value == [False]
     assert result.ok and adapter.usage().healthy, f"the tier was taken down: {result.error}"
     assert store(adapter, new_key(), b"y" * 100).value == [True]
+
+
+def test_a_password_in_an_s3_endpoint_url_stays_out_of_errors_status_and_the_log(caplog) -> None:
+    """botocore names the URL it could not reach, password and all: a tier whose endpoint_url carried
+    one showed it in its task errors, in ``last_error`` (/status, readable by anyone who reaches the
+    admin port), in the log and in its repr."""
+    import logging
+
+    adapter = S3Adapter("leak", s3_config("http://user:hunter2pw@127.0.0.1:1", connect_timeout_s=1, max_attempts=1))
+    adapter.start()
+    try:
+        with caplog.at_level(logging.INFO, logger="kvdepot"):
+            result = store(adapter, new_key(), b"x" * 100)
+            usage = adapter.usage()
+        assert not result.ok and "127.0.0.1:1" in result.error  # the error still says where
+        shown = {"task error": result.error, "last_error": usage.last_error, "repr": repr(adapter), "log": caplog.text}
+        assert not [where for where, text in shown.items() if "hunter2pw" in text], shown
+    finally:
+        adapter.close()

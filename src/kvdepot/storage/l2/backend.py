@@ -24,6 +24,7 @@ from typing import Any
 
 from kvdepot.breaker import CircuitBreaker
 from kvdepot.events import TierCleared, TierRemoved, TierStored, TierTaskDone
+from kvdepot.redact import WITHHELD
 from kvdepot.storage.l2.contract import L2Usage, LookupHints, TaskId, TaskKind, TaskResult, TierServices
 from kvdepot.storage.l2.envelope import CorruptObject, DestinationMismatch, RejectedObject
 from kvdepot.types import ObjectKey, leading_run
@@ -204,8 +205,8 @@ class BackendAdapter(ABC):
             now = time.monotonic()
             if now - self._usage_failure_logged >= USAGE_FAILURE_LOG_S:
                 self._usage_failure_logged = now
-                log.warning("L2 %s (%s) cannot report its usage (the figures shown are the last known): %s: %s",
-                            self.name, self.kind, type(exc).__name__, exc)  # fmt: skip
+                log.warning("L2 %s (%s) cannot report its usage (the figures shown are the last known): %s",
+                            self.name, self.kind, self._error_text(exc))  # fmt: skip
             return self._usage_cache
         self._usage_cache = figures
         return figures
@@ -375,12 +376,12 @@ class BackendAdapter(ABC):
         except _PartlyDone as part:  # the backend failed midway: report what did get done
             self._timed(kind, started, ok=False)
             self._mark_down(part.cause)
-            self._finish(TaskResult(task_id, kind, part.value, ok=False, error=f"{type(part.cause).__name__}: {part.cause}"))
+            self._finish(TaskResult(task_id, kind, part.value, ok=False, error=self._error_text(part.cause)))
             return
         except Exception as exc:
             self._timed(kind, started, ok=False)
             self._mark_down(exc)
-            self._finish(TaskResult(task_id, kind, miss, ok=False, error=f"{type(exc).__name__}: {exc}"))
+            self._finish(TaskResult(task_id, kind, miss, ok=False, error=self._error_text(exc)))
             return
         self._timed(kind, started, ok=True)
         if kind is not TaskKind.UNLOCK:  # an unlock never touches the backend: it proves nothing
@@ -404,9 +405,23 @@ class BackendAdapter(ABC):
         except OSError:
             pass  # closed during shutdown
 
+    def _withheld(self) -> tuple[str, ...]:
+        """Secrets of this tier's configuration that a backend's error may quote (a password written into
+        an endpoint URL: botocore names the URL it could not reach). Adapters that have some say so."""
+        return ()
+
+    def _error_text(self, exc: BaseException) -> str:
+        """``exc`` as the tier reports it (task results, ``last_error`` in /status, the log), its
+        configuration's secrets withheld."""
+        text = f"{type(exc).__name__}: {exc}"
+        for secret in self._withheld():
+            if secret:
+                text = text.replace(secret, WITHHELD)
+        return text
+
     def _mark_down(self, exc: Exception) -> None:
         self._count("failures")
-        error = f"{type(exc).__name__}: {exc}"
+        error = self._error_text(exc)
         if self._breaker.failed(error):
             log.warning("L2 %s (%s) failed, serving from L1 only until it recovers: %s", self.name, self.kind, error)
 
@@ -443,7 +458,7 @@ class BackendAdapter(ABC):
             try:
                 self._put(key, payload)
             except RejectedObject as exc:
-                log.info("L2 %s refused %s: %s", self.name, key.hex()[:16], exc)
+                log.info("L2 %s refused %s: %s", self.name, key.hex()[:16], self._error_text(exc))
                 out.append(False)
                 continue
             except Exception as exc:

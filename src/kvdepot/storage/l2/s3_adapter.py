@@ -18,8 +18,10 @@ import math
 import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, ClassVar
+from urllib.parse import urlsplit
 
 from kvdepot.config import ConfigError, ConfigStruct, option
+from kvdepot.redact import mask_url
 from kvdepot.storage.l2 import envelope
 from kvdepot.storage.l2.backend import BackendAdapter
 from kvdepot.storage.l2.contract import AdapterType, TierServices
@@ -79,8 +81,13 @@ class S3Adapter(BackendAdapter):
         self._bucket_ready = not config.create_bucket
 
     def __repr__(self) -> str:
-        where = self._config.endpoint_url or "aws"
+        where = mask_url(self._config.endpoint_url) if self._config.endpoint_url else "aws"
         return f"S3Adapter({self.name!r}, s3://{self._config.bucket}/{self._config.prefix} at {where}, healthy={self._healthy})"
+
+    def _withheld(self) -> tuple[str, ...]:
+        cfg = self._config
+        password = urlsplit(cfg.endpoint_url).password if cfg.endpoint_url else None
+        return tuple(s for s in (password, cfg.secret_access_key) if s)
 
     def start(self) -> None:
         import boto3  # lazily: kvdepot imports without it

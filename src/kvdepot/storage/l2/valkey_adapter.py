@@ -48,6 +48,7 @@ import struct
 import threading
 from collections.abc import Iterator
 from typing import Annotated, Any, ClassVar
+from urllib.parse import urlsplit
 
 from kvdepot.config import ConfigError, ConfigStruct, option
 from kvdepot.redact import mask_url
@@ -173,6 +174,13 @@ class ValkeyAdapter(BackendAdapter):
 
     def __repr__(self) -> str:
         return f"ValkeyAdapter({self.name!r}, url={mask_url(self._config.url)!r}, prefix={self._config.prefix!r}, healthy={self._healthy})"
+
+    def _withheld(self) -> tuple[str, ...]:
+        try:
+            password = urlsplit(self._config.url).password
+        except ValueError:
+            return ()
+        return (password,) if password else ()
 
     @property
     def in_cluster(self) -> bool:
