@@ -221,7 +221,9 @@ class StorageManager:
                 tier.start()
             except OSError as exc:  # e.g. an fs path that cannot be made: its configuration is wrong
                 raise ConfigError(f"--l2 tier {tier.name} ({tier.kind}): cannot start: {exc}") from None
-            except ValueError as exc:  # e.g. a directory another server's tier holds
+            except ConfigError as exc:  # e.g. a directory another tier (here or in another server) holds
+                raise ConfigError(f"--l2 tier {tier.name} ({tier.kind}): {exc}") from None
+            except ValueError as exc:
                 raise ValueError(f"--l2 tier {tier.name} ({tier.kind}): {exc}") from None
         if self._driver is not None:
             self._driver.start()

@@ -131,7 +131,7 @@ class FsAdapter(BackendAdapter):
         except BlockingIOError:
             os.close(fd)
             # a second tier would delete the first one's writes in progress and miscount its bytes
-            raise ValueError(f"fs tier {self.name}: {self._root} is in use by another fs tier") from None
+            raise ConfigError(f"{self._root} is in use by another fs tier (this server's or another's): give each tier a path of its own") from None
         self._lock_fd = fd
 
     def _release_directory(self) -> None:
