@@ -69,3 +69,37 @@ def test_a_clear_slower_than_the_lease_ttl_leaves_the_heartbeat_renewing_open_bl
             os.kill(own_valkey.proc.pid, signal.SIGCONT)
         assert_bytes_equal(c.retrieve(t), kv)
         assert srv.status()["leases"] == 0
+
+
+def test_a_client_closed_while_its_threads_make_requests_leaves_no_context_on_the_server(make_server, seed):
+    """close() says goodbye (UNREGISTER) and then closes the channel. A thread whose request the server
+    read between the two got UNKNOWN_CONTEXT and registered again, on the channel not yet closed: the
+    closed client left a live context (and client record) on the server, which the compatibility
+    handshake still compares new registrations with, and which no goodbye ever ends."""
+    import threading
+
+    srv = make_server()
+    tokens = [make_tokens(CHUNK, seed + i) for i in range(8)]
+    for _trial in range(25):
+        c = srv.client(timeout_s=2.0)
+        started = threading.Barrier(9)
+
+        def work(i: int, c=c, started=started) -> None:
+            started.wait(10)
+            while True:
+                try:
+                    c.lookup(tokens[i])
+                except KVDepotError:
+                    return  # closed
+
+        threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(8)]
+        for t in threads:
+            t.start()
+        started.wait(10)
+        time.sleep(0.05)
+        c.close()
+        for t in threads:
+            t.join(10)
+        assert not any(t.is_alive() for t in threads)
+    st = srv.wait_status(lambda s: s["contexts"] == 0, timeout_s=3)
+    assert st["contexts"] == 0, f"closed clients left {st['contexts']} contexts registered on the server"

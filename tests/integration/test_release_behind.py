@@ -144,3 +144,152 @@ def test_with_l2_tiers_a_whole_l1_hit_is_one_round_trip_and_the_rest_comes_from_
         with c.prepare_retrieve(prompt.tokens) as views:  # now in L1 again: one reply
             assert len(views) == 4
         assert seen[0] == before + 1
+
+
+def test_a_release_sent_while_other_threads_keep_the_channel_busy_still_reaches_the_server(make_server, seed):
+    """A read's release waited at most ``timeout_s`` for the channel; while other threads kept it busy
+    (here: a stalled server, each of their requests holding it until its timeout, back to back) it was
+    never sent at all, only logged ("the lease ends at its TTL"). A read lease that ends at its TTL
+    while its reader's process runs is quarantined with its pins for as long as that process lives:
+    the objects it read can never be evicted or cleared again, though the reader was long done."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from support.servers import pause, wait_until
+
+    srv = make_server("--lease-ttl-s", "2")
+    tokens = make_tokens(2 * CHUNK, seed)
+    kv = make_kv(LAYOUT, len(tokens), seed)
+    with srv.client(timeout_s=0.3) as c:
+        assert c.transport == "shm"
+        assert c.store(tokens, kv) == 2 * CHUNK
+        busy = threading.Event()
+        done = threading.Event()
+
+        def keep_busy() -> None:  # another engine thread whose requests time out, one after the other
+            while not done.is_set():
+                busy.set()
+                try:
+                    c.lookup(make_tokens(CHUNK, seed + 1))
+                except KVDepotError:
+                    pass
+
+        pid = srv.proc.proc.pid
+        with c.prepare_retrieve(tokens) as views:
+            assert_bytes_equal(np.concatenate([np.array(v) for v in views], axis=2), kv)
+            pause(pid)
+            other = threading.Thread(target=keep_busy, daemon=True)
+            other.start()
+            assert busy.wait(5)
+            time.sleep(0.05)
+        # The block is over: its release is the server's to handle once it runs again.
+        time.sleep(0.5)
+        done.set()
+        other.join(5)
+        os.kill(pid, signal.SIGCONT)
+        c.ping()
+        time.sleep(2.5)  # past the lease TTL
+        c.ping()
+        st = srv.status()
+        assert st["quarantine"]["leases"] == 0 and st["leases"] == 0, (
+            f"the read's release never reached the server: {st['leases']} leases, {st['quarantine']['leases']} in quarantine"
+        )
+        assert st["l1"]["read_locked"] == 0
+
+
+def test_a_commit_that_never_got_the_channel_does_not_leave_its_slots_in_quarantine(make_server, seed):
+    """A shm store's COMMIT waits at most ``timeout_s`` for the channel. When other threads kept it busy
+    (a stalled server), the commit was never sent and the caller got a KVDepotTimeout, but nothing ended
+    the write lease: it ended at its TTL while the writer's process ran, so its slots were quarantined
+    (counted as used, never reused) for as long as that process lives. Now an abort follows behind."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from kvdepot.errors import KVDepotTimeout
+
+    from support.servers import pause
+
+    srv = make_server("--lease-ttl-s", "2")
+    tokens = make_tokens(2 * CHUNK, seed)
+    kv = make_kv(LAYOUT, len(tokens), seed)
+    with srv.client(timeout_s=0.3) as c:
+        assert c.transport == "shm"
+        busy, done = threading.Event(), threading.Event()
+
+        def keep_busy() -> None:
+            while not done.is_set():
+                busy.set()
+                try:
+                    c.lookup(make_tokens(CHUNK, seed + 1))
+                except KVDepotError:
+                    pass
+
+        pid = srv.proc.proc.pid
+        other = threading.Thread(target=keep_busy, daemon=True)
+        try:
+            with c.prepare_store(tokens) as slots:
+                for j, slot in enumerate(slots):
+                    slot[...] = kv[:, :, j * CHUNK : (j + 1) * CHUNK]
+                pause(pid)
+                other.start()
+                assert busy.wait(5)
+                time.sleep(0.05)
+        except KVDepotTimeout:
+            pass  # the commit's fate is unknown to the caller: that is allowed, a leak is not
+        time.sleep(0.5)
+        done.set()
+        other.join(5)
+        os.kill(pid, signal.SIGCONT)
+        c.ping()
+        time.sleep(2.5)  # past the lease TTL
+        c.ping()
+        st = srv.status()
+        assert st["quarantine"]["leases"] == 0 and st["leases"] == 0, f"the store's lease was left to its TTL: {st['quarantine']}"
+        assert st["l1"]["used_bytes"] == 0 or c.lookup(tokens) == 2 * CHUNK, "slots held by nothing"
+
+
+def test_late_grants_past_the_bound_of_unread_replies_are_still_given_back(make_server, seed):
+    """A request whose reply grants a lease (a shm PREPARE) and that timed out keeps its id, so that
+    the late reply's lease is given back. Those ids shared the MAX_BEHIND bound with releases sent
+    behind, and past it the oldest was forgotten: on a stalled server, an engine whose loads each gave
+    up after a short deadline (SGLang's prefetch budget) timed out more than MAX_BEHIND of them, and the
+    leases of the forgotten ones were held by nobody: ended at their TTL, then quarantined with their
+    read pins for as long as the engine runs."""
+    import os
+    import signal
+    import time
+
+    from kvdepot.errors import KVDepotTimeout
+
+    from support.servers import pause
+
+    srv = make_server("--lease-ttl-s", "2")
+    tokens = make_tokens(2 * CHUNK, seed)
+    kv = make_kv(LAYOUT, len(tokens), seed)
+    with srv.client(timeout_s=1.0) as c:
+        assert c.transport == "shm"
+        assert c.store(tokens, kv) == 2 * CHUNK
+        pid = srv.proc.proc.pid
+        pause(pid)
+        try:
+            for _ in range(MAX_BEHIND + 16):
+                try:
+                    with c.deadline(0.01):
+                        with c.prepare_retrieve(tokens):
+                            raise AssertionError("a paused server answered")
+                except KVDepotTimeout:
+                    pass
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        c.ping()  # reads the late replies, giving each lease back behind
+        c.ping()
+        time.sleep(2.5)  # past the lease TTL
+        c.ping()
+        st = srv.status()
+        assert st["quarantine"]["leases"] == 0 and st["leases"] == 0, (
+            f"late leases nobody gave back: {st['leases']} held, {st['quarantine']['leases']} quarantined"
+        )

@@ -134,9 +134,18 @@ class ContextLink:
             return
         self._closed = True
         self.renewer.stop()
-        if self._reg is not None:
-            self._goodbye(self._reg, min(1.0, self.options.timeout_s))
-        self._close_transport()
+        # A registration another thread is making is waited for (within timeout_s), so the goodbye names
+        # the context the server has; and no thread registers again from here on (``_reregister``): a
+        # request the goodbye overtook is answered UNKNOWN_CONTEXT, and registering then would leave the
+        # closed client a live context on the server that nothing ever ends.
+        got = self._reg_lock.acquire(timeout=self.options.timeout_s)
+        try:
+            if self._reg is not None:
+                self._goodbye(self._reg, min(1.0, self.options.timeout_s))
+            self._close_transport()
+        finally:
+            if got:
+                self._reg_lock.release()
 
     def _goodbye(self, reg: Registration, timeout_s: float) -> None:
         """UNREGISTER ``reg``'s context, if the server answers within ``timeout_s`` (best effort: a
@@ -256,6 +265,16 @@ class ContextLink:
         after a revocation why, and that may have been another thread's)."""
         try:
             return self.channel.call(body, timeout_s=self.options.timeout_s)
+        except KVDepotTimeout:
+            if isinstance(body, m.CommitStoreRequest) and body.lease_id:
+                # The commit may never have been sent (other threads kept the channel past timeout_s)
+                # or not been answered: an abort follows behind (never waiting for the channel), so
+                # the write lease does not wait for its TTL, and then stay quarantined for as long as
+                # this process runs. A commit the server handled first makes the abort a no-op.
+                abort = m.CommitStoreRequest(context_id=body.context_id, lease_id=body.lease_id, abort=True)
+                with suppress(KVDepotError):
+                    self.channel.send_behind(abort, lambda _r, _e: None, timeout_s=self.options.timeout_s)
+            raise
         except UnknownContext as exc:
             raise LeaseExpired(f"the server no longer knows this client's context (unregistered, declared gone after a silence, "
                                f"or the server restarted), so the lease did not stay: {exc.message}") from None  # fmt: skip
@@ -420,6 +439,8 @@ class ContextLink:
         if not self._reg_lock.acquire(timeout=-1 if left is None else left):
             raise KVDepotTimeout(f"another thread was registering again for longer than the caller's deadline ({left:.3g} s left)")
         try:
+            if self._closed:
+                raise KVDepotError("client is closed", ErrorCode.CONNECTION)
             if self._reg is failed:
                 log.warning("kvdepot: the server forgot context %d; registering again", failed.context_id)
                 self._forgotten = failed

@@ -27,6 +27,7 @@ close on it). It runs on the calling thread and must be quick.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import math
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 OnReply = Callable[[int, object, list], None]  # (request index, typed reply, payload frames)
 OnBehind = Callable[[object, KVDepotError | None], None]  # (typed reply or None, the error the server answered or None)
 MAX_BEHIND = 64  # replies to requests sent behind that may wait unread; past it, the oldest is forgotten
+MAX_LATE = 4096  # timed-out calls whose late reply grants something (``on_late``), kept apart: past it, the oldest is forgotten
 BORROWED_GRACE_S = 2.0  # past an error or the deadline: how long a server that answers may take to read what was sent
 Answered = Callable[[RequestType], None]
 
@@ -74,6 +76,13 @@ class RpcChannel:
         self.closed = False
         self.answered: Answered | None = None
         self._behind: dict[int, tuple[object, OnBehind]] = {}  # request id -> (body, on_reply), lock held
+        # The same for calls that timed out with an ``on_late``: their late reply grants something (a
+        # lease, a pin) that only ``on_late`` gives back, so they are not forgotten for MAX_BEHIND
+        # releases sent behind meanwhile (a stalled server and short deadlines make many of both).
+        self._late: dict[int, tuple[object, OnBehind]] = {}
+        # Requests sent behind while another thread held the channel: the holder sends them when it lets
+        # go, or the next exchange before its own request (``_flush``), so none waits for the channel.
+        self._outbox: collections.deque[tuple[object, OnBehind, float]] = collections.deque()
 
     def __repr__(self) -> str:
         return f"RpcChannel({self.url!r}, open={self._sock is not None and not self.closed})"
@@ -99,6 +108,8 @@ class RpcChannel:
         sent behind go with the old connection: nobody hears them (the server did or did not handle them;
         its leases are the old identity's, which the new one could not finish anyway)."""
         self._behind.clear()
+        self._late.clear()
+        self._outbox.clear()
         self._close_socket()
         if not self.closed:
             self.open()
@@ -107,6 +118,8 @@ class RpcChannel:
         with self._lock:
             self.closed = True
             self._behind.clear()
+            self._late.clear()
+            self._outbox.clear()
             self._close_socket()
 
     def _close_socket(self) -> None:
@@ -121,7 +134,7 @@ class RpcChannel:
     def held(self, timeout_s: float):
         """The channel's lock, for a caller that wants it only if it comes within ``timeout_s``
         (``with ch.held(t) as got: if got: ...``): the heartbeat does not queue behind a request."""
-        return _TryLock(self._lock, timeout_s)
+        return _TryLock(self, timeout_s)
 
     # --- requests ------------------------------------------------------------------------------------
 
@@ -140,7 +153,7 @@ class RpcChannel:
                 return self._reply_to(body, rid, deadline, want_payload)
             except KVDepotTimeout:
                 if on_late is not None:
-                    self._keep_behind(rid, body, on_late)
+                    self._keep_behind(rid, body, on_late, late=True)
                 raise
 
     def begin(self, body, timeout_s: float = 10.0) -> PendingCall:
@@ -151,9 +164,10 @@ class RpcChannel:
         if not self._lock.acquire(timeout=max(timeout_s, 0.0)):
             raise KVDepotTimeout(f"{type(body).__name__} waited {timeout_s:.3g} s for the channel another thread holds")
         try:
+            self._flush()
             rid = self._send(body, (), deadline - time.monotonic())
         except BaseException:
-            self._lock.release()
+            self._unlock()
             raise
         return PendingCall(self, body, rid, deadline)
 
@@ -163,22 +177,56 @@ class RpcChannel:
         the server's error reply, on that exchange's thread, with the channel held (it must be quick; it
         may send behind again). ``timeout_s`` is the server's deadline for handling it. This never
         receives (a reply it took could be the one a surrounding exchange waits for): past
-        ``MAX_BEHIND`` unread replies the oldest is forgotten, its reply then dropped as a late one."""
-        with self._exclusive(body, timeout_s):
-            rid = self._send(body, (), timeout_s)
+        ``MAX_BEHIND`` unread replies the oldest is forgotten, its reply then dropped as a late one.
+
+        It never waits for the channel either: while another thread holds it, the request is queued,
+        and sent by that thread when it lets go of the channel (or by the next exchange, before its
+        own request, so one connection's order still holds for this thread's next request). Waiting
+        instead, behind other threads' exchanges that a stalled server makes last their timeout each,
+        it could go unsent: a read's release, and the lease then quarantined for the process's life."""
+        if self.closed:
+            raise KVDepotError("client is closed", ErrorCode.CONNECTION)
+        self._outbox.append((body, on_reply, timeout_s))
+        if self._lock.acquire(blocking=False):
+            try:
+                self._flush()
+            finally:
+                self._unlock()
+
+    def _flush(self) -> None:
+        """Send what ``send_behind`` queued. Lock held."""
+        while self._outbox:
+            body, on_reply, timeout_s = self._outbox.popleft()
+            try:
+                rid = self._send(body, (), timeout_s)
+            except KVDepotError as exc:  # closed, or not open: nothing queued can go any more
+                log.debug("kvdepot: %d requests sent behind dropped: %s", len(self._outbox) + 1, exc)
+                self._outbox.clear()
+                return
             self._keep_behind(rid, body, on_reply)
 
-    def _keep_behind(self, rid: int, body, on_reply: OnBehind) -> None:
-        """Have a later exchange hand ``rid``'s reply to ``on_reply``. Lock held."""
-        self._behind[rid] = (body, on_reply)
-        while len(self._behind) > MAX_BEHIND:
-            forgotten = next(iter(self._behind))
-            log.debug("kvdepot: %d replies sent behind are unread; forgetting request %d", len(self._behind), forgotten)
-            del self._behind[forgotten]
+    def _unlock(self) -> None:
+        """Let go of the channel, sending first what other threads queued behind meanwhile."""
+        self._lock.release()
+        while self._outbox and self._lock.acquire(blocking=False):
+            try:
+                self._flush()
+            finally:
+                self._lock.release()
+
+    def _keep_behind(self, rid: int, body, on_reply: OnBehind, late: bool = False) -> None:
+        """Have a later exchange hand ``rid``'s reply to ``on_reply``. Lock held. ``late``: a call's
+        ``on_late`` (bounded by MAX_LATE, apart from what is sent behind)."""
+        kept, bound = (self._late, MAX_LATE) if late else (self._behind, MAX_BEHIND)
+        kept[rid] = (body, on_reply)
+        while len(kept) > bound:
+            forgotten = next(iter(kept))
+            log.debug("kvdepot: %d replies are unread; forgetting request %d", len(kept), forgotten)
+            del kept[forgotten]
 
     def _took_behind(self, header, reply_body) -> bool:
         """If ``header`` answers a request sent behind: decode it, hand it over, True. Lock held."""
-        pending = self._behind.pop(header.request_id, None)
+        pending = self._behind.pop(header.request_id, None) or self._late.pop(header.request_id, None)
         if pending is None:
             return False
         body, on_reply = pending
@@ -283,9 +331,10 @@ class RpcChannel:
         if not self._lock.acquire(timeout=max(timeout_s, 0.0)):
             raise KVDepotTimeout(f"{type(body).__name__} waited {timeout_s:.3g} s for the channel another thread holds")
         try:
+            self._flush()
             yield
         finally:
-            self._lock.release()
+            self._unlock()
 
     def _send(self, body, payload: Sequence, timeout_s: float, closing: bool = False, trackers: list | None = None) -> int:
         """Send one request; returns its id. Called with the lock held. ``trackers``: collect one per
@@ -373,11 +422,11 @@ class PendingCall:
         try:
             return self._channel._reply_to(self.body, self._rid, self._deadline)
         finally:
-            self._channel._lock.release()
+            self._channel._unlock()
 
     def abandon(self) -> None:
         self._finish()
-        self._channel._lock.release()
+        self._channel._unlock()
 
     def _finish(self) -> None:
         if self._done:
@@ -386,16 +435,16 @@ class PendingCall:
 
 
 class _TryLock:
-    def __init__(self, lock: threading.RLock, timeout_s: float) -> None:
-        self._lock, self._timeout, self._got = lock, timeout_s, False
+    def __init__(self, channel: RpcChannel, timeout_s: float) -> None:
+        self._channel, self._timeout, self._got = channel, timeout_s, False
 
     def __enter__(self) -> bool:
-        self._got = self._lock.acquire(timeout=self._timeout)
+        self._got = self._channel._lock.acquire(timeout=self._timeout)
         return self._got
 
     def __exit__(self, *exc) -> None:
         if self._got:
-            self._lock.release()
+            self._channel._unlock()
 
 
 class Heartbeat:
