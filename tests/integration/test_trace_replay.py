@@ -171,3 +171,32 @@ def test_bench_hit_ratio_tracks_the_lru_oracle_on_chat_and_agentic_workloads(tmp
         assert 0 < row["oracle_low"] <= row["oracle_high"] < row["unbounded"], row  # L1 is the bottleneck: there is something to lose
         assert row["oracle_low"] - 0.02 <= row["server_ratio"] <= row["oracle_high"] + 0.02, row
     assert rows["agentic (synthesized)"]["sessions"] < rows["conversation trace"]["sessions"]  # many turns per session
+
+
+def test_a_recorded_run_of_suffix_stores_replayed_reproduces_its_hit_ratio(make_server, tmp_path, seed):
+    """Engine connectors store only the chunks a request computed: the vLLM connector saves
+    ``hashes[stored:full]`` (after a hit, and piece by piece in a chunked prefill), SGLang's backend the
+    pages it was handed. A recording of such a run names a chain's tail in a STORE: its replay must store
+    the very chunks the later lookups ask for, or the replay reports misses the server never had."""
+    recording = tmp_path / "suffix.kvdtrace"
+    srv = make_server("--trace-record", str(recording), name="recorded-suffix")
+    hit = asked = 0
+    with srv.client(transport="inline") as c:
+        prefix = make_tokens(2 * CHUNK, seed)
+        for i in range(4):
+            tokens = np.concatenate([prefix, make_tokens(2 * CHUNK, seed + 1 + i)])
+            hashes = c.hashes(tokens)
+            n = c.stored_chunks(hashes, "")
+            hit, asked = hit + n * CHUNK, asked + len(tokens)
+            with c.prepare_store(hashes[n:]) as slots:  # what an engine computed: the chunks past its hit
+                for slot in slots:
+                    if slot is not None:
+                        slot[...] = 1
+            assert c.stored_chunks(hashes, "") == len(hashes)
+            hit, asked = hit + len(tokens), asked + len(tokens)
+    assert srv.stop() == 0
+    fresh = make_server(name="fresh-suffix")
+    got = _json(_kvdepot("replay", str(recording), "--server", fresh.url, *_layout_args(), "--json"))
+    assert got["errors"] == {}
+    assert got["hit_ratio"] == pytest.approx(got["recorded_hit_ratio"])
+    assert (got["hit_tokens"], got["asked_tokens"]) == (hit, asked)

@@ -114,7 +114,9 @@ class Replayer:
 
     def run(self, op: TraceOp) -> None:
         client, chains, payload, scratch = self._for(op)
-        hashes = chains.hashes(op.blocks)
+        # A request names its prompt's blocks from the first; a recorded op names chain hashes' ids, maybe a
+        # chain's tail alone (an engine stores what it computed past its hit): hashed by id, not chained.
+        hashes = chains.hashes(op.blocks) if op.kind is OpKind.REQUEST else chains.hashes_of_ids(op.blocks)
         salt = op.salt or self.default_salt
         r = self.result
         r.ops += 1

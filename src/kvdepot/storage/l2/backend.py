@@ -530,9 +530,16 @@ class BackendAdapter(ABC):
     def _delete_present(self, keys: list[ObjectKey]) -> int:
         # The cutoff was taken at submission (``submit_delete``); later stores of these keys wait for this.
         present = [k for k, there in zip(keys, self._contains(keys)) if there]
-        for key in present:
-            self._delete(key)
-        self._flush()  # durable before it is reported: a deleted object must not come back
+        # In turns with announcements (as a clear is): routers are told what went, after any store of it.
+        with self._announce_lock:
+            gone = []
+            try:
+                for key in present:
+                    self._delete(key)
+                    gone.append(key)
+                self._flush()  # durable before it is reported: a deleted object must not come back
+            finally:
+                self._tell_removed(gone, "deleted")  # KV events: an announced block that went must not stay
         return len(present)
 
     def _lookup_and_pin(self, keys: list[ObjectKey], hints: LookupHints | None = None) -> int:
