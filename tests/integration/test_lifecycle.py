@@ -122,6 +122,33 @@ def test_pinned_bytes_count_against_the_salt_quota(make_server, seed):
         assert unpinned <= 16 - 12, f"{unpinned} unpinned chunks of t kept: the pinned 12 did not count against the quota"
 
 
+def test_a_pin_of_a_deleted_prefix_neither_counts_against_the_quota_nor_pins_it_again(make_server, seed):
+    """A pin kept the keys of a prefix an operator then deleted (or cleared): its bytes still counted
+    against the tenant's quota, so the next pin was refused (409, "12 chunks pinned already") with
+    nothing pinned in L1, /cache/pins still said it pinned them, and when an engine stored the prefix
+    again the old hard pin held it against eviction for good, a deleted pin come back by itself."""
+    srv = small_server(make_server, "--eviction-policy", "isolated_lru")
+    quota = 16 * CHUNK_BYTES
+    ok(httpx.put(f"{srv.http}/quota/t", json={"quota_bytes": quota}, timeout=10))
+    (old_t, old_kv), (new_t, new_kv) = prompt(12, seed), prompt(12, seed + 1)
+    with srv.client(layout=BIG) as c:
+        assert c.store(old_t, old_kv, cache_salt="t") == len(old_t)
+        assert ok(call(srv, "POST", "/cache/pin", {"token_ids": old_t.tolist(), "cache_salt": "t"}))["pinned"] == 12
+        done = ok(call(srv, "DELETE", "/cache/prefix", {"token_ids": old_t.tolist(), "cache_salt": "t"}))
+        assert done["l1_removed"] == 12 and c.lookup(old_t, cache_salt="t") == 0
+        assert [p["pinned"] for p in ok(call(srv, "GET", "/cache/pins"))["pins"]] == [0], "a pin says it holds deleted objects"
+
+        assert c.store(new_t, new_kv, cache_salt="t") == len(new_t)
+        r = call(srv, "POST", "/cache/pin", {"token_ids": new_t.tolist(), "cache_salt": "t"})
+        assert r.status_code == 200 and r.json()["pinned"] == 12, f"nothing is pinned in L1, yet: {r.text}"
+
+        # Cleared, then stored again: the old pins do not hold the prefix any more.
+        ok(call(srv, "POST", "/cache/clear", {"scope": "l1"}))
+        assert c.store(old_t, old_kv, cache_salt="t") == len(old_t)
+        flood(srv, seed)
+        assert c.lookup(old_t, cache_salt="t") == 0, "a pin of a deleted, then cleared prefix still held it"
+
+
 def test_a_pin_refused_for_one_rank_leaves_no_pin_of_another(make_server, seed):
     """A model served by two ranks is pinned once per rank; the second rank's pin refused (its salt's
     quota) answered 409, and left the first rank's hard pin, whose id nobody was told: it protected its
@@ -257,6 +284,30 @@ def test_delete_prefix_removes_it_from_l1_and_the_tier(make_server, tmp_path, se
                 assert_bytes_equal(v, b.kv[:, :, i * CHUNK : (i + 1) * CHUNK])
         wait_until(lambda: srv.status()["l1"]["objects"] == 0, what="the doomed objects to go with their reader")
         assert tier_of(srv.status(), "disk")["objects"] == 3  # scope l1: the tier keeps them
+
+
+def test_token_ids_never_name_the_objects_of_an_engine_that_hashes_its_own_way(make_server, seed):
+    """vLLM's native offloading tier names a chunk by vLLM's own block key (hash_scheme
+    vllm-offload-key-v1), not by kvdepot's token chain. The server hashed token_ids its own way for
+    every namespace all the same: DELETE /cache/prefix by token ids answered 200 having deleted nothing
+    (the prefix stayed servable), and a pin answered 200 pinning nothing, as if the prefix were not in L1."""
+    from kvdepot.connectors.vllm_tier.identity import KEY_SCHEME, chunk_hash
+
+    srv = small_server(make_server)
+    t, kv = prompt(4, seed)
+    with srv.client(layout=BIG, hash_scheme=KEY_SCHEME) as c:
+        keys = [chunk_hash(f"vllm block key {seed} {i}".encode(), c.hash_algorithm.digest_size) for i in range(4)]
+        with c.prepare_store(keys) as slots:
+            for i, slot in enumerate(slots):
+                slot[...] = kv[:, :, i * CHUNK : (i + 1) * CHUNK]
+        assert c.lookup_chunks(keys) == 4
+        r = call(srv, "DELETE", "/cache/prefix", {"token_ids": t.tolist()})
+        assert r.status_code == 400 and "chunk_hashes" in r.json()["detail"], f"answered as if deleted: {r.text}"
+        r = call(srv, "POST", "/cache/pin", {"token_ids": t.tolist()})
+        assert r.status_code == 400, r.text
+        assert c.lookup_chunks(keys) == 4
+        done = ok(call(srv, "DELETE", "/cache/prefix", {"chunk_hashes": [k.hex() for k in keys]}))
+        assert done["l1_removed"] == 4 and c.lookup_chunks(keys) == 0
 
 
 def test_bad_lifecycle_requests_are_refused_clearly(make_server, seed):

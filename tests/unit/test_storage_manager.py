@@ -556,3 +556,47 @@ def test_a_prefetch_of_what_no_tier_holds_finds_nothing(make_manager):
     assert got == [Prefetched(0, {})]
     assert m.snapshot().prefetch == PrefetchStats(jobs=1, running=0, lookups_hit=0, chunks_loaded=0, chunks_failed=0)
     assert l1(m).objects == 0
+
+
+@pytest.mark.parametrize("how", ["delete", "clear"])
+def test_a_delete_that_comes_while_the_push_is_being_submitted_is_not_undone_by_it(make_manager, how):
+    """The store controller read-locks a batch, then submits it to the tiers. A DELETE (or a clear of
+    everything) that came in between doomed the locked L1 objects and submitted its tier delete first:
+    the push, submitted after it, counted as a newer write and landed, so the deleted prefix was back
+    in the tier (and a later lookup's prefetch served it again)."""
+    m = make_manager(TIER)
+    ks = keys("p", 3)
+    tier = m._tiers[0]
+    submitted, result = threading.Event(), []
+    submit_delete, submit_clear = tier.submit_delete, tier.submit_clear
+
+    def delete_then_tell(*args):
+        task = (submit_delete if how == "delete" else submit_clear)(*args)
+        submitted.set()
+        return task
+
+    tier.submit_delete = delete_then_tell
+    tier.submit_clear = delete_then_tell
+    release = m._table.release_l2_hold
+    hooked = []
+
+    def between_lock_and_submit(held):
+        # On the driver thread, right after the push read-locked the batch: the operator's delete comes now.
+        if not hooked:
+            hooked.append(True)
+            work = (lambda: m.delete(ks)) if how == "delete" else (lambda: m.clear(ClearScope.ALL))
+            threading.Thread(target=lambda: result.append(work()), daemon=True).start()
+            # Unfixed, the delete reaches the tiers at once; fixed, it waits for this submission to end.
+            submitted.wait(2.0)
+        release(held)
+
+    m._table.release_l2_hold = between_lock_and_submit
+    store(m, ks, fill=1)
+    wait_for("the delete to end", lambda: bool(result))
+    wait_for("the push to end", lambda: m.snapshot().store.in_flight == 0 and l1(m).leases == 0)
+    assert m.lookup(ks) == 0 and l1(m).objects == 0
+    assert tier.contains_now(ks) == [False, False, False], "the push landed after the delete: the prefix is back in the tier"
+    done = threading.Event()
+    m.prefetch(ks, 0, SIZE, "", lambda p: done.set())
+    assert done.wait(WAIT_S)
+    assert m.lookup(ks) == 0, "a lookup's prefetch served the deleted prefix again"

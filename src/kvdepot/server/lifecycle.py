@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 
 from kvdepot.errors import BadRequest, ErrorCode, KVDepotError
-from kvdepot.hashing import chunk_hashes
+from kvdepot.hashing import HASH_SCHEME, chunk_hashes
 from kvdepot.keys import NamespaceSpec
 from kvdepot.limits import MAX_KEYS
 from kvdepot.server.state import ContextRegistry
@@ -50,13 +50,24 @@ class Lifecycle:
     def targets(self, model: str | None, cache_salt: str, chunk_hashes_hex: Sequence[str] | None, token_ids: Sequence[int] | None) -> list[Target]:
         if (chunk_hashes_hex is None) == (token_ids is None):
             raise BadRequest("name the prefix by exactly one of chunk_hashes (hex) or token_ids")
-        specs = self._contexts.namespaces()
-        models = sorted({spec.model for spec, _ in specs})
+        registered = self._contexts.namespaces()
+        models = sorted({spec.model for spec, _, _ in registered})
         if model is None:
             if len(models) > 1:
                 raise BadRequest(f"several models are registered ({', '.join(models)}): name one in 'model'")
         else:
-            specs = [(spec, size) for spec, size in specs if spec.model == model]
+            registered = [r for r in registered if r[0].model == model]
+        specs = [(spec, size) for spec, size, _ in registered]
+        if token_ids is not None and registered:
+            # Token ids become keys by kvdepot's own chain; an engine that names its chunks another way
+            # (vLLM's native offloading: vLLM's block keys) stores objects no token-id hash ever names.
+            foreign = sorted({s for _, _, schemes in registered for s in schemes if s not in ("", HASH_SCHEME)})
+            specs = [(spec, size) for spec, size, schemes in registered if schemes & {"", HASH_SCHEME}]
+            if not specs:
+                raise BadRequest(
+                    f"the engines registered for this model name their chunks their own way ({', '.join(foreign)}), not by "
+                    f"kvdepot's token chain: token_ids cannot name their objects; name the prefix by chunk_hashes"
+                )
         if not specs:
             known = f"registered: {', '.join(models)}" if models else "no engine is registered"
             raise KVDepotError(

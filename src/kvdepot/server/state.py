@@ -149,13 +149,14 @@ class ContextRegistry:
         with self._lock:
             return max((c.chunk_bytes for c in self._contexts.values()), default=0)
 
-    def namespaces(self) -> list[tuple[NamespaceSpec, int]]:
-        """Each distinct namespace registered now, with its chunk's bytes (for naming objects over HTTP)."""
+    def namespaces(self) -> list[tuple[NamespaceSpec, int, frozenset[str]]]:
+        """Each distinct namespace registered now, with its chunk's bytes and the hash schemes its
+        contexts named ("" for none) (for naming objects over HTTP)."""
         with self._lock:
-            seen: dict[NamespaceSpec, int] = {}
+            seen: dict[NamespaceSpec, tuple[int, set[str]]] = {}
             for c in self._contexts.values():
-                seen.setdefault(c.spec, c.chunk_bytes)
-            return list(seen.items())
+                seen.setdefault(c.spec, (c.chunk_bytes, set()))[1].add(c.hash_scheme)
+            return [(spec, size, frozenset(schemes)) for spec, (size, schemes) in seen.items()]
 
     def owned_by(self, owner: ClientId) -> int:
         return len(self._by_owner.get(owner, ()))

@@ -670,9 +670,12 @@ class ObjectTable:
     def policy(self) -> EvictionPolicy:
         return self._policy
 
-    def clear(self) -> int:
-        """Remove every object. Locked or half-written ones are doomed: they go when their lease ends."""
+    def clear(self, also: Callable[[], object] | None = None) -> int:
+        """Remove every object. Locked or half-written ones are doomed: they go when their lease ends.
+        ``also`` runs under the lock once they are (the pins letting go of them): it must not call the table."""
         with self._locked():
+            if also is not None:
+                also()
             removed = 0
             for obj in list(self._objects.values()):
                 if obj.state is ObjectState.READY and obj.readers == 0:
@@ -694,12 +697,15 @@ class ObjectTable:
                 found.append((key, obj.size, obj.salt))
             return act(found)
 
-    def remove(self, keys: Sequence[ObjectKey]) -> tuple[int, int]:
+    def remove(self, keys: Sequence[ObjectKey], also: Callable[[], object] | None = None) -> tuple[int, int]:
         """Delete these objects (an operator's DELETE of a prefix, pinned or not): READY unlocked ones go
         now; locked or half-written ones are doomed, as a clear dooms them (they go when their last lease
-        does, invisible meanwhile, so a reader is never changed under it). Returns (removed, doomed)."""
+        does, invisible meanwhile, so a reader is never changed under it). Returns (removed, doomed).
+        ``also`` runs under the lock (the pins letting go of them): it must not call the table."""
         removed = doomed = 0
         with self._locked():
+            if also is not None:
+                also()
             for key in keys:
                 obj = self._objects.get(key)
                 if obj is None or obj.doomed:

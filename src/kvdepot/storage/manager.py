@@ -14,6 +14,7 @@ config. ``snapshot`` is typed all the way down, so ``/status`` and ``/metrics`` 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import threading
@@ -390,19 +391,21 @@ class StorageManager:
     def clear(self, scope: ClearScope = ClearScope.L1) -> ClearResult:
         """Empty L1, the tiers, or both. Locked L1 objects go when their last lock does; a tier's clear
         is waited for at most TIER_CLEAR_WAIT_S (-1 in the result when it failed or took longer)."""
-        l1 = self._table.clear() if scope in (ClearScope.L1, ClearScope.ALL) else 0
-        tiers: dict[str, int] = {}
-        if scope in (ClearScope.TIERS, ClearScope.ALL):
-            tiers = self._on_every_tier(lambda tier: tier.submit_clear())
-        return ClearResult(l1, tiers)
+        with self._push_order():
+            l1 = self._table.clear(lambda: self._protections.let_go(None)) if scope in (ClearScope.L1, ClearScope.ALL) else 0
+            futures = self._submit_on_every_tier(lambda tier: tier.submit_clear()) if scope in (ClearScope.TIERS, ClearScope.ALL) else []
+        return ClearResult(l1, self._await_tiers(futures))
 
     def delete(self, keys: Sequence[ObjectKey], scope: ClearScope = ClearScope.ALL) -> DeleteResult:
         """Delete these objects from L1, the tiers, or both (pinned or not: deleting is not evicting).
         Locked L1 objects are doomed (see ObjectTable.remove); tiers are waited for as a clear is."""
-        removed, doomed = self._table.remove(keys) if scope in (ClearScope.L1, ClearScope.ALL) else (0, 0)
+        with self._push_order():
+            removed, doomed = self._table.remove(keys, lambda: self._protections.let_go(keys)) if scope in (ClearScope.L1, ClearScope.ALL) else (0, 0)
+            on_tiers = scope in (ClearScope.TIERS, ClearScope.ALL) and bool(keys)
+            futures = self._submit_on_every_tier(lambda tier: tier.submit_delete(keys)) if on_tiers else []
         tiers: dict[str, int] = {}
-        if scope in (ClearScope.TIERS, ClearScope.ALL) and keys:
-            tiers = self._on_every_tier(lambda tier: tier.submit_delete(keys))
+        if on_tiers:
+            tiers = self._await_tiers(futures)
             if scope is ClearScope.ALL:
                 # A lookup's prefetch may have loaded a tier's copy back into L1 while the tiers were
                 # deleting: L1 again, now that they have (a load still running is doomed by this pass).
@@ -410,11 +413,16 @@ class StorageManager:
                 removed, doomed = removed + again, doomed + doomed_again
         return DeleteResult(removed, doomed, tiers)
 
-    def _on_every_tier(self, submit: Callable) -> dict[str, int]:
-        """Submit one task to every tier and wait for each at most TIER_CLEAR_WAIT_S: tier name -> its
-        count, -1 when it failed or took longer."""
+    def _push_order(self):
+        """Held while a delete or clear removes from L1 and submits its tier tasks: the store controller
+        holds it from a batch's read lock to its submission, so a push is either submitted before the
+        delete (which then voids it) or finds the objects gone (it pushes none of them)."""
+        return self._store.submitting if self._store is not None else contextlib.nullcontext()
+
+    def _submit_on_every_tier(self, submit: Callable) -> list[tuple[str, Future]]:
+        """Submit one task to every tier: (tier name, the future of its result) each."""
         if self._driver is None:
-            return {}
+            return []
         futures = []
         for i, tier in enumerate(self._tiers):
             fut: Future = Future()
@@ -422,6 +430,11 @@ class StorageManager:
                 self._clears[(i, submit(tier))] = fut
             futures.append((tier.name, fut))
         self._driver.wake()
+        return futures
+
+    def _await_tiers(self, futures: list[tuple[str, Future]]) -> dict[str, int]:
+        """Wait for each tier's task at most TIER_CLEAR_WAIT_S: tier name -> its count, -1 when it failed
+        or took longer."""
         tiers: dict[str, int] = {}
         for name, fut in futures:
             try:

@@ -3,7 +3,8 @@
 A protected key is never chosen by the eviction controller's watermarks, by a reservation's synchronous
 make-room eviction, by quota enforcement nor by L2-only placement; its bytes still count against its
 ``cache_salt``'s quota (the table accounts them like any object). An explicit removal (``/cache/clear``,
-``DELETE /cache/prefix``) is not eviction: it removes protected objects too.
+``DELETE /cache/prefix``) is not eviction: it removes protected objects too,
+and every pin lets go of what was removed (``let_go``).
 
 Pins (an operator's "keep this prefix"), by id. The id is the pin's capability: whoever holds it may
 unpin or extend it (the client that pinned, another process of the same application, the operator), so
@@ -205,6 +206,22 @@ class Protections:
             pin.deadline = max(pin.deadline, self._clock() + ttl_s)
             return self._pin_info_locked(pin)
 
+    def let_go(self, keys: Iterable[ObjectKey] | None) -> int:
+        """These objects were removed on purpose (``DELETE /cache/prefix``; None: a clear of L1): every
+        pin lets go of them, so a deleted prefix's bytes no longer count against its salt's quota, and
+        the prefix, stored again later, is not pinned again by a pin made of the objects that were
+        deleted. The pins stay (their ids still unpin them), holding what is left. Agent sessions keep
+        their keys: they protect the conversation's next turn, not objects. Returns the keys let go."""
+        wanted = None if keys is None else set(keys)
+        released = 0
+        with self._lock:
+            for pin in self._pins.values():
+                gone = [key for key in pin.sizes if wanted is None or key in wanted]
+                for key in gone:
+                    self._unpin_key_locked(pin.salt, key, pin.sizes.pop(key))
+                released += len(gone)
+        return released
+
     def pins(self) -> list[PinInfo]:
         with self._lock:
             return [self._pin_info_locked(p) for p in self._pins.values()]
@@ -322,18 +339,22 @@ class Protections:
         del self._pins[pin.id]
         pin.state = state
         for key, size in pin.sizes.items():
-            self._unprotect_locked(key)
-            left = self._pinned[key] - 1
-            if left:
-                self._pinned[key] = left
-                continue
-            del self._pinned[key]
-            remaining = self._pinned_bytes[pin.salt] - size
-            if remaining:
-                self._pinned_bytes[pin.salt] = remaining
-            else:
-                del self._pinned_bytes[pin.salt]
+            self._unpin_key_locked(pin.salt, key, size)
         _remember(self._ended_pins, pin.id, state)
+
+    def _unpin_key_locked(self, salt: str, key: ObjectKey, size: int) -> None:
+        """One pin of ``salt`` no longer holds ``key`` (of ``size`` bytes)."""
+        self._unprotect_locked(key)
+        left = self._pinned[key] - 1
+        if left:
+            self._pinned[key] = left
+            return
+        del self._pinned[key]
+        remaining = self._pinned_bytes[salt] - size
+        if remaining:
+            self._pinned_bytes[salt] = remaining
+        else:
+            del self._pinned_bytes[salt]
 
     def _open_session_locked(self, salt: str, name: str, verb: str) -> _Session:
         session = self._sessions.get((salt, name))

@@ -74,6 +74,11 @@ class StoreController:
         self._batches: dict[tuple[int, int], _StoreBatch] = {}  # (tier index, task id) -> batch
         self._open = 0
         self.stats = StoreStats()
+        # Held from a batch's read lock until its stores are submitted to every tier; a delete or a clear
+        # holds it while it removes from L1 and submits its own tier tasks. Without it, one that came in
+        # between doomed the locked objects and reached the tiers first: the push, submitted after it,
+        # counted as a newer write and brought the deleted objects back into the tiers.
+        self.submitting = threading.Lock()
 
     def holds(self, writer: ClientId) -> bool:
         """Whether objects this writer commits are pushed (and so held in L1 until then)."""
@@ -115,6 +120,10 @@ class StoreController:
             self._submit(keys)
 
     def _submit(self, keys: list[ObjectKey]) -> None:
+        with self.submitting:
+            self._submit_locked(keys)
+
+    def _submit_locked(self, keys: list[ObjectKey]) -> None:
         lease, objects = self._table.acquire_read_each(keys, STORE_OWNER, ttl_s=BACKGROUND_LEASE_TTL_S)
         self._table.release_l2_hold(keys)  # the read lock protects them now
         with self._lock:
