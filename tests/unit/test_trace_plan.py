@@ -88,6 +88,7 @@ def test_a_real_trace_gives_a_monotone_bounded_curve(tmp_path):
     assert doc["points"][-1]["hit_tokens"] <= (complete - doc["distinct_blocks"]) * 512
     # default bytes a block: a Llama-3-8B-like fp16 model, 128 KiB a token
     assert doc["block_bytes"] == 128 * 1024 * 512
+    assert all(p["l1_size_gb_to_set"] * 2**30 * 0.85 == pytest.approx(p["l1_bytes"]) for p in doc["points"])
 
 
 def test_the_text_output_has_a_table_and_a_plot(tmp_path):
@@ -98,6 +99,8 @@ def test_the_text_output_has_a_table_and_a_plot(tmp_path):
     assert "█" in r.stdout and "L1 size" in r.stdout.splitlines()[-1]
     # sizes 4, 8, 20 bytes (1, 2, 5 blocks of 4 B): only the whole trace's 5 blocks hit at all
     assert "50% of the best hit ratio (50.00%) needs at most 20 B of L1" in r.stdout
+    # what to give the server: it evicts down to its low watermark (0.85), so 20 B cached is 20 / 0.85 B of L1
+    assert f"(--l1-size-gb {20 / 0.85 / 2**30:.3g})" in r.stdout and "--low-watermark (85% by default)" in r.stdout
 
 
 def test_png_draws_or_says_why_not(tmp_path):

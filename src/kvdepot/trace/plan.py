@@ -16,6 +16,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+from kvdepot.config import StorageConfig
 from kvdepot.layout import KVLayout, supported_dtypes
 from kvdepot.trace.mooncake import MOONCAKE_BLOCK_TOKENS
 from kvdepot.trace.ops import Trace
@@ -130,8 +131,8 @@ def main(args: argparse.Namespace) -> int:
             "trace": args.trace, "model": args.model or None, "source": trace.source, "ops": len(trace.ops), "skipped": trace.skipped,
             "distinct_blocks": total, "block_bytes": per_block.bytes, "max_hit_ratio": best,
             "recorded_hit_ratio": trace.recorded_hit_ratio(),
-            "points": [{"l1_bytes": s, "blocks": p.capacity_blocks, "hit_ratio": p.ratio, "hit_tokens": p.hit_tokens,
-                        "asked_tokens": p.asked_tokens} for s, p in zip(sizes, points)],
+            "points": [{"l1_bytes": s, "l1_size_gb_to_set": to_set(s) / 2**30, "blocks": p.capacity_blocks, "hit_ratio": p.ratio,
+                        "hit_tokens": p.hit_tokens, "asked_tokens": p.asked_tokens} for s, p in zip(sizes, points)],
         }  # fmt: skip
         print(json.dumps(doc, indent=2))
         return 0
@@ -143,7 +144,11 @@ def main(args: argparse.Namespace) -> int:
     for share in (0.5, 0.9):
         enough = next(((sz, p) for sz, p in zip(sizes, points) if best and p.ratio >= share * best), None)
         if enough is not None:
-            print(f"{share:.0%} of the best hit ratio ({enough[1].ratio * 100:.2f}%) needs at most {format_size(enough[0])} of L1")
+            print(f"{share:.0%} of the best hit ratio ({enough[1].ratio * 100:.2f}%) needs at most {format_size(enough[0])} of L1"
+                  f" (--l1-size-gb {to_set(enough[0]) / 2**30:.3g})")  # fmt: skip
+    low = StorageConfig().low_watermark
+    print(f"L1 sizes are what the cache holds; a server evicts down to its --low-watermark ({low:.0%} by default) of "
+          f"--l1-size-gb, so the flag's figure is the size / {low:g}")  # fmt: skip
     if args.plot == "always" or (args.plot == "auto" and sys.stdout.isatty()):
         print()
         print(ascii_bars([format_size(s).replace(" ", "") for s in sizes], [p.ratio for p in points]))
@@ -154,6 +159,12 @@ def main(args: argparse.Namespace) -> int:
             return 1
         print(f"curve drawn to {args.png}")
     return 0
+
+
+def to_set(cached_bytes: int) -> float:
+    """The ``--l1-size-gb`` (in bytes) whose server holds ``cached_bytes`` even right after an eviction
+    round: it evicts from its high watermark down to its low one (defaults)."""
+    return cached_bytes / StorageConfig().low_watermark
 
 
 def _header(path: str, trace: Trace, total: int, per_block: BlockBytes) -> str:
