@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
 from support.peer_cluster import keys, page_bytes, wait_for
@@ -110,3 +111,36 @@ def test_an_estimate_with_no_sample_for_a_while_lets_a_pull_probe_and_starts_afr
     assert probe.pull and probe.reason is Reason.NO_ESTIMATE
     p.read_measured("B", 64 << 20, 0.01)  # the probe: 6.7 GB/s
     assert p.decide({"B": 64 << 20}, 0.05).reason is Reason.FASTER
+
+
+def test_a_slow_directory_owner_does_not_make_a_fast_peer_look_slow():
+    """A resolve asks every owner at once and collects their replies one after another: a reply that
+    came while a slower owner was still being waited on was timed from its send to its collection, so
+    the slow owner's delay (up to ``control_timeout_s``: a dead node) became the fast peer's round trip,
+    and pulls from it were refused as slower than recomputing until enough other samples diluted it."""
+    a, slow, reader = cluster(3)
+    try:
+        ring = reader.node._ring
+        owned_by = lambda node, prefix, n: [k for k in (f"{prefix}{i}" for i in range(100_000)) if ring.owners(k.encode(), 2)[0] == node][:n]  # noqa: E731
+        names = owned_by(slow.node_id, "s", 1) + owned_by(a.node_id, "a", 7)  # the slow owner's reply is collected first
+        assert a.batch_set(names, [page_bytes(n, SIZE) for n in names]) == [True] * 8
+        bufs = [bytearray(SIZE) for _ in names]
+        assert reader.batch_get_into(names, bufs, recompute_s=60.0) == [True] * 8  # learns a's bandwidth
+        real = slow.node._serve_shard
+
+        def lagging(body):
+            time.sleep(0.4)  # within control_timeout_s (0.5): answered, only late
+            return real(body)
+
+        slow.node._serve_shard = lagging
+        try:
+            assert reader.batch_exists(names) == 8
+        finally:
+            slow.node._serve_shard = real
+        assert reader.status()["peers"][a.node_id]["rtt_s"] < 0.05, reader.status()["peers"]
+        # 4 MiB from a on loopback: milliseconds; recomputing is estimated at 60 ms.
+        assert reader.batch_get_into(names, bufs, recompute_s=0.06) == [True] * 8
+        assert all(bytes(buf) == page_bytes(n, SIZE) for buf, n in zip(bufs, names, strict=True))
+    finally:
+        for s in (reader, slow, a):
+            s.close()

@@ -117,3 +117,25 @@ def test_the_server_path_takes_a_routers_hint_and_skips_pulls_that_would_lose(cl
     assert details["hints"]["found"] == 4, details["hints"]
     assert details["peers"][a_node]["bandwidth_bytes_per_s"] > 0
     assert set(details["publish"]) == {"owed", "repaid", "unpublish_owed", "unpublish_dropped"} and details["publish"]["owed"] >= 0
+
+
+def test_a_prefill_rate_that_is_not_a_number_is_unknown_and_never_refuses_a_pull(cluster, seed):
+    """0 or less says the engine does not know its prefill rate, and the pull goes ahead; NaN (what a
+    rate computed as 0/0 by numpy comes to) knows no more. It was weighed as a recompute time of NaN
+    seconds, which no estimate ever beats: once the peer had an estimate, every pull was refused
+    ("recompute/pull_slower") and the engine recomputed KV that was a round trip away."""
+    a, b, _ = cluster
+    (t0, kv0), (t1, kv1) = prompts = [big_prompt(seed + i) for i in range(2)]
+    with a.client(layout=BIG) as client:
+        for tokens, kv in prompts:
+            assert client.store(tokens, kv) == len(tokens)
+    wait_store_idle(a)
+    a_node = tier_of(a.status(), "peers")["details"]["node"]
+    with b.client(layout=BIG) as client:
+        wait_until(lambda: lookup_with(client, t0, "learn", prefill_tokens_per_s=1e12) == 4, timeout_s=15, what="a's chunks on b")
+        assert np.array_equal(client.retrieve(t0), kv0)
+        assert tier_of(b.status(), "peers")["details"]["peers"][a_node]["bandwidth_bytes_per_s"] > 0  # an estimate to weigh against
+        assert lookup_with(client, t1, "nan", prefill_tokens_per_s=float("nan")) == 4
+        assert np.array_equal(client.retrieve(t1), kv1)
+    decisions = tier_of(b.status(), "peers")["details"]["pull_decisions"]
+    assert not any(d.startswith("recompute/") for d in decisions), decisions

@@ -65,6 +65,7 @@ SUSPECT_S = 2.0  # a node whose call failed is not asked again for this long
 CHANNELS_KEPT_PER_NODE = 8  # idle control channels kept per node (more are made when threads need them)
 MAX_KEY_BYTES = 1024
 PROMOTE_SLICE = 8  # pages promoted from disk, then read, at a time
+RTT_SLACK_S = 0.002  # a directory reply collected after waiting this long on other owners' is no round-trip sample
 
 
 class NodeState(enum.Enum):
@@ -501,9 +502,14 @@ class PeerNode:
             if local is not None:
                 body = m.PeerResolveRequest(keys=[keys[i] for i in local], own_pages=own_pages)
                 still += self._fill(local, self._serve_shard(body), found, usable, failed)
+            collecting = time.perf_counter()
             while started:
                 owner, idx, ch, pending, t0, timeout = started.pop(0)
-                still += self._fill(idx, self._collect(owner, ch, pending, t0, timeout), found, usable, failed)
+                # Replies are collected one after another: one that came while an earlier owner was still
+                # awaited was timed to its collection, the slower owner's delay (up to control_timeout_s)
+                # taken for its round trip. Only a reply awaited from (about) the start is a sample.
+                sample = time.perf_counter() - collecting <= RTT_SLACK_S
+                still += self._fill(idx, self._collect(owner, ch, pending, t0, timeout, sample), found, usable, failed)
         finally:
             for owner, _, ch, pending, _, _ in started:  # only on an exception: their replies are never read
                 pending.abandon()
@@ -550,13 +556,14 @@ class PeerNode:
             self._return_channel(owner, ch, False)  # closed, never leaked
             raise
 
-    def _collect(self, owner: str, ch: RpcChannel, pending: PendingCall, t0: float, timeout_s: float):
+    def _collect(self, owner: str, ch: RpcChannel, pending: PendingCall, t0: float, timeout_s: float, sample: bool = True):
         """The reply to a request ``_begin`` sent with ``timeout_s`` (None when it failed or timed out);
-        the channel goes back."""
+        the channel goes back. ``sample``: its time since ``t0`` is the owner's round trip (for the planner)."""
         ok = False
         try:
             reply = pending.result()
-            self.planner.call_measured(owner, time.perf_counter() - t0)  # may include our local work meanwhile: tens of µs
+            if sample:
+                self.planner.call_measured(owner, time.perf_counter() - t0)  # may include our local work meanwhile: tens of µs
             ok = True
             return reply
         except KVDepotError as exc:
@@ -647,7 +654,7 @@ class PeerNode:
         than ``recompute_s`` (``planner.py``); the decision is counted. No ``recompute_s``: nothing to
         weigh (the caller does not know its cost), nothing decided."""
         assert self.info is not None
-        if recompute_s is None:
+        if recompute_s is None or math.isnan(recompute_s):  # NaN: as unknown (no estimate is ever "faster" than it)
             return locations
         remote: dict[str, int] = {}
         for loc in locations:

@@ -23,6 +23,7 @@ text per key, like every server option.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -88,8 +89,9 @@ class LookupHints:
     prefill_tokens_per_s: float = 0.0
 
     def recompute_s(self, objects: int) -> float | None:
-        """Seconds to recompute ``objects`` chunks, or None when the rate is unknown."""
-        if self.prefill_tokens_per_s <= 0 or self.chunk_tokens <= 0:
+        """Seconds to recompute ``objects`` chunks, or None when the rate is unknown (0 or less, or not
+        a finite number: a NaN rate made a NaN cost, which no pull estimate beats, so every pull was refused)."""
+        if not 0 < self.prefill_tokens_per_s < math.inf or self.chunk_tokens <= 0:
             return None
         return objects * self.chunk_tokens / self.prefill_tokens_per_s
 
