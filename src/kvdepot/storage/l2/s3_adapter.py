@@ -233,7 +233,11 @@ class S3Adapter(BackendAdapter):
         except BaseException:
             self._tell_removed(gone, "deleted")
             raise
-        self._abort_uploads()
+        try:
+            self._abort_uploads()
+        except Exception as exc:  # housekeeping on top of the clear: credentials may not list or abort uploads
+            log.warning("L2 %s (s3): the clear could not abort unfinished multipart uploads under %s: %s",
+                        self.name, self._config.prefix, self._error_text(exc))  # fmt: skip
         if failed:
             self._tell_removed(gone, "deleted")  # announced blocks that did go must not stay announced
             first = failed[0]
