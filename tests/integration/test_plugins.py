@@ -60,6 +60,19 @@ PROBES = {
         while True:
             time.sleep(0.1)
     """,
+    # ends on SIGTERM, but first starts a worker of its own that ignores SIGTERM (as a worker pool, a
+    # shell pipeline or a server it launched may): the worker is in the plugin's process group
+    "kvd_probe_parent": """
+        import json, os, signal, subprocess, sys, time
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        worker = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"])
+        with open(sys.argv[1], "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "child": worker.pid}) + "\\n")
+        if len(sys.argv) > 2:  # crash at once, leaving the worker behind
+            sys.exit(4)
+        while True:
+            time.sleep(0.1)
+    """,
 }
 
 
@@ -213,6 +226,49 @@ def test_shutdown_leaves_no_plugin_process(plugin_server, tmp_path):
     assert "did not stop" not in log.replace("plugin kvd_probe_stubborn did not stop", "")  # the others stopped on SIGTERM
 
 
+def test_shutdown_ends_what_a_plugin_started_even_when_the_plugin_itself_stops_on_sigterm(plugin_server, tmp_path):
+    """The plugin ends on SIGTERM at once; the worker it started ignores SIGTERM. The supervisor saw its
+    plugin's process end within the grace period and never sent the group SIGKILL: the worker ran on
+    after the server had exited, for ever."""
+    report = tmp_path / "parent.jsonl"
+    srv = plugin_server("--plugin-grace-s", "1", "--plugin", f"kvd_probe_parent:{report}")
+    [probe] = wait_until(lambda: [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else None, what="the probe's report")
+    wait_until(lambda: plugins_of(srv)["kvd_probe_parent"]["state"] == "running", what="the plugin running")
+    try:
+        assert srv.stop() == 0, "the server must exit cleanly on SIGTERM"
+        wait_until(lambda: dead(probe["pid"]), timeout_s=10, what="the plugin gone")
+        wait_until(lambda: dead(probe["child"]), timeout_s=10, what="the worker the plugin started gone after the server's shutdown")
+    finally:
+        for pid in (probe["pid"], probe["child"]):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_a_crashed_plugins_leftover_processes_do_not_pile_up(plugin_server, tmp_path):
+    """A plugin that crashes leaving a worker behind: each restart left one more worker running (in the
+    old process group, which nothing signalled again), and the shutdown ended none of them."""
+    report = tmp_path / "parent.jsonl"
+    srv = plugin_server("--plugin-grace-s", "1", "--plugin", f"kvd_probe_parent:{report} crash")
+
+    def reports():
+        return [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
+
+    try:
+        wait_until(lambda: len(reports()) >= 3, timeout_s=30, what="3 starts of the crashing plugin")
+        older = reports()[:-1]
+        wait_until(lambda: all(dead(r["child"]) for r in older), timeout_s=10, what="the workers of earlier runs ended before or at the restart")
+        assert srv.stop() == 0
+        wait_until(lambda: all(dead(r["child"]) for r in reports()), timeout_s=10, what="every worker gone after the server's shutdown")
+    finally:
+        for r in reports():
+            try:
+                os.kill(r["child"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 # --- refused at start-up -------------------------------------------------------------------------
 
 
@@ -234,6 +290,27 @@ def test_a_plugin_that_cannot_run_refuses_start_up(spec, says, tmp_path):
     assert r.returncode == 2, r.stderr
     assert f"--plugin {spec!r}" in r.stderr and says in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_module_only_the_servers_working_directory_holds_refuses_start_up(tmp_path):
+    """A server started as ``python -m kvdepot.cli`` (as ServerProcess starts it) has its working
+    directory on sys.path; its plugins run with ``-P`` and do not. The start-up check looked the module
+    up in the server's sys.path, passed, and the plugin then failed with "No module named" for ever,
+    restarted again and again, instead of the server refusing to start as documented."""
+    (tmp_path / "kvd_cwd_only_plugin.py").write_text("print('ran')\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvdepot.cli", "server", "--port", "0", "--ipc-path", str(tmp_path / "s.ipc"), "--http-port", "0",
+         "--l1-size-gb", "0.0625", "--plugin", "kvd_cwd_only_plugin"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+    )
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        pytest.fail(f"the server started with a plugin it cannot run: {err[-2000:]}")
+    assert proc.returncode == 2, err
+    assert "--plugin 'kvd_cwd_only_plugin': no module named kvd_cwd_only_plugin" in err, err
 
 
 # --- what a plugin may read ----------------------------------------------------------------------

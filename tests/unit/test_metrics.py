@@ -119,3 +119,46 @@ def test_past_the_model_cap_a_new_model_takes_the_label_of_one_idle_past_the_lim
     used("new")
     assert s[("kvdepot_lookups_total", (("model", mod.OTHER_MODELS),))] == 1
     assert samples(m.text())[("kvdepot_lookups_total", (("model", mod.OTHER_MODELS),))] == 2
+
+
+def test_status_totals_never_go_back_when_an_idle_models_label_is_given_to_another(monkeypatch):
+    """Past the model cap, a model idle for 6 h gives its label to a new one and its series go. /status
+    summed its totals (lookups, tokens asked, found and missed, chunks stored and read back) over the
+    series left, so they fell: the dashboard's rates went negative, usage_log's history went back, and
+    ``kvdepot status`` showed fewer lookups than a minute before."""
+    from types import SimpleNamespace
+
+    from kvdepot.server.status import lookups_document, transfers_document
+
+    now = [1000.0]
+    monkeypatch.setattr(mod, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(mod, "MAX_MODELS", 2)
+    m = Metrics()
+
+    def used(model: str) -> None:
+        m.lookup_asked(model, 32)
+        m.lookup_answered(model, {mod.L1: 16}, 16)
+        m.stored(model, 1, 100, "shm")
+        m.retrieved(model, 1, 100, "shm")
+
+    def totals() -> dict:
+        lk = lookups_document(m)
+        st, rt = transfers_document(m.stored_chunks, m.stored_bytes, m), transfers_document(m.retrieved_chunks, m.retrieved_bytes, m)
+        return {
+            **{k: lk[k] for k in ("requests", "requested_tokens", "hit_tokens", "missed_tokens")},
+            "hit_l1": lk["hit_tokens_by_tier"].get(mod.L1, 0),
+            "stored_chunks": st["chunks"], "stored_bytes": st["bytes"], "retrieved_chunks": rt["chunks"], "retrieved_bytes": rt["bytes"],
+        }
+
+    for _ in range(3):
+        used("old")
+    used("busy")
+    before = totals()
+    now[0] += mod.MODEL_IDLE_S + 10
+    used("busy")
+    used("newer")  # takes the place of "old", whose series go
+    after = totals()
+    assert "old" not in lookups_document(m)["by_model"]
+    went_back = {k: (before[k], after[k]) for k in before if after[k] < before[k]}
+    assert not went_back, f"/status totals went backwards: {went_back}"
+    assert after == {k: v + v // 4 * 2 for k, v in before.items()}  # two more uses on top of the four

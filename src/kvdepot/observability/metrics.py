@@ -116,6 +116,10 @@ class Metrics:
         self._models: dict[str, list[float]] = {}
         self._hit_places: dict[str, set[str]] = {}  # model label -> the places its hit_tokens series has
         self._models_lock = threading.Lock()
+        # What the models whose labels went to others (``_forget_model_locked``) had counted, per counter
+        # (and their hit tokens per place): /status keeps it in its totals, which never go back.
+        self.forgotten: dict[Any, int] = {}
+        self.forgotten_hits: dict[str, int] = {}
         # Per model, the children lookups count into: labels() costs microseconds and every lookup
         # would pay it several times. Read without the lock (a dict's get is atomic); filled and
         # emptied under it, so a forgotten model's children never stay cached.
@@ -194,8 +198,12 @@ class Metrics:
 
     def _forget_model_locked(self, model: str) -> None:
         del self._models[model]
+        for labels, v in labelled(self.hit_tokens):
+            if labels["model"] == model:
+                self.forgotten_hits[labels["tier"]] = self.forgotten_hits.get(labels["tier"], 0) + v
         for metric in (self.lookups, self.requested_tokens, self.missed_tokens, self.stored_chunks, self.stored_bytes,
                        self.retrieved_chunks, self.retrieved_bytes):  # fmt: skip
+            self.forgotten[metric] = self.forgotten.get(metric, 0) + sum(v for labels, v in labelled(metric) if labels["model"] == model)
             try:
                 metric.remove(model)
             except KeyError:
@@ -205,6 +213,11 @@ class Metrics:
         # The caches may map names past the cap to "(other)" too: emptied, they are filled again as used.
         self._lookup_children.clear()
         self._hit_children.clear()
+
+    def labels_lock(self) -> threading.Lock:
+        """Held while a model's label is given to another: read the per-model counters and ``forgotten``
+        under it, so a model's counts are never seen twice or not at all."""
+        return self._models_lock
 
     def forget_silent_miss(self, model: str) -> None:
         """The alarm no longer watches ``model`` (it made room for another): its series goes too."""

@@ -14,15 +14,17 @@ One plugin's life (each state change is checked against this drawing; anything e
 A plugin that exits is started again after a delay that doubles from 0.5 s up to 30 s, and falls back
 to 0.5 s once a run lasted 60 s: a plugin that crashes at once costs a few starts a minute, not a busy
 loop, and one that crashes once a day restarts at once. At shutdown every plugin's process group gets
-SIGTERM, then SIGKILL after ``--plugin-grace-s``. A module that cannot be found at all is a ConfigError
-at start-up (checked with ``importlib.util.find_spec``), never an endless restart loop.
+SIGTERM, then SIGKILL after ``--plugin-grace-s``; that goes for every process of the group, also once the plugin
+itself has ended (a worker it started that ignores SIGTERM is killed when the grace period is over). The
+processes a crashed run left behind get SIGTERM when it ends and SIGKILL before the next run starts, so
+they never pile up. A module that cannot be found at all is a ConfigError at start-up (checked with
+``importlib.util.find_spec`` in a child started as the plugin is), never an endless restart loop.
 """
 
 from __future__ import annotations
 
 import collections
 import enum
-import importlib.util
 import logging
 import os
 import signal
@@ -102,17 +104,37 @@ def plugin_environment(config: ServerConfig, name: str, base: dict[str, str] | N
     return env
 
 
-def check_module(spec: str, module: str) -> None:
-    """ConfigError unless ``python -m module`` can find something to run."""
+# Run by check_module in a child started as the plugin will be (``-P``, its environment): the server's own
+# sys.path differs (``python -m kvdepot.cli`` puts the working directory first, which ``-P`` leaves out).
+_FIND_MODULE = """
+import importlib.util, sys
+module = sys.argv[1]
+try:
+    found = importlib.util.find_spec(module)
+    main = importlib.util.find_spec(module + ".__main__") if found is not None and found.submodule_search_locations is not None else None
+except Exception as exc:  # a parent package missing, or failing to import
+    print(f"cannot find module {module}: {exc}")
+else:
+    if found is None:
+        print(f"no module named {module}")
+    elif found.submodule_search_locations is not None and main is None:
+        print(f"{module} is a package without a __main__ module: nothing to run")
+"""
+
+
+def check_module(spec: str, module: str, env: dict[str, str] | None = None) -> None:
+    """ConfigError unless ``python -P -m module``, in the plugin's environment, can find something to run."""
     try:
-        found = importlib.util.find_spec(module)
-        main = importlib.util.find_spec(f"{module}.__main__") if found is not None and found.submodule_search_locations is not None else None
-    except (ImportError, ValueError) as exc:  # a parent package missing, or failing to import
-        why = f"cannot find module {module}: {exc}"
+        r = subprocess.run(
+            [sys.executable, "-P", "-c", _FIND_MODULE, module],
+            env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        why = f"cannot look up module {module}: {exc}"
     else:
-        if found is not None and (found.submodule_search_locations is None or main is not None):
+        why = r.stdout.strip() or (f"cannot find module {module}: {(r.stderr.strip().splitlines() or ['?'])[-1]}" if r.returncode else "")
+        if not why:
             return
-        why = f"no module named {module}" if found is None else f"{module} is a package without a __main__ module: nothing to run"
     raise ConfigError(f"--plugin {spec!r}: {why} (looked up by {sys.executable}; is it installed, or on PYTHONPATH?)")
 
 
@@ -129,6 +151,7 @@ class Plugin:
         self._wake = threading.Event()  # set by stop: a backoff wait ends at once
         self._state = PluginState.STOPPED
         self._proc: subprocess.Popen | None = None
+        self._pgid = 0  # the process group of the latest run (its leader's pid): it may outlive the leader
         self._starts = 0
         self._last_exit: int | None = None
         self._delays: collections.deque[float] = collections.deque(maxlen=DELAYS_SHOWN)
@@ -153,6 +176,7 @@ class Plugin:
                 if self._state is PluginState.STOPPING or self._wake.is_set():
                     break
                 self._move(PluginState.STARTING)
+                self._signal_group(signal.SIGKILL)  # what the last run left, after its SIGTERM and the delay
                 proc = self._spawn()
                 self._move(PluginState.RUNNING if proc is not None else PluginState.BACKOFF)
             started = time.monotonic()
@@ -165,6 +189,7 @@ class Plugin:
                     break
                 if proc is not None:
                     self._move(PluginState.BACKOFF)
+                    self._signal_group(signal.SIGTERM)  # the processes it started, if any outlived it
                 if ran >= HEALTHY_RUN_S:
                     delay = FIRST_DELAY_S
                 self._delays.append(delay)
@@ -191,6 +216,7 @@ class Plugin:
             log.error("plugin %s: cannot start %s: %s", self.name, sys.executable, exc)
             return None
         self._proc = proc
+        self._pgid = proc.pid  # start_new_session: the leader's pid names its group
         self._starts += 1
         log.info("plugin %s started (pid %d): python -m %s%s", self.name, proc.pid, self.module, "".join(f" {a}" for a in self.args))
         return proc
@@ -217,12 +243,23 @@ class Plugin:
             if self._state not in (PluginState.STOPPING, PluginState.STOPPED):
                 self._move(PluginState.STOPPING)
             self._wake.set()
-            proc = self._proc
-            if proc is not None and proc.returncode is None:
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    pass
+            self._signal_group(sig)
+
+    def _signal_group(self, sig: int) -> None:
+        """``sig`` to the latest run's process group (lock held) while its leader runs, or while processes
+        it started still run after it: the group id is then still theirs (never another's reused pid)."""
+        proc = self._proc
+        if not self._pgid or ((proc is None or proc.returncode is not None) and not _group_runs(self._pgid)):
+            return
+        try:
+            os.killpg(self._pgid, sig)
+        except ProcessLookupError:
+            pass
+
+    def lingering(self) -> bool:
+        """Does a process of the latest run's group still run (the plugin, or one it started)?"""
+        with self._lock:
+            return bool(self._pgid) and _group_runs(self._pgid)
 
     def join(self, timeout_s: float) -> bool:
         if self._thread is not None:
@@ -242,6 +279,23 @@ class Plugin:
                 "last_exit_code": self._last_exit,
                 "restart_delays_s": list(self._delays),
             }
+
+
+def _group_runs(pgid: int) -> bool:
+    """Is a process of group ``pgid`` running (zombies, which run no more, do not count)? Read from /proc."""
+    try:
+        pids = [d for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return False
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if len(fields) > 2 and fields[2] == str(pgid).encode() and fields[0] != b"Z":
+            return True
+    return False
 
 
 def _exit_words(code: int | None) -> str:
@@ -265,10 +319,11 @@ class PluginSupervisor:
         counts: collections.Counter[str] = collections.Counter()
         for spec in config.plugins.specs:
             module, args = split_plugin_spec(spec)  # PluginConfig checked the syntax
-            check_module(spec, module)
             counts[module] += 1
             name = module if counts[module] == 1 else f"{module}#{counts[module]}"  # the same module twice
-            self.plugins.append(Plugin(name, module, args, plugin_environment(config, name)))
+            env = plugin_environment(config, name)
+            check_module(spec, module, env)
+            self.plugins.append(Plugin(name, module, args, env))
 
     def start(self) -> None:
         for p in self.plugins:
@@ -287,6 +342,12 @@ class PluginSupervisor:
                 log.warning("plugin %s did not stop within %.1f s of SIGTERM: killing it", p.name, self._grace_s)
                 p.signal(signal.SIGKILL)
                 p.join(5.0)
+            # The plugin ended; processes it started, in its group, may not have (they ignore SIGTERM).
+            while p.lingering() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if p.lingering():
+                log.warning("plugin %s: processes it started still ran %.1f s after SIGTERM: killing them", p.name, self._grace_s)
+                p.signal(signal.SIGKILL)
 
     def snapshot(self) -> list[dict]:
         return [p.snapshot() for p in self.plugins]

@@ -7,6 +7,7 @@ ARCHITECTURE §10 plus what README's HTTP API section lists.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict
 
 from kvdepot import __version__
@@ -81,8 +82,8 @@ def status_document(
             "corrupt_in_l2": sum(t.corrupt for t in snap.tiers),
         },
         "lookups": lookups_document(metrics),
-        "stores": transfers_document(metrics.stored_chunks, metrics.stored_bytes),
-        "retrieves": transfers_document(metrics.retrieved_chunks, metrics.retrieved_bytes),
+        "stores": transfers_document(metrics.stored_chunks, metrics.stored_bytes, metrics),
+        "retrieves": transfers_document(metrics.retrieved_chunks, metrics.retrieved_bytes, metrics),
         "block_events": {"allocated": blocks.get("allocated", 0), "freed": blocks.get("freed", 0)},
         "tiers": [asdict(t) for t in snap.tiers],
         "tenants": tenants or [],
@@ -96,7 +97,13 @@ def status_document(
 def lookups_document(metrics: Metrics) -> dict:
     """What engines asked for and found, in tokens, in all and per model (hits also per place: ``l1``
     or the L2 tier that supplied them). A lookup still prefetching from L2 counts as asked, not yet as
-    found or missed."""
+    found or missed. The totals include models whose labels went to others (their series are gone), so
+    they never go back."""
+    with metrics.labels_lock():
+        return _lookups_document(metrics)
+
+
+def _lookups_document(metrics: Metrics) -> dict:
     models: dict[str, dict] = {}
 
     def model(name: str) -> dict:
@@ -115,7 +122,10 @@ def lookups_document(metrics: Metrics) -> dict:
         m["hit_tokens"] += v
         m["hit_tokens_by_tier"][labels["tier"]] = m["hit_tokens_by_tier"].get(labels["tier"], 0) + v
     total = {k: sum(m[k] for m in models.values()) for k in ("requests", "requested_tokens", "hit_tokens", "missed_tokens")}
-    by_tier: dict[str, int] = {}
+    for k, counter in (("requests", metrics.lookups), ("requested_tokens", metrics.requested_tokens), ("missed_tokens", metrics.missed_tokens)):
+        total[k] += metrics.forgotten.get(counter, 0)
+    total["hit_tokens"] += sum(metrics.forgotten_hits.values())
+    by_tier: dict[str, int] = dict(metrics.forgotten_hits)
     for m in models.values():
         for tier, v in m["hit_tokens_by_tier"].items():
             by_tier[tier] = by_tier.get(tier, 0) + v
@@ -128,15 +138,20 @@ def lookups_document(metrics: Metrics) -> dict:
     }
 
 
-def transfers_document(chunks, nbytes) -> dict:
+def transfers_document(chunks, nbytes, metrics: Metrics | None = None) -> dict:
+    """Chunks and bytes, in all and per model; the totals include models whose labels went to others."""
     by_model: dict[str, dict] = {}
-    for labels, v in labelled(chunks):
-        by_model.setdefault(labels["model"], {"chunks": 0, "bytes": 0})["chunks"] += v
-    for labels, v in labelled(nbytes):
-        by_model.setdefault(labels["model"], {"chunks": 0, "bytes": 0})["bytes"] += v
+    forgotten = (0, 0)
+    with metrics.labels_lock() if metrics is not None else contextlib.nullcontext():
+        for labels, v in labelled(chunks):
+            by_model.setdefault(labels["model"], {"chunks": 0, "bytes": 0})["chunks"] += v
+        for labels, v in labelled(nbytes):
+            by_model.setdefault(labels["model"], {"chunks": 0, "bytes": 0})["bytes"] += v
+        if metrics is not None:
+            forgotten = (metrics.forgotten.get(chunks, 0), metrics.forgotten.get(nbytes, 0))
     return {
-        "chunks": sum(m["chunks"] for m in by_model.values()),
-        "bytes": sum(m["bytes"] for m in by_model.values()),
+        "chunks": sum(m["chunks"] for m in by_model.values()) + forgotten[0],
+        "bytes": sum(m["bytes"] for m in by_model.values()) + forgotten[1],
         "by_model": by_model,
     }
 
