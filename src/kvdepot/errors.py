@@ -105,6 +105,11 @@ class KVDepotTimeout(KVDepotError):
     code = ErrorCode.TIMEOUT
 
 
+class ChannelBusy(KVDepotTimeout):
+    """The caller's deadline passed while another thread of this process held the client's channel (a
+    long save or load of its own): nothing was sent, so it says nothing about the server."""
+
+
 class ServerUnreachable(KVDepotError):
     """No kvdepot server answered at the URL in time (not running, wrong address, or a firewall)."""
 

@@ -163,3 +163,58 @@ def test_a_slow_l2_prefetch_is_that_lookups_miss_and_lookups_of_l1_go_on(sglang,
             os.kill(own_valkey.proc.pid, signal.SIGCONT)
     finally:
         b.close()
+
+
+
+class WideLayerFirstHostPool(LayerFirstHostPool):
+    """A layer-first pool with pages of 2 MiB (16 layers x 16 heads x 128 x 16 tokens x K/V x bf16), a
+    real model's size: a backup of SGLang's batch of 128 such pages keeps the inline transport busy for
+    longer than a lookup's share of SGLang's prefetch budget (0.4 s)."""
+
+    def __init__(self, pages: int) -> None:
+        self.page_size, self.size = PAGE, pages * PAGE
+        self.layer_num, self.head_num, self.head_dim, self.v_head_dim, self.dtype = 16, 16, 128, 128, torch.bfloat16
+        self.kv_buffer = torch.zeros((2, 16, self.size, 16, 128), dtype=torch.bfloat16)
+
+
+def test_a_backup_in_flight_does_not_switch_lookups_off(sglang, make_server):
+    """SGLang's backup thread saves while its prefetch thread looks pages up (one backend, one client,
+    whose connection carries one exchange at a time). A lookup that comes while a long save holds the
+    connection is a miss inside its budget, as SGLang wants; but kvdepot answered everything, so lookups
+    must go on once the save is done, not be switched off for ``retry_after_s`` as if kvdepot were
+    unreachable (``Direction``: saves busy on a server do not stop lookups)."""
+    import threading
+    import time
+
+    srv = make_server("--l1-size-gb", "0.5")
+    host = WideLayerFirstHostPool(pages=132)
+    # inline: SGLang on another host than kvdepot. Over loopback 256 MiB go in about 0.1 s (a real model's
+    # 128 pages are GBs, over a network): the budget is scaled to match, 0.4 x 0.1 s a lookup.
+    b = make_backend(sglang, srv.url, host, transport="inline", retry_after_s=60.0, prefetch_timeout_base=0.1,
+                     prefetch_timeout_per_ki_token=0.0)  # fmt: skip
+    try:
+        g = torch.Generator().manual_seed(5)
+        host.kv_buffer[:, :, 128 * PAGE :].view(torch.int16).copy_(
+            torch.randint(-(2**15), 2**15, host.kv_buffer[:, :, 128 * PAGE :].shape, generator=g, dtype=torch.int16)
+        )
+        hot = sglang_keys(list(range(50_000, 50_000 + 2 * PAGE)))
+        assert b.batch_set_v1(hot, torch.arange(128 * PAGE, 130 * PAGE)) == [True] * 2
+        assert b.batch_exists(hot) == 2
+        big = sglang_keys(list(range(60_000, 60_000 + 128 * PAGE)))  # SGLang's STORAGE_BATCH_SIZE
+        saved: list = []
+        backup = threading.Thread(target=lambda: saved.append(b.batch_set_v1(big, torch.arange(128 * PAGE))))
+        backup.start()
+        during = []
+        while backup.is_alive():  # SGLang's prefetch thread meanwhile: hits, or misses within its budget
+            t0 = time.monotonic()
+            during.append((b.batch_exists(hot), time.monotonic() - t0))
+        backup.join()
+        assert saved == [[True] * 128]
+        assert all(s < 0.5 for _, s in during), during
+        assert b.batch_exists(hot) == 2, f"lookups were switched off by a save in flight ({during}): {b.failures()}"
+        # the bytes read back are the bytes written
+        assert b.batch_get_v1(hot, torch.arange(130 * PAGE, 132 * PAGE)) == [True] * 2
+        kv = host.kv_buffer.view(torch.int16)  # bits: random bfloat16 holds NaNs
+        assert torch.equal(kv[:, :, 128 * PAGE : 130 * PAGE], kv[:, :, 130 * PAGE : 132 * PAGE])
+    finally:
+        b.close()

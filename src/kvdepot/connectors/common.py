@@ -31,7 +31,7 @@ from kvdepot.breaker import CircuitBreaker
 from kvdepot.client.client import CurveClientKeys, KVClient, check_url
 from kvdepot.client.options import ClientOptions, Transport
 from kvdepot.config import ConfigError, ConfigStruct, option
-from kvdepot.errors import ErrorCode, KVDepotError
+from kvdepot.errors import ChannelBusy, ErrorCode, KVDepotError
 from kvdepot.layout import KVLayout
 from kvdepot.limits import MAX_CHUNK_TOKENS
 from kvdepot.protocol.messages import RequestType
@@ -122,7 +122,10 @@ TRANSPORT_CODES = frozenset(
 
 def is_transport_failure(exc: BaseException) -> bool:
     """True when the server could not be used at all (the breaker opens); False for a problem of one
-    request (it recomputes)."""
+    request (it recomputes). A wait for the channel another thread of this process holds (its own save
+    or load in flight) is neither: nothing reached the server, so no direction is switched off."""
+    if isinstance(exc, ChannelBusy):
+        return False
     return not isinstance(exc, KVDepotError) or exc.code in TRANSPORT_CODES
 
 

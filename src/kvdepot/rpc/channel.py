@@ -40,7 +40,7 @@ from contextlib import contextmanager
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvdepot.errors import ErrorCode, HandshakeRefused, KVDepotError, KVDepotTimeout
+from kvdepot.errors import ChannelBusy, ErrorCode, HandshakeRefused, KVDepotError, KVDepotTimeout
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.messages import RequestType
@@ -162,7 +162,7 @@ class RpcChannel:
         here until the reply is collected or ``abandon``ed: other threads wait as for a call."""
         deadline = time.monotonic() + timeout_s
         if not self._lock.acquire(timeout=max(timeout_s, 0.0)):
-            raise KVDepotTimeout(f"{type(body).__name__} waited {timeout_s:.3g} s for the channel another thread holds")
+            raise ChannelBusy(f"{type(body).__name__} waited {timeout_s:.3g} s for the channel another thread holds")
         try:
             self._flush()
             rid = self._send(body, (), deadline - time.monotonic())
@@ -329,7 +329,7 @@ class RpcChannel:
     def _exclusive(self, body, timeout_s: float) -> Iterator[None]:
         """The channel for one exchange, if it comes within ``timeout_s``."""
         if not self._lock.acquire(timeout=max(timeout_s, 0.0)):
-            raise KVDepotTimeout(f"{type(body).__name__} waited {timeout_s:.3g} s for the channel another thread holds")
+            raise ChannelBusy(f"{type(body).__name__} waited {timeout_s:.3g} s for the channel another thread holds")
         try:
             self._flush()
             yield
