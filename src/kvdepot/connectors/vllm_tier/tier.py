@@ -44,6 +44,7 @@ from kvdepot.connectors.vllm_tier.config import TierSettings
 from kvdepot.connectors.vllm_tier.identity import KEY_SCHEME, TierIdentity, chunk_hash, lookup_chains, namespace_fields, tokens_per_chunk
 from kvdepot.connectors.vllm_tier.transfers import Completions, JobQueue, Outcome
 from kvdepot.errors import ErrorCode, KVDepotError
+from kvdepot.limits import MAX_KEYS
 from kvdepot.runs import copy_all
 from kvdepot.types import SlotStatus
 
@@ -165,9 +166,13 @@ class KVDepotTier(SecondaryTierManager):
         if self._lookups is not None:
             self._lookups.shutdown()
         # Jobs not started yet end as failures: a slow server must not hold vLLM's exit for each of them.
-        self._loads.close(_CLOSE_TIMEOUT_S, cancel=True)
-        self._stores.close(_CLOSE_TIMEOUT_S, cancel=True)
+        loads_ended = self._loads.close(_CLOSE_TIMEOUT_S, cancel=True)
+        stores_ended = self._stores.close(_CLOSE_TIMEOUT_S, cancel=True)
         self._resilient.close()
+        if loads_ended and stores_ended:
+            # vLLM unmaps its CPU tier right after this: a view of it kept here makes that fail and keeps
+            # the whole region mapped. (A thread still copying keeps it, so the mapping outlives the copy.)
+            self._rows = None
 
     @property
     def transport(self) -> str:
@@ -216,9 +221,15 @@ class KVDepotTier(SecondaryTierManager):
         positions = [req_context.get_offload_key_position(k) for k in keys]
         try:
             for chain in lookup_chains(keys, positions, self._tokens):
-                hits = client.stored_chunks([chunk_hash(keys[i], size) for i in chain], "")
-                for i in chain[:hits]:
-                    found[i] = True
+                # One request names at most MAX_KEYS chunks: a longer chain is asked piece by piece,
+                # the next piece only while every key so far was found.
+                for start in range(0, len(chain), MAX_KEYS):
+                    piece = chain[start : start + MAX_KEYS]
+                    hits = client.stored_chunks([chunk_hash(keys[i], size) for i in piece], "")
+                    for i in piece[:hits]:
+                        found[i] = True
+                    if hits < len(piece):
+                        break
         except Exception as exc:  # noqa: BLE001 - a miss, never an error in vLLM
             self._resilient.failed(Direction.LOOKUP, exc, f"a lookup of {len(keys)} offload chunks")
         return found
@@ -254,13 +265,21 @@ class KVDepotTier(SecondaryTierManager):
             return 0, 0
         size = client.hash_algorithm.digest_size
         t0 = time.perf_counter()
+        copied = 0
         try:
-            with client.prepare_retrieve([chunk_hash(k, size) for k in keys]) as views:
-                copied = min(len(views), len(chunk_ids))
-                copy_all((self._rows[c].reshape(v.shape), v) for v, c in zip(views[:copied], chunk_ids))
+            # One request names at most MAX_KEYS chunks: a longer job is read piece by piece, the next
+            # piece only while every key so far was there.
+            for start in range(0, len(keys), MAX_KEYS):
+                piece = [chunk_hash(k, size) for k in keys[start : start + MAX_KEYS]]
+                with client.prepare_retrieve(piece) as views:
+                    n = min(len(views), len(chunk_ids) - start)
+                    copy_all((self._rows[c].reshape(v.shape), v) for v, c in zip(views[:n], chunk_ids[start:]))
+                copied += n
+                if n < len(piece):
+                    break
         except Exception as exc:  # noqa: BLE001 - also a lease that ended before the copy did: those bytes may have changed
             self._resilient.failed(Direction.LOAD, exc, what)
-            return 0, 0
+            return copied, copied * self.block_size_bytes  # the pieces read before this one are sound
         log.debug("kvdepot: loaded %d of %d offload chunks (%.1f ms)", copied, len(keys), (time.perf_counter() - t0) * 1e3)
         return copied, copied * self.block_size_bytes
 

@@ -112,17 +112,20 @@ class JobQueue:
                 return
         self._completions.ended(Outcome(job_id, 0, total, 0, 0.0))
 
-    def close(self, timeout_s: float | None = None, cancel: bool = False) -> None:
+    def close(self, timeout_s: float | None = None, cancel: bool = False) -> bool:
         """Stop the thread once the jobs handed over have ended: run (or, with ``cancel``, ended without
         running: a job already running always finishes, since it may be writing vLLM's memory).
-        Idempotent."""
+        True once the thread has ended (no job of this queue runs any more); False if ``timeout_s``
+        passed first. Idempotent."""
         with self._lock:
             self._closed = True
             self._cancelled = self._cancelled or cancel
             thread = self._thread
-        if thread is not None:
-            self._jobs.put(None)
-            thread.join(timeout_s)
+        if thread is None:
+            return True
+        self._jobs.put(None)
+        thread.join(timeout_s)
+        return not thread.is_alive()
 
     def _run(self) -> None:
         while (item := self._jobs.get()) is not None:
