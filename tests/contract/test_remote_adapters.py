@@ -21,7 +21,7 @@ from kvdepot.storage.l2.contract import TaskResult, TierServices
 from kvdepot.storage.l2.s3_adapter import S3Adapter, S3Config
 from kvdepot.storage.l2.valkey_adapter import ORPHAN_TTL_S, ValkeyAdapter, ValkeyConfig
 
-from support.adapter_tasks import load, run, store
+from support.adapter_tasks import EventRecorder, load, run, store
 from support.backends import ValkeyServer, WeedServer, s3_config, valkey_config
 from support.servers import pause
 
@@ -419,19 +419,6 @@ def test_a_valkey_clear_racing_a_store_leaves_the_object_count_right(valkey_adap
     assert a._usage()[2] == len(manifests) == 1, f"usage says {a._usage()[2]} objects, the tier holds {len(manifests)}"
 
 
-class _Recorder:
-    """A tier's event sink that keeps what it was told."""
-
-    def __init__(self) -> None:
-        self.events: list = []
-
-    def publish(self, event) -> None:
-        self.events.append(event)
-
-    def wants(self, kind) -> bool:
-        return True
-
-
 @pytest.mark.parametrize("prefix", ["kv-ab", "kvdepot-01", "cache7"])
 def test_an_s3_prefix_ending_in_a_hex_digit_is_refused(prefix) -> None:
     """Names are <prefix><key hex>: "kv-ab" + <key hex> also reads as "kv-" + <hex>, so a clear of a
@@ -446,7 +433,7 @@ def test_an_s3_prefix_ending_in_a_hex_digit_is_refused(prefix) -> None:
 def test_an_s3_clear_that_could_not_delete_every_object_is_not_a_cleared_tier(s3_server) -> None:
     """DeleteObjects answers 200 and lists what it could not delete (SlowDown, InternalError): the
     clear used to count every object removed and announce the tier cleared while one was still served."""
-    sink = _Recorder()
+    sink = EventRecorder()
     adapter = S3Adapter("stuck", s3_config(s3_server.endpoint, bucket=f"kvd-stuck-{os.getpid()}"), TierServices(sink=sink))
     adapter.start()
     try:

@@ -12,6 +12,10 @@ that L1 holds only part of still gets the rest from the tiers.
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import threading
+import time
 
 import numpy as np
 
@@ -20,7 +24,7 @@ from kvdepot.errors import ErrorCode, KVDepotError, UnknownLease
 from kvdepot.protocol import messages as m
 from kvdepot.rpc.channel import MAX_BEHIND, RpcChannel
 
-from support.servers import CHUNK, LAYOUT, assert_bytes_equal, make_kv, make_tokens
+from support.servers import CHUNK, LAYOUT, assert_bytes_equal, make_kv, make_tokens, pause
 from support.tiers import assert_prefix_bytes, make_prompt, start_tier_server, store_full, wait_store_idle
 
 
@@ -35,6 +39,41 @@ def _count_replies(channel: RpcChannel) -> list[int]:
 
     channel._recv = counting
     return seen
+
+
+class StalledAndBusy:
+    """``begin``: the server SIGSTOPped, and another thread of ``c``'s process keeping its channel busy
+    with lookups that each time out (an engine's other threads, back to back). ``end``: that thread
+    stopped and the server running again, a reply read and the lease TTL (2 s) past, so whatever was
+    left to the TTL has been."""
+
+    def __init__(self, srv, c, seed: int) -> None:
+        self.pid, self.c, self.seed = srv.proc.proc.pid, c, seed
+        self.busy, self.done = threading.Event(), threading.Event()
+        self.other = threading.Thread(target=self._keep_busy, daemon=True)
+
+    def _keep_busy(self) -> None:
+        while not self.done.is_set():
+            self.busy.set()
+            try:
+                self.c.lookup(make_tokens(CHUNK, self.seed + 1))
+            except KVDepotError:
+                pass
+
+    def begin(self) -> None:
+        pause(self.pid)
+        self.other.start()
+        assert self.busy.wait(5)
+        time.sleep(0.05)
+
+    def end(self) -> None:
+        time.sleep(0.5)
+        self.done.set()
+        self.other.join(5)
+        os.kill(self.pid, signal.SIGCONT)
+        self.c.ping()
+        time.sleep(2.5)  # past the lease TTL
+        self.c.ping()
 
 
 def test_a_shm_retrieve_waits_for_one_reply_and_its_release_still_lands(server, seed):
@@ -152,46 +191,18 @@ def test_a_release_sent_while_other_threads_keep_the_channel_busy_still_reaches_
     never sent at all, only logged ("the lease ends at its TTL"). A read lease that ends at its TTL
     while its reader's process runs is quarantined with its pins for as long as that process lives:
     the objects it read can never be evicted or cleared again, though the reader was long done."""
-    import os
-    import signal
-    import threading
-    import time
-
-    from support.servers import pause, wait_until
-
     srv = make_server("--lease-ttl-s", "2")
     tokens = make_tokens(2 * CHUNK, seed)
     kv = make_kv(LAYOUT, len(tokens), seed)
     with srv.client(timeout_s=0.3) as c:
         assert c.transport == "shm"
         assert c.store(tokens, kv) == 2 * CHUNK
-        busy = threading.Event()
-        done = threading.Event()
-
-        def keep_busy() -> None:  # another engine thread whose requests time out, one after the other
-            while not done.is_set():
-                busy.set()
-                try:
-                    c.lookup(make_tokens(CHUNK, seed + 1))
-                except KVDepotError:
-                    pass
-
-        pid = srv.proc.proc.pid
         with c.prepare_retrieve(tokens) as views:
             assert_bytes_equal(np.concatenate([np.array(v) for v in views], axis=2), kv)
-            pause(pid)
-            other = threading.Thread(target=keep_busy, daemon=True)
-            other.start()
-            assert busy.wait(5)
-            time.sleep(0.05)
-        # The block is over: its release is the server's to handle once it runs again.
-        time.sleep(0.5)
-        done.set()
-        other.join(5)
-        os.kill(pid, signal.SIGCONT)
-        c.ping()
-        time.sleep(2.5)  # past the lease TTL
-        c.ping()
+            stall = StalledAndBusy(srv, c, seed)
+            stall.begin()
+        # The block is over (its release went behind): the server handles it once it runs again.
+        stall.end()
         st = srv.status()
         assert st["quarantine"]["leases"] == 0 and st["leases"] == 0, (
             f"the read's release never reached the server: {st['leases']} leases, {st['quarantine']['leases']} in quarantine"
@@ -204,49 +215,22 @@ def test_a_commit_that_never_got_the_channel_does_not_leave_its_slots_in_quarant
     (a stalled server), the commit was never sent and the caller got a KVDepotTimeout, but nothing ended
     the write lease: it ended at its TTL while the writer's process ran, so its slots were quarantined
     (counted as used, never reused) for as long as that process lives. Now an abort follows behind."""
-    import os
-    import signal
-    import threading
-    import time
-
     from kvdepot.errors import KVDepotTimeout
-
-    from support.servers import pause
 
     srv = make_server("--lease-ttl-s", "2")
     tokens = make_tokens(2 * CHUNK, seed)
     kv = make_kv(LAYOUT, len(tokens), seed)
     with srv.client(timeout_s=0.3) as c:
         assert c.transport == "shm"
-        busy, done = threading.Event(), threading.Event()
-
-        def keep_busy() -> None:
-            while not done.is_set():
-                busy.set()
-                try:
-                    c.lookup(make_tokens(CHUNK, seed + 1))
-                except KVDepotError:
-                    pass
-
-        pid = srv.proc.proc.pid
-        other = threading.Thread(target=keep_busy, daemon=True)
+        stall = StalledAndBusy(srv, c, seed)
         try:
             with c.prepare_store(tokens) as slots:
                 for j, slot in enumerate(slots):
                     slot[...] = kv[:, :, j * CHUNK : (j + 1) * CHUNK]
-                pause(pid)
-                other.start()
-                assert busy.wait(5)
-                time.sleep(0.05)
+                stall.begin()
         except KVDepotTimeout:
             pass  # the commit's fate is unknown to the caller: that is allowed, a leak is not
-        time.sleep(0.5)
-        done.set()
-        other.join(5)
-        os.kill(pid, signal.SIGCONT)
-        c.ping()
-        time.sleep(2.5)  # past the lease TTL
-        c.ping()
+        stall.end()
         st = srv.status()
         assert st["quarantine"]["leases"] == 0 and st["leases"] == 0, f"the store's lease was left to its TTL: {st['quarantine']}"
         assert st["l1"]["used_bytes"] == 0 or c.lookup(tokens) == 2 * CHUNK, "slots held by nothing"
@@ -259,13 +243,7 @@ def test_late_grants_past_the_bound_of_unread_replies_are_still_given_back(make_
     up after a short deadline (SGLang's prefetch budget) timed out more than MAX_BEHIND of them, and the
     leases of the forgotten ones were held by nobody: ended at their TTL, then quarantined with their
     read pins for as long as the engine runs."""
-    import os
-    import signal
-    import time
-
     from kvdepot.errors import KVDepotTimeout
-
-    from support.servers import pause
 
     srv = make_server("--lease-ttl-s", "2")
     tokens = make_tokens(2 * CHUNK, seed)

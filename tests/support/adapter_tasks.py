@@ -30,3 +30,16 @@ def store(adapter: BackendAdapter, key: bytes, value: bytes) -> TaskResult:
 def load(adapter: BackendAdapter, key: bytes, size: int) -> tuple[TaskResult, bytes]:
     dest = bytearray(size)
     return run(adapter, adapter.submit_load([key], [memoryview(dest)])), bytes(dest)
+
+
+class EventRecorder:
+    """A tier's event sink (``TierServices(sink=...)``) that keeps what it was told."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def publish(self, event) -> None:
+        self.events.append(event)
+
+    def wants(self, kind) -> bool:
+        return True

@@ -12,22 +12,11 @@ from kvdepot.events import TierCleared, TierRemoved
 from kvdepot.storage.l2.contract import TierServices
 from kvdepot.storage.l2.s3_adapter import S3Adapter, S3Config
 
-from support.adapter_tasks import run
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.events: list = []
-
-    def publish(self, event) -> None:
-        self.events.append(event)
-
-    def wants(self, kind) -> bool:
-        return True
+from support.adapter_tasks import EventRecorder, run
 
 
 def test_an_s3_clear_is_not_failed_by_an_upload_listing_it_may_not_make() -> None:
-    sink = Sink()
+    sink = EventRecorder()
     cfg = S3Config(bucket="b", prefix="kv/", endpoint_url="http://127.0.0.1:1", access_key_id="AKIAEXAMPLE", secret_access_key="wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY")
     adapter = S3Adapter("s3", cfg, TierServices(sink=sink))
     adapter.start()
