@@ -11,9 +11,11 @@ a leak a test must fail on (a kvdepot arena outliving its server would be one).
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 SHM = Path("/dev/shm")
+FRESH_S = 10.0  # an engine leftover younger than this may belong to an engine still starting: left alone
 ENGINE_LEFTOVERS = ("psm_", "sem.mp-", "sglang_", "mp-", "cuda.shm.", "torch_")  # what killed engine processes leave behind
 
 
@@ -55,9 +57,15 @@ def sweep(before: set[str]) -> list[str]:
         return []
     busy = in_use()
     leaked = []
+    now = time.time()
     for name in sorted(new - busy):
         if name.startswith(ENGINE_LEFTOVERS):
             try:
+                # A file made a moment ago may be a live engine's that no map names yet: glibc's sem_open
+                # maps a temporary file and links it under its name after, so the map shows the other
+                # name. Another test session's engine starting beside this one lost its semaphore so.
+                if now - (SHM / name).stat().st_mtime < FRESH_S:
+                    continue
                 (SHM / name).unlink()
             except FileNotFoundError:
                 pass
