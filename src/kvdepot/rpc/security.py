@@ -21,8 +21,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -36,28 +34,6 @@ log = logging.getLogger(__name__)
 
 ZAP_DOMAIN = "kvdepot-peer"
 SERVER_ZAP_DOMAIN = "kvdepot"
-REFUSAL_LOG_INTERVAL_S = 10.0  # a refused ZeroMQ client retries every 0.1 s: say so once in a while
-
-
-class _RefusalLog:
-    """A refused key is logged at most once per ``REFUSAL_LOG_INTERVAL_S``, with how many went unlogged:
-    whoever holds the server's public key (a public file) reaches this check on every attempt, and
-    a warning each time flooded the log and the recent-events ring."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._next = 0.0
-        self._unlogged = 0
-
-    def refused(self, message: str) -> None:
-        with self._lock:
-            now = time.monotonic()
-            if now < self._next:
-                self._unlogged += 1
-                return
-            more = f" ({self._unlogged} more since the last one logged)" if self._unlogged else ""
-            self._next, self._unlogged = now + REFUSAL_LOG_INTERVAL_S, 0
-        log.warning("%s%s", message, more)
 
 
 class SocketSecurity(Protocol):
@@ -79,7 +55,6 @@ class CurveSecurity:
         self.secret_key = z85.encode(seed)
         self.public_key = zmq.curve_public(self.secret_key)
         self._authenticators: list[ThreadAuthenticator] = []
-        self._refusals = _RefusalLog()
 
     def __repr__(self) -> str:
         return "CurveSecurity(<secret>)"
@@ -104,7 +79,9 @@ class CurveSecurity:
         """zmq.auth's credentials check: the client presented the cluster's own public key."""
         ok = client_key == self.public_key
         if not ok:
-            self._refusals.refused("refused a connection that does not hold the cluster secret")
+            # Said by the serving RpcServer, at most every 10 s (its handshake monitor): a refused ZeroMQ
+            # client retries every 0.1 s, and a warning here each time flooded the log.
+            log.debug("refused a connection that does not hold the cluster secret")
         return ok
 
     def close(self) -> None:
@@ -215,7 +192,6 @@ class CurveServerKeys:
             self.clients_dir = None
             self.client_keys = frozenset({load_public_key(path)})
         self._authenticators: list[ThreadAuthenticator] = []
-        self._refusals = _RefusalLog()
 
     def __repr__(self) -> str:
         admits = f"clients in {self.clients_dir}" if self.clients_dir else f"{len(self.client_keys)} client key"
@@ -235,7 +211,7 @@ class CurveServerKeys:
         """zmq.auth's credentials check: one of the admitted clients' public keys."""
         ok = client_key in self.client_keys
         if not ok:
-            self._refusals.refused("refused a CurveZMQ client whose public key is not admitted by --curve-clients")
+            log.debug("refused a CurveZMQ client whose public key is not admitted by --curve-clients")  # said by RpcServer, as above
         return ok
 
     def apply_client(self, sock: zmq.Socket) -> None:
