@@ -17,6 +17,7 @@ from kvdepot import ClientOptions, KVClient
 from kvdepot.bench.serverproc import free_port
 from kvdepot.types import NAMESPACE_BYTES
 from support.servers import CHUNK, LAYOUT
+from support.tiers import wait_store_idle
 
 MODEL = "router-view-model"
 
@@ -53,16 +54,6 @@ class Router:
         self.ctx.term()
 
 
-def settle(server) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        st = server.status()["l2_controllers"]["store"]
-        if st["queued"] == 0 and st["in_flight"] == 0:
-            return
-        time.sleep(0.1)
-    raise AssertionError("the L2 push did not settle")
-
-
 def held_in_fs(path: Path) -> set[bytes]:
     out = set()
     for _, _, files in os.walk(path):
@@ -91,7 +82,7 @@ def test_a_prefix_deleted_from_the_tiers_leaves_the_routers_tier_view(make_serve
         with KVClient(server.ipc_url, MODEL, LAYOUT, options=ClientOptions(transport="inline")) as client:
             assert client.store(tokens, kv) == 4 * CHUNK
             hashes = client.hashes(tokens)
-            settle(server)
+            wait_store_idle(server)
             router.drain()
             assert router.media.get("FS") == set(hashes) == held_in_fs(fs)
             for scope in ("tiers", "all"):
@@ -101,7 +92,7 @@ def test_a_prefix_deleted_from_the_tiers_leaves_the_routers_tier_view(make_serve
                 assert held_in_fs(fs) == set()
                 assert router.media.get("FS", set()) == held_in_fs(fs), f"scope {scope}: the router still sees deleted FS blocks"
                 client.store(tokens, kv)  # for the next scope (L1 may still hold it under scope tiers)
-                settle(server)
+                wait_store_idle(server)
                 router.drain()
     finally:
         router.close()
