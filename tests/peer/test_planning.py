@@ -144,3 +144,34 @@ def test_a_slow_directory_owner_does_not_make_a_fast_peer_look_slow():
     finally:
         for s in (reader, slow, a):
             s.close()
+
+
+def test_a_hinted_node_that_does_not_answer_leaves_the_ring_time_to_answer():
+    """A router's hint names a node that stalls (dead, not yet expired from the ring). With a read's
+    budget under ``control_timeout_s`` (SGLang passes a share of its own) the hint took all of it: the
+    ring was never asked, and every page was a miss for as long as the hint was wrong."""
+    a, stalled, reader = cluster(3)
+    try:
+        names = keys("d", 6)
+        assert a.batch_set(names, [page_bytes(n, SIZE) for n in names]) == [True] * 6
+        real = stalled.node._serve_shard
+        gate = threading.Event()
+
+        def hanging(body):
+            if getattr(body, "own_pages", False):
+                gate.wait(5)
+            return real(body)
+
+        stalled.node._serve_shard = hanging
+        try:
+            assert reader.batch_exists(names, timeout_s=0.4, hint=stalled.node_id) == 6
+            bufs = [bytearray(SIZE) for _ in names]
+            reader.node.located.clear()
+            assert reader.batch_get_into(names, bufs, timeout_s=0.4, hint=stalled.node_id) == [True] * 6
+            assert all(bytes(buf) == page_bytes(n, SIZE) for buf, n in zip(bufs, names, strict=True))
+        finally:
+            gate.set()
+            stalled.node._serve_shard = real
+    finally:
+        for s in (reader, stalled, a):
+            s.close()

@@ -450,12 +450,17 @@ class PeerNode:
             pending = self._ask_hinted(hint, keys, found, usable, deadline, pending)
         wanted = set(pending)
         owners = [ring.owners(k, self.config.directory_replicas) if i in wanted else [] for i, k in enumerate(keys)]
-        for replica in range(self.config.directory_replicas):
+        replicas = self.config.directory_replicas
+        for replica in range(replicas):
             by_owner: dict[str, list[int]] = {}
             for i in pending:
                 if replica < len(owners[i]):
                     by_owner.setdefault(owners[i][replica], []).append(i)
-            pending = self._ask_many(by_owner, keys, found, usable, deadline, failed=failed)
+            # Each round gets its share of what is left: an owner that does not answer (dead, not yet
+            # out of the ring) must leave the next replica time to, whatever the caller's budget.
+            now = time.monotonic()
+            round_deadline = now + (deadline - now) / (replicas - replica)
+            pending = self._ask_many(by_owner, keys, found, usable, round_deadline, failed=failed)
             if not pending or time.monotonic() >= deadline:
                 break
         hit = sum(found[i] is not None for i in asked)
@@ -472,10 +477,13 @@ class PeerNode:
             members = list(self._members.values())
         nodes = [n.id for n in members if named and n.id == named] or [n.id for n in members if n.host == host]
         asked = len(pending)
+        # The hint gets half of what is left: a hinted node that does not answer (dead, not yet out of
+        # the ring) must leave the directory time to, or a budget under control_timeout_s went to it whole.
+        hint_deadline = deadline - (deadline - time.monotonic()) / 2
         for node in nodes:
             if node not in usable or not pending:
                 continue
-            pending = self._ask_many({node: pending}, keys, found, usable, deadline, own_pages=True)
+            pending = self._ask_many({node: pending}, keys, found, usable, hint_deadline, own_pages=True)
         self.metrics.hinted(asked - len(pending), len(pending))
         return pending
 
