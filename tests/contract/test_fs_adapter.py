@@ -269,6 +269,35 @@ def test_a_file_removed_behind_its_back_is_a_plain_miss(tmp_path, open_tiers, rn
     assert not present(tier, keys[0])
 
 
+@pytest.mark.parametrize("wipe", ["contents", "directory"])
+def test_a_directory_wiped_behind_its_back_is_misses_and_the_tier_takes_new_objects(tmp_path, open_tiers, rng, wipe) -> None:
+    """What is under the tier's directory (or the directory itself) is deleted while the server runs: an
+    operator freeing the disk, a tmp cleaner removing directories left empty. What was there is a miss,
+    and the tier stores again. Every write into a vanished directory used to fail (ENOENT), so the tier
+    went down and stayed down for good, and its index went on naming the lost objects."""
+    root = tmp_path / "fs"
+    tier = open_tiers(root)
+    old = make_keys(4)
+    assert store(tier, [(k, make_payload(rng, 100)) for k in old]).value == [True] * 4
+    if wipe == "contents":
+        for p in root.iterdir():
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    else:
+        shutil.rmtree(root)
+
+    new = make_keys(3)
+    values = [make_payload(rng, 100) for _ in new]
+    r = store(tier, list(zip(new, values)))
+    assert r.ok and r.value == [True] * 3, r
+    outs = [np.zeros_like(v) for v in values]
+    assert lookup(tier, new) == 3 and load(tier, new, outs) == [True] * 3
+    assert all(np.array_equal(o, v) for o, v in zip(outs, values))
+    unlock(tier, new)
+    assert [present(tier, k) for k in old] == [False] * 4  # lost with the directory: misses, not claimed
+    usage = tier.usage()
+    assert (usage.healthy, usage.objects, usage.failures, usage.corrupt) == (True, 3, 0, 0), usage
+
+
 # --- a full disk -----------------------------------------------------------------------------------
 
 

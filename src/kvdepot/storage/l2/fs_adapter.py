@@ -85,6 +85,7 @@ class FsAdapter(BackendAdapter):
         self._configured = self._capacity  # _capacity is less while the disk has no room for it all
         self._room_checked = 0.0  # when the disk's free space was last looked at (monotonic)
         self._room_lock = threading.Lock()  # one put looks at the disk's free space; the rest wait for it
+        self._layout_lock = threading.Lock()  # one put makes vanished directories again (_restore_layout)
         self._o_direct = config.o_direct
         self._fsync = config.fsync
         self._index: OrderedDict[ObjectKey, int] = OrderedDict()  # key -> file bytes, oldest first
@@ -217,7 +218,14 @@ class FsAdapter(BackendAdapter):
         try:
             self._unlink_victims(victims)
             try:
-                self._write_file(tmp, head, data, total)
+                try:
+                    self._write_file(tmp, head, data, total)
+                except FileNotFoundError:
+                    # The object's directory is gone: wiped behind the tier's back (an operator freeing
+                    # the disk, a tmp cleaner removing directories left empty). Made again, the write
+                    # goes on; left alone, every write into it failed and kept the tier down for good.
+                    self._restore_layout()
+                    self._write_file(tmp, head, data, total)
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
@@ -241,6 +249,44 @@ class FsAdapter(BackendAdapter):
                 with self._mu:
                     self._reserved -= total
                 _unlink_quiet(tmp)
+
+    def _restore_layout(self) -> None:
+        """Make the tier's directories (and its lock) again where they vanished, and forget the objects
+        indexed under a vanished one: their files went with it, and the index must not claim them."""
+        with self._layout_lock:  # one worker restores; the others find it done
+            if not os.path.exists(os.path.join(self._root, LOCK_NAME)):
+                # The flock held is on a deleted file: take the new one, or another tier could take
+                # the directory while this one writes into it.
+                os.makedirs(self._root, exist_ok=True)
+                old_fd, self._lock_fd = self._lock_fd, -1
+                try:
+                    self._take_directory()  # ConfigError if another tier took the directory meanwhile
+                finally:
+                    if old_fd >= 0:
+                        os.close(old_fd)
+            lost = set()
+            for sub in _FANOUT:
+                directory = os.path.join(self._root, sub)
+                if not os.path.isdir(directory):
+                    os.makedirs(directory, exist_ok=True)
+                    lost.add(sub)
+        if not lost:
+            return
+        with self._mu:
+            candidates = [key for key in self._index if _fanout(key) in lost]
+        gone = []
+        for key in candidates:
+            with self._name_lock(key):
+                if os.path.exists(self._path(key)):
+                    continue  # stored again since the directory came back
+                with self._mu:
+                    size = self._index.pop(key, None)
+                    if size is not None:
+                        self._used -= size
+                        gone.append(key)
+        log.warning("L2 %s: %d of the tier's directories under %s vanished (made again): %d objects lost with them",
+                    self.name, len(lost), self._root, len(gone))  # fmt: skip
+        self._tell_removed(gone, "lost")
 
     def _shrink_to_what_fits(self, attempted: int, exc: OSError) -> None:
         """The disk ran out before ``size_gb``: keep at most what the tier holds now (this write aside)."""
