@@ -41,6 +41,7 @@ it; it connects at the first operation, so a tier whose server is down at start 
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import os
 import re
@@ -57,6 +58,8 @@ from kvdepot.storage.l2.backend import BackendAdapter
 from kvdepot.storage.l2.contract import AdapterType, TierServices
 from kvdepot.storage.l2.envelope import CorruptObject, DestinationMismatch, RejectedObject
 from kvdepot.types import ObjectKey
+
+log = logging.getLogger(__name__)
 
 _META = struct.Struct("<4sII8s")  # magic, part count (0: payload inline), part size, generation
 _META_MAGIC = b"KVV1"
@@ -208,7 +211,7 @@ class ValkeyAdapter(BackendAdapter):
         if cfg.cluster is ClusterMode.AUTO:
             probe = valkey.Valkey.from_url(cfg.url, **timeouts)
             try:
-                in_cluster = int(probe.info("cluster").get("cluster_enabled", 0)) == 1
+                in_cluster = self._is_cluster(probe)
             finally:
                 probe.close()
         if in_cluster:
@@ -227,6 +230,26 @@ class ValkeyAdapter(BackendAdapter):
         self._drop_zero = client.register_script(_DROP_ZERO)
         self._in_cluster = in_cluster
         self._client = client
+
+    def _is_cluster(self, probe: Any) -> bool:
+        """``cluster=auto``: ask ``INFO cluster``; an account that may not run INFO (it is @dangerous, which
+        least-privilege ACLs take away) is asked ``CLUSTER INFO``, and one that may run neither is taken
+        for a single server (a cluster then answers MOVED: the tier fails, never wrong bytes)."""
+        from valkey.exceptions import NoPermissionError, ResponseError
+
+        try:
+            return int(probe.info("cluster").get("cluster_enabled", 0)) == 1
+        except NoPermissionError:
+            pass
+        try:
+            probe.execute_command("CLUSTER", "INFO")
+        except NoPermissionError:
+            log.warning("L2 %s: the account may run neither INFO nor CLUSTER INFO, so cluster=auto cannot tell: "
+                        "the server is taken for a single one (set cluster=on for a cluster)", self.name)  # fmt: skip
+            return False
+        except ResponseError:  # "This instance has cluster support disabled"
+            return False
+        return True
 
     def _close_backend(self) -> None:
         with self._connect_lock:
