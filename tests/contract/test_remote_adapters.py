@@ -263,6 +263,30 @@ def test_valkey_tier_goes_down_with_its_server_and_comes_back(own_valkey: Valkey
         adapter.close()
 
 
+def test_a_valkey_account_without_info_serves_objects_with_cluster_auto(valkey_server: ValkeyServer, raw_valkey) -> None:
+    """A least-privilege account (``+@all -@dangerous``, a usual ACL recipe: INFO is @dangerous) may run
+    every command the tier stores and loads with. ``cluster=auto`` (the default) asked ``INFO cluster``
+    at the first connection and, refused, never connected: the tier was down for good while the server
+    was fine. It asks ``CLUSTER INFO`` instead, and failing that takes the server for a single one."""
+    user = f"kvt-acl-{os.getpid()}"
+    raw_valkey.execute_command("ACL", "SETUSER", user, "on", ">acl-secret", "~*", "+@all", "-@dangerous")
+    adapter = ValkeyAdapter("acl", valkey_config(f"redis://{user}:acl-secret@127.0.0.1:{valkey_server.port}/0", max_value_mib=1))
+    adapter.start()
+    try:
+        for size in (1000, 2 * MiB + 1):  # inline, and in parts
+            key, value = new_key(), os.urandom(size)
+            stored = store(adapter, key, value)
+            assert stored.ok and stored.value == [True], stored
+            result, got = load(adapter, key, size)
+            assert result.value == [True] and got == value
+        assert adapter.in_cluster is False
+        usage = adapter.usage()
+        assert (usage.healthy, usage.failures) == (True, 0), usage
+    finally:
+        adapter.close()
+        raw_valkey.execute_command("ACL", "DELUSER", user)
+
+
 def test_valkey_hung_server_times_out_instead_of_blocking(own_valkey: ValkeyServer) -> None:
     adapter = ValkeyAdapter("hung", valkey_config(own_valkey.url, socket_timeout_s=0.5))
     adapter.start()
@@ -325,6 +349,32 @@ def test_s3_creates_its_bucket_on_first_use_and_counts_objects(s3_server) -> Non
         usage = adapter.usage()
         assert usage.objects == 3 and usage.used_bytes > 3000 and usage.healthy
         assert lookup(adapter, keys + [new_key()] + keys).value == 3
+    finally:
+        adapter.close()
+
+
+def test_an_s3_bucket_deleted_under_a_running_tier_is_made_again(s3_server) -> None:
+    """With ``create_bucket``, a bucket deleted while the tier runs (an operator, a lifecycle script) is
+    misses, and the tier makes it again and stores on. It made the bucket only at its first use, so
+    every later store failed and the tier stayed down for good."""
+    bucket = f"kvd-gone-{os.getpid()}"
+    adapter = S3Adapter("gone", s3_config(s3_server.endpoint, bucket=bucket))
+    adapter.start()
+    try:
+        old, value = new_key(), os.urandom(1000)
+        assert store(adapter, old, value).value == [True]
+        client = adapter._client
+        for o in client.list_objects_v2(Bucket=bucket).get("Contents", []):
+            client.delete_object(Bucket=bucket, Key=o["Key"])
+        client.delete_bucket(Bucket=bucket)
+
+        assert lookup(adapter, [old]).value == 0  # a miss
+        store(adapter, new_key(), value)  # fails: no bucket (the tier goes down)
+        again = new_key()
+        wait_until_serving(adapter, again, value)
+        result, got = load(adapter, again, len(value))
+        assert result.value == [True] and got == value
+        assert lookup(adapter, [old]).value == 0 and adapter.usage().healthy
     finally:
         adapter.close()
 

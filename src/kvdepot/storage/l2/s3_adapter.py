@@ -288,6 +288,15 @@ class S3Adapter(BackendAdapter):
             raise
         return True
 
+    def _mark_down(self, exc: Exception) -> None:
+        # With create_bucket, the bucket may be what went (deleted while the tier ran: S3 answers
+        # NoSuchBucket, or, as SeaweedFS does for a PUT, AccessDenied): the probe that follows makes sure
+        # of it again (an existing bucket costs that probe one CreateBucket). Made only at the first use,
+        # a bucket deleted later kept the tier down for good.
+        if self._config.create_bucket:
+            self._bucket_ready = False
+        super()._mark_down(exc)
+
     def _ensure_bucket(self) -> None:
         """With ``create_bucket``, create it on first use (not in ``start``: the store may be down then)."""
         if self._bucket_ready:
