@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -44,6 +45,39 @@ class _PartlyDone(Exception):
         self.cause = cause
 
 
+FLAP_WINDOW_S = 60.0
+
+
+class _FlapDamper:
+    """Whether a tier's "failed" and "recovered" lines are worth saying. A tier whose reads work and
+    whose writes fail (a filesystem remounted read-only, a bucket gone, a key rotated to read-only)
+    recovers at every probe and fails at the next store: said each time, that was a warning and an
+    info line every retry interval for as long as it lasted. The same error within ``FLAP_WINDOW_S``
+    of its last warning is said at debug, and counted in the next warning."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._error = ""
+        self._at = -math.inf
+        self._hushed = 0  # failures of that error not said since
+
+    def down(self, error: str) -> tuple[bool, int]:
+        """(say it, how many times it failed so, unsaid, since the last warning)."""
+        with self._lock:
+            now = self._clock()
+            if error == self._error and now - self._at < FLAP_WINDOW_S:
+                self._hushed += 1
+                return False, 0
+            again, self._error, self._at, self._hushed = self._hushed, error, now, 0
+            return True, again
+
+    def up(self) -> bool:
+        """Say the recovery? Not while its failure was hushed: the pair is one flap."""
+        with self._lock:
+            return self._hushed == 0
+
+
 class BackendAdapter(ABC):
     """Runs the blocking backend primitives on a small thread pool and keeps the contract (``contract.py``)."""
 
@@ -59,6 +93,7 @@ class BackendAdapter(ABC):
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._pool: ThreadPoolExecutor | None = None
         self._breaker = CircuitBreaker(retry_interval_s)
+        self._said = _FlapDamper()  # the down/recovered lines of a tier that flaps with one error
         self._stats = {"stored": 0, "loaded": 0, "corrupt": 0, "failures": 0}
         self._pins: dict[ObjectKey, int] = {}
         self._usage_cache: tuple[int, int, int] = (0, 0, 0)
@@ -423,11 +458,14 @@ class BackendAdapter(ABC):
         self._count("failures")
         error = self._error_text(exc)
         if self._breaker.failed(error):
-            log.warning("L2 %s (%s) failed, serving from L1 only until it recovers: %s", self.name, self.kind, error)
+            say, again = self._said.down(error)
+            more = f" (it recovered and failed so {again} more times since this was last said)" if again else ""
+            log.log(logging.WARNING if say else logging.DEBUG, "L2 %s (%s) failed, serving from L1 only until it recovers: %s%s",
+                    self.name, self.kind, error, more)  # fmt: skip
 
     def _mark_up(self) -> None:
         if self._breaker.succeeded():
-            log.info("L2 %s (%s) recovered", self.name, self.kind)
+            log.log(logging.INFO if self._said.up() else logging.DEBUG, "L2 %s (%s) recovered", self.name, self.kind)
 
     @property
     def _healthy(self) -> bool:
