@@ -186,6 +186,8 @@ def test_a_removal_the_bus_dropped_never_leaves_a_router_a_phantom_block(make):
     assert block(0) not in held, "a block kvdepot removed is still announced"
     assert held == {block(20_000)}  # what came before the drop is forgotten: misses, never phantoms
     assert pub.resets == 1 and "kvdepot_kv_event_resets_total 1.0" in metrics.text().decode()
+    # ... and so is each key's generation: one whose removal was dropped stayed for the server's life
+    assert len(pub._l1._present) == 1
 
 
 def test_namespaces_are_forgotten_least_recently_used_first(make, monkeypatch):

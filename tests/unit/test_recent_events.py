@@ -10,7 +10,7 @@ import pytest
 from kvdepot.events import EventKind, ObjectEvent, RemovedBecause, RequestDone
 from kvdepot.observability.recent import RecentEvents, RecentLogHandler, bus_feed, l1_events_to
 from kvdepot.observability.tenants import TenantTally
-from kvdepot.types import ObjectKey
+from kvdepot.types import ClearScope, ObjectKey
 
 
 def test_the_ring_keeps_the_latest_newest_last():
@@ -124,3 +124,36 @@ def test_the_tenant_tally_survives_batches_out_of_order_and_repeats():
     assert _usage(tally) == {"t": (1, 20)}
     tally.on_events([_ev(R, b"b", 8, 20, "t", RemovedBecause.EVICTED), _ev(R, b"zz", 9, 1, "t", RemovedBecause.EVICTED)])
     assert _usage(tally) == {}
+
+
+def test_the_tenant_tally_forgets_what_l1_removed_while_the_bus_dropped_the_removal(tmp_path):
+    """A server that runs for weeks: the event bus drops records under a burst, and a dropped removal
+    used to leave its objects, and their tenant, in the tally (/status, /metrics) for the server's life,
+    with L1 empty. After a drop the tally starts over from what L1 holds."""
+    from kvdepot.config import ObservabilityConfig, StorageConfig
+    from kvdepot.observability.metrics import Metrics
+    from kvdepot.server.observers import Observers
+    from kvdepot.storage.l1 import Toucher
+    from kvdepot.storage.manager import StorageManager
+    from kvdepot.types import ClientId
+
+    storage = StorageManager(StorageConfig(l1_size_gb=1 / 1024, shm_dir=str(tmp_path), prefault=False))
+    storage.start()
+    obs = Observers(ObservabilityConfig(event_queue_size=4), Metrics())
+    obs.attach(storage)
+    try:
+        owner = ClientId(b"tenant-test")
+        for salt in ("gone", "kept"):
+            ks = [ObjectKey(salt.encode().ljust(16, b".") + i.to_bytes(32, "big")) for i in range(2)]
+            storage.commit(storage.reserve(ks, 4096, owner, salt, toucher=Toucher.CLIENT).lease_id, owner)
+        obs.bus.publish(RequestDone("PING", "ok", 0.0))
+        obs.bus.publish(RequestDone("PING", "ok", 0.0))  # the queue is full (the bus is not drained yet)
+        doomed = [ObjectKey(b"gone".ljust(16, b".") + i.to_bytes(32, "big")) for i in range(2)]
+        assert storage.delete(doomed, ClearScope.L1).l1_removed == 2  # its removal is dropped
+        assert obs.bus.stats().dropped >= 1
+        obs.start()
+        assert obs.bus.flush()
+        assert _usage(obs.tenants) == {"kept": (2, 8192)}
+    finally:
+        obs.close()
+        storage.close()

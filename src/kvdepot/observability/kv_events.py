@@ -182,6 +182,12 @@ class _Generations:
         self._removed: OrderedDict[tuple[bytes, int], None] = OrderedDict()
         self._removed_kept = removed_kept
 
+    def forget_present(self) -> None:
+        """After a drop: a key whose removal was lost would stay here for the server's life. What was
+        announced is forgotten anyway (AllBlocksCleared); removals are kept, so a store that comes late
+        for an object already removed is still passed over."""
+        self._present.clear()
+
     def newest(self, o: ObjectEvent) -> bool:
         key = bytes(o.key)
         current = self._present.get(key)
@@ -381,6 +387,7 @@ class KVEventsPublisher:
             self._send(topic, [AllBlocksCleared()])
         self._in_tier.clear()
         self._in_l1.clear()
+        self._l1.forget_present()
         self.resets += 1
         if self._metrics is not None:
             self._metrics.kv_event_resets.inc()

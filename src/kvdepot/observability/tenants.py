@@ -2,7 +2,9 @@
 
 Works under every eviction policy (``isolated_lru`` keeps its own per-salt count to enforce quotas;
 this one is for showing). Memory is bounded by what L1 holds: a salt leaves the tally with its last
-object. Fed by the storage manager's ``subscribe``; read by ``/status`` from any thread.
+object. Fed by the storage manager's ``subscribe``; read by ``/status`` from any thread. Where the event
+bus dropped records (a removal among them, maybe), the tally ``resync``s from what L1 holds then:
+otherwise a dropped removal left its object, and its tenant, in the tally for the server's life.
 """
 
 from __future__ import annotations
@@ -51,6 +53,19 @@ class TenantTally:
                     self._removed_early[ev.key] = ev.generation
                     if len(self._removed_early) > MAX_EARLY_REMOVALS:
                         self._removed_early.popitem(last=False)
+
+    def resync(self, ready: list[ObjectEvent]) -> None:
+        """Start over from ``ready``, what L1 holds now (one STORED event per READY object): the events
+        since some were lost. Events published before it and handed over after it change nothing (a
+        store it holds is skipped by its generation; a removal of one it lacks is remembered as early)."""
+        with self._lock:
+            self._by_salt = {}
+            self._generations = {}
+            for ev in ready:
+                self._generations[ev.key] = (ev.generation, ev.salt, ev.size)
+                usage = self._by_salt.setdefault(ev.salt, TenantUsage())
+                usage.objects += 1
+                usage.bytes += ev.size
 
     def _take(self, salt: str, size: int) -> None:
         usage = self._by_salt[salt]

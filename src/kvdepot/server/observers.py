@@ -15,6 +15,7 @@ path. ``close`` comes after every producer has stopped, so what they said last i
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import time
 from typing import TYPE_CHECKING
@@ -25,7 +26,7 @@ from kvdepot.errors import ConfigError
 from kvdepot.events import ChunkRequestDone, L1Changed, NamespaceSeen
 from kvdepot.observability import recent
 from kvdepot.observability.alarm import SilentMissAlarm
-from kvdepot.observability.bus import EventBus
+from kvdepot.observability.bus import Dropped, EventBus
 from kvdepot.observability.kv_events import KVEventsPublisher, topic_template_problem
 from kvdepot.observability.lookup_log import LookupLog
 from kvdepot.observability.metrics import Metrics
@@ -69,6 +70,9 @@ def kv_events_publisher(config: ObservabilityConfig, metrics: Metrics, node: str
     )
 
 
+TALLY_RESYNC_S = 5.0
+
+
 class Observers:
     def __init__(self, config: ObservabilityConfig, metrics: Metrics, node: str = "") -> None:
         """``node``: this server's name in a fleet (``HOST:PORT``), the ``{node}`` of
@@ -85,7 +89,11 @@ class Observers:
         self.bus.subscribe("recent", recent.bus_feed(self.recent), recent.BUS_KINDS)
         self.log_to_recent = recent.RecentLogHandler(self.recent)
         self.tenants = TenantTally()
-        self.bus.subscribe("tenants", self._tally, (L1Changed,))
+        # Dropped: the bus lost records (a removal, maybe): the tally starts over from what L1 holds
+        self.bus.subscribe("tenants", self._tally, (L1Changed, Dropped))
+        self._storage: StorageManager | None = None
+        self._resync_owed = False
+        self._resynced_at = -math.inf
         metrics.watch_tenants(self.tenants.snapshot)
         self.alarm = SilentMissAlarm(config.silent_miss_window_s, on_change=lambda model, firing: metrics.silent_miss.labels(model).set(int(firing)),
                                      on_forget=metrics.forget_silent_miss)  # fmt: skip
@@ -100,7 +108,16 @@ class Observers:
 
     def _tally(self, events: list) -> None:
         for e in events:
-            self.tenants.on_events(list(e.events))
+            if isinstance(e, Dropped):
+                self._resync_owed = True
+            else:
+                self.tenants.on_events(list(e.events))
+        # A resync lists all of L1 under its table's lock: at most one per TALLY_RESYNC_S however many
+        # drops a burst makes (one owed meanwhile is done by the first batch after it).
+        now = time.monotonic()
+        if self._resync_owed and self._storage is not None and now - self._resynced_at >= TALLY_RESYNC_S:
+            self._resync_owed, self._resynced_at = False, now
+            self.tenants.resync(self._storage.ready_objects())
 
     # --- building ----------------------------------------------------------------------------------
 
@@ -136,6 +153,7 @@ class Observers:
 
     def attach(self, storage: StorageManager) -> None:
         """L1's batches onto the bus, and the tiers' names for KV events' media."""
+        self._storage = storage
         storage.subscribe(lambda batch: self.bus.publish(L1Changed(tuple(batch))))
         if self.kv_events is not None:
             self.kv_events.name_tiers(storage.tier_names())

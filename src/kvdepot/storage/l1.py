@@ -742,6 +742,16 @@ class ObjectTable:
                 evicted_awaiting_l2=self._counters.evicted_awaiting_l2,
             )
 
+    def ready_objects(self) -> list[ObjectEvent]:
+        """Every READY object now, as the STORED event that announced it (a subscriber that lost events
+        starts over from it)."""
+        with self._lock:
+            return [
+                ObjectEvent(EventKind.STORED, o.key, o.generation, o.size, o.salt)
+                for o in self._objects.values()
+                if o.state is ObjectState.READY
+            ]
+
     def get(self, key: ObjectKey) -> L1Object | None:
         """A snapshot of one object (for tests and introspection)."""
         with self._lock:

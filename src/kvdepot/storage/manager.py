@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from kvdepot.config import EvictionPolicyName, StorageConfig
 from kvdepot.errors import ConfigError
-from kvdepot.events import NO_EVENTS, EventListener, EventSink
+from kvdepot.events import NO_EVENTS, EventListener, EventSink, ObjectEvent
 from kvdepot.shm import HEADER_BYTES, Prefaulter, SharedArena, liveness_offset
 from kvdepot.storage.allocator import SLOT_PAGE_OFFSET, ExtentAllocator
 from kvdepot.storage.controllers import (
@@ -385,6 +385,10 @@ class StorageManager:
     def subscribe(self, listener: EventListener) -> None:
         """Every batch of L1 stored/removed events (see ObjectTable)."""
         self._table.subscribe(listener)
+
+    def ready_objects(self) -> list[ObjectEvent]:
+        """What L1 holds now, as STORED events: where a subscriber that lost events starts over."""
+        return self._table.ready_objects()
 
     # --- admin ---------------------------------------------------------------------------------------
 
