@@ -175,3 +175,28 @@ def test_a_hinted_node_that_does_not_answer_leaves_the_ring_time_to_answer():
     finally:
         for s in (reader, stalled, a):
             s.close()
+
+
+def test_nodes_that_left_are_forgotten_by_the_planner():
+    """A cluster that runs for weeks sees nodes come and go (a restarted pod has a new address, so a new
+    id): the planner's estimate of each node that left stayed for the reader's life, and ``peers`` in its
+    status listed every node it ever read from."""
+    head, reader = cluster(2)
+    try:
+        for i in range(3):
+            other = PeerStore(discovery=head.node_id, port=0, data_port=0, pool_size_mb=16, **FAST)
+            try:
+                wait_for(lambda: len(reader.status()["members"]) == 3, 10, "the new node to join")
+                names = keys(f"gone{i}-", 4)
+                assert other.batch_set(names, [page_bytes(n, SIZE) for n in names]) == [True] * 4
+                bufs = [bytearray(SIZE) for _ in names]
+                assert reader.batch_get_into(names, bufs) == [True] * 4
+                assert other.node_id in reader.status()["peers"]
+            finally:
+                other.close()
+            wait_for(lambda: len(reader.status()["members"]) == 2, 10, "the node to leave")
+        peers = reader.status()["peers"]
+        assert set(peers) <= {head.node_id}, peers
+    finally:
+        reader.close()
+        head.close()

@@ -426,6 +426,7 @@ class TcpTransport:
     def forget(self, host: str, port: int) -> None:
         with self._lock:
             peer = self._peers.pop((host, port), None)
+            self._refusal_logged.pop((host, port), None)
         if peer is not None:
             with peer.lock:
                 for conn in peer.idle:

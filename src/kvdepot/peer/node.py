@@ -1017,6 +1017,8 @@ class PeerNode:
                 self._suspects.pop(nid, None)
                 self._drop_channels(nid)
                 self._transport.forget(old.host, old.data_port)
+                if nid not in members:
+                    self.planner.forget(nid)
                 if nid in members:
                     # Restarted within the TTL (same id): its earlier run's records name pages its new
                     # pool never held, which nothing would ever unpublish; what it still has (its disk)

@@ -73,6 +73,13 @@ class PullPlanner:
         with self._lock:
             self._rtt.setdefault(node, _Ewma()).add(seconds, time.monotonic())
 
+    def forget(self, node: str) -> None:
+        """``node`` left the cluster: its estimates go (a restarted pod comes back under a new address,
+        so a long-lived node would otherwise keep one per node it ever read from)."""
+        with self._lock:
+            self._bandwidth.pop(node, None)
+            self._rtt.pop(node, None)
+
     def estimate(self, bytes_by_node: dict[str, int]) -> float | None:
         """Seconds to pull these bytes from these nodes (None: a node has no current bandwidth estimate:
         none yet, or none sampled for ``STALE_S``)."""
