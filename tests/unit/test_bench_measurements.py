@@ -233,3 +233,65 @@ def test_a_prefetch_poll_the_server_never_answered_counts_as_unanswered(monkeypa
     counts = json.loads([line for line in capsys.readouterr().out.splitlines() if line.strip()][-1])["counts"]
     assert counts.get("unanswered.prefetch_poll", 0) >= 1 and counts["unanswered"] >= 1
     assert not any(k.startswith("refused.PREFETCH_TOO_SLOW") for k in counts)
+
+
+# --- bench tiers: a load that wrote nothing must not pass the check -----------------------------------
+
+
+def test_tiers_load_check_sees_the_adapters_own_bytes(monkeypatch, tmp_path):
+    """The raw GET of each repetition wrote the right bytes into the same destinations just before the
+    adapter's load, so the "load (verified)" check passed for a load that wrote nothing at all."""
+    from kvdepot.storage.l2.memory_adapter import MemoryAdapter
+
+    monkeypatch.setattr(MemoryAdapter, "_get_into", lambda self, key, dest: True)  # says loaded, writes nothing
+    args = SimpleNamespace(adapters="memory", sizes_mib="1", objects=2, reps=1, fs_path=str(tmp_path), json=None, quick=False)
+    with pytest.raises(AssertionError, match="loaded bytes differ"), redirect_stdout(io.StringIO()):
+        tiers.main(args)
+
+
+# --- bench peer: a remote get that wrote nothing must not be timed as one ----------------------------------
+
+
+def test_peer_remote_get_bytes_are_checked(monkeypatch):
+    """``bench peer`` checked that ``batch_get_into`` said True for every page, never the bytes: a data
+    plane that answered True and delivered nothing (or the wrong pages) printed its GB/s as a remote get.
+    The raw socket's reads land in the same buffers first, so the check has to see the get's bytes alone."""
+    import os
+
+    import numpy as np
+
+    from kvdepot.bench import peer
+
+    monkeypatch.setattr(peer, "PAYLOAD_BYTES", 8 * MiB)  # small, for the test: the owner and the check agree on it
+    monkeypatch.setattr(peer, "_raw_connections", lambda port, n: [SimpleNamespace(close=lambda: None)] * n)
+
+    def raw_read(conns, dests, per_batch):  # the raw socket delivers the owner's pages, as the real one does
+        payload = np.frombuffer(np.random.default_rng(1).bytes(peer.PAYLOAD_BYTES), np.uint8)  # as the owner makes it
+        for i, d in enumerate(dests):
+            off = peer._page_offset(i, d.nbytes)
+            d[:] = payload[off : off + d.nbytes]
+        return 0.01
+
+    monkeypatch.setattr(peer, "_raw_read", raw_read)
+    monkeypatch.setattr(peer, "memcpy_seconds", lambda nbytes: 0.01)
+    owner = SimpleNamespace(proc=SimpleNamespace(pid=os.getpid()), raw_port=0,
+                            command=lambda line: {"stored": int(line.split()[2])} if line.startswith("set") else {})  # fmt: skip
+    reader = SimpleNamespace(node=SimpleNamespace(located=set()), batch_get_into=lambda names, views: [True] * len(names),
+                             batch_set=lambda names, pages: [True] * len(names), clear=lambda: None)  # fmt: skip
+    with pytest.raises(AssertionError, match="differ"):
+        peer._bench_size(reader, owner, 1 * MiB, 4 * MiB, [1], 1, {})
+
+
+# --- bench transfer: the "retrieve incl. paged scatter" row checks what the scatter wrote ----------------------
+
+
+def test_transfer_paged_scatter_rows_are_checked(monkeypatch, tmp_path):
+    """The paged cache was one value everywhere (1.0) and nothing was compared after the timed scatters:
+    a retrieve that scattered nothing (or into the wrong blocks) printed its GB/s all the same."""
+    from kvdepot.bench import serverproc, transfer
+
+    monkeypatch.setattr(transfer, "scatter_chunks", lambda views, caches, block_ids: None)  # writes nothing
+    server = serverproc.ServerProcess(args=["--l1-size-gb", "0.25", "--log-level", "warning", "--no-prefault"],
+                                      http_port=serverproc.free_port(), ipc_path=str(tmp_path / "s.sock"), log_path=str(tmp_path / "s.log"))  # fmt: skip
+    with server, pytest.raises(AssertionError, match="scatter"):
+        transfer._bench_size(server, 2, 2, ["shm"], 1, 0, {})

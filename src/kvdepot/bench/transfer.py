@@ -137,8 +137,11 @@ def _bench_size(server: ServerProcess, size_mib: int, n: int, transports: list[s
     # One allocation holding every layer, each layer a view of it (as vLLM allocates its KV cache).
     paged = np.zeros((layout.num_layers, 2, nblocks + 32, BLOCK_SIZE, layout.num_kv_heads, layout.head_dim), np.float16)
     # Written, as an engine's cache is: untouched zeros would map one shared zero page, and a gather
-    # reading that page alone runs faster than any memcpy (up to 1.9 x memcpy measured so).
-    paged.fill(1.0)
+    # reading that page alone runs faster than any memcpy (up to 1.9 x memcpy measured so). Each
+    # (layer, K/V, block) holds its own tag, so the check after the scatter rows sees a block that came
+    # back wrong, from another block, or not at all.
+    tags = (np.arange(layout.num_layers * 2 * (nblocks + 32), dtype=np.uint32) % 65521 + 1).astype(np.uint16)
+    paged.view(np.uint16)[...] = tags.reshape(layout.num_layers, 2, nblocks + 32, 1, 1, 1)
     caches = [paged[layer] for layer in range(layout.num_layers)]
     per_chunk = cs // BLOCK_SIZE
     block_ids = [table[i * per_chunk : (i + 1) * per_chunk] for i in range(n)]
@@ -187,6 +190,12 @@ def _bench_size(server: ServerProcess, size_mib: int, n: int, transports: list[s
                 assert np.array_equal(src.view(np.uint16), dst.view(np.uint16)), "retrieved bytes differ"
             results["store incl. paged gather"] = gbps(nbytes, timed(store_gather, reps, warmup, setup=c.clear))
             results["retrieve incl. paged scatter"] = gbps(nbytes, timed(retrieve_scatter, reps, warmup))
+            paged[:, :, table] = 0  # untimed: the blocks the scatter writes, emptied, then one more scatter
+            retrieve_scatter()
+            want = tags.reshape(layout.num_layers, 2, nblocks + 32)[:, :, table, None, None, None]
+            for layer in range(layout.num_layers):  # a layer at a time: no second copy of the whole cache
+                got = paged[layer].view(np.uint16)[:, table]
+                assert np.array_equal(got, np.broadcast_to(want[layer], got.shape)), "retrieve incl. paged scatter: the blocks differ from those gathered"
             results["store() of a [K,L,T,H,D] array"] = gbps(nbytes, timed(store_api, reps, warmup, setup=c.clear))
             results["retrieve(out=) into a [K,L,T,H,D] array"] = gbps(nbytes, timed(retrieve_api, reps, warmup))
             assert np.array_equal(out.view(np.uint16), kv.view(np.uint16)), "retrieved bytes differ"
