@@ -113,8 +113,11 @@ def _parts(flat: np.ndarray, page: Page):
 
 
 def gather(page: Page, flat: np.ndarray) -> None:
-    """The page's bytes into the object ``flat`` (uint8, contiguous, at least ``page_bytes``)."""
+    """The page's bytes into the object ``flat`` (uint8, contiguous, at least ``page_bytes``), and
+    zeros after them: the object is rounded up to whole rows, and its tail held whatever L1 had there
+    (another object's bytes, maybe another tenant's), which went on to every tier and peer."""
     copy_all(_parts(flat, page))
+    flat[sum(v.nbytes for v in page) :] = 0
 
 
 def scatter(flat: np.ndarray, page: Page) -> None:
