@@ -71,14 +71,19 @@ def serve_handshake(sock: socket.socket, secret: bytes, deadline: float) -> None
     sock.sendall(_mac(secret, b"server", client_nonce, server_nonce))
 
 
-def client_handshake(sock: socket.socket, secret: bytes) -> None:
-    magic, version, server_nonce = _HELLO.unpack(recv_exact(sock, _HELLO.size))
+def client_handshake(sock: socket.socket, secret: bytes, deadline: float | None = None) -> None:
+    """The reader's half; all of it before ``deadline`` (monotonic; the read's own), else TimeoutError.
+    Without one, each receive waits as long as the socket's timeout allows: three round trips past the
+    connect, each up to that timeout, ran far past a read's deadline on a long or stalled link."""
+    magic, version, server_nonce = _HELLO.unpack(recv_exact(sock, _HELLO.size, deadline))
     if magic != MAGIC or version != VERSION:
         raise HandshakeFailed(f"not a kvdepot peer data plane (magic {magic!r}, version {version})")
     client_nonce = os.urandom(16)
+    if deadline is not None:
+        _bound(sock, deadline)
     sock.sendall(client_nonce + _mac(secret, b"client", server_nonce, client_nonce))
     try:
-        proof = recv_exact(sock, 32)
+        proof = recv_exact(sock, 32, deadline)
     except ConnectionError:
         raise HandshakeFailed("the peer closed the connection: it does not hold our cluster secret") from None
     if not hmac.compare_digest(proof, _mac(secret, b"server", client_nonce, server_nonce)):

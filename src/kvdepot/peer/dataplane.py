@@ -90,6 +90,17 @@ class PageRead:
     dest: memoryview
 
 
+@dataclass(slots=True)
+class ReadProgress:
+    """What a read received, filled in by ``Transport.read`` as bytes arrive: a read cut short by its
+    deadline while a page was still arriving measured the link (bytes over the time until the last of
+    them), where one that waited on nothing at all did not."""
+
+    bytes: int = 0  # page bytes received, whole pages and the one cut short
+    last_byte_at: float = 0.0  # perf_counter when the last of them arrived
+    cut_mid_page: bool = False  # the read ended with a page part-way in
+
+
 @dataclass(frozen=True, slots=True)
 class ReadStats:
     pages: int
@@ -98,8 +109,9 @@ class ReadStats:
 
 
 class Transport(Protocol):
-    def read(self, host: str, port: int, pages: Sequence[PageRead], deadline: float) -> list[PageOutcome]:
-        """Per page: read and verified, or why not."""
+    def read(self, host: str, port: int, pages: Sequence[PageRead], deadline: float,
+             progress: ReadProgress | None = None) -> list[PageOutcome]:  # fmt: skip
+        """Per page: read and verified, or why not. ``progress``: filled in with what arrived."""
         ...
 
     def forget(self, host: str, port: int) -> None:
@@ -315,8 +327,10 @@ class TcpTransport:
         self.dropped = 0  # connections closed after a failure
         self.garbage = 0  # pages whose bytes did not match their checksum
 
-    def read(self, host: str, port: int, pages: Sequence[PageRead], deadline: float) -> list[PageOutcome]:
+    def read(self, host: str, port: int, pages: Sequence[PageRead], deadline: float,
+             progress: ReadProgress | None = None) -> list[PageOutcome]:  # fmt: skip
         out = [PageOutcome.MISS] * len(pages)
+        progress = progress if progress is not None else ReadProgress()
         if not pages:
             return out
         peer = self._channels(host, port)
@@ -331,7 +345,7 @@ class TcpTransport:
                 # An owner takes at most MAX_PAGES_PER_REQUEST pages a request (a long prompt of small
                 # pages asks for more): one request per slice, on the same connection.
                 for first in range(0, len(pages), MAX_PAGES_PER_REQUEST):
-                    healthy = self._exchange(conn, pages[first : first + MAX_PAGES_PER_REQUEST], out, deadline, first)
+                    healthy = self._exchange(conn, pages[first : first + MAX_PAGES_PER_REQUEST], out, deadline, first, progress)
                     if not healthy:
                         break
             except (OSError, ConnectionError) as exc:
@@ -367,7 +381,7 @@ class TcpTransport:
             conn = socket.create_connection((host, port), timeout=min(remaining, self._connect_timeout))
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             keep_alive(conn)
-            client_handshake(conn, self._secret)
+            client_handshake(conn, self._secret, deadline)  # within the read's deadline, not per receive
             conn.settimeout(None)  # blocking from now on; deadlines are the kernel's (_arm)
             return conn
         except HandshakeFailed as exc:
@@ -381,7 +395,8 @@ class TcpTransport:
             conn.close()
         return None
 
-    def _exchange(self, conn: socket.socket, pages: Sequence[PageRead], out: list[PageOutcome], deadline: float, first: int = 0) -> bool:
+    def _exchange(self, conn: socket.socket, pages: Sequence[PageRead], out: list[PageOutcome], deadline: float, first: int = 0,
+                  progress: ReadProgress | None = None) -> bool:  # fmt: skip
         """Send one request for every page, receive each into its destination (its outcome goes to
         ``out[first + i]``). True: the connection is in a clean state (every reply read whole) and may
         be reused."""
@@ -389,6 +404,7 @@ class TcpTransport:
         for p in pages:
             parts.append(_ITEM.pack(len(p.key), p.generation, p.offset, p.length))
             parts.append(p.key)
+        progress = progress if progress is not None else ReadProgress()
         _arm(conn, deadline)
         conn.sendall(b"".join(parts))
         for i, p in enumerate(pages):
@@ -408,13 +424,26 @@ class TcpTransport:
                 # from memory again, with the socket idle). A call returns short only when the armed
                 # timeout fires (the deadline has passed) or a signal interrupts it.
                 want = min(RECV_PIECE_BYTES, length - got)
-                k = conn.recv_into(view[got : got + want], want, socket.MSG_WAITALL)
+                if got:
+                    # SO_RCVTIMEO bounds one call, not the page: re-armed per piece, or a page that
+                    # keeps arriving, only slowly (a rate-limited link), ran on long past the deadline.
+                    try:
+                        _arm(conn, deadline)
+                    except OSError:
+                        progress.cut_mid_page = True
+                        raise
+                try:
+                    k = conn.recv_into(view[got : got + want], want, socket.MSG_WAITALL)
+                except OSError:
+                    progress.cut_mid_page = got > 0
+                    raise
                 if k == 0:
+                    progress.cut_mid_page = got > 0
                     raise ConnectionError("peer closed the connection mid-page")
                 running.update(view[got : got + k])
                 got += k
-                if k < want:
-                    _arm(conn, deadline)
+                progress.bytes += k
+                progress.last_byte_at = time.perf_counter()
             if running.digest() != p.checksum:
                 self.garbage += 1
                 out[first + i] = PageOutcome.CORRUPT

@@ -43,7 +43,7 @@ from kvdepot.errors import KVDepotError, KVDepotTimeout
 from kvdepot.observability.metrics import PeerMetrics
 from kvdepot.peer.addresses import hint_target, listen_family, node_id
 from kvdepot.peer.config import PeerConfig
-from kvdepot.peer.dataplane import PageOutcome, PageRead, TcpTransport
+from kvdepot.peer.dataplane import PageOutcome, PageRead, ReadProgress, TcpTransport
 from kvdepot.peer.directory import DirectoryShard
 from kvdepot.peer.discovery import MemberTable, is_table, masters_of, merged, ordered
 from kvdepot.peer.locations import LocationCache
@@ -63,6 +63,10 @@ log = logging.getLogger(__name__)
 
 SUSPECT_S = 2.0  # a node whose call failed is not asked again for this long
 CHANNELS_KEPT_PER_NODE = 8  # idle control channels kept per node (more are made when threads need them)
+# A control channel whose call timed out is kept (its connection may still be coming up: on a long link a
+# new CurveZMQ connection takes several round trips, more than one call's timeout), until this many of
+# its requests in a row went unanswered; then it is closed, with what it still queues (a dead node).
+UNANSWERED_KEPT = 3
 MAX_KEY_BYTES = 1024
 PROMOTE_SLICE = 8  # pages promoted from disk, then read, at a time
 RTT_SLACK_S = 0.002  # a directory reply collected after waiting this long on other owners' is no round-trip sample
@@ -567,7 +571,7 @@ class PeerNode:
     def _collect(self, owner: str, ch: RpcChannel, pending: PendingCall, t0: float, timeout_s: float, sample: bool = True):
         """The reply to a request ``_begin`` sent with ``timeout_s`` (None when it failed or timed out);
         the channel goes back. ``sample``: its time since ``t0`` is the owner's round trip (for the planner)."""
-        ok = False
+        ok = timed_out = False
         try:
             reply = pending.result()
             if sample:
@@ -575,10 +579,11 @@ class PeerNode:
             ok = True
             return reply
         except KVDepotError as exc:
+            timed_out = isinstance(exc, KVDepotTimeout)
             self._suspect(owner, pending.body, exc, timeout_s)
             return None
         finally:
-            self._return_channel(owner, ch, ok)
+            self._return_channel(owner, ch, ok, timed_out)
 
     def _suspect(self, owner: str, what, exc: Exception, timeout_s: float) -> None:
         """Skip ``owner`` for ``SUSPECT_S`` after a call to it failed: a transport failure, or no reply
@@ -712,9 +717,16 @@ class PeerNode:
             pages = [PageRead(loc.key, loc.generation, loc.offset, loc.length, loc.checksum, memoryview(dests[i]).cast("B"))
                      for i in idx if (loc := locations[i]) is not None]  # fmt: skip
             t0 = time.perf_counter()
-            got = self._transport.read(peer.host, peer.data_port, pages, deadline)
+            progress = ReadProgress()
+            got = self._transport.read(peer.host, peer.data_port, pages, deadline, progress)
             if all(o is PageOutcome.HIT for o in got):  # one cut short (its deadline, a failure) measured the wait, not the link
                 self.planner.read_measured(node, sum(p.length for p in pages), time.perf_counter() - t0)
+            elif progress.cut_mid_page:
+                # Cut short while a page was still arriving: the link itself is the bottleneck (a page
+                # too large for it within the deadline), and what arrived until then measures it. Else
+                # a link on which no read ever completes gave no sample, and every pull was let through
+                # (no estimate) to lose the whole deadline, for good.
+                self.planner.read_measured(node, progress.bytes, progress.last_byte_at - t0)
             for i, ok in zip(idx, got, strict=True):
                 out[i] = ok
         return out
@@ -815,12 +827,17 @@ class PeerNode:
                 return idle.pop()
         return RpcChannel(_control_endpoint(node), self._zctx, security=self._client_security).open()
 
-    def _return_channel(self, node: str, ch: RpcChannel, healthy: bool) -> None:
-        """Back to the idle list after a clean call; closed (never reused) after a failed one, whose late
-        reply must not meet the next call, and when the node left meanwhile."""
+    def _return_channel(self, node: str, ch: RpcChannel, healthy: bool, timed_out: bool = False) -> None:
+        """Back to the idle list after a clean call; closed (never reused) after a failed one, and when
+        the node left meanwhile. A call that only timed out keeps its channel, up to UNANSWERED_KEPT in a
+        row: on a long link the connection a new channel starts (TCP, then CurveZMQ's handshake: several
+        round trips) may take longer than one call's timeout, and closing it threw that away, so that
+        no call ever got through (a late reply is recognised by its request id and dropped)."""
+        ch.unanswered = unanswered = 0 if healthy else ch.unanswered + 1
         with self._channels_lock:
             idle = self._channels.get(node)
-            if healthy and idle is not None and len(idle) < CHANNELS_KEPT_PER_NODE and self.state is NodeState.RUNNING:
+            keep = healthy or (timed_out and unanswered < UNANSWERED_KEPT)
+            if keep and idle is not None and len(idle) < CHANNELS_KEPT_PER_NODE and self.state is NodeState.RUNNING:
                 idle.append(ch)
                 return
         ch.close()
@@ -833,15 +850,18 @@ class PeerNode:
 
     def _call(self, node: str, body, timeout_s: float):
         ch = self._lease_channel(node)
-        ok = False
+        ok = timed_out = False
         try:
             t0 = time.perf_counter()
             reply = ch.call(body, timeout_s=timeout_s)
             self.planner.call_measured(node, time.perf_counter() - t0)
             ok = True
             return reply
+        except KVDepotTimeout:
+            timed_out = True
+            raise
         finally:
-            self._return_channel(node, ch, ok)
+            self._return_channel(node, ch, ok, timed_out)
 
     def _call_shard(self, owner: str, body, deadline: float | None):
         """A directory call to ``owner`` (this node: in process). None when it failed or timed out."""

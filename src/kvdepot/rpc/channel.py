@@ -75,6 +75,7 @@ class RpcChannel:
         self.last_request = 0.0  # monotonic time of the last request sent
         self.closed = False
         self.answered: Answered | None = None
+        self.unanswered = 0  # its owner's count of calls in a row that timed out (the peer tier keeps a few)
         self._behind: dict[int, tuple[object, OnBehind]] = {}  # request id -> (body, on_reply), lock held
         # The same for calls that timed out with an ``on_late``: their late reply grants something (a
         # lease, a pin) that only ``on_late`` gives back, so they are not forgotten for MAX_BEHIND
