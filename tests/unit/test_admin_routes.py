@@ -8,6 +8,8 @@ import inspect
 import sys
 import typing
 
+import pytest
+
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
@@ -159,3 +161,28 @@ def test_the_healthcheck_answers_while_slow_calls_hold_every_thread_they_may_hav
             release.set()
             for t in callers:
                 t.join(60)
+
+
+@pytest.mark.parametrize(
+    "method, path, body, field",
+    [
+        ("POST", "/cache/clear", b"NaN", None),  # Python's json reads NaN and Infinity, which JSON has not
+        ("PUT", "/quota/t", b'{"quota_bytes": 1e400}', "quota_bytes"),  # read as inf
+        ("POST", "/cache/pin", b'{"chunk_hashes": [], "ttl_s": Infinity}', "ttl_s"),
+        ("POST", "/cache/pin", b'{"chunk_hashes": [], "ttl_s": NaN}', "ttl_s"),
+        ("POST", "/cache/prefetch", b'{"token_ids": [], "wait_s": -Infinity}', "wait_s"),
+        ("POST", "/cache/pins/7/extend", b'{"ttl_s": NaN}', "ttl_s"),
+    ],
+)
+def test_a_body_with_a_number_json_cannot_write_is_refused_with_422_not_a_500(method, path, body, field):
+    """The refusal echoes the value it refused, and a non-finite float cannot be written as JSON: the
+    error reply itself raised, and a bad body was answered 500 Internal Server Error (with a traceback
+    in the server's log) instead of saying which field was wrong."""
+    client = TestClient(build_app(object(), AdminGuard("127.0.0.1", 8080)), base_url="http://127.0.0.1:8080",
+                        raise_server_exceptions=False)  # fmt: skip
+    r = client.request(method, path, content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 422, r.text
+    errors = r.json()["detail"]
+    assert errors and all(isinstance(e["msg"], str) for e in errors)
+    if field is not None:
+        assert any(e["loc"][-1] == field for e in errors), errors

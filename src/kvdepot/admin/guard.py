@@ -113,6 +113,11 @@ class AdminGuard:
             return Refusal(403, f"cross-origin {method} from {origin!r} is not allowed")
         return None
 
+    def authorized(self, headers) -> bool:
+        """Whether the request carries what a mutating one needs to (the admin token, when there is one):
+        reads stay open, but what is a capability in itself (a pin's id) is shown to these only."""
+        return not self._token or self._check_token("GET", headers.get("authorization", "")) is None
+
     def _check_token(self, method: str, authorization: str) -> Refusal | None:
         scheme, _, credentials = authorization.strip().partition(" ")
         if scheme.lower() != "bearer" or not credentials.strip():

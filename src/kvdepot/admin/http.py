@@ -17,12 +17,15 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import math
 import socket
 import threading
 import time
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
@@ -105,6 +108,18 @@ class _HeadDeadline(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
             self.transport.close()
 
 
+def _writable(value):
+    """``value`` with every float JSON cannot write (NaN, Infinity: Python's ``json`` reads them in a
+    body) spelt as a string, so a refusal that echoes the input can itself be written."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: _writable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_writable(v) for v in value]
+    return value
+
+
 def build_app(server: AdminBackend, guard: AdminGuard) -> FastAPI:
     app = FastAPI(title="kvdepot", version=__version__, docs_url=None, redoc_url=None)
     refusals = RefusalLog()
@@ -115,7 +130,14 @@ def build_app(server: AdminBackend, guard: AdminGuard) -> FastAPI:
         if refusal is not None:
             refusals.refused(request.method, request.url.path, refusal.reason)
             return JSONResponse({"detail": refusal.reason}, status_code=refusal.status, headers=dict(refusal.headers))
+        request.state.admin = guard.authorized(request.headers)  # routes show capabilities (pin ids) to these only
         return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own handler echoes each refused value, and a NaN or Infinity (which a body may hold)
+        # made that reply raise: a bad body was answered 500 instead of naming its field.
+        return JSONResponse({"detail": _writable(jsonable_encoder(exc.errors()))}, status_code=422)
 
     for router in routes.routers(server):
         app.include_router(router)
