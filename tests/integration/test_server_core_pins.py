@@ -38,3 +38,30 @@ def test_pin_ids_cannot_be_guessed_and_their_holder_unpins(server, seed):
         r = httpx.request("DELETE", f"{server.http}/cache/pins/{ids[2]}", json={}, timeout=10)
         assert r.status_code == 200 and r.json()["state"] == "released", r.text  # the operator unpins any pin
         assert sorted(pins(server)) == [ids[3]]
+
+
+ADMIN_TOKEN = "pins-admin-token"
+
+
+def test_an_open_read_of_the_pins_hands_out_no_ids_when_a_token_guards_the_admin_port(make_server, seed):
+    """With an admin token, ``DELETE /cache/pins/{id}`` needs it, but ``GET /cache/pins`` (open to anyone
+    who may read /status) listed every pin's id, and an id is all an UNPIN over RPC asks for: any client
+    (another tenant's engine) read the ids and ended every pin. The open listing shows the pins without
+    their ids; the operator's token still reads them."""
+    srv = make_server("--admin-token", ADMIN_TOKEN)
+    tokens = make_tokens(2 * CHUNK, seed)
+    with srv.client() as owner, srv.client() as other:
+        assert owner.store(tokens, make_kv(LAYOUT, len(tokens), seed), cache_salt="tenant-a") == len(tokens)
+        pin_id = owner.pin(tokens, cache_salt="tenant-a").pin_id
+        r = httpx.get(f"{srv.http}/cache/pins", timeout=10)
+        assert r.status_code == 200, r.text
+        listed = r.json()["pins"]
+        assert [(p["cache_salt"], p["state"], p["pinned"]) for p in listed] == [("tenant-a", "hard", 2)]  # still shown
+        assert pin_id not in [p.get("id") for p in listed], "an open GET hands out the pin's id, its capability"
+        for stolen in {p.get("id") for p in listed} - {None}:  # what a stranger would do with one
+            other.unpin(stolen)
+        for wrong in ({}, {"Authorization": "Bearer not-the-token"}):
+            assert pin_id not in [p.get("id") for p in httpx.get(f"{srv.http}/cache/pins", headers=wrong, timeout=10).json()["pins"]]
+        r = httpx.get(f"{srv.http}/cache/pins", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10)
+        assert [(p["id"], p["state"]) for p in r.json()["pins"]] == [(pin_id, "hard")], "the operator reads the ids"
+        assert owner.unpin(pin_id).state == "released"

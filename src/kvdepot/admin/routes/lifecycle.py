@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Protocol, TypeVar
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter, HTTPException, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from kvdepot.admin.routes._slow import run_slow
@@ -128,8 +128,13 @@ def routes(backend: LifecycleBackend) -> APIRouter:
         return _answer(lambda: backend.lifecycle().pin(targets(body), body.cache_salt, body.ttl_s))
 
     @router.get("/cache/pins")
-    def pins() -> dict:
-        return {"pins": backend.lifecycle().pins()}
+    def pins(request: Request) -> dict:
+        # A pin's id is its capability (an UNPIN over RPC needs nothing else): a read open to anyone
+        # who may see /status lists the pins without it, unless it carries the admin token.
+        listed = backend.lifecycle().pins()
+        if not getattr(request.state, "admin", False):
+            listed = [p | {"id": None} for p in listed]
+        return {"pins": listed}
 
     @router.post("/cache/pins/{pin_id}/extend")
     def extend(pin_id: int, body: ExtendBody) -> dict:
