@@ -361,3 +361,24 @@ def test_status_help_documents_every_flag():
     for flag in ("--http-host", "--http-port", "--url", "--timeout-s", "--json"):
         assert flag in r.stdout
     assert "(default: 127.0.0.1)" in r.stdout and "(default: 8080)" in r.stdout
+
+
+def test_status_command_prints_no_terminal_control_from_clients(make_server, seed):
+    """Model names and ``cache_salt`` values are any string a client (or, through vLLM's ``cache_salt``,
+    an engine's user) chooses, and the summary printed them raw: an escape sequence in one cleared the
+    operator's screen, retitled the terminal, or rewrote the lines above it (a carriage return). They
+    are shown escaped, and still tell tenants apart."""
+    srv = make_server()
+    model = "llama\x1b]0;owned\x07"
+    salt = "t\r  tenant     ok: 0 B\x1b[2K\x1b[1A\u202e"
+    t = make_tokens(2 * CHUNK, seed)
+    with srv.client(model=model) as c:
+        assert c.store(t, make_kv(LAYOUT, len(t), seed), cache_salt=salt) == 2 * CHUNK
+        assert c.lookup(t, cache_salt=salt) == 2 * CHUNK
+    srv.wait_status(lambda st: st["tenants"])
+    r = _cli("status", "--url", srv.http)
+    assert r.returncode == 0, r.stderr
+    control = sorted({hex(ord(ch)) for ch in r.stdout if ch != "\n" and not ch.isprintable()})
+    assert not control, f"the summary writes control characters to the terminal: {control}\n{r.stdout!r}"
+    assert "llama\\x1b]0;owned\\x07: 1 lookups" in r.stdout, r.stdout
+    assert "tenant     t\\r  tenant     ok: 0 B\\x1b[2K\\x1b[1A\\u202e: " in r.stdout, r.stdout

@@ -31,11 +31,11 @@ def probe(host: str, port: int, timeout_s: float) -> str:
 
 def summary(doc: dict, url: str) -> str:
     """A few lines a person reads at a glance: where it serves, the hit rate, L1, tiers, clients."""
-    lines = [f"kvdepot {doc.get('version', '?')} serving {', '.join(doc.get('endpoints', [])) or '?'} (HTTP {url})"]
+    lines = [f"kvdepot {_safe(doc.get('version', '?'))} serving {_safe(', '.join(doc.get('endpoints', []))) or '?'} (HTTP {_safe(url)})"]
     lk = doc.get("lookups", {})
     asked, hit, missed = lk.get("requested_tokens", 0), lk.get("hit_tokens", 0), lk.get("missed_tokens", 0)
     if lk.get("requests"):
-        where = ", ".join(f"{t} {_n(v)}" for t, v in sorted(lk.get("hit_tokens_by_tier", {}).items()))
+        where = ", ".join(f"{_safe(t)} {_n(v)}" for t, v in sorted(lk.get("hit_tokens_by_tier", {}).items()))
         lines.append(
             f"  lookups    {_n(lk['requests'])} asking for {_n(asked)} tokens: hit rate {lk.get('hit_rate', 0.0):.1%} "
             f"({_n(hit)} found{': ' + where if where else ''}; {_n(missed)} missed)"
@@ -43,7 +43,7 @@ def summary(doc: dict, url: str) -> str:
         for model, m in sorted(lk.get("by_model", {}).items()):
             answered = m["hit_tokens"] + m["missed_tokens"]
             rate = m["hit_tokens"] / answered if answered else 0.0
-            lines.append(f"    {model}: {_n(m['requests'])} lookups, hit rate {rate:.1%}")
+            lines.append(f"    {_safe(model)}: {_n(m['requests'])} lookups, hit rate {rate:.1%}")
     else:
         lines.append("  lookups    none yet")
     st, rt = doc.get("stores", {}), doc.get("retrieves", {})
@@ -62,8 +62,8 @@ def summary(doc: dict, url: str) -> str:
     if not tiers:
         lines.append("  tiers      none (L1 only)")
     for t in tiers:
-        state = "up" if t.get("healthy") else f"DOWN ({t.get('last_error') or 'unknown error'})"
-        lines.append(f"  tier       {t['name']} ({t['kind']}): {state}, {_bytes(t.get('used_bytes', 0))}, {_n(t.get('objects', 0))} objects")
+        state = "up" if t.get("healthy") else f"DOWN ({_safe(t.get('last_error') or 'unknown error')})"
+        lines.append(f"  tier       {_safe(t['name'])} ({_safe(t['kind'])}): {state}, {_bytes(t.get('used_bytes', 0))}, {_n(t.get('objects', 0))} objects")
     lines.extend(_tenants(doc.get("tenants", [])))
     lines.extend(_quarantine(doc.get("quarantine", {})))
     lines.append(f"  clients    {_n(doc.get('clients', 0))} clients, {_n(doc.get('contexts', 0))} contexts, {_n(doc.get('sessions', 0))} sessions")
@@ -78,7 +78,7 @@ def _tenants(tenants: list[dict]) -> list[str]:
     for t in tenants:
         quota = t.get("quota_bytes")
         limit = f" of {_bytes(quota)} quota ({t['used_bytes'] / quota:.0%})" if quota else (" (quota 0: refused)" if quota == 0 else ", no quota")
-        lines.append(f"  tenant     {t['cache_salt']}: {_bytes(t['used_bytes'])}{limit}, {_n(t['objects'])} objects")
+        lines.append(f"  tenant     {_safe(t['cache_salt'])}: {_bytes(t['used_bytes'])}{limit}, {_n(t['objects'])} objects")
     return lines
 
 
@@ -88,9 +88,20 @@ def _quarantine(q: dict) -> list[str]:
         return ["  quarantine none"]
     lines = [f"  quarantine {_n(q['leases'])} leases, {_bytes(q.get('bytes', 0))} held back from reuse"]
     for c in q.get("clients", []):
-        who = f"pid {c['pid']}" + (f" on {c['hostname']}" if c.get("hostname") else "") if c.get("pid") else "no pid"
-        lines.append(f"    client {c['client']} ({who}, {c['state']}): {_n(c['leases'])} leases, {_bytes(c['bytes'])}: {c['why']}")
+        who = f"pid {c['pid']}" + (f" on {_safe(c['hostname'])}" if c.get("hostname") else "") if c.get("pid") else "no pid"
+        lines.append(f"    client {_safe(c['client'])} ({who}, {_safe(c['state'])}): {_n(c['leases'])} leases, {_bytes(c['bytes'])}: {_safe(c['why'])}")
     return lines
+
+
+def _safe(text: object) -> str:
+    """``text`` as a terminal may show it: model names, ``cache_salt`` values and client host names are
+    whatever a client chose, and an escape sequence, carriage return or bidi override among them would
+    otherwise act on the operator's terminal (clear it, retitle it, rewrite the lines above). Those
+    characters are written as Python escapes (``\\x1b``, ``\\r``, ``\\u202e``)."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
 
 
 def _n(v: int) -> str:
