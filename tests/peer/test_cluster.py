@@ -670,3 +670,24 @@ def test_publishes_an_owner_missed_reach_it_once_it_answers(nodes):
         wait_for(lambda: writer.status()["publish"]["owed"] == 0, 15, "nothing owed")
         assert writer.status()["publish"]["repaid"] >= len(on_b)
         assert len(b.command("status")["members"]) == 3
+
+
+def test_nodes_given_the_heads_host_name_agree_with_it_on_the_masters():
+    """The head's address given by a host name (a Kubernetes Service, ``localhost``), not as its node id:
+    such a node ordered the members with a head that was none of them, so it took other masters than
+    the head did (itself, maybe), and the cluster's nodes disagreed on whom to heartbeat."""
+    fast = {"heartbeat_interval_s": 0.3, "member_ttl_s": 1.5, "control_timeout_s": 0.5, "secret": "by-name", "metrics_port": 0}
+    head = PeerStore(port=0, data_port=0, pool_size_mb=16, **fast)
+    port = head.node_id.rsplit(":", 1)[1]
+    nodes = [PeerStore(discovery=f"localhost:{port}", port=0, data_port=0, pool_size_mb=16, **fast) for _ in range(3)]
+    everyone = [head, *nodes]
+    try:
+        wait_for(lambda: all(len(s.status()["members"]) == 4 for s in everyone), 10, "4 members")
+        wait_for(lambda: all(s.status()["masters"] == head.status()["masters"] for s in everyone), 10, "one set of masters")
+        assert head.status()["masters"][0] == head.node_id
+        names = [f"n{i}" for i in range(8)]
+        assert nodes[0].batch_set(names, [n.encode() * 100 for n in names]) == [True] * 8
+        assert nodes[2].batch_get(names) == [n.encode() * 100 for n in names]
+    finally:
+        for s in reversed(everyone):
+            s.close()

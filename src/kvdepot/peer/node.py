@@ -952,6 +952,7 @@ class PeerNode:
         if gone:
             log.info("peer %s: %s silent past the TTL", self.info.id, ", ".join(gone))
         targets = [t for t in dict.fromkeys(self.masters() + self.config.bootstrap) if t != self.info.id]
+        configured_head = (self.config.bootstrap or [""])[0]
         body = m.PeerHeartbeatRequest(node=self.info)
         views: list[PeerMembershipReply] = []
         answered_sent = None  # when the first heartbeat a master answered this round was sent
@@ -967,6 +968,8 @@ class PeerNode:
                 view = self._call(target, body, min(self.config.control_timeout_s, self.config.heartbeat_interval_s))
             except KVDepotError:
                 continue
+            if target == configured_head and view.head and view.head != self.head:
+                self._adopt_head(view.head)  # the head by another name, or moved (a new address behind that name)
             views.append(view)
             if answered_sent is None:
                 answered_sent = sent
@@ -1003,6 +1006,17 @@ class PeerNode:
         self._cut_off = False
         self._apply(view, republish=rejoined)
         self._repay()
+
+    def _adopt_head(self, head: str) -> None:
+        """The head was configured by another name than its node id (a host name, a Service's address),
+        or moved behind that name: the node that answers there names the head, and that id is the head
+        from now on (the configured address is still heartbeated, so a head that moves is followed).
+        Else this node ordered the members with a head that is none of them, and chose other masters
+        than the nodes that knew the head's id."""
+        assert self._table is not None
+        log.info("peer %s: the head, configured as %s, is node %s", self.info.id if self.info else "?", self.head, head)
+        with self._view_lock:
+            self.head = self._table.head = head
 
     def _apply(self, view: PeerMembershipReply, republish: bool = False) -> None:
         """Take a membership view; on a change, rebuild the ring and re-shard the directory. A settling
