@@ -8,14 +8,29 @@ and the records of a node that left the cluster go with it. A record also names 
 incarnation): once a shard knows of a newer run of a node (from membership, or from that run's first
 publish), the earlier run's records go and any that arrive late are refused; they name pages the
 restarted node never held.
+
+A record whose incarnation is 0 (``LEGACY_RUN``) comes from a node of a version before records carried
+one (before 2026-11-27): its run is unknown, so it is taken as its node's current run (as that version
+takes every record) rather than refused as an earlier run's; it still goes when its node is seen to
+restart. Refused, every page such a node published read as absent to every newer node, with no word
+said, for the whole of a rolling upgrade.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from kvdepot.protocol.messages import PeerLocation
+
+LEGACY_RUN = 0  # the incarnation of a record published by a node that predates incarnations
+
+
+def from_an_earlier_run(rec: PeerLocation, usable: Mapping[str, int]) -> bool:
+    """True unless ``rec``'s node is usable (``usable``: node -> its run now) and ``rec`` is of that run
+    (or of an unknown one: a node that predates incarnations publishes ``LEGACY_RUN``)."""
+    run = usable.get(rec.node)
+    return run is None or (rec.incarnation != LEGACY_RUN and rec.incarnation < run)
 
 
 class DirectoryShard:
@@ -35,7 +50,7 @@ class DirectoryShard:
         with self._lock:
             for rec in records:
                 run = self._runs.get(rec.node, 0)
-                if rec.incarnation < run:
+                if rec.incarnation != LEGACY_RUN and rec.incarnation < run:
                     continue  # sent by a run that has since restarted
                 if rec.incarnation > run:
                     self._runs[rec.node] = rec.incarnation

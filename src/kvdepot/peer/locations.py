@@ -12,11 +12,11 @@ promoted first, and its promotion gives it a new record.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
+from kvdepot.peer.directory import from_an_earlier_run
 from kvdepot.protocol.messages import PeerLocation
 
 DEFAULT_MAX_ENTRIES = 65536
@@ -42,7 +42,7 @@ class LocationCache:
                 hit = self._entries.get(key)
                 if hit is None:
                     out.append(None)
-                elif hit[0] <= now or hit[1].incarnation < usable.get(hit[1].node, math.inf):
+                elif hit[0] <= now or from_an_earlier_run(hit[1], usable):
                     del self._entries[key]
                     out.append(None)
                 else:

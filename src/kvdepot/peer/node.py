@@ -44,7 +44,7 @@ from kvdepot.observability.metrics import PeerMetrics
 from kvdepot.peer.addresses import hint_target, listen_family, node_id
 from kvdepot.peer.config import PeerConfig
 from kvdepot.peer.dataplane import PageOutcome, PageRead, ReadProgress, TcpTransport
-from kvdepot.peer.directory import DirectoryShard
+from kvdepot.peer.directory import LEGACY_RUN, DirectoryShard, from_an_earlier_run
 from kvdepot.peer.discovery import MemberTable, is_table, masters_of, merged, ordered
 from kvdepot.peer.locations import LocationCache
 from kvdepot.peer.owed import OwedRecords, OwedUnpublishes
@@ -112,6 +112,7 @@ class PeerNode:
         self._channels: dict[str, list[RpcChannel]] = {}  # idle control channels per node
         self._channels_lock = threading.Lock()
         self._suspects: dict[str, float] = {}
+        self._legacy_nodes: set[str] = set()  # nodes seen publishing records without an incarnation (warned once)
         self._view_lock = threading.Lock()
         self._members: dict[str, PeerNodeInfo] = {}
         self._masters: list[str] = []
@@ -618,7 +619,7 @@ class PeerNode:
         assert self.info is not None
         best = on_disk = None
         for loc in locations:
-            if loc.incarnation < usable.get(loc.node, math.inf):
+            if from_an_earlier_run(loc, usable):
                 continue
             if not loc.resident:
                 on_disk = on_disk or loc
@@ -902,6 +903,7 @@ class PeerNode:
         if isinstance(body, m.PeerPublishRequest):
             for rec in body.records:
                 _check_key(rec.key)
+            self._note_legacy(body.records)
             return m.PeerCountReply(count=self.shard.publish(body.records))
         if isinstance(body, m.PeerUnpublishRequest):
             return m.PeerCountReply(count=self.shard.unpublish(body.keys, body.node, body.generations))
@@ -910,6 +912,16 @@ class PeerNode:
                 return m.PeerResolveReply(locations=self.own_records(body.keys))
             return m.PeerResolveReply(locations=self.shard.resolve(body.keys))
         raise TypeError(f"not a directory request: {type(body).__name__}")
+
+    def _note_legacy(self, records: Sequence[PeerLocation]) -> None:
+        """Say once per node that it runs a version from before directory records carried an incarnation
+        (its records are served, but it refuses the records this version sends: see ``directory.py``)."""
+        for rec in records:
+            if rec.incarnation == LEGACY_RUN and rec.node not in self._legacy_nodes:
+                self._legacy_nodes.add(rec.node)
+                log.warning("peer %s: node %s runs a kvdepot from before 2026-11-27 (its directory records carry no incarnation): "
+                            "its pages are served, but it cannot decode this version's directory records (it refuses the field "
+                            "'incarnation'), so it finds no page of a newer node; upgrade it", self.info.id if self.info else "?", rec.node)  # fmt: skip
 
     def _on_hello(self, call: Call) -> Reply:
         assert self._table is not None

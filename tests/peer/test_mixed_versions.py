@@ -1,0 +1,72 @@
+"""A peer cluster in a rolling upgrade: nodes of an earlier version beside this one.
+
+Nodes of versions before 2026-11-27 publish directory records without an incarnation (the field came
+later, with a default of 0). ``data/peer_publish_2026-11-27.msgpack`` is a PEER_PUBLISH request such a
+node sent, frozen as its frames (header, body): this version must keep decoding it, and must keep serving
+the pages such a node publishes, whichever run of that node the membership names.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import msgspec
+import xxhash
+from support.peer_cluster import check_pages, keys, page_bytes, wait_for
+
+from kvdepot.peer import PeerStore
+from kvdepot.peer.directory import DirectoryShard
+from kvdepot.protocol import codec
+from kvdepot.protocol import messages as m
+
+DATA = Path(__file__).parent / "data"
+SIZE = 64 << 10
+FAST = {"heartbeat_interval_s": 0.3, "member_ttl_s": 1.5, "control_timeout_s": 0.5, "timeout_s": 2.0, "metrics_port": 0}
+
+
+def legacy_publish() -> m.PeerPublishRequest:
+    header_frame, body_frame = msgspec.msgpack.decode((DATA / "peer_publish_2026-11-27.msgpack").read_bytes())
+    header = codec.decode_request_header(header_frame)
+    rtype, body = codec.decode_request_body(header, body_frame)
+    assert rtype is m.RequestType.PEER_PUBLISH
+    return body
+
+
+def test_a_record_from_a_node_before_incarnations_decodes_and_is_kept_across_that_node_s_runs():
+    body = legacy_publish()
+    (rec,) = body.records
+    page = bytes(range(256)) * 16
+    assert (rec.key, rec.node, rec.offset, rec.length, rec.generation) == (b"page-0", "10.0.0.7:31995", 2048, len(page), 3)
+    assert rec.checksum == xxhash.xxh3_128(page).digest() and rec.resident and rec.incarnation == 0
+    shard = DirectoryShard()
+    # The membership names the node's run (every node has sent one since the first peer tier), and a
+    # restart of it drops what its earlier run published ...
+    shard.publish(body.records)
+    shard.drop_incarnations_before(rec.node, 1_764_000_000_000_000_000)
+    assert shard.resolve([rec.key]) == [[]]
+    # ... but what the new run publishes (again without an incarnation) is its own, and kept.
+    assert shard.publish(body.records) == 1
+    assert shard.resolve([rec.key]) == [[rec]]
+
+
+def _as_before_incarnations(store: PeerStore) -> None:
+    """Make ``store``'s node publish records as a node of a version before 2026-11-27 does."""
+    record = store.node._record
+    store.node._record = lambda *a, **k: msgspec.structs.replace(record(*a, **k), incarnation=0)
+
+
+def test_a_node_reads_the_pages_of_a_node_from_before_incarnations(caplog):
+    caplog.set_level(logging.WARNING, logger="kvdepot.peer.node")
+    with PeerStore(discovery="", secret="mixed", port=0, data_port=0, pool_size_mb=32, **FAST) as new:
+        with PeerStore(discovery=new.node_id, secret="mixed", port=0, data_port=0, pool_size_mb=32, **FAST) as old:
+            _as_before_incarnations(old)
+            wait_for(lambda: len(new.status()["members"]) == 2 and len(old.status()["members"]) == 2, 15, "both nodes to see two members")
+            names = keys("o", 20)
+            assert old.batch_set(names, [page_bytes(k, SIZE) for k in names]) == [True] * 20
+            got = wait_for(lambda: (r := check_pages(new, "o", 20, SIZE))["hit"] == 20 and r, 10,
+                           "the newer node to read every page the older one published")  # fmt: skip
+            assert got == {"hit": 20, "miss": 0, "wrong": 0}
+            assert new.batch_exists(names) == 20
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"peer {new.node_id}: node {old.node_id} runs")]
+    assert len(said) == 1 and "before 2026-11-27" in said[0], said
