@@ -162,3 +162,19 @@ def test_status_totals_never_go_back_when_an_idle_models_label_is_given_to_anoth
     went_back = {k: (before[k], after[k]) for k in before if after[k] < before[k]}
     assert not went_back, f"/status totals went backwards: {went_back}"
     assert after == {k: v + v // 4 * 2 for k, v in before.items()}  # two more uses on top of the four
+
+
+def test_every_removal_reason_is_documented():
+    """Every reason an object leaves L1 is a label value of ``kvdepot_l1_removed_objects``: its help text
+    and README's metrics paragraph name each (``deleted`` was missing from the one, ``discarded`` from the other)."""
+    import re
+    from pathlib import Path
+
+    from kvdepot.events import RemovedBecause
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    [paragraph] = [p for p in readme.split("\n\n") if "removals by reason" in p]
+    helptext = Metrics().l1_removed._documentation
+    for reason in RemovedBecause:
+        assert reason.value in helptext, f"kvdepot_l1_removed_objects' help does not name reason {reason.value!r}"
+        assert re.search(rf"`{reason.value}`", paragraph), f"README's metrics paragraph does not name removal reason {reason.value!r}"

@@ -87,7 +87,7 @@ class Metrics:
             "kvdepot_request_seconds", "Time from receipt to reply, by request type and outcome (ok or the error code).", ["type", "outcome"],
             registry=r, buckets=REQUEST_BUCKETS,
         )
-        self.l1_removed = Counter("kvdepot_l1_removed_objects", "Objects that left L1, by reason (evicted, cleared, discarded, over_quota).",
+        self.l1_removed = Counter("kvdepot_l1_removed_objects", "Objects that left L1, by reason (evicted, cleared, deleted, discarded, over_quota).",
                                   ["reason"], registry=r)  # fmt: skip
         self.tier_events = Counter("kvdepot_l2_object_events", "Objects an L2 tier stored or dropped through kvdepot, by tier kind and event.",
                                    ["tier", "event"], registry=r)  # fmt: skip

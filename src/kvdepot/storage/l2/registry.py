@@ -12,6 +12,7 @@ config's field types; unknown keys, missing required keys and bad values are sta
 
 from __future__ import annotations
 
+import enum
 import importlib
 import json
 import pkgutil
@@ -132,4 +133,8 @@ def describe_options(kind: str) -> list[tuple[str, str, str]]:
 
 
 def _shown(value: Any) -> str:
+    """A default as a spec writes it: ``true``, ``auto`` (an enum's value; ``str()`` of a ``(str, Enum)``
+    member is ``ClusterMode.AUTO``, which ``--help`` showed and no spec accepts)."""
+    if isinstance(value, enum.Enum):
+        value = value.value
     return str(value).lower() if isinstance(value, bool) else str(value)
