@@ -33,6 +33,7 @@ class ErrorCode(IntEnum):
     UNKNOWN_KV_CACHE = 20  # the server-driven path: no paged cache of this client under that id (unregistered, or the server restarted)
     PREFETCH_TOO_SLOW = 21  # the server answered, but its prefetch from L2 did not finish in the caller's window (that request's miss)
     REPLIES_UNREAD = 22  # this client has not read earlier replies that pin KV (MAX_UNSENT_BYTES): refused until it does
+    OVERLOADED = 23  # this client has too many requests waiting for the server's workers (MAX_QUEUED_*): refused until they are done
 
 
 class KVDepotError(Exception):

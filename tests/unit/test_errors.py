@@ -45,6 +45,7 @@ def test_error_code_values_are_pinned():
         ("UNKNOWN_KV_CACHE", 20),
         ("PREFETCH_TOO_SLOW", 21),
         ("REPLIES_UNREAD", 22),
+        ("OVERLOADED", 23),
     ]
 
 

@@ -273,6 +273,83 @@ def test_a_client_that_stops_reading_pinning_replies_is_refused_more_until_it_re
     assert (codec.decode_reply_header(header).request_id, codec.decode_reply_header(header).status) == (500, 0)
 
 
+def test_a_client_with_many_blocking_requests_waiting_does_not_starve_another(serve, raw):
+    """BLOCKING requests used to wait for a worker in the order they arrived: a client that pipelined
+    many (an engine flushing its saves, a flood of clears) made another client's request wait behind all
+    of them, past its deadline. Clients with requests waiting take turns; each client's own requests
+    still start in its order."""
+    gate = threading.Event()
+    ran: list[tuple[bytes, int]] = []
+    observer = Observer()
+
+    def store(call: Call) -> Reply:
+        if not ran:
+            assert gate.wait(REPLY_S)  # the first call holds the only worker while the rest arrive
+        ran.append((bytes(call.client), call.request_id))
+        return Reply(m.Ack())
+
+    serve(HandlerSpec(RequestType.STORE_INLINE, store, BLOCKING), workers=1, observer=observer)
+    body = m.StoreInlineRequest(context_id=1, keys=[b"k" * 32], rows_per_frame=1)
+    started = lambda: sum(e[0] == "started" for e in observer.events)  # noqa: E731
+    flooder = raw(b"flooder")
+    for rid in range(1, 21):
+        flooder.send(rid, body)
+    wait_for("the flood received", lambda: started() == 20)
+    other = raw(b"other")
+    other.send(1, body)
+    wait_for("the other request received", lambda: started() == 21)
+    gate.set()
+    assert other.recv()[:2] == (1, msgspec.msgpack.encode(m.Ack()))
+    for _ in range(20):
+        assert flooder.recv()[1] == msgspec.msgpack.encode(m.Ack())
+    position = ran.index((b"other", 1))
+    # The one running when it arrived, and the flooder's turn that came before its own at most.
+    assert position <= 2, f"the other client's request ran after {position} of the flooder's"
+    assert [rid for who, rid in ran if who == b"flooder"] == list(range(1, 21))  # each client's own order
+def test_a_client_that_pipelines_blocking_requests_without_waiting_is_refused_past_its_queue(serve, raw):
+    """The loop takes in every request ZeroMQ received and hands BLOCKING ones to the worker pool, each
+    keeping its payload in memory until a worker has run it. A client pipelining inline stores faster
+    than the workers copy them (here: the one worker is held) grew the server's memory by all it sent
+    (a real server: +1.7 GiB for 2.5 GiB sent). Past MAX_QUEUED_REQUESTS requests holding MAX_QUEUED_BYTES
+    its next ones are refused (OVERLOADED), each answered once; other clients are not refused, and once
+    its queue is done it is served again."""
+    gate = threading.Event()
+    ran: list[tuple[bytes, int]] = []
+
+    def store(call: Call) -> Reply:
+        assert gate.wait(REPLY_S)
+        ran.append((call.client, call.request_id))
+        return Reply(m.Ack())
+
+    observer = Observer()
+    serve(HandlerSpec(RequestType.STORE_INLINE, store, BLOCKING), workers=1, observer=observer)
+    size = 8 << 20
+    n = 64  # 512 MiB sent: twice MAX_QUEUED_BYTES, and 8 times MAX_QUEUED_REQUESTS
+    payload = np.full(size, 7, np.uint8)
+    body = m.StoreInlineRequest(context_id=1, keys=[b"k" * 32], rows_per_frame=1)
+    flooder = raw(b"flooder")
+    for rid in range(1, n + 1):
+        flooder.send(rid, body, [payload])
+    other = raw(b"other")
+    other.send(1, body, [payload])
+    wait_for("every request received", lambda: sum(e[0] == "started" for e in observer.events) >= n + 1)
+    gate.set()
+    replies: dict[int, list] = {}
+    for _ in range(n):
+        rid, reply, _ = flooder.recv()
+        replies.setdefault(rid, []).append(reply)
+    assert sorted(replies) == list(range(1, n + 1)) and all(len(r) == 1 for r in replies.values())
+    served = [rid for rid, (reply,) in replies.items() if not isinstance(reply, tuple)]
+    assert len(served) <= n // 2, (
+        f"{len(served)} of {n} pipelined requests of {size >> 20} MiB were queued for the workers"
+    )
+    refused = {reply[0] for rid, (reply,) in replies.items() if isinstance(reply, tuple)}
+    assert refused == {ErrorCode.OVERLOADED}
+    assert other.recv()[0:2] == (1, msgspec.msgpack.encode(m.Ack()))  # another client is not refused
+    flooder.send(n + 1, body, [payload])  # its queue is done: served again
+    assert flooder.recv()[0:2] == (n + 1, msgspec.msgpack.encode(m.Ack()))
+
+
 @pytest.mark.parametrize("mode", [SYNC, BLOCKING])
 def test_a_reply_that_cannot_be_encoded_is_an_internal_error_for_that_request(serve, raw, mode):
     """A handler's reply the codec cannot encode (here a numpy integer where an int belongs) is the

@@ -32,7 +32,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvdepot.errors import EndpointInUse, ErrorCode, KVDepotError
 from kvdepot.events import NO_EVENTS, EventSink, RequestDone
-from kvdepot.limits import MAX_FRAME_BYTES, MAX_UNSENT_BYTES
+from kvdepot.limits import MAX_FRAME_BYTES, MAX_QUEUED_BYTES, MAX_QUEUED_REQUESTS, MAX_UNSENT_BYTES
 from kvdepot.observability.metrics import Metrics
 from kvdepot.protocol import codec
 from kvdepot.protocol.messages import RequestType
@@ -82,6 +82,8 @@ class RpcServer:
         security: SocketSecurity | None = None,
         events: EventSink = NO_EVENTS,
         max_unsent_bytes: int = MAX_UNSENT_BYTES,
+        max_queued_requests: int = MAX_QUEUED_REQUESTS,
+        max_queued_bytes: int = MAX_QUEUED_BYTES,
     ) -> None:
         """``goodbyes``: request types after which a client closes its connection on purpose (its
         disconnect is then counted as a goodbye, not as a client that died; once per connection however
@@ -109,6 +111,7 @@ class RpcServer:
         self._monitor: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._waiting = _FairQueue(workers)  # BLOCKING calls waiting for a worker, served round robin by client
         self._stop = threading.Event()
         self._local = threading.local()
         self._reply_addr = f"inproc://kvdepot-replies-{id(self)}"
@@ -119,6 +122,14 @@ class RpcServer:
         # queues without a limit (SNDHWM 0), so a client that never reads would pin L1 for ever.
         self._unsent: dict[bytes, int] = {}
         self._max_unsent = max_unsent_bytes
+        # Per client (routing id): BLOCKING requests handed to the pool and not finished, and the bytes of
+        # their frames (which they keep in memory until then). The loop takes in whatever ZeroMQ received,
+        # so without a limit a client pipelining inline stores faster than the workers copy them grew
+        # the server's memory without bound (written by the loop and the workers: under _queued_lock).
+        self._queued: dict[bytes, tuple[int, int]] = {}
+        self._queued_lock = threading.Lock()
+        self._max_queued_requests = max_queued_requests
+        self._max_queued_bytes = max_queued_bytes
         self._claims = [IpcClaim(ep.removeprefix("ipc://")) for ep in endpoints if ep.startswith("ipc://")]
         # Clients of BLOCKING requests whose reply never reached the loop (appended by workers; deque ops are atomic).
         self._finished_unanswered: deque[ClientId] = deque()
@@ -390,11 +401,56 @@ class RpcServer:
                 self.observer.request_finished(client)
         else:
             assert self._pool is not None
+            nbytes = sum(len(f) for f in frames[1:])
+            with self._queued_lock:
+                count, queued = self._queued.get(ident, (0, 0))
+                refuse = count >= self._max_queued_requests and queued >= self._max_queued_bytes
+                if not refuse:
+                    self._queued[ident] = (count + 1, queued + nbytes)
+            if refuse:
+                try:
+                    self._send(router, ident, call, self._error_frames(
+                        call, ErrorCode.OVERLOADED,
+                        f"{count} earlier requests of this client ({queued} bytes) are still waiting for the server's "
+                        f"workers (over {self._max_queued_requests} and {self._max_queued_bytes} bytes): this request "
+                        f"is refused until they are done"))  # fmt: skip
+                finally:
+                    self.observer.request_finished(client)
+                return
+            item = (spec, call, nbytes)
+            if not self._waiting.put(ident, item):
+                return  # a running worker takes it in its client's turn
             try:
-                self._pool.submit(self._run_blocking, spec, call)
+                self._pool.submit(self._work)
             except RuntimeError:  # shutting down
-                self._send_error(router, ident, call.request_id, ErrorCode.SHUTTING_DOWN, "server is shutting down")
-                self.observer.request_finished(client)
+                self._waiting.worker_gone()
+                if self._waiting.withdraw(ident, item):
+                    self._dequeued(ident, nbytes)
+                    self._send_error(router, ident, call.request_id, ErrorCode.SHUTTING_DOWN, "server is shutting down")
+                    self.observer.request_finished(client)
+
+    def _dequeued(self, ident: bytes, nbytes: int) -> None:
+        """A BLOCKING request of this client is done: it no longer counts against its queue limit."""
+        with self._queued_lock:
+            count, queued = self._queued.get(ident, (1, nbytes))
+            if count > 1:
+                self._queued[ident] = (count - 1, queued - nbytes)
+            else:
+                self._queued.pop(ident, None)
+
+    def _work(self) -> None:
+        """A worker: run waiting BLOCKING calls, one client's next call at a time in turn, until none waits.
+        A pool fed in arrival order let a client that pipelined many requests (or slow ones) make every
+        other client's request wait behind all of them, past its deadline."""
+        while not self._stop.is_set():
+            item = self._waiting.take()
+            if item is None:
+                return
+            try:
+                self._run_blocking(*item)
+            except Exception:
+                log.exception("running a %s request failed", item[1].rtype.name)
+        self._waiting.worker_gone()
 
     def _invoke(self, spec: HandlerSpec, call: Call) -> list[Any] | tuple[list[Any], Reply]:
         """Run a handler; returns the frames to send (and the Reply when it has payload/on_sent)."""
@@ -450,7 +506,13 @@ class RpcServer:
     def _send_error(self, router: zmq.Socket, ident: bytes, request_id: int, code: ErrorCode, message: str) -> None:
         router.send_multipart([ident, *codec.encode_error(request_id, code, message)])
 
-    def _run_blocking(self, spec: HandlerSpec, call: Call) -> None:
+    def _run_blocking(self, spec: HandlerSpec, call: Call, nbytes: int = 0) -> None:
+        try:
+            self._run_blocking_call(spec, call)
+        finally:
+            self._dequeued(call.client, nbytes)
+
+    def _run_blocking_call(self, spec: HandlerSpec, call: Call) -> None:
         result = self._invoke(spec, call)
         sock = getattr(self._local, "reply", None)
         if sock is None:
@@ -510,6 +572,64 @@ class RpcServer:
                     self._unsent[ident] = left
                 else:
                     self._unsent.pop(ident, None)
+
+
+class _FairQueue:
+    """BLOCKING calls waiting for a worker: one FIFO per client (routing id), and the clients with calls
+    waiting take turns, so each client's calls start in its order and a client with many waiting delays
+    another's by at most one call per worker. ``put`` says when a new worker is to be started (fewer than
+    ``workers`` are running); a running worker ``take``s until nothing waits."""
+
+    def __init__(self, workers: int) -> None:
+        self._lock = threading.Lock()
+        self._queues: dict[bytes, deque] = {}
+        self._turns: deque[bytes] = deque()  # clients with calls waiting, the next to be served first
+        self._free = workers  # workers that may still be started
+
+    def put(self, client: bytes, item: Any) -> bool:
+        with self._lock:
+            queue = self._queues.get(client)
+            if queue is None:
+                queue = self._queues[client] = deque()
+                self._turns.append(client)
+            queue.append(item)
+            if self._free:
+                self._free -= 1
+                return True
+            return False
+
+    def take(self) -> Any:
+        """The next client's oldest waiting call; None (and this worker ends) when none waits."""
+        with self._lock:
+            if not self._turns:
+                self._free += 1
+                return None
+            client = self._turns.popleft()
+            queue = self._queues[client]
+            item = queue.popleft()
+            if queue:
+                self._turns.append(client)
+            else:
+                del self._queues[client]
+            return item
+
+    def worker_gone(self) -> None:
+        """A worker that was counted as started did not run, or stopped without ``take`` seeing no calls."""
+        with self._lock:
+            self._free += 1
+
+    def withdraw(self, client: bytes, item: Any) -> bool:
+        """Take back a call no worker has taken yet; whether it was still waiting."""
+        with self._lock:
+            queue = self._queues.get(client)
+            at = next((i for i, waiting in enumerate(queue or ()) if waiting is item), None)
+            if queue is None or at is None:
+                return False
+            del queue[at]
+            if not queue:
+                del self._queues[client]
+                self._turns.remove(client)
+            return True
 
 
 def _send_tracked(sock: zmq.Socket, frames: list) -> zmq.MessageTracker:
