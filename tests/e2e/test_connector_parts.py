@@ -1079,6 +1079,33 @@ def test_a_dead_server_stops_lookups_only_for_a_while(parts_server):
     s.shutdown()
 
 
+def test_lookups_and_saves_come_back_once_the_server_does(parts_server):
+    """A transport failure switches lookups off for ``retry_after_s``; then one lookup probes the server
+    and, answered, switches them on again. The probe must reach the server: hashing a prompt (which only
+    needs the server's hash algorithm, known since connecting) must not spend the one call the breaker
+    lets through, or lookups (and the saves, whose keys are hashed the same way) stay off for good."""
+    srv = parts_server()
+    s = scheduler(srv.url, retry_after_s=0.3, timeout_s=0.5)
+    toks = tokens(2 * CS + 1, seed=16)
+    assert s.get_num_new_matched_tokens(request("a", toks), 0) == (0, False)  # connected: a miss
+    srv.proc.stop()
+    assert s.get_num_new_matched_tokens(request("b", toks), 0) == (0, False)  # the lookup times out
+    assert not s.pool.breakers[Direction.LOOKUP].up
+    srv.start_again()
+    store(srv.url, toks, 2)  # the restarted server holds the prompt's two chunks
+    time.sleep(0.4)  # past retry_after_s: the next lookup is the probe
+    assert s.get_num_new_matched_tokens(request("c", toks), 0) == (2 * CS, False)
+    assert s.pool.breakers[Direction.LOOKUP].up
+    # Saves are planned again, under the keys the server holds.
+    other = tokens(2 * CS + 1, seed=17)
+    r = request("d", other)
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    s.update_state_after_alloc(r, blocks([1, 2, 3]), 0)
+    m = s.build_connector_meta(step(new=[(r, [1, 2, 3], 0)], scheduled={"d": len(other)}))
+    assert [(op.req_id, op.hashes) for op in m.saves] == [("d", chunk_hashes(other[: 2 * CS], CS))]
+    s.shutdown()
+
+
 def test_a_load_slower_than_the_ttl_keeps_its_lease(parts_server):
     srv = parts_server("--lease-ttl-s", str(TTL_S))
     src, dst = cpu_caches(seed=14), cpu_caches()

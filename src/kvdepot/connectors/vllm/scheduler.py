@@ -36,7 +36,7 @@ from kvdepot.connectors.vllm.media import first_offset, media_extras
 from kvdepot.connectors.vllm.metadata import KVDepotConnectorMetadata, KVDepotWorkerMetadata, LoadOp, SaveOp
 from kvdepot.connectors.vllm.request_state import Locks, Phase, RequestState
 from kvdepot.errors import KVDepotError
-from kvdepot.hashing import chunk_hashes
+from kvdepot.hashing import HashAlgorithm, chunk_hashes
 from kvdepot.layout import KVLayout
 from kvdepot.types import ChunkHash
 
@@ -94,6 +94,13 @@ class ClientPool:
             self._logged = True
             log.info("kvdepot scheduler: %d context(s) on %s, chunk_size %d", len(clients), self.ranks[0].settings.url, self.ranks[0].chunk_size)
         return clients
+
+    def hash_algorithm(self) -> HashAlgorithm | None:
+        """The server's hash algorithm (learnt when connecting), or None while not connected. Asks no
+        breaker: hashing calls nobody, so it must not spend the one call that a switched-off direction
+        lets through to probe the server (``get``), or the probe never reaches it and lookups stay off."""
+        client = self.ranks[0].connected()
+        return client.hash_algorithm if client is not None else None
 
     def failed(self, exc: Exception, what: str) -> None:
         """Count the failure; a transport failure also stops lookups for ``retry_after_s``."""
@@ -340,10 +347,9 @@ class SchedulerSide:
             return []
         if len(st.hashes) >= n_chunks:
             return st.hashes[:n_chunks]
-        clients = self.pool.get()
-        if clients is None:
+        algorithm = self.pool.hash_algorithm()  # (not get(): see hash_algorithm)
+        if algorithm is None:
             return st.hashes
-        algorithm = clients[0].hash_algorithm
         cache = self.hash_cache
         seen = st.request.block_hashes if cache is not None else ()
         if cache is not None:
