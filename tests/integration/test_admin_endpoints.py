@@ -104,3 +104,25 @@ def test_status_lists_tenants_with_their_quotas(make_server, seed):
     assert srv.wait_status(lambda st: len(st["tenants"]) == 1)["tenants"] == [
         {"cache_salt": "blue", "objects": 0, "used_bytes": 0, "quota_bytes": 1 << 20}
     ]
+
+
+def test_status_lists_tenants_with_the_event_bus_off(make_server, seed):
+    """``--event-queue-size 0`` turns the bus off, and the tenant tally was fed only through it: /status
+    (and the dashboard, ``kvdepot status`` and the per-tenant metrics) said every tenant held nothing
+    while L1 held its objects and ``/quota`` counted them against its quota."""
+    srv = make_server("--eviction-policy", "isolated_lru", "--event-queue-size", "0")
+    chunk = LAYOUT.chunk_bytes(CHUNK)
+    assert httpx.put(f"{srv.http}/quota/blue", json={"quota_bytes": 8 * chunk}, timeout=10).status_code == 200
+    with srv.client() as c:
+        for i, (salt, chunks) in enumerate([("blue", 3), (None, 2)]):
+            t = make_tokens(chunks * CHUNK, seed + i)
+            assert c.store(t, make_kv(LAYOUT, len(t), seed + i), cache_salt=salt) == chunks * CHUNK
+    assert srv.status()["l1"]["objects"] == 5
+    assert httpx.get(f"{srv.http}/quota/blue", timeout=10).json()["used_bytes"] == 3 * chunk
+    assert srv.status()["tenants"] == [
+        {"cache_salt": "blue", "objects": 3, "used_bytes": 3 * chunk, "quota_bytes": 8 * chunk},
+        {"cache_salt": "__default__", "objects": 2, "used_bytes": 2 * chunk, "quota_bytes": None},
+    ]
+    assert srv.metric("kvdepot_tenant_used_bytes", cache_salt="blue") == 3 * chunk
+    srv.clear()
+    assert srv.status()["tenants"] == [{"cache_salt": "blue", "objects": 0, "used_bytes": 0, "quota_bytes": 8 * chunk}]

@@ -152,9 +152,16 @@ class Observers:
             self.bus.subscribe("lookup_log", self.lookup_log.handle, LookupLog.KINDS)
 
     def attach(self, storage: StorageManager) -> None:
-        """L1's batches onto the bus, and the tiers' names for KV events' media."""
+        """L1's batches onto the bus (with the bus off, to the tenant tally directly), and the tiers'
+        names for KV events' media."""
         self._storage = storage
-        storage.subscribe(lambda batch: self.bus.publish(L1Changed(tuple(batch))))
+        if self.bus.enabled:
+            storage.subscribe(lambda batch: self.bus.publish(L1Changed(tuple(batch))))
+        else:
+            # --event-queue-size 0: no bus carries L1's batches, and the tally fed only through it said every
+            # tenant held nothing (/status, the dashboard, the tenant metrics) while /quota counted its bytes.
+            # Fed directly instead: quick, its own lock, and made for batches in any order.
+            storage.subscribe(self.tenants.on_events)
         if self.kv_events is not None:
             self.kv_events.name_tiers(storage.tier_names())
             self.bus.subscribe("kv_events", self.kv_events.handle, KVEventsPublisher.KINDS)
