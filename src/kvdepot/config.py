@@ -167,6 +167,8 @@ class StorageConfig(ConfigStruct, frozen=True, kw_only=True):
     def _check_together(self) -> None:
         if self.low_watermark > self.high_watermark:
             raise ConfigError("need --low-watermark <= --high-watermark")
+        if self.l2_placement is Placement.SKIP_L1 and not self.l2:
+            raise ConfigError("--l2-placement skip_l1 drops objects from L1 once every L2 tier has them: it needs an --l2 tier")
 
     @property
     def l1_size_bytes(self) -> int:

@@ -98,11 +98,12 @@ def test_every_eviction_policy_name_has_its_policy():
 
 
 def test_a_plain_string_in_code_becomes_the_member():
-    config = StorageConfig(eviction_policy="noop", hash_algorithm="blake3", l2_placement="skip_l1")
+    config = StorageConfig(eviction_policy="noop", hash_algorithm="blake3", l2_placement="skip_l1", l2=("memory:size_gb=1",))
     assert config.eviction_policy is EvictionPolicyName.NOOP
     assert config.hash_algorithm is HashAlgorithm.BLAKE3
     assert config.l2_placement is Placement.SKIP_L1
-    assert config == StorageConfig(eviction_policy=EvictionPolicyName.NOOP, hash_algorithm=HashAlgorithm.BLAKE3, l2_placement=Placement.SKIP_L1)
+    assert config == StorageConfig(eviction_policy=EvictionPolicyName.NOOP, hash_algorithm=HashAlgorithm.BLAKE3, l2_placement=Placement.SKIP_L1,
+                                   l2=("memory:size_gb=1",))
 
 
 @pytest.mark.parametrize("kind", sorted(adapter_types()))
@@ -120,6 +121,7 @@ def test_every_tier_config_is_a_config_struct_with_help_for_each_key(kind):
         (lambda: StorageConfig(l1_size_gb=float("nan")), "--l1-size-gb"),
         (lambda: StorageConfig(eviction_policy="fifo"), "--eviction-policy"),
         (lambda: StorageConfig(l2_placement="nowhere"), "--l2-placement"),
+        (lambda: StorageConfig(l2_placement="skip_l1"), "--l2-placement"),  # with no tier, it means nothing
         (lambda: StorageConfig(low_watermark=0.9, high_watermark=0.5), "--low-watermark"),
         (lambda: RpcConfig(workers=True), "--workers"),
         (lambda: RpcConfig(port=0), "--port"),
