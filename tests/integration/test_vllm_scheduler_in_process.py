@@ -51,6 +51,7 @@ def scheduler(hits: int = 0, hash_cache: bool = True):
     side = SchedulerSide(ConnectorConfig(url="tcp://127.0.0.1:1", chunk_size=CS), "m", KVLayout(2, 2, 64, "bfloat16"), BS, 1, hash_cache=cache)
     client = TableClient(hits)
     side.pool.get = lambda: [client]
+    side.pool.hash_algorithm = lambda: client.hash_algorithm  # connected: what hashing reads, asking no breaker
     return side
 
 
