@@ -213,6 +213,25 @@ def test_prepare_retrieve_limit_caps_the_chunks_locked(srv, seed, limit, expecte
         assert srv.status()["leases"] == 0
 
 
+def test_a_session_whose_client_freed_every_lock_is_not_counted_as_expired(srv, seed):
+    """The vLLM connector frees a hit's locks once its workers have loaded it (or vLLM's own cache had
+    it all), and ends the session when the request finishes, often long after. The server's sweep
+    took such a session, whose lease ended with its last freed lock, for one nobody ended and counted
+    it in ``request_failures.sessions_expired``: a failure on every hit, though no request recomputed."""
+    with srv.client() as c:
+        tokens, _ = _stored(c, 3, seed)
+        hashes = c.hashes(tokens)
+        assert c.lookup_chunks(hashes, session_id="loaded") == 3
+        assert c.free_lookup_locks("loaded", 0, 1) == 1
+        assert c.free_lookup_locks("loaded", 1) == 2  # the last lock: the lease ends
+        wait_until(lambda: srv.status()["sessions"] == 0, 10, what="the freed session to go")
+        st = srv.status()
+        assert st["request_failures"]["sessions_expired"] == 0, st["request_failures"]
+        assert (st["leases"], st["l1"]["read_locked"]) == (0, 0)
+        c.end_session("loaded")  # the request finishes
+        assert srv.status()["request_failures"]["sessions_expired"] == 0
+
+
 def test_a_session_nobody_ends_goes_with_its_lock_and_a_renewed_one_stays(make_server, seed):
     """An engine that gave up on a LOOKUP's reply never ends its session: the server drops it once its
     lock has expired (it used to keep it for the client's lifetime), while a session whose locks the

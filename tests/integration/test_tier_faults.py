@@ -235,6 +235,38 @@ def test_a_prefetch_too_slow_for_its_window_is_that_requests_miss_not_a_transpor
             os.kill(own_valkey.proc.pid, signal.SIGCONT)
 
 
+def test_a_prefetch_whose_lookup_gave_up_loads_nothing_and_holds_no_l1_space(own_valkey, make_server, seed):
+    """Lookups whose prefetch from a hung tier ran past their window ended their sessions (SGLang's
+    budget ran out, vLLM aborted the request). Their prefetches went on all the same once the tier
+    answered: each reserved L1 space and loaded its prefix from the tier, for nobody, ahead of the
+    prefetches somebody still waited for. A prefetch whose session ended does no more tier work."""
+    from kvdepot.errors import PrefetchTooSlow
+    from kvdepot.hashing import chunk_hashes
+
+    from support.tiers import prefetch_stats
+
+    srv = start_tier_server(make_server, valkey_spec(own_valkey.url, name="slow", socket_timeout_s=30), extra=("--l2-placement", "skip_l1"))
+    given_up = [make_prompt(3, seed + i) for i in range(4)]
+    with srv.client(timeout_s=0.5) as c:
+        for p in given_up:
+            store_full(c, p)
+        wait_until(lambda: srv.status()["l1"]["objects"] == 0, timeout_s=30)  # only the tier holds them now
+        pause(own_valkey.proc.pid)
+        try:
+            for p in given_up:
+                with pytest.raises(PrefetchTooSlow):
+                    c.link.stored_chunks(chunk_hashes(p.tokens, p.chunk), "")  # ends its session
+        finally:
+            os.kill(own_valkey.proc.pid, signal.SIGCONT)
+        wait_until(lambda: prefetch_stats(srv.status())["running"] == 0, timeout_s=60, what="the prefetches to end")
+        st = srv.status()
+        assert tier_of(st, "slow")["loaded"] == 0, "prefetches nobody waited for loaded from the tier"
+        assert (st["l1"]["objects"], st["leases"], st["sessions"]) == (0, 0, 0)
+        assert prefetch_stats(st)["chunks_loaded"] == 0
+    with srv.client(timeout_s=30) as c:  # a lookup that waits still gets its prefix
+        assert_served_whole(c, given_up[0])
+
+
 def test_a_poll_whose_timer_fires_a_hair_before_the_window_ends_is_still_that_requests_miss(own_valkey, make_server, seed):
     """ZeroMQ's receive timer counts whole milliseconds, so a poll whose wait ends at the lookup's
     deadline can give up just before it: that too is the slow prefetch (PrefetchTooSlow), not a server

@@ -506,6 +506,40 @@ def test_a_prefetch_while_a_delete_waits_on_its_tier_does_not_bring_the_deleted_
     assert m.lookup(ks) == 0 and l1(m).objects == 0
 
 
+def test_a_prefetch_while_a_clear_waits_on_its_tier_does_not_bring_the_cleared_back(make_manager):
+    """A clear of everything empties L1, then waits for the tiers: a lookup's prefetch that ran in
+    between loaded the tier's copy back into L1 before the tier cleared it, and the cleared KV stayed
+    servable after the clear had answered (a DELETE of a prefix takes a second L1 pass for this; a
+    clear took none)."""
+    m = make_manager(TIER)
+    ks = keys("p", 3)
+    store(m, ks, fill=1)
+    wait_for("write-through", tier_settled(m, 3))
+    assert m.clear(ClearScope.L1) == ClearResult(3, {})
+    tier = m._tiers[0]
+    clearing, go = threading.Event(), threading.Event()
+    clear_all = tier._clear
+
+    def slow_clear():
+        clearing.set()
+        assert go.wait(WAIT_S)
+        return clear_all()
+
+    tier._clear = slow_clear
+    result: list = []
+    clearer = threading.Thread(target=lambda: result.append(m.clear(ClearScope.ALL)))
+    clearer.start()
+    assert clearing.wait(WAIT_S)
+    loaded = threading.Event()
+    assert m.prefetch(ks, 0, SIZE, "", lambda p: loaded.set()) is True  # a lookup while the tier clears
+    assert loaded.wait(WAIT_S)
+    go.set()
+    clearer.join(WAIT_S + 5)
+    assert result and result[0].tiers_removed == {TIER_NAME: 3}
+    assert m.lookup(ks) == 0, "the cleared KV is back in L1 after the clear answered"
+    assert l1(m).objects == 0 and l1(m).leases == 0
+
+
 def test_prefetch_without_tiers_says_so(make_manager):
     m = make_manager()
     called: list[int] = []

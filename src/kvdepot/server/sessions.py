@@ -19,8 +19,11 @@
 - ENDED: the session is out of the table; its lease went to whoever ended it (the caller releases it,
   or a retrieve owns it from then on). Nothing moves an ended session.
 
+A LOCKED session whose client freed every one of its locks (FREE_LOOKUP_LOCKS) ends then: the client
+let go of it, and its END_SESSION, which may come much later, finds nothing to do.
+
 A session nobody ends (an engine that gave up on the LOOKUP's reply, a client that forgot it) expires:
-a LOCKED one as soon as its lease is gone (expired unrenewed, or every lock freed), a KNOWN one after an
+a LOCKED one as soon as its lease is gone (expired unrenewed), a KNOWN one after an
 idle TTL, a PREFETCHING one once its prefetch has had its own bound on top. Without that, each would stay
 in the table for the client's lifetime, and a later retrieve under its id would take over a dead lease.
 
@@ -158,6 +161,12 @@ class SessionTable:
             lease, locked = lock_prefix(keys)
             return session.lock_prefetched(lease, keys[:locked])
 
+    def prefetching(self, key: Key, session: Session) -> bool:
+        """Is ``session`` still the one under ``key``, waiting for its prefetch? (False once it ended,
+        expired or was replaced: nobody waits for that prefetch any more.)"""
+        with self._lock:
+            return self._sessions.get(key) is session and session.state is SessionState.PREFETCHING
+
     def answer(self, key: Key) -> PrefetchAnswer | None:
         """QUERY_PREFETCH_STATUS: the hit count (None while PREFETCHING); a KNOWN session ends once it
         has been answered. None when there is no such session."""
@@ -190,6 +199,18 @@ class SessionTable:
         with self._lock:
             session = self._sessions.get(key)
             return session.lease_id if session is not None and session.state is SessionState.LOCKED else NO_LEASE
+
+    def freed(self, key: Key, lease: LeaseId) -> bool:
+        """FREE_LOOKUP_LOCKS freed the last lock of ``lease``: the LOCKED session it held ends now (the
+        client let go of all of it; it was not abandoned, so the sweep must not count it as expired).
+        False when the session is another one by now (replaced, or a retrieve took it over)."""
+        with self._lock:
+            session = self._sessions.get(key)
+            if session is None or session.state is not SessionState.LOCKED or session.lease_id != lease:
+                return False
+            del self._sessions[key]
+            session.end()
+            return True
 
     def end(self, key: Key) -> LeaseId:
         """END_SESSION: the session is gone; returns its lease for the caller to release."""

@@ -343,13 +343,15 @@ class StorageManager:
         return self._arena.buffer[offset : offset + size]
 
     def prefetch(self, keys: list[ObjectKey], start: int, size: int, salt: str, on_done: Callable[[Prefetched], None],
-                 hints: LookupHints | None = None) -> bool:  # fmt: skip
+                 hints: LookupHints | None = None, wanted: Callable[[], bool] | None = None) -> bool:  # fmt: skip
         """Fetch ``keys[start:]`` from the tiers into L1 in the background; ``on_done`` (on the tier
         driver's thread) gets how many more leading chunks are now in L1, and from which tiers
-        (``Prefetched``). ``hints`` go to the tiers' lookups. False: there are no tiers."""
+        (``Prefetched``). ``hints`` go to the tiers' lookups. ``wanted()`` (on the driver's thread):
+        does anyone still wait for it? Once not, it asks no more tiers and loads nothing more, and
+        ``on_done`` gets what it had. False: there are no tiers."""
         if self._prefetcher is None:
             return False
-        self._prefetcher.submit(PrefetchJob(keys, start, size, salt, on_done, hints))
+        self._prefetcher.submit(PrefetchJob(keys, start, size, salt, on_done, hints, wanted))
         return True
 
     # --- leases --------------------------------------------------------------------------------------
@@ -396,8 +398,13 @@ class StorageManager:
         """Empty L1, the tiers, or both. Locked L1 objects go when their last lock does; a tier's clear
         is waited for at most TIER_CLEAR_WAIT_S (-1 in the result when it failed or took longer)."""
         with self._push_order():
+            on_tiers = scope in (ClearScope.TIERS, ClearScope.ALL)
+            if on_tiers and self._prefetcher is not None:
+                # Before L1 is emptied: a prefetch loading a tier's copy meanwhile must not bring it back.
+                for i in range(len(self._tiers)):
+                    self._prefetcher.tier_clear_begins(i)
             l1 = self._table.clear(lambda: self._protections.let_go(None)) if scope in (ClearScope.L1, ClearScope.ALL) else 0
-            futures = self._submit_on_every_tier(lambda tier: tier.submit_clear()) if scope in (ClearScope.TIERS, ClearScope.ALL) else []
+            futures = self._submit_on_every_tier(lambda tier: tier.submit_clear(), self._prefetcher_clear_ended) if on_tiers else []
         return ClearResult(l1, self._await_tiers(futures))
 
     def delete(self, keys: Sequence[ObjectKey], scope: ClearScope = ClearScope.ALL) -> DeleteResult:
@@ -423,15 +430,25 @@ class StorageManager:
         delete (which then voids it) or finds the objects gone (it pushes none of them)."""
         return self._store.submitting if self._store is not None else contextlib.nullcontext()
 
-    def _submit_on_every_tier(self, submit: Callable) -> list[tuple[str, Future]]:
-        """Submit one task to every tier: (tier name, the future of its result) each."""
+    def _submit_on_every_tier(self, submit: Callable, ended: Callable[[int], None] | None = None) -> list[tuple[str, Future]]:
+        """Submit one task to every tier: (tier name, the future of its result) each. ``ended(i)`` is
+        called once tier ``i``'s task has ended (or could not be submitted)."""
         if self._driver is None:
             return []
         futures = []
         for i, tier in enumerate(self._tiers):
             fut: Future = Future()
-            with self._clears_lock:
-                self._clears[(i, submit(tier))] = fut
+            if ended is not None:
+                fut.add_done_callback(lambda _, i=i: ended(i))
+            try:
+                with self._clears_lock:  # submitted under it: its result cannot be taken before it is registered
+                    self._clears[(i, submit(tier))] = fut
+            except BaseException:
+                fut.cancel()  # (its ``ended``, and those of the tiers not reached, run now)
+                if ended is not None:
+                    for j in range(i + 1, len(self._tiers)):
+                        ended(j)
+                raise
             futures.append((tier.name, fut))
         self._driver.wake()
         return futures
@@ -447,6 +464,10 @@ class StorageManager:
             except FutureTimeout:
                 tiers[name] = -1
         return tiers
+
+    def _prefetcher_clear_ended(self, tier: int) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.tier_clear_ended(tier)
 
     def _clear_step(self, results: list[tuple[int, TaskResult]]) -> None:
         for tier_index, result in results:

@@ -80,7 +80,9 @@ class LookupModule:
             self._prefetched(key, session, client, hits + p.chunks)
 
         hints = LookupHints(body.source_hint, context.chunk_size, body.prefill_tokens_per_s)
-        self.storage.prefetch(keys, hits, context.chunk_bytes, body.cache_salt, done, hints)
+        # Once the session ends (END_SESSION: the engine gave up on it; its context or client gone;
+        # replaced by a new lookup), nobody waits for the prefetch: it loads nothing more.
+        self.storage.prefetch(keys, hits, context.chunk_bytes, body.cache_salt, done, hints, lambda: self.ctx.sessions.prefetching(key, session))
         return Reply(m.LookupReply(hits=None, locked=lease != NO_LEASE, in_l1=hits))
 
     def _answered(self, context: Context, asked: int, found: dict[str, int]) -> None:
@@ -112,7 +114,8 @@ class LookupModule:
     def free_lookup_locks(self, call: Call) -> Reply:
         body: m.FreeLookupLocksRequest = call.body
         context = self.ctx.context_of(body.context_id, call.client)
-        lease = self.ctx.sessions.lease((context.id, body.session_id))
+        key: Key = (context.id, body.session_id)
+        lease = self.ctx.sessions.lease(key)
         if not lease:
             return Reply(m.FreeLookupLocksReply(released=0))
         end = None if body.end < 0 else body.end
@@ -126,6 +129,11 @@ class LookupModule:
             # would make an engine stop caching for everyone.
             self.ctx.metrics.request_failures.labels("lease_expired_frees").inc()
             released = 0
+        if released and not self.storage.lease_active(lease):
+            # That was its last lock: the session ends here, let go of by its client (the vLLM connector
+            # frees a hit's locks once loaded and ends the session when the request finishes). Left in the
+            # table, the sweep took it for one nobody ended and counted it in sessions_expired.
+            self.ctx.sessions.freed(key, lease)
         return Reply(m.FreeLookupLocksReply(released=released))
 
     def renew_leases(self, call: Call) -> Reply:

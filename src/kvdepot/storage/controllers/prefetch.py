@@ -61,6 +61,9 @@ class PrefetchJob:
     salt: str
     on_done: Callable[[Prefetched], None]
     hints: LookupHints | None = None  # what the engine told its lookup (a router's hint, its prefill rate)
+    # Does anyone still wait for it? (its lookup's session was not ended: None, always). Asked before each
+    # tier is asked and before each load: a job nobody waits for ends there, with what it has.
+    wanted: Callable[[], bool] | None = None
     state: PrefetchState = PrefetchState.LOOKUP
     tier: int = 0
     found: int = 0  # chunks the current tier holds (and pinned) from ``start`` on
@@ -68,6 +71,7 @@ class PrefetchJob:
     loaded: int = 0  # chunks supplied so far, from the first start on
     lease: LeaseId = NO_LEASE
     load_keys: list[ObjectKey] = field(default_factory=list)
+    load_clears: int = -1  # the tier's clears begun when this load was submitted; -1: one was running then
     by_tier: dict[int, int] = field(default_factory=dict)  # tier index -> chunks it supplied
 
     def _require(self, *states: PrefetchState) -> None:
@@ -125,7 +129,24 @@ class PrefetchController:
         self._lock = threading.Lock()
         self._incoming: deque[PrefetchJob] = deque()
         self._tasks: dict[tuple[int, int], PrefetchJob] = {}
+        # Per tier: its clears begun, and those not ended yet. A load that overlapped a clear (submitted
+        # while one ran, or one began before it ended) may have read what the clear removes: it publishes
+        # nothing, or a clear of everything would find the cleared KV back in L1 once it answered.
+        self._clears_begun = [0] * len(self._tiers)
+        self._clears_running = [0] * len(self._tiers)
         self.stats = PrefetchStats()
+
+    def tier_clear_begins(self, tier: int) -> None:
+        """A clear of tier ``tier`` is about to be submitted (before L1 is emptied, for a clear of both):
+        what a load from it brings back from now until ``tier_clear_ended`` is not kept."""
+        with self._lock:
+            self._clears_begun[tier] += 1
+            self._clears_running[tier] += 1
+
+    def tier_clear_ended(self, tier: int) -> None:
+        """That clear's task ended (done, failed, or never run)."""
+        with self._lock:
+            self._clears_running[tier] -= 1
 
     def submit(self, job: PrefetchJob) -> None:
         with self._lock:
@@ -164,9 +185,15 @@ class PrefetchController:
             if job.state is not PrefetchState.DONE:
                 self._finish(job)
 
+    @staticmethod
+    def _abandoned(job: PrefetchJob) -> bool:
+        """Nobody waits for this job any more (its session ended: the engine gave up on the lookup).
+        Its loads would reserve L1 space and keep the tier busy ahead of jobs somebody waits for."""
+        return job.wanted is not None and not job.wanted()
+
     def _ask(self, job: PrefetchJob) -> None:
         """Ask the job's current tier how many of the missing chunks it holds."""
-        if job.tier >= len(self._tiers) or job.start >= len(job.keys):
+        if job.tier >= len(self._tiers) or job.start >= len(job.keys) or self._abandoned(job):
             self._finish(job)
             return
         task = self._tiers[job.tier].submit_lookup_and_lock(job.keys[job.start :], job.hints)
@@ -179,6 +206,10 @@ class PrefetchController:
             self._ask(job)
             return
         wanted = job.keys[job.start : job.start + result.value]
+        if self._abandoned(job):
+            self._unlock(job, wanted)  # the pins the tier's lookup took
+            self._finish(job)
+            return
         # The leading chunks already in L1 (the lookup's, and what earlier tiers supplied) are the prefix
         # this load extends: making room by evicting them would load chunks past a gap (a lock-free
         # lookup's count would then name chunks no retrieve can get).
@@ -195,6 +226,8 @@ class PrefetchController:
             self._advance(job, usable, complete=usable == len(wanted), from_tier=False)
             return
         job.start_load(res.lease_id, load_keys, len(wanted), usable)
+        with self._lock:
+            job.load_clears = -1 if self._clears_running[job.tier] else self._clears_begun[job.tier]
         task = self._tiers[job.tier].submit_load(job.load_keys, dests)
         with self._lock:
             self._tasks[(job.tier, task)] = job
@@ -204,7 +237,12 @@ class PrefetchController:
         loaded = {k for k, ok in zip(job.load_keys, result.value) if ok}
         self._unlock(job, job.keys[job.start : job.start + job.found])  # every pin the tier took, used or not
         try:
-            published = self._table.finish_write(job.lease, PREFETCH_OWNER, loaded)
+            # Under the lock a clear's begin takes: either this publishes before a clear of L1 that
+            # follows it (which removes it), or it sees the clear and publishes nothing.
+            with self._lock:
+                if job.load_clears < 0 or job.load_clears != self._clears_begun[job.tier]:
+                    loaded = set()  # it may have read what a clear of the tier removed meanwhile
+                published = self._table.finish_write(job.lease, PREFETCH_OWNER, loaded)
         except KVDepotError as exc:
             # The load outlived its lease (a backend that hung for BACKGROUND_LEASE_TTL_S): nothing of it
             # was published, and the lookup still gets its answer.
