@@ -142,9 +142,11 @@ def test_load_plan_skips_what_vllm_holds_and_locks_follow_the_load(parts_server,
     assert s.build_connector_meta(step(cached=[(req, [], 4 * cs + 10)], scheduled={"r1": 1})).loads == []  # planned once
     s.update_connector_output(worker_meta(*meta.loads))
     st = srv.status()
-    assert st["l1"]["read_locked"] == 0 and st["sessions"] == 1
-    s.request_finished(req)
-    assert srv.status()["sessions"] == 0
+    # every lock freed: the session ended with its last one (not left to the sweep, which would count it expired)
+    assert st["l1"]["read_locked"] == 0 and st["sessions"] == 0
+    s.request_finished(req)  # its END_SESSION finds nothing to do
+    st = srv.status()
+    assert st["sessions"] == 0 and st["request_failures"].get("sessions_expired", 0) == 0, st["request_failures"]
     s.shutdown()
 
 
@@ -1103,6 +1105,35 @@ def test_lookups_and_saves_come_back_once_the_server_does(parts_server):
     s.update_state_after_alloc(r, blocks([1, 2, 3]), 0)
     m = s.build_connector_meta(step(new=[(r, [1, 2, 3], 0)], scheduled={"d": len(other)}))
     assert [(op.req_id, op.hashes) for op in m.saves] == [("d", chunk_hashes(other[: 2 * CS], CS))]
+    s.shutdown()
+
+
+def test_an_outage_is_said_once_and_its_end_once(parts_server, caplog):
+    """A server that stays away is one warning (lookups switched off), not one per probe that finds it
+    still away; and once it answers again, that lookups are back on is said, once."""
+    srv = parts_server()
+    s = scheduler(srv.url, retry_after_s=0.2, timeout_s=1.5)  # (a loaded machine: no timeout once it is back)
+    toks = tokens(2 * CS + 1, seed=18)
+    assert s.get_num_new_matched_tokens(request("a", toks), 0) == (0, False)  # connected: a miss
+    srv.proc.stop()
+    with caplog.at_level(logging.DEBUG, logger="kvdepot"):
+        for i in range(3):  # the first lookup times out; so does each later one, a probe
+            assert s.get_num_new_matched_tokens(request(f"down{i}", toks), 0) == (0, False)
+            time.sleep(0.25)  # past retry_after_s: the next lookup is a probe
+        assert s.pool.tally.counts[("lookup", "transport")] == 3
+        srv.start_again()
+        deadline = time.monotonic() + 10
+        while not s.pool.breakers[Direction.LOOKUP].up and time.monotonic() < deadline:
+            s.get_num_new_matched_tokens(request(f"up{time.monotonic()}", toks), 0)
+            time.sleep(0.05)
+        for i in range(3):  # on again: nothing more is said
+            s.get_num_new_matched_tokens(request(f"more{i}", toks), 0)
+    assert s.pool.breakers[Direction.LOOKUP].up
+    said = [r for r in caplog.records if r.levelno >= logging.INFO and r.name.startswith("kvdepot.connectors")]
+    off = [r for r in said if "no lookups for" in r.getMessage()]
+    back = [r for r in said if "lookups back on" in r.getMessage()]
+    assert len(off) == 1 and off[0].levelno == logging.WARNING, [r.getMessage() for r in said]
+    assert len(back) == 1 and back[0].levelno == logging.INFO, [r.getMessage() for r in said]
     s.shutdown()
 
 
