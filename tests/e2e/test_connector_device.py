@@ -8,6 +8,8 @@ ops, the same checks, every byte compared.
 from __future__ import annotations
 
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -188,6 +190,43 @@ def test_cuda_ipc_asked_for_and_not_offered_is_a_miss_said_in_the_log(make_serve
     src.close()
 
 
+def test_the_server_driven_path_comes_back_once_the_server_does(server):
+    """Loads and saves that the server moves itself (cuda_ipc; a host cache file on the CPU) switch off
+    for ``retry_after_s`` after a transport failure, like any other; then one of each probes the server
+    and, answered, switches its direction on again. The server's answer to RETRIEVE_BLOCKS and
+    STORE_BLOCKS must count as the direction's: else each probe is served and the direction stays off,
+    one transfer per ``retry_after_s`` let through and every other one a miss, until the engine restarts."""
+    import time
+
+    from kvdepot.connectors.common import Direction
+
+    caches = Caches("cpu", "kv_first", server_shm(server), True, seed=12)
+    w = worker(server.url, caches, transport="cuda_ipc", retry_after_s=0.2, timeout_s=1.5)  # (a loaded machine: no timeout once it is back)
+    assert w.device.path == "host_file"
+    save, load = ops(12, 2, [4, 5, 6, 7, 10, 11, 2, 13], [12, 1, 8, 3, 0, 15, 9, 14])
+    server.proc.stop()
+    save_now(w, meta(saves=[save]))  # times out: saves are off for a while
+    run_load_step(w, "sync", load, list(caches.by_name))  # times out: loads are off for a while
+    assert w.take_load_errors() == set(load.block_ids)
+    assert not w.breakers[Direction.SAVE].up and not w.breakers[Direction.LOAD].up
+    server.start_again()
+    deadline = time.monotonic() + 10  # many retry intervals
+    while not (w.breakers[Direction.SAVE].up and w.breakers[Direction.LOAD].up) and time.monotonic() < deadline:
+        save_now(w, meta(saves=[save]))
+        run_load_step(w, "sync", load, list(caches.by_name))
+        w.take_load_errors()
+        time.sleep(0.05)
+    assert w.breakers[Direction.SAVE].up, "saves never came back after the server did"
+    assert w.breakers[Direction.LOAD].up, "loads never came back after the server did"
+    # Back for good: the next load (and the save before it) go through, not one per retry interval.
+    save_now(w, meta(saves=[save]))
+    run_load_step(w, "sync", load, list(caches.by_name))
+    assert w.take_load_errors() == set()
+    assert all(torch.equal(a, b) for a, b in zip(caches.blocks(save.block_ids[1:]), caches.blocks(load.block_ids[1:])))
+    w.shutdown()
+    caches.close()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("transport", ["cuda_ipc", "shm"])
 def test_fp8_caches_and_tensor_parallel_ranks_keep_their_own_chunks(server, device, transport):
@@ -216,3 +255,37 @@ def test_fp8_caches_and_tensor_parallel_ranks_keep_their_own_chunks(server, devi
     assert not all(torch.equal(a, b) for a, b in zip(dsts[0].blocks([0, 1, 2, 3]), dsts[1].blocks([0, 1, 2, 3])))
     for c in srcs + dsts:
         c.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_loads_come_back_once_the_server_does(server, transport):
+    """A load that times out switches loads off for ``retry_after_s``; then one load probes the server
+    and, answered, switches them on again. On the worker's own path (the mover copies: shm, inline) the
+    probe must reach the server: asking for the path must not spend the one load the breaker lets
+    through and leave the retrieve itself turned away, or loads stay off for good."""
+    from kvdepot.connectors.common import Direction
+
+    shm = server_shm(server)
+    src = Caches("cpu", "kv_first", shm, False, seed=8)
+    dst = Caches("cpu", "kv_first", shm, False, None)
+    reader = worker(server.url, dst, transport=transport, retry_after_s=0.2, timeout_s=1.5)  # (a loaded machine: no timeout once it is back)
+    save, load = ops(8, 2, [4, 5, 6, 7, 10, 11, 2, 13], [12, 1, 7, 3, 0, 5, 9, 14])
+    server.proc.stop()
+    run_load_step(reader, "sync", load, list(dst.by_name))  # the load times out: its blocks are recomputed
+    assert reader.take_load_errors() == set(load.block_ids)
+    assert not reader.breakers[Direction.LOAD].up
+    server.start_again()
+    writer = worker(server.url, src, transport=transport)
+    save_now(writer, meta(saves=[save]))  # the restarted server holds the chunks
+    deadline = time.monotonic() + 10  # many retry intervals
+    while True:
+        run_load_step(reader, "sync", load, list(dst.by_name))
+        if not reader.take_load_errors() or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert reader.breakers[Direction.LOAD].up, "loads never came back after the server did"
+    assert all(torch.equal(a, b) for a, b in zip(src.blocks(save.block_ids), dst.blocks(load.block_ids)))
+    writer.shutdown()
+    reader.shutdown()
+    src.close()
+    dst.close()

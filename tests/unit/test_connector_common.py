@@ -50,9 +50,11 @@ def test_a_transport_failure_switches_one_direction_off_until_a_probe_is_answere
 
 
 def test_every_request_a_connector_sends_closes_its_own_direction():
-    # the requests of each direction (what the vLLM and SGLang connectors send for it)
-    assert {t.name for t, d in DIRECTION_OF.items() if d is Direction.LOAD} == {"PREPARE_RETRIEVE", "COMMIT_RETRIEVE", "RETRIEVE_INLINE"}
-    assert {t.name for t, d in DIRECTION_OF.items() if d is Direction.SAVE} == {"PREPARE_STORE", "COMMIT_STORE", "STORE_INLINE"}
+    # the requests of each direction (what the vLLM and SGLang connectors send for it; the vLLM worker's
+    # server-driven path sends RETRIEVE_BLOCKS and STORE_BLOCKS)
+    assert {t.name for t, d in DIRECTION_OF.items() if d is Direction.LOAD} == {"PREPARE_RETRIEVE", "COMMIT_RETRIEVE", "RETRIEVE_INLINE",
+                                                                                "RETRIEVE_BLOCKS"}  # fmt: skip
+    assert {t.name for t, d in DIRECTION_OF.items() if d is Direction.SAVE} == {"PREPARE_STORE", "COMMIT_STORE", "STORE_INLINE", "STORE_BLOCKS"}
     assert DIRECTION_OF[m.RequestType.REGISTER_CONTEXT] is Direction.CONNECT
     assert DIRECTION_OF[m.RequestType.LOOKUP] is Direction.LOOKUP
 

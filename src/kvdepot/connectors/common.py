@@ -159,6 +159,11 @@ DIRECTION_OF: dict[RequestType, Direction] = {
     RequestType.PREPARE_STORE: Direction.SAVE,
     RequestType.COMMIT_STORE: Direction.SAVE,
     RequestType.STORE_INLINE: Direction.SAVE,
+    # the server-driven path (the server moves a worker's blocks: cuda_ipc, host cache files): without
+    # these, a probe on that path was served and closed nothing, so its direction let one transfer
+    # through per retry interval, and turned the others away, for as long as the engine ran
+    RequestType.RETRIEVE_BLOCKS: Direction.LOAD,
+    RequestType.STORE_BLOCKS: Direction.SAVE,
 }
 
 
@@ -168,6 +173,8 @@ class Breakers:
 
     def __init__(self, retry_after_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._by = {d: CircuitBreaker(retry_after_s, clock) for d in Direction}
+        # Told once each time a switched-off direction is answered again (``ResilientClient``: the log).
+        self.on_recovered: Callable[[Direction], None] | None = None
 
     def __repr__(self) -> str:
         return f"Breakers(down={sorted(d.value for d, b in self._by.items() if not b.up)})"
@@ -179,14 +186,15 @@ class Breakers:
         """May a call in ``direction`` go to the server now? (while it is down: one probe per interval)"""
         return self._by[direction].admit()
 
-    def failed(self, direction: Direction, error: str) -> None:
-        self._by[direction].failed(error)
+    def failed(self, direction: Direction, error: str) -> bool:
+        """Switch ``direction`` off; True if it was on until now (worth saying)."""
+        return self._by[direction].failed(error)
 
     def answered(self, rtype: RequestType) -> None:
         """The server answered a request (``RpcChannel.answered``): its direction works."""
         direction = DIRECTION_OF.get(rtype)
-        if direction is not None:
-            self._by[direction].succeeded()
+        if direction is not None and self._by[direction].succeeded() and self.on_recovered is not None:
+            self.on_recovered(direction)
 
 
 class FailureTally:
@@ -201,7 +209,11 @@ class FailureTally:
         self.counts: Counter[tuple[str, str]] = Counter()
         self._last_summary = 0.0
 
-    def add(self, direction: Direction, exc: BaseException, what: str, retry_after_s: float | None = None) -> str:
+    def add(self, direction: Direction, exc: BaseException, what: str, retry_after_s: float | None = None, switched_off: bool = True) -> str:
+        """Count a failure and say it. ``switched_off``: a transport failure that switched its direction
+        off (said as a warning); one of a direction that was off already (a probe that failed) is counted,
+        and said at debug only: an outage is one warning, then its recovery one line (``recovered``),
+        not a warning every ``retry_after_s`` for as long as it lasts."""
         cls = failure_class(exc)
         key = (direction.value, cls)
         with self._lock:
@@ -213,7 +225,8 @@ class FailureTally:
                 self._last_summary = now
                 totals = ", ".join(f"{d} {c}: {n}" for (d, c), n in sorted(self.counts.items()))
         if cls == "transport":
-            self._log.warning(
+            self._log.log(
+                logging.WARNING if switched_off else logging.DEBUG,
                 "%s: %s failed (%s); no %ss for %.1fs, everything else goes on", self._name, what, exc, direction.value, retry_after_s or 0.0
             )
         elif first:
@@ -221,6 +234,13 @@ class FailureTally:
         if summary:
             self._log.info("%s: failures so far: %s", self._name, totals)
         return cls
+
+    def recovered(self, direction: Direction) -> None:
+        """A switched-off direction was answered again: said once, with the failures it counted so far."""
+        with self._lock:
+            failed = self.counts[(direction.value, "transport")]
+        what = "connecting" if direction is Direction.CONNECT else f"{direction.value}s"
+        self._log.info("%s: %s back on, the server answers again (%d transport failure(s) so far)", self._name, what, failed)
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
@@ -267,6 +287,8 @@ class ResilientClient:
         )
         self.breakers = breakers or Breakers(settings.retry_after_s)
         self.tally = tally or FailureTally(logging.getLogger(__name__), "kvdepot")
+        if self.breakers.on_recovered is None:  # (ranks sharing one set of breakers share one tally too)
+            self.breakers.on_recovered = self.tally.recovered
         self._connect_lock = threading.Lock()  # SGLang calls from its prefetch and backup threads at once
         self.client: KVClient | None = None
 
@@ -303,10 +325,10 @@ class ResilientClient:
         return client
 
     def failed(self, direction: Direction, exc: BaseException, what: str) -> str:
-        """Count the failure; a transport failure also switches ``direction`` off for a while."""
-        if is_transport_failure(exc):
-            self.breakers.failed(direction, str(exc))
-        return self.tally.add(direction, exc, what, self.settings.retry_after_s)
+        """Count the failure; a transport failure also switches ``direction`` off for a while (said when
+        it goes off, not again at each probe that fails while it is off)."""
+        switched_off = self.breakers.failed(direction, str(exc)) if is_transport_failure(exc) else False
+        return self.tally.add(direction, exc, what, self.settings.retry_after_s, switched_off=switched_off)
 
     def close(self) -> None:
         if self.client is not None:

@@ -240,7 +240,7 @@ class WorkerSide:
                      op.req_id, len(views), copied / 2**20, (time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3, (t2 - t1) * 1e3)  # fmt: skip
 
     @contextmanager
-    def retrieve(self, op: LoadOp) -> Iterator[list[np.ndarray]]:
+    def retrieve(self, op: LoadOp, client: KVClient | None = None) -> Iterator[list[np.ndarray]]:
         """The views of the op's chunks (a prefix of them: what the server still has). Chunks not
         given are reported as errors at once, before the views are used: a layer-by-layer load ends
         only in ``wait_for_save``, which vLLM calls after ``get_block_ids_with_load_errors`` when it
@@ -252,7 +252,8 @@ class WorkerSide:
         reported = len(op.hashes)  # chunks from here on are reported missing already
         try:
             views: list[np.ndarray] = []
-            client = self._resilient.get(Direction.LOAD) if self._resilient is not None else None
+            if client is None and self._resilient is not None:
+                client = self._resilient.get(Direction.LOAD)
             if client is not None:
                 try:
                     views = stack.enter_context(client.prepare_retrieve(op.hashes, op.cache_salt))
@@ -568,7 +569,8 @@ class WorkerSide:
             self._failed(Direction.LOAD, exc, f"the load for {op.req_id}")
             return load.missing(0)
         self.device.host_path(client)
-        views = load.stack.enter_context(self.retrieve(op))  # reports what it lacks when the stack closes
+        # (the client admitted above: see retrieve) reports what it lacks when the stack closes
+        views = load.stack.enter_context(self.retrieve(op, client))
         if views:
             try:
                 ids = self.device.ids(op.block_ids, range(len(views)))
