@@ -32,3 +32,25 @@ def test_a_tier_that_recovers_and_fails_with_one_error_warns_once_a_window(caplo
     tier._mark_down(OSError(28, "No space left on device"))  # another error is said at once
     assert len(said(logging.WARNING)) == 3 and "No space left" in said(logging.WARNING)[-1]
     assert tier.usage().failures == 33
+
+
+def test_a_hushed_failure_that_turns_into_an_outage_is_said_within_a_window(caplog, monkeypatch):
+    """A failure hushed as a flap (the same error again within the window), after which the tier stays
+    down: its log must not end on "recovered" for as long as the outage lasts."""
+    now = [1000.0]
+    monkeypatch.setattr(backend.time, "monotonic", lambda: now[0])
+    tier = MemoryAdapter("flappy", MemoryConfig(size_gb=0.01))
+    tier._said = backend._FlapDamper(clock=lambda: now[0])
+    caplog.set_level(logging.DEBUG, logger=backend.__name__)
+    error = OSError(30, "Read-only file system")
+    tier._mark_down(error)  # said
+    now[0] += 2.0
+    tier._mark_up()  # said
+    now[0] += 2.0
+    tier._mark_down(error)  # hushed: the same error within the window
+    for _ in range(300):  # then every probe fails, for 10 minutes
+        now[0] += 2.0
+        tier._breaker.admit()  # the probe let through
+        tier._mark_down(error)
+    shown = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO and "flappy" in r.getMessage()]
+    assert "failed" in shown[-1], f"the tier has been down for 10 minutes, its log says: {shown}"

@@ -77,6 +77,17 @@ class _FlapDamper:
         with self._lock:
             return self._hushed == 0
 
+    def still_down(self, error: str) -> tuple[bool, int]:
+        """A failure while the tier is down already (a probe that failed): (say it, how many failures
+        went unsaid). Said once a window has passed with a failure hushed: one hushed as a flap may have
+        been the start of an outage, and the last line said was then "recovered" for as long as it lasted."""
+        with self._lock:
+            now = self._clock()
+            if not self._hushed or now - self._at < FLAP_WINDOW_S:
+                return False, 0
+            again, self._error, self._at, self._hushed = self._hushed, error, now, 0
+            return True, again
+
 
 class BackendAdapter(ABC):
     """Runs the blocking backend primitives on a small thread pool and keeps the contract (``contract.py``)."""
@@ -462,6 +473,11 @@ class BackendAdapter(ABC):
             more = f" (it recovered and failed so {again} more times since this was last said)" if again else ""
             log.log(logging.WARNING if say else logging.DEBUG, "L2 %s (%s) failed, serving from L1 only until it recovers: %s%s",
                     self.name, self.kind, error, more)  # fmt: skip
+        else:
+            say, again = self._said.still_down(error)
+            if say:
+                log.warning("L2 %s (%s) is still failing, serving from L1 only until it recovers: %s (it recovered and failed "
+                            "%d more times since this was last said)", self.name, self.kind, error, again)  # fmt: skip
 
     def _mark_up(self) -> None:
         if self._breaker.succeeded():
