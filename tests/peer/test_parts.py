@@ -469,6 +469,9 @@ def test_a_reader_that_paces_its_handshake_is_closed_at_the_handshake_deadline(m
                         break
                 except TimeoutError:
                     pass
+                except ConnectionResetError:  # closed with our bytes unread: the kernel answers with a reset
+                    closed = True
+                    break
             took = time.monotonic() - t0
         assert closed and took < 2.5, f"the paced handshake held the connection for {took:.1f} s (limit 0.5 s)"
     finally:
