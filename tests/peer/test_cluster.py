@@ -691,3 +691,36 @@ def test_nodes_given_the_heads_host_name_agree_with_it_on_the_masters():
     finally:
         for s in reversed(everyone):
             s.close()
+
+
+def _free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def test_a_head_given_its_own_address_by_host_name_is_the_head():
+    """The head started with its own discovery address, given by a host name: it kept the name as its
+    head and its answers repeated it, so no node ever took the head's id, and the masters were the
+    lowest ids (the head not among them when its id sorts last)."""
+    fast = {"heartbeat_interval_s": 0.3, "member_ttl_s": 1.5, "control_timeout_s": 0.5, "secret": "by-name", "metrics_port": 0}
+    # A port whose id sorts after the others' (ephemeral ports are below 61000): ordered by id alone,
+    # the head would not be the first master.
+    port = next(p for p in range(64999, 61000, -1) if _free(p))
+    head = PeerStore(discovery=f"localhost:{port}", port=port, data_port=0, pool_size_mb=16, **fast)
+    nodes = [PeerStore(discovery=f"localhost:{port}", port=0, data_port=0, pool_size_mb=16, **fast) for _ in range(3)]
+    everyone = [head, *nodes]
+    try:
+        wait_for(lambda: all(len(s.status()["members"]) == 4 for s in everyone), 10, "4 members")
+        wait_for(lambda: all(s.status()["masters"] == head.status()["masters"] for s in everyone), 10, "one set of masters")
+        # README: "The masters are the head, then the other nodes by id".
+        wait_for(lambda: all(s.status()["masters"][0] == head.node_id for s in everyone), 5, "the head first among the masters")
+        assert all(s.node.head == head.node_id for s in everyone)
+    finally:
+        for s in reversed(everyone):
+            s.close()

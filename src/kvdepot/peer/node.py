@@ -113,6 +113,7 @@ class PeerNode:
         self._channels_lock = threading.Lock()
         self._suspects: dict[str, float] = {}
         self._legacy_nodes: set[str] = set()  # nodes seen publishing records without an incarnation (warned once)
+        self._heard_self = False  # a heartbeat of this node's own came in (it reached itself by an address)
         self._view_lock = threading.Lock()
         self._members: dict[str, PeerNodeInfo] = {}
         self._masters: list[str] = []
@@ -925,6 +926,8 @@ class PeerNode:
 
     def _on_hello(self, call: Call) -> Reply:
         assert self._table is not None
+        if self.info is not None and call.body.node.id == self.info.id:
+            self._heard_self = True  # see _tick: the configured head's address is this node's own
         if self._table.heard(call.body.node):
             self._heartbeat.kick()  # a newcomer: take the new membership now, not a heartbeat later
         if self._is_master():
@@ -976,11 +979,16 @@ class PeerNode:
             answered_sent = time.monotonic()
         for target in targets:
             sent = time.monotonic()
+            self._heard_self = False
             try:
                 view = self._call(target, body, min(self.config.control_timeout_s, self.config.heartbeat_interval_s))
             except KVDepotError:
                 continue
-            if target == configured_head and view.head and view.head != self.head:
+            if target == configured_head and self._heard_self and self.head != self.info.id:
+                # The head's address, given by a name ("the head itself with its own"), is this node:
+                # it is the head, and its answers name it by its id (which the others then adopt).
+                self._adopt_head(self.info.id)
+            elif target == configured_head and view.head and view.head != self.head:
                 self._adopt_head(view.head)  # the head by another name, or moved (a new address behind that name)
             views.append(view)
             if answered_sent is None:
