@@ -445,3 +445,40 @@ def test_a_lookup_without_a_lock_never_counts_chunks_its_own_prefetch_evicted(ma
         got = c.retrieve(p.tokens)
         assert got.shape[2] >= said, f"lookup said {said // BIG_CHUNK} chunks, the retrieve got {got.shape[2] // BIG_CHUNK}"
         assert np.array_equal(as_bits(got), as_bits(p.kv[:, :, : got.shape[2]]))
+
+
+def test_a_short_retrieve_keeps_the_run_it_locked_while_it_probes_the_tiers(make_server, tmp_path, seed, monkeypatch):
+    """A shm retrieve that L1 holds only part of locks that part, probes the tiers, and locks again. It
+    used to release its first lock before the probe: the run L1 held was evictable until the second
+    lock, and what evicted it there (the watermark controller trimming an L1 the lookup's prefetch had
+    filled, LRU, a prompt's tail first) made a retrieve right after a lock-free lookup get less than
+    the lookup said (test above: 32 said, 27 got, about 1 run in 15). Here a store of another prompt
+    needs all of L1 inside that window, every time: the retrieve still gets the run it locked."""
+    srv = start_tier_server(make_server, fs_spec(tmp_path / "disk"), chunk=BIG_CHUNK, l1_gb="0.0009765625")
+    room = srv.status()["l1"]["capacity_bytes"] // LAYOUT.chunk_bytes(BIG_CHUNK)
+    head = room // 4
+    p = make_prompt(head + 4, seed, BIG_CHUNK)  # its last 4 chunks are stored nowhere: a short run
+    q = make_prompt(room, seed + 1, BIG_CHUNK)  # another prompt, as large as L1
+    with srv.client() as c, srv.client() as other:
+        assert c.transport == "shm"
+        with c.prepare_store(c.hashes(p.tokens)[:head]) as slots:
+            for k, s in enumerate(slots):
+                s[...] = p.kv[:, :, k * BIG_CHUNK : (k + 1) * BIG_CHUNK].view(s.dtype)
+        wait_store_idle(srv)  # in the tier too: nothing of it is held for L2
+        probe = c.link.stored_chunks
+        probes = []
+
+        def probe_then_pressure(*args, **kwargs):
+            found = probe(*args, **kwargs)
+            probes.append(found)
+            other.store(q.tokens, q.kv)  # needs every slot of L1: evicts whatever nobody has locked
+            return found
+
+        monkeypatch.setattr(c.link, "stored_chunks", probe_then_pressure)
+        got = c.retrieve(p.tokens)
+        assert probes == [head], "the retrieve did not lock a short run, then probe the tiers"
+        assert got.shape[2] == head * BIG_CHUNK, f"the retrieve locked {head} chunks, then got {got.shape[2] // BIG_CHUNK}"
+        assert_prefix_bytes(got, p, head * BIG_CHUNK)
+        c.ping()
+        wait_store_idle(srv)  # the push of q to the tier holds leases of its own until then
+        assert srv.status()["leases"] == 0  # the first lock was released too (behind, after the second)

@@ -446,6 +446,24 @@ def test_a_corrupt_object_is_a_miss_and_is_counted(make_rig):
     assert rig.tiers[0].usage().corrupt == 1
 
 
+def test_a_prefetch_leaves_the_head_it_extends_most_recent_so_eviction_takes_the_tail_first(make_rig):
+    """The head (chunks 0-1) was in L1 before the prefetch loaded the tail (2-5). Published alone, the
+    tail was more recent than the head, and the next eviction (the watermark controller's, which a
+    prefetch that fills L1 brings on) took the head first: a lock-free lookup had counted six chunks,
+    and L1 then held a tail that is never a hit. The whole prefix is told as one run: the tail goes first."""
+    rig = make_rig()
+    pf = prefetch_controller(rig)
+    ks = keys(6)
+    rig.commit(ks[:2])
+    assert rig.table.lookup(ks) == 2  # the LOOKUP that starts the prefetch touches the head
+    rig.put(0, [(k, content(i)) for i, k in enumerate(ks)])
+    assert prefetch(rig, pf, ks, start=2) == 4
+    assert rig.table.evict_to(rig.table.used_bytes() - 2 * SIZE) == 2
+    assert [rig.table.get(k) is not None for k in ks] == [True] * 4 + [False] * 2
+    assert rig.table.lookup(ks) == 4
+    unpinned(rig, [pf.step], ks)
+
+
 def test_a_prefetch_with_no_room_in_l1_loads_nothing(make_rig):
     rig = make_rig()
     pf = prefetch_controller(rig)

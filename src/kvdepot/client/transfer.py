@@ -213,15 +213,22 @@ class ShmPath:
         """Read-only views of the leading chunks L1 holds, locked. L1 first: with L2 tiers and no
         session (whose lookup brought them in already), only a run shorter than asked for costs a
         probe (the server brings what L2 has into L1, waited for) and a second lock; a whole L1 hit
-        is one round trip."""
+        is one round trip. The first lock is held until the second is taken, then released behind:
+        let go before the probe, its run could be evicted meanwhile (the watermark controller trims
+        an L1 that a prefetch filled past its high watermark, a prompt's tail first), and the
+        retrieve got less than L1 had held and than the lookup just before it said."""
         h = self._host
         self._usable()
         reply = self._lock(hashes, salt, session_id, start)
         if h.registration.l2_tiers and not session_id and len(reply.offsets) < len(hashes) - start:
-            if reply.lease_id:
-                h.release_behind(m.CommitRetrieveRequest(context_id=h.registration.context_id, lease_id=reply.lease_id))
-            h.stored_chunks(hashes, salt, probe=True)
-            reply = self._lock(hashes, salt, session_id, start)
+            first, first_context = reply, h.registration.context_id
+            try:
+                with h.holding(first.lease_id):  # the probe may wait for L2: the heartbeat renews it
+                    h.stored_chunks(hashes, salt, probe=True)
+                    reply = self._lock(hashes, salt, session_id, start)
+            finally:
+                if first.lease_id:
+                    h.release_behind(m.CommitRetrieveRequest(context_id=first_context, lease_id=first.lease_id))
         reg = h.registration
         context_id = reg.context_id
         views = [self._slot(reg, off, False) for off in reply.offsets]

@@ -389,9 +389,17 @@ class ObjectTable:
         ``by_client``: the owner asked for it by lease id (see ``_check_finisher``)."""
         return self.finish_write(lease_id, owner, publish=None, by_client=by_client)
 
-    def finish_write(self, lease_id: LeaseId, owner: ClientId, publish: set[ObjectKey] | None, by_client: bool = False) -> int:
+    def finish_write(
+        self, lease_id: LeaseId, owner: ClientId, publish: set[ObjectKey] | None, by_client: bool = False, run: Sequence[ObjectKey] = ()
+    ) -> int:
         """End a write lease, publishing the keys in ``publish`` (all when None) and dropping the rest:
-        a loader whose backend failed for some keys must not publish what it did not write."""
+        a loader whose backend failed for some keys must not publish what it did not write.
+
+        ``run``: the prompt's keys from its first chunk on that this write extends (a prefetch's). Its
+        leading READY run is told to the policy as one run under the same lock, so the head ends most
+        recent: published alone, the new tail was more recent than the head already in L1, and the
+        next eviction (the watermark's, which a prefetch that fills L1 brings on) took the head first,
+        leaving a tail that is never a hit."""
         if lease_id == NO_LEASE:
             return 0
         with self._locked():
@@ -415,6 +423,8 @@ class ObjectTable:
                 ready.append(key)
                 self._pending.append(ObjectEvent(EventKind.STORED, key, obj.generation, obj.size, obj.salt, writer=owner))
             self._tell_ready_locked(ready)
+            if run:
+                self._policy.on_access_run(run[: self._ready_run_locked(run)])
         return len(ready)
 
     def abort_write(self, lease_id: LeaseId, owner: ClientId, by_client: bool = False) -> int:
@@ -430,14 +440,19 @@ class ObjectTable:
     def lookup(self, keys: Sequence[ObjectKey]) -> int:
         """How many leading keys are READY (no lock taken)."""
         with self._lock:
-            n = 0
-            for key in keys:
-                obj = self._objects.get(key)
-                if obj is None or obj.state is not ObjectState.READY or obj.doomed:
-                    break
-                n += 1
+            n = self._ready_run_locked(keys)
             self._policy.on_access_run(keys[:n])
             return n
+
+    def _ready_run_locked(self, keys: Sequence[ObjectKey]) -> int:
+        """How many leading keys are READY."""
+        n = 0
+        for key in keys:
+            obj = self._objects.get(key)
+            if obj is None or obj.state is not ObjectState.READY or obj.doomed:
+                break
+            n += 1
+        return n
 
     def acquire_read(
         self,

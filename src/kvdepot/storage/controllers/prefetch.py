@@ -242,7 +242,9 @@ class PrefetchController:
             with self._lock:
                 if job.load_clears < 0 or job.load_clears != self._clears_begun[job.tier]:
                     loaded = set()  # it may have read what a clear of the tier removed meanwhile
-                published = self._table.finish_write(job.lease, PREFETCH_OWNER, loaded)
+                # The whole prefix, head most recent: the head was in L1 before these, and LRU would take
+                # it first (a lookup's count then names chunks past a gap; see ObjectTable.finish_write).
+                published = self._table.finish_write(job.lease, PREFETCH_OWNER, loaded, run=job.keys[: job.start + job.usable])
         except KVDepotError as exc:
             # The load outlived its lease (a backend that hung for BACKGROUND_LEASE_TTL_S): nothing of it
             # was published, and the lookup still gets its answer.
