@@ -1,7 +1,7 @@
 """Tests leave /dev/shm as they found it.
 
 The engines a test starts (vLLM's multiprocessing, SGLang's schedulers) create shared-memory files
-(``psm_*``, ``sem.mp-*``, ``sglang_*``) that they remove on a clean exit, and leave behind when they are
+(``psm_*``, ``sem.mp-*``, ``sglang_*``, a tensor-parallel vLLM's ``vllm_dist_*``) that they remove on a clean exit, and leave behind when they are
 killed, as tests kill them; so do the CUDA runtime (``cuda.shm.*``, for interprocess events) and torch
 (``torch_*``, the reference counts of CUDA memory a process shared) in a GPU worker the tests kill. After a module's engines are stopped, every file that appeared in
 /dev/shm during the module and that no live process has open or mapped is removed; what is left is
@@ -16,7 +16,8 @@ from pathlib import Path
 
 SHM = Path("/dev/shm")
 FRESH_S = 10.0  # an engine leftover younger than this may belong to an engine still starting: left alone
-ENGINE_LEFTOVERS = ("psm_", "sem.mp-", "sglang_", "mp-", "cuda.shm.", "torch_")  # what killed engine processes leave behind
+# what killed engine processes leave behind (vllm_dist_*: a tensor-parallel vLLM's CPU shared-memory channel)
+ENGINE_LEFTOVERS = ("psm_", "sem.mp-", "sglang_", "mp-", "cuda.shm.", "torch_", "vllm_dist_")
 
 
 def entries() -> set[str]:
