@@ -13,6 +13,7 @@ import time
 import pytest
 from support.peer_cluster import NodeProcess, check_pages, keys, page_bytes, wait_for
 
+from kvdepot.bench.backends import _port_is_free
 from kvdepot.bench.serverproc import free_port
 from kvdepot.peer import PeerStore
 from kvdepot.peer.dataplane import PageOutcome, PageRead
@@ -693,17 +694,6 @@ def test_nodes_given_the_heads_host_name_agree_with_it_on_the_masters():
             s.close()
 
 
-def _free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
 def test_a_head_given_its_own_address_by_host_name_is_the_head():
     """The head started with its own discovery address, given by a host name: it kept the name as its
     head and its answers repeated it, so no node ever took the head's id, and the masters were the
@@ -711,7 +701,7 @@ def test_a_head_given_its_own_address_by_host_name_is_the_head():
     fast = {"heartbeat_interval_s": 0.3, "member_ttl_s": 1.5, "control_timeout_s": 0.5, "secret": "by-name", "metrics_port": 0}
     # A port whose id sorts after the others' (ephemeral ports are below 61000): ordered by id alone,
     # the head would not be the first master.
-    port = next(p for p in range(64999, 61000, -1) if _free(p))
+    port = next(p for p in range(64999, 61000, -1) if _port_is_free(p))
     head = PeerStore(discovery=f"localhost:{port}", port=port, data_port=0, pool_size_mb=16, **fast)
     nodes = [PeerStore(discovery=f"localhost:{port}", port=0, data_port=0, pool_size_mb=16, **fast) for _ in range(3)]
     everyone = [head, *nodes]
