@@ -375,6 +375,26 @@ def test_an_unpublish_an_owner_missed_reaches_it_once_it_answers():
         assert b.status()["publish"]["unpublish_owed"] == 0 and b.status()["publish"]["unpublish_dropped"] == 0
 
 
+def test_a_republish_and_a_clear_larger_than_one_request_reach_an_owner_in_slices(monkeypatch):
+    """A node holding more pages than one request's body takes (8 MiB: ~40k records of 100-byte keys)
+    sent its whole re-publish to a newcomer owner as one request per owner: refused as too large, owed,
+    sent again on every heartbeat and refused again, for good; the newcomer's shard never held one of
+    its records (nor could a clear's unpublish of them go). The limit is lowered here so that 1,200
+    pages are past it."""
+    from kvdepot.protocol import codec
+
+    monkeypatch.setattr(codec, "MAX_BODY_BYTES", 64 << 10)
+    names = [(b"page-%05d|" % i).ljust(100, b"h") for i in range(1200)]
+    with store(pool_size_mb=8) as a:
+        assert a.batch_set(names, [b"v"] * len(names)) == [True] * len(names)
+        with store(a.node_id, pool_size_mb=4) as b:  # the newcomer: with two records per key, it owns them all
+            wait_for(lambda: len(b.node.shard) == len(names), 10, f"the newcomer's shard to hold all {len(names)} records")
+            assert a.status()["publish"]["owed"] == 0
+            assert a.clear() == len(names)
+            wait_for(lambda: len(b.node.shard) == 0, 10, "the clear's unpublishes to reach the newcomer")
+            assert a.status()["publish"]["unpublish_owed"] == 0
+
+
 def test_a_node_restarted_with_its_clock_stepped_back_takes_a_later_run_and_its_pages_read(monkeypatch):
     """A node's run is the wall clock at its start. Killed and restarted on its address within the
     member TTL with the clock stepped back (NTP, a VM restored), the new run was older than the dead

@@ -33,7 +33,8 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 import msgspec
 import zmq
@@ -51,6 +52,7 @@ from kvdepot.peer.owed import OwedRecords, OwedUnpublishes
 from kvdepot.peer.planner import PullPlanner
 from kvdepot.peer.pool import PoolEntry, PublishedPool
 from kvdepot.peer.ring import HashRing
+from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.messages import PeerLocation, PeerMembershipReply, PeerNodeInfo, RequestType
 from kvdepot.rpc.channel import Heartbeat, PendingCall, RpcChannel
@@ -60,6 +62,7 @@ from kvdepot.rpc.server import RpcServer
 from kvdepot.storage.l2.envelope import copy_digest
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SUSPECT_S = 2.0  # a node whose call failed is not asked again for this long
 CHANNELS_KEPT_PER_NODE = 8  # idle control channels kept per node (more are made when threads need them)
@@ -70,6 +73,10 @@ UNANSWERED_KEPT = 3
 MAX_KEY_BYTES = 1024
 PROMOTE_SLICE = 8  # pages promoted from disk, then read, at a time
 RTT_SLACK_S = 0.002  # a directory reply collected after waiting this long on other owners' is no round-trip sample
+# The body one publish or unpublish request aims for: a re-publish of every page goes to each owner in
+# slices of this, well under the codec's limit (one request per owner was refused past ~40k pages, for
+# good), and each a few milliseconds of the owner's loop, where its shard handles them.
+DIRECTORY_BODY_BYTES = 1 << 20
 
 
 class NodeState(enum.Enum):
@@ -410,8 +417,9 @@ class PeerNode:
             for owner in ring.owners(rec.key, self.config.directory_replicas):
                 by_owner.setdefault(owner, []).append(rec)
         for owner, group in by_owner.items():
-            if self._call_shard(owner, m.PeerPublishRequest(records=group), deadline) is None:
-                self.owed.owe(rec.key for rec in group)
+            for part in _slices(group, _record_bytes):
+                if self._call_shard(owner, m.PeerPublishRequest(records=part), deadline) is None:
+                    self.owed.owe(rec.key for rec in part)
 
     def _unpublish(self, entries: Sequence[PoolEntry], deadline: float | None = None) -> None:
         """Remove these pages' records at their owners; an owner that fails or is skipped (suspect) is
@@ -424,9 +432,10 @@ class PeerNode:
             for owner in self._ring.owners(e.key, self.config.directory_replicas):
                 by_owner.setdefault(owner, []).append(e)
         for owner, group in by_owner.items():
-            req = m.PeerUnpublishRequest(keys=[e.key for e in group], node=self.info.id, generations=[e.generation for e in group])
-            if self._call_shard(owner, req, deadline) is None:
-                self.unpublish_owed.owe(owner, ((e.key, min(e.generation, bound)) for e in group))
+            for part in _slices(group, lambda e: len(e.key) + _UNPUBLISH_ITEM_BYTES):
+                req = m.PeerUnpublishRequest(keys=[e.key for e in part], node=self.info.id, generations=[e.generation for e in part])
+                if self._call_shard(owner, req, deadline) is None:
+                    self.unpublish_owed.owe(owner, ((e.key, min(e.generation, bound)) for e in part))
 
     # --- reads ---------------------------------------------------------------------------------------
 
@@ -1150,9 +1159,10 @@ class PeerNode:
         for owner, items in owed.items():
             if owner not in live:
                 continue
-            req = m.PeerUnpublishRequest(keys=[k for k, _ in items], node=self.info.id, generations=[g for _, g in items])
-            if self._call_shard(owner, req, deadline) is None:
-                self.unpublish_owed.owe(owner, items)
+            for part in _slices(items, lambda item: len(item[0]) + _UNPUBLISH_ITEM_BYTES):
+                req = m.PeerUnpublishRequest(keys=[k for k, _ in part], node=self.info.id, generations=[g for _, g in part])
+                if self._call_shard(owner, req, deadline) is None:
+                    self.unpublish_owed.owe(owner, part)
 
     def _disk_record(self, key: bytes) -> PeerLocation | None:
         assert self.info is not None and self.disk is not None
@@ -1163,6 +1173,29 @@ class PeerNode:
         # owners still hold its earlier incarnation's records of these keys, which a lower one would not replace.
         return PeerLocation(key=key, node=self.info.id, offset=0, length=size, generation=self.pool.fresh_generation(), checksum=b"",
                             resident=False, incarnation=self.info.incarnation)  # fmt: skip
+
+
+_RECORD_BYTES = 128  # a PeerLocation's encoding besides its key, node and checksum (field names, integers), at most
+_UNPUBLISH_ITEM_BYTES = 16  # an unpublished key's encoding besides the key (its length, its generation), at most
+
+
+def _record_bytes(rec: PeerLocation) -> int:
+    return len(rec.key) + len(rec.node) + len(rec.checksum) + _RECORD_BYTES
+
+
+def _slices(items: Sequence[T], size_of: Callable[[T], int]) -> Iterator[Sequence[T]]:
+    """``items`` in runs whose request body stays within DIRECTORY_BODY_BYTES (and half the codec's
+    limit), each run at least one item."""
+    budget = min(DIRECTORY_BODY_BYTES, codec.MAX_BODY_BYTES // 2)
+    start = used = 0
+    for i, item in enumerate(items):
+        size = size_of(item)
+        if used + size > budget and i > start:
+            yield items[start:i]
+            start, used = i, 0
+        used += size
+    if start < len(items):
+        yield items[start:]
 
 
 def _check_key(key: bytes) -> None:
