@@ -189,6 +189,27 @@ def test_start_removes_unfinished_writes_and_leaves_strangers_alone(tmp_path, op
     assert np.array_equal(dest, payload)
 
 
+def test_keys_too_long_for_a_file_name_are_stored_and_found_again_after_a_restart(tmp_path, open_tiers, rng) -> None:
+    """Keys above 127 bytes (a peer tier's disk takes keys up to 1 KiB) were refused with a ValueError:
+    their hex is no file name. Named by their digest, each is stored, indexed again at start-up from its
+    envelope, and one torn before its key was whole is removed there."""
+    first = open_tiers(tmp_path)
+    keys = [bytes(16) + bytes([i]) + b"k" * 300 for i in range(3)]
+    payloads = [make_payload(rng, 3000) for _ in keys]
+    store(first, list(zip(keys, payloads)))
+    assert [present(first, k) for k in keys] == [True] * 3
+    first.close()
+    torn = Path(first.path_of(keys[2]))
+    os.truncate(torn, envelope.HEADER_BYTES + 100)  # cut inside the key
+
+    second = open_tiers(tmp_path)
+    assert second.usage().objects == 2 and not torn.exists()
+    assert [present(second, k) for k in keys] == [True, True, False]
+    dests = [np.zeros_like(p) for p in payloads[:2]]
+    assert load(second, keys[:2], dests) == [True, True]
+    assert all(np.array_equal(d, p) for d, p in zip(dests, payloads))
+
+
 # --- torn, damaged and vanished files ------------------------------------------------------------
 
 

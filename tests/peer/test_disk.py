@@ -358,3 +358,21 @@ def test_a_page_in_the_pool_and_on_disk_promoted_during_a_clear_does_not_come_ba
         assert promoted and promoted[0][0], "the promote did not run between the pool's clear and the disk's delete"
         state = {"in the pool": node.pool.peek(b"k") is not None, "published": store.exists("k"), "served": store.get("k") is not None}
         assert not any(state.values()), f"the cleared page came back: {state}"
+
+
+def test_pages_under_keys_too_long_for_a_file_name_reach_the_disk_and_survive_a_restart(tmp_path):
+    """A ``PeerStore`` takes keys up to 1 KiB, and every page set is written to disk; the fs tier names a
+    file by its key's hex (at most 127 bytes). A longer key (a path-like name with a model and a tenant)
+    was never written: a warning per page, a miss once the pool let it go, and nothing after a restart."""
+    disk = str(tmp_path / "l4")
+    prefix = "tenant-a/" + "m" * 180 + "/page-"  # a 200-byte key
+    names = keys(prefix, 24)  # 1.5 MiB through a 1 MiB pool: some pages leave it
+    with PeerStore(port=0, data_port=0, pool_size_mb=1, disk_path=disk, **FAST) as store:
+        assert store.batch_set(names, [page_bytes(n, SIZE) for n in names]) == [True] * 24
+        wait_for(lambda: store.status()["disk"]["written"] + store.status()["disk"]["dropped"] >= 24, 10, "the write-through")
+        assert store.status()["disk"]["written"] == 24
+        assert store.status()["pool"]["evictions"] > 0
+        assert check_pages(store, prefix, 24, SIZE) == {"hit": 24, "miss": 0, "wrong": 0}
+    with PeerStore(port=0, data_port=0, pool_size_mb=1, disk_path=disk, **FAST) as again:
+        assert again.status()["disk"]["pages"] == 24
+        assert check_pages(again, prefix, 24, SIZE) == {"hit": 24, "miss": 0, "wrong": 0}

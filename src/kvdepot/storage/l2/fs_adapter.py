@@ -5,6 +5,9 @@ Layout under ``path``::
     .lock                 flock'd while a tier uses the directory (one tier per directory)
     <xx>/<key hex>        one object: the envelope (header, key, payload); xx = first byte of the
                           key's chunk-hash part, so 256 directories share the objects evenly
+    <xx>/h<sha256 hex>    one object whose key is too long for its hex to be a file name (a peer tier's
+                          disk takes keys up to 1 KiB): named by the key's digest, the key itself read
+                          back from the envelope at start-up
     <xx>/.tmp-<random>    a write in progress; never read, removed at start-up
 
 A write goes to a temporary name in the object's directory, is written whole, fsync'd, then renamed
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import logging
 import mmap
 import os
@@ -57,6 +61,8 @@ ALIGN = 4096  # O_DIRECT buffer, offset and length alignment
 TMP_PREFIX = ".tmp-"
 LOCK_NAME = ".lock"
 MAX_KEY_BYTES = 127  # the file name is the key's hex: at most 254 characters (NAME_MAX is 255)
+LONG_PREFIX = "h"  # + the sha256 hex of a longer key: 65 characters, an odd length no key's hex has
+MAX_LONG_KEY_BYTES = 0xFFFF  # the envelope's key length is a u16
 _NAME_LOCKS = 64
 _FANOUT = [f"{i:02x}" for i in range(256)]
 
@@ -176,8 +182,15 @@ class FsAdapter(BackendAdapter):
                     if entry.name.startswith(TMP_PREFIX):
                         removed += _unlink_quiet(entry.path)
                         continue
+                    if not entry.is_file(follow_symlinks=False):
+                        continue
                     key = _key_from_name(entry.name)
-                    if key is None or _fanout(key) != sub or not entry.is_file(follow_symlinks=False):
+                    if key is None and _is_long_name(entry.name):
+                        key = _long_key_of(entry.path)
+                        if key is None:  # torn before its key was whole (a power loss without fsync)
+                            removed += _unlink_quiet(entry.path)
+                            continue
+                    if key is None or _fanout(key) != sub or self._path(key) != entry.path:
                         continue  # not ours: leave it alone
                     st = entry.stat(follow_symlinks=False)
                     if st.st_size < HEADER_BYTES + len(key):  # torn (a power loss without fsync): never an object
@@ -498,9 +511,9 @@ class FsAdapter(BackendAdapter):
     # --- naming --------------------------------------------------------------------------------------
 
     def _path(self, key: ObjectKey) -> str:
-        if not key or len(key) > MAX_KEY_BYTES:
-            raise ValueError(f"fs tier: keys must have 1 to {MAX_KEY_BYTES} bytes, not {len(key)}")
-        return os.path.join(self._root, _fanout(key), key.hex())
+        if not key or len(key) > MAX_LONG_KEY_BYTES:
+            raise ValueError(f"fs tier: keys must have 1 to {MAX_LONG_KEY_BYTES} bytes, not {len(key)}")
+        return os.path.join(self._root, _fanout(key), _file_name(key))
 
     def path_of(self, key: ObjectKey) -> str:
         """Where ``key``'s object lives (or would); for tests and operators."""
@@ -522,6 +535,31 @@ def _fanout(key: bytes) -> str:
     """The first byte of the chunk-hash part as two hex digits (the namespace part is shared by many)."""
     part = key[NAMESPACE_BYTES:] or key
     return part[:1].hex()
+
+
+def _file_name(key: bytes) -> str:
+    """The key's hex, or (too long for a file name) its digest's: the envelope keeps the key itself."""
+    if len(key) <= MAX_KEY_BYTES:
+        return key.hex()
+    return LONG_PREFIX + hashlib.sha256(key).hexdigest()
+
+
+def _is_long_name(name: str) -> bool:
+    return len(name) == len(LONG_PREFIX) + 64 and name.startswith(LONG_PREFIX) and all(c in "0123456789abcdef" for c in name[len(LONG_PREFIX):])
+
+
+def _long_key_of(path: str) -> ObjectKey | None:
+    """The key a digest-named object holds (from its envelope); None when the file is too short to say."""
+    try:
+        with open(path, "rb") as f:
+            prefix = f.read(HEADER_BYTES)
+            header = envelope.decode_header(prefix)
+            key = f.read(header.key_len)
+    except (OSError, CorruptObject):
+        return None
+    if len(key) != header.key_len or _file_name(key) != os.path.basename(path):
+        return None
+    return ObjectKey(key)
 
 
 def _key_from_name(name: str) -> ObjectKey | None:
