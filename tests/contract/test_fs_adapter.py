@@ -150,6 +150,29 @@ def test_restart_orders_the_lru_by_modification_time(tmp_path, open_tiers, rng) 
     assert [present(second, k) for k in keys] == [True, False, False, True]
 
 
+def test_restart_keeps_the_lru_order_of_the_loads(tmp_path, open_tiers, rng) -> None:
+    """The tier is an LRU (README), and its order comes back from the files' modification times: a load
+    must count there too. Otherwise a restart turned it into write order, and the first store after it
+    evicted the object read most (a shared system prompt, written first and loaded ever since)."""
+    size = 4000
+    keys = make_keys(4)
+    capacity = 3 * (envelope.HEADER_BYTES + len(keys[0]) + size)
+    first = open_tiers(tmp_path, size_gb=capacity / (1 << 30))
+    payloads = [make_payload(rng, size) for _ in keys]
+    store(first, list(zip(keys[:3], payloads)))
+    for i, key in enumerate(keys[:3]):  # written long ago, keys[0] first
+        _age(first, key, i)
+    assert load(first, [keys[0]], [np.zeros_like(payloads[0])]) == [True]  # now the most recently used
+    store(first, [(keys[3], payloads[3])])
+    before = [present(first, k) for k in keys]
+    first.close()
+
+    second = open_tiers(tmp_path, size_gb=capacity / (1 << 30))
+    assert [present(second, k) for k in keys] == before == [True, False, True, True]
+    store(second, [(make_keys(1)[0], make_payload(rng, size))])
+    assert [present(second, k) for k in keys] == [True, False, False, True]  # keys[2] was the least recently used
+
+
 def test_restart_with_a_smaller_size_evicts_the_oldest(tmp_path, open_tiers, rng) -> None:
     size = 4000
     keys = make_keys(4)

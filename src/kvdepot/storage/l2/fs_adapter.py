@@ -18,7 +18,8 @@ an operator's ``truncate``) fails the envelope's length or checksum check on loa
 
 The in-memory index (key -> file size, in LRU order) is the authority on what the tier holds; it is
 rebuilt in ``start()`` by scanning the directory, oldest modification time first, so the cache
-survives a restart (the order of the loads before the restart is approximated by write order).
+survives a restart as the LRU it was: a load sets its file's modification time to now (when it is
+older than ``TOUCH_AFTER_S``, so a hot object costs one metadata write a minute, not one per load).
 
 Locks: ``_mu`` guards the index and byte counts and is never held over I/O. Renaming into place and
 unlinking are paired with their index update under a per-key *name lock* (a stripe of 64), which is
@@ -56,6 +57,7 @@ from kvdepot.types import NAMESPACE_BYTES, ObjectKey
 
 log = logging.getLogger(__name__)
 ROOM_CHECK_S = 5.0  # while the disk is fuller than size_gb allows: how often a write looks for room again
+TOUCH_AFTER_S = 60.0  # a load marks its file used (mtime: the LRU order a restart rebuilds) once it is this old
 
 ALIGN = 4096  # O_DIRECT buffer, offset and length alignment
 TMP_PREFIX = ".tmp-"
@@ -443,7 +445,8 @@ class FsAdapter(BackendAdapter):
             self._forget_if_gone(key, path)
             return False
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
             prefix = os.pread(fd, HEADER_BYTES + len(key), 0)
             header = envelope.decode_header(prefix)
             if header.key_len != len(key):
@@ -455,6 +458,8 @@ class FsAdapter(BackendAdapter):
                 raise DestinationMismatch(f"destination holds {dst.nbytes} bytes, object {header.payload_len}")
             _read_exact(fd, dst, HEADER_BYTES + header.key_len)
             envelope.verify(key, header, prefix[HEADER_BYTES:], dst)
+            if time.time() - st.st_mtime > TOUCH_AFTER_S:
+                _touch(fd)  # used now: a restart orders the LRU by these times
         finally:
             os.close(fd)
         return True
@@ -585,6 +590,13 @@ def _read_exact(fd: int, dest: memoryview, offset: int) -> None:
         if n == 0:
             raise CorruptObject(f"file ended after {got} of {dest.nbytes} payload bytes")
         got += n
+
+
+def _touch(fd: int) -> None:
+    try:
+        os.utime(fd)
+    except OSError:  # a read-only mount, a file of another owner: the order is a hint, the load stands
+        pass
 
 
 def _fsync_dir(directory: str) -> None:
