@@ -218,3 +218,38 @@ def test_a_backup_in_flight_does_not_switch_lookups_off(sglang, make_server):
         assert torch.equal(kv[:, :, 128 * PAGE : 130 * PAGE], kv[:, :, 130 * PAGE : 132 * PAGE])
     finally:
         b.close()
+
+
+def make_peer_backend(sglang, host, *, tp_rank: int = 0, tp_size: int = 1, **extra):
+    from kvdepot.connectors.sglang.peer_backend import PeerHiCacheStorage
+
+    config = sglang.HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+        enable_storage_metrics=False, is_page_first_layout=False, model_name="edges-peer",
+        extra_config={"backend_name": "kvdepot-peer", "module_path": "kvdepot.connectors.sglang.peer_backend",
+                      "class_name": "PeerHiCacheStorage", "interface_v1": 1, "metrics_port": 0, "heartbeat_interval_s": 0.3,
+                      "member_ttl_s": 1.5, "pool_size_mb": 4, **extra},
+    )  # fmt: skip
+    b = PeerHiCacheStorage(config)
+    b.register_mem_pool_host(host)
+    return b
+
+
+def test_every_tp_rank_of_the_peer_backend_keeps_its_disk_tier(sglang, tmp_path):
+    """SGLang hands every TP rank the same extra-config JSON, and every rank is a node of its own. With
+    ``disk_path`` set, each rank's node must get a disk tier (its pages evicted from its pool are kept
+    there and come back after a restart), not only the first rank that takes the folder, the others
+    serving with no disk tier at all after one warning."""
+    ranks = []
+    try:
+        for rank in range(2):
+            extra = {"discovery": ranks[0].store.node_id} if ranks else {}
+            ranks.append(make_peer_backend(sglang, LayerFirstHostPool(), tp_rank=rank, tp_size=2, disk_path=str(tmp_path / "l4"), **extra))
+        assert [b.store.status()["disk"] is not None for b in ranks] == [True, True], "a TP rank runs with no disk tier"
+        for rank, b in enumerate(ranks):  # each rank's pages reach its own disk
+            keys = sglang_keys(list(range(100 * rank, 100 * rank + 2 * PAGE)))
+            assert b.batch_set_v1(keys, torch.arange(2 * PAGE)) == [True, True]
+            wait_until(lambda b=b: b.store.status()["disk"]["written"] == 2, timeout_s=10)
+    finally:
+        for b in reversed(ranks):
+            b.close()

@@ -14,6 +14,8 @@ pages are strided). Loaded by SGLang's dynamic loader::
 The JSON holds SGLang's loader keys, this backend's (``model_name``, ``budget_share``) and any
 ``PeerConfig`` key (``kvdepot peer --help``). ``port`` and ``data_port`` default to free ports here (every
 TP rank is a node); a head node must be given its ports (or run ``kvdepot peer`` as the head).
+``disk_path`` is a folder per rank (a subfolder named by its ranks where there are several): one disk tier
+cannot be shared, and every rank gets the same JSON.
 
 Hybrid models (Mamba states, SWA, DSA indexer pools) use SGLang's v2 interface (``register_mem_host_pool_v2``,
 ``batch_exists_v2`` / ``batch_get_v2`` / ``batch_set_v2``): ``pools.HostPoolsV2``, each extra pool's pages objects of their
@@ -28,6 +30,7 @@ lookup and load inside SGLang's own prefetch budget (a slow peer is a miss in ti
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Annotated, Any, ClassVar
 
@@ -84,11 +87,31 @@ def split_settings(extra: dict[str, Any] | None) -> tuple[PeerSGLangSettings, Pe
     return own, node
 
 
+def own_disk_path(node: PeerConfig, storage_config: HiCacheStorageConfig) -> PeerConfig:
+    """``disk_path`` made this process's own: SGLang hands every rank (TP, PP, attention DP and CP) the
+    same JSON, each rank is a node, and a disk folder takes one tier (the first rank got it, every
+    other ran with no disk tier). Each rank that is one of several gets a subfolder named by its ranks,
+    the same on every restart, so its pages come back with it; ``disk_size_gb`` bounds each."""
+    if not node.disk_path:
+        return node
+    ranks = [("pp", "pp_rank", "pp_size"), ("dp", "dp_rank", None), ("cp", "attn_cp_rank", "attn_cp_size"), ("tp", "tp_rank", "tp_size")]
+    parts = []
+    for name, rank, size in ranks:
+        r = int(getattr(storage_config, rank, 0) or 0)
+        n = int(getattr(storage_config, size, 1) or 1) if size else 1
+        if n > 1 or r > 0:
+            parts.append(f"{name}{r}")
+    if not parts:
+        return node
+    return msgspec.structs.replace(node, disk_path=os.path.join(node.disk_path, "-".join(parts)))
+
+
 class PeerHiCacheStorage(HostPoolsV2, HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
         self.storage_config = storage_config
         self._init_pools_v2()
         self.settings, self.peer_config = split_settings(storage_config.extra_config)
+        self.peer_config = own_disk_path(self.peer_config, storage_config)
         self.runtime = SGLangRuntime.read().with_budget(self.settings.prefetch_timeout_base, self.settings.prefetch_timeout_per_ki_token)
         mla = storage_config.is_mla_model
         self.writer = storage_config.is_storage_writer
