@@ -478,9 +478,10 @@ def test_a_lookup_cut_short_by_its_own_deadline_does_not_suspect_the_owner():
     """SGLang gives a lookup a share of its budget; a directory call that ran out of *that* says nothing
     of the owner. It used to mark the owner suspect for a while, and every page the owner held read as
     a miss meanwhile. A call that times out after the full ``control_timeout_s`` still suspects it."""
-    with store() as a, store(a.node_id) as b:
+    # One record per key: b holds no replica of a's records, so its lookups go to a.
+    with store(directory_replicas=1) as a, store(a.node_id, directory_replicas=1) as b:
         wait_for(lambda: members_of(a) == 2 and members_of(b) == 2, 10, "two members")
-        names = [n for n in keys("cut", 40) if b.node._ring.owners(n.encode(), 2)[0] == a.node_id]
+        names = [n for n in keys("cut", 40) if b.node._ring.owners(n.encode(), 1) == [a.node_id]]
         assert names, "the ring put no key's first record on a: the test proves nothing"
         assert a.batch_set(names, [page_bytes(n, SIZE) for n in names]) == [True] * len(names)
         assert b.batch_exists(names) == len(names)

@@ -11,7 +11,7 @@ from kvdepot.errors import ConfigError
 from kvdepot.peer import PeerStore, locations
 from kvdepot.peer.config import PeerConfig
 from kvdepot.peer.locations import LocationCache
-from kvdepot.protocol.messages import PeerLocation
+from kvdepot.protocol.messages import PeerLocation, PeerResolveRequest
 
 FAST = {"heartbeat_interval_s": 0.3, "member_ttl_s": 1.5, "control_timeout_s": 0.5, "secret": "locations", "metrics_port": 0}
 SIZE = 128 << 10
@@ -127,3 +127,65 @@ def test_a_stale_record_on_the_first_replica_does_not_hide_the_fresh_one_on_the_
     finally:
         reader.close()
         owner.close()
+
+
+def _resolves_sent(node, monkeypatch) -> list[tuple[str, int]]:
+    """(owner, keys) of every directory lookup ``node`` sends from now on."""
+    sent: list[tuple[str, int]] = []
+    begin = node._begin
+
+    def spy(owner, body, deadline):
+        if isinstance(body, PeerResolveRequest):
+            sent.append((owner, len(body.keys)))
+        return begin(owner, body, deadline)
+
+    monkeypatch.setattr(node, "_begin", spy)
+    return sent
+
+
+def test_a_reader_that_holds_a_keys_record_reads_it_without_a_directory_round_trip(monkeypatch):
+    """In a cluster of ``directory_replicas`` nodes every node holds every record: a first read asks no
+    other node where a page is. A record here that is stale (an unpublish that has not reached this
+    replica) is caught by the read and becomes a miss, never the old bytes."""
+    owner = PeerStore(port=0, data_port=0, pool_size_mb=16, **FAST)
+    reader = PeerStore(discovery=owner.node_id, port=0, data_port=0, pool_size_mb=16, **FAST)
+    try:
+        wait_for(lambda: len(reader.status()["members"]) == 2 and len(owner.status()["members"]) == 2, 10, "two members")
+        names = keys("own", 6)
+        assert owner.batch_set(names, [page_bytes(n, SIZE) for n in names]) == [True] * 6
+        wait_for(lambda: all(reader.node.shard.resolve([n.encode() for n in names])), 5, "the reader's replica of every record")
+        sent = _resolves_sent(reader.node, monkeypatch)
+        before = reader.node.metrics.summary()["local_lookups"]
+        assert check_names(reader, names, SIZE, [0]) == {"hit": 6, "miss": 0, "wrong": 0}
+        assert sent == [], "the reader asked another node for records it holds"
+        assert reader.node.metrics.summary()["local_lookups"] - before == 6
+        # Deleted on the owner, but the reader's replica still names the page (its unpublish was lost).
+        key = names[0].encode()
+        [stale] = reader.node.shard.resolve([key])[0]
+        assert owner.delete(names[0])
+        reader.node.shard.publish([stale])
+        reader.node.located.clear()
+        assert check_names(reader, names[:1], SIZE, [0]) == {"hit": 0, "miss": 1, "wrong": 0}
+        assert sent, "the stale record was not checked against the other owner"
+    finally:
+        reader.close()
+        owner.close()
+
+
+def test_records_this_node_does_not_hold_are_asked_of_their_owners(monkeypatch):
+    nodes = [PeerStore(port=0, data_port=0, pool_size_mb=16, **FAST)]
+    nodes += [PeerStore(discovery=nodes[0].node_id, port=0, data_port=0, pool_size_mb=16, **FAST) for _ in range(2)]
+    owner, _, reader = nodes
+    try:
+        wait_for(lambda: all(len(n.status()["members"]) == 3 for n in nodes), 10, "three members")
+        names = keys("far", 24)
+        assert owner.batch_set(names, [page_bytes(n, SIZE) for n in names]) == [True] * 24
+        elsewhere = [n for n in names if reader.node_id not in reader.node._ring.owners(n.encode(), 2)]
+        assert 0 < len(elsewhere) < len(names), "24 keys over 3 nodes: some records live elsewhere, some here"
+        sent = _resolves_sent(reader.node, monkeypatch)
+        assert check_names(reader, names, SIZE, [0]) == {"hit": 24, "miss": 0, "wrong": 0}
+        assert sum(n for _, n in sent) == len(elsewhere)
+        assert reader.node_id not in {o for o, _ in sent}
+    finally:
+        for n in reversed(nodes):
+            n.close()

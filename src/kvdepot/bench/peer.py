@@ -7,7 +7,9 @@ sender beside it; this process joins it as a reader. For each page size, in the 
 - remote get: ``PeerStore.batch_get_into`` of the same pages from the owner's pool (1 and 4 threads),
   read first (the directory asked) and read again (where the reader remembers finding them);
 - set: ``batch_set`` into this node's pool (a copy plus the directory publish), next to memcpy;
-- ``batch_exists`` of 128 keys next to one raw TCP round trip.
+- ``batch_exists`` of 128 keys next to one raw ZeroMQ round trip: in the pair (the reader holds every
+  record's replica) and with a third node, for keys whose records live only on the other two.
+In the pair the reader's own shard holds every record, so a first read asks no other node.
 Medians over ``--reps``; ratios are figure / limit. The owner and the reader share the machine's cores.
 """
 
@@ -214,6 +216,43 @@ def _exists_rounds(reader, names: list[str], rounds: int, per_round: int = 60) -
     return statistics.median(exists), statistics.median(rtts), ratios
 
 
+def _exists_rows(reader, owner: _Owner, node_options: dict, reps: int, rtt: float, raw: dict) -> list[Row]:
+    """``batch_exists`` of 128 keys: in the pair, where the reader holds a replica of every record (two
+    nodes, two replicas: its own shard answers), then with a third node joined, for keys whose records
+    live only on the other two (one round trip to them, the directory's real cost in a larger cluster)."""
+
+    def measured(label: str, field: str, keys: list[str]) -> Row:
+        ex, zr, ratios = _exists_rounds(reader, keys, max(reps, 5))
+        assert reader.batch_exists(keys) == len(keys), "the owner's pages went missing while they were timed"
+        raw[f"{field}_s"], raw[f"{field}_round_ratios"] = ex, ratios
+        ratio = statistics.median(ratios)
+        return Row(label, f"{ex * 1e6:.0f} µs", f"{zr * 1e6:.0f} µs raw ZeroMQ RTT (interleaved)",
+                   f"{ratio:.2f} ({min(ratios):.2f}-{max(ratios):.2f}; x TCP RTT {ex / rtt:.1f})")  # fmt: skip
+
+    owner.command("clear")
+    owner.command(f"set x 128 {4096}")
+    names = [f"x{i}" for i in range(128)]
+    assert reader.batch_exists(names) == 128, "the owner's pages must be visible"
+    rows = [measured("batch_exists, 128 keys (2 nodes: every record held here too)", "batch_exists_128_local", names)]
+    third = _Owner({**node_options, "discovery": owner.node_id})
+    try:
+        _wait_members(reader, 3)
+        owner.command("clear")
+        owner.command(f"set y 1024 {4096}")
+        ring = reader.node._ring
+        far = [f"y{i}" for i in range(1024) if reader.node_id not in ring.owners(f"y{i}".encode(), reader.node.config.directory_replicas)][:128]
+        assert len(far) == 128, "1024 keys over 3 nodes: a third of the records live on the other two"
+        deadline = time.monotonic() + 15  # the owner publishes by its own view of the ring, a heartbeat behind the reader's
+        while reader.batch_exists(far) != 128:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the owner's pages are not visible from the reader in the 3-node ring")
+            time.sleep(0.1)
+        rows.append(measured("batch_exists, 128 keys (3 nodes: records on the other two)", "batch_exists_128", far))
+    finally:
+        third.close()
+    return rows
+
+
 def _in_threads(fn, workers: list, items: list) -> None:
     share = -(-len(items) // len(workers))
     threads = [threading.Thread(target=fn, args=(w, items[i * share : (i + 1) * share])) for i, w in enumerate(workers)]
@@ -246,15 +285,7 @@ def main(args: argparse.Namespace) -> int:
             rows.append(Row("raw ZeroMQ round trip (tcp, the control plane's transport)", f"{zrtt * 1e6:.0f} µs", "—", "1.00"))
             for size in sizes:
                 rows += _bench_size(reader, owner, size, total, threads, reps, raw)
-            owner.command("clear")
-            owner.command(f"set x 128 {4096}")
-            names = [f"x{i}" for i in range(128)]
-            assert reader.batch_exists(names) == 128, "the owner's pages must be visible"
-            ex, zr, ratios = _exists_rounds(reader, names, max(reps, 5))
-            raw["batch_exists_128_s"], raw["batch_exists_round_ratios"] = ex, ratios
-            ratio = statistics.median(ratios)
-            rows.append(Row("batch_exists, 128 keys (directory on 2 nodes)", f"{ex * 1e6:.0f} µs", f"{zr * 1e6:.0f} µs raw ZeroMQ RTT (interleaved)",
-                            f"{ratio:.2f} ({min(ratios):.2f}-{max(ratios):.2f}; x TCP RTT {ex / rtt:.1f})"))  # fmt: skip
+            rows += _exists_rows(reader, owner, node_options, reps, rtt, raw)
     finally:
         owner.close()
     if args.ttft:

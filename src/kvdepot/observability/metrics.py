@@ -452,6 +452,9 @@ class PeerMetrics:
         self.remembered_locations = Counter("kvdepot_peer_remembered_locations",
                                             "Keys read from where this node found them shortly before, without a directory lookup.",
                                             registry=r)  # fmt: skip
+        self.local_lookups = Counter("kvdepot_peer_local_lookups",
+                                     "Keys found in this node's own directory shard (it is one of their owners): no round trip.",
+                                     registry=r)  # fmt: skip
         self.relookups = Counter("kvdepot_peer_relookups", "Located pages their owner no longer served (evicted, rewritten or promoted "
                                  "meanwhile, or a remembered location gone stale): looked up again.", registry=r)  # fmt: skip
         self.hints = Counter("kvdepot_peer_hints", "Pages asked of a router's hinted node, by result (found, missing).", ["result"], registry=r)
@@ -496,6 +499,9 @@ class PeerMetrics:
     def remembered(self, n: int) -> None:
         self.remembered_locations.inc(n)
 
+    def directory_local(self, n: int) -> None:
+        self.local_lookups.inc(n)
+
     def stale(self, n: int) -> None:
         self.relookups.inc(n)
 
@@ -525,6 +531,7 @@ class PeerMetrics:
             "pull_decisions": {f"{d['decision']}/{d['reason']}": v for d, v in labelled(self.decisions)},
             "hints": counts(self.hints),
             "remembered_locations": counts(self.remembered_locations).get("", 0),
+            "local_lookups": counts(self.local_lookups).get("", 0),
             "relookups": counts(self.relookups).get("", 0),
             "read_latency_s": self.quantiles("read"),
             "write_latency_s": self.quantiles("write"),

@@ -446,7 +446,8 @@ class PeerNode:
         anyway); False asks the directory for every key (an existence check, a stale location). What
         is found is remembered either way. ``hint`` (a router's ``host[:port]`` of where the KV lives)
         is asked first, for its own pages; what it does not hold is looked up in the directory as
-        usual (a wrong hint costs one round trip, never an error). ``failed``: per index, a location
+        usual (this node's own shard first: a record held here costs no round trip; a wrong hint costs
+        one, never an error). ``failed``: per index, a location
         just read in vain (its owner no longer has that generation): a shard that still names it is
         passed over for the next replica, whose record may be newer (a publish that did not reach the
         first one)."""
@@ -463,14 +464,29 @@ class PeerNode:
         asked = pending
         if hint and pending:
             pending = self._ask_hinted(hint, keys, found, usable, deadline, pending)
-        wanted = set(pending)
-        owners = [ring.owners(k, self.config.directory_replicas) if i in wanted else [] for i, k in enumerate(keys)]
         replicas = self.config.directory_replicas
+        wanted = set(pending)
+        owners = [ring.owners(k, replicas) if i in wanted else [] for i, k in enumerate(keys)]
+        # Then this node's own shard, where it is one of a key's owners (every key in a cluster of
+        # `directory_replicas` nodes): a record held here costs no round trip. A stale one (a publish or
+        # unpublish that did not reach this replica yet) is caught by the read's generation check and
+        # passed over through ``failed``; what is not here is asked of the other owners as before.
+        assert self.info is not None
+        me = self.info.id
+        here = [i for i in pending if me in owners[i]]
+        if here:
+            body = m.PeerResolveRequest(keys=[keys[i] for i in here])
+            not_here = self._fill(here, self._serve_shard(body), found, usable, failed)
+            self.metrics.directory_local(len(here) - len(not_here))
+            pending = [i for i in pending if found[i] is None]
+        asked_here = set(here)
         for replica in range(replicas):
             by_owner: dict[str, list[int]] = {}
             for i in pending:
-                if replica < len(owners[i]):
+                if replica < len(owners[i]) and not (owners[i][replica] == me and i in asked_here):
                     by_owner.setdefault(owners[i][replica], []).append(i)
+            if not by_owner:
+                continue
             # Each round gets its share of what is left: an owner that does not answer (dead, not yet
             # out of the ring) must leave the next replica time to, whatever the caller's budget.
             now = time.monotonic()
