@@ -253,3 +253,41 @@ def test_every_tp_rank_of_the_peer_backend_keeps_its_disk_tier(sglang, tmp_path)
     finally:
         for b in reversed(ranks):
             b.close()
+
+
+def _two_free_ports() -> int:
+    """A port P with P and P + 1 both free on loopback."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            if port >= 65535:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+def test_every_tp_rank_of_the_peer_backend_serves_its_metrics_page(sglang):
+    """One JSON for every rank, one ``metrics_port`` in it: every rank tried that port and all but the
+    first served no metrics page (a warning each). The first rank serves on it, the next on the port after."""
+    from urllib.request import urlopen
+
+    port = _two_free_ports()
+    ranks = []
+    try:
+        for rank in range(2):
+            extra = {"discovery": ranks[0].store.node_id} if ranks else {}
+            ranks.append(make_peer_backend(sglang, LayerFirstHostPool(), tp_rank=rank, tp_size=2, **{**extra, "metrics_port": port}))
+        for rank, b in enumerate(ranks):
+            with urlopen(f"http://127.0.0.1:{port + rank}/", timeout=5) as page:
+                assert b.store.node_id in page.read().decode(), f"rank {rank}'s metrics page is not its own"
+    finally:
+        for b in reversed(ranks):
+            b.close()

@@ -15,7 +15,8 @@ The JSON holds SGLang's loader keys, this backend's (``model_name``, ``budget_sh
 ``PeerConfig`` key (``kvdepot peer --help``). ``port`` and ``data_port`` default to free ports here (every
 TP rank is a node); a head node must be given its ports (or run ``kvdepot peer`` as the head).
 ``disk_path`` is a folder per rank (a subfolder named by its ranks where there are several): one disk tier
-cannot be shared, and every rank gets the same JSON.
+cannot be shared, and every rank gets the same JSON; ``metrics_port`` is the first rank's, the others'
+follow it (``per_rank``).
 
 Hybrid models (Mamba states, SWA, DSA indexer pools) use SGLang's v2 interface (``register_mem_host_pool_v2``,
 ``batch_exists_v2`` / ``batch_get_v2`` / ``batch_set_v2``): ``pools.HostPoolsV2``, each extra pool's pages objects of their
@@ -87,23 +88,36 @@ def split_settings(extra: dict[str, Any] | None) -> tuple[PeerSGLangSettings, Pe
     return own, node
 
 
-def own_disk_path(node: PeerConfig, storage_config: HiCacheStorageConfig) -> PeerConfig:
-    """``disk_path`` made this process's own: SGLang hands every rank (TP, PP, attention DP and CP) the
-    same JSON, each rank is a node, and a disk folder takes one tier (the first rank got it, every
-    other ran with no disk tier). Each rank that is one of several gets a subfolder named by its ranks,
-    the same on every restart, so its pages come back with it; ``disk_size_gb`` bounds each."""
-    if not node.disk_path:
-        return node
-    ranks = [("pp", "pp_rank", "pp_size"), ("dp", "dp_rank", None), ("cp", "attn_cp_rank", "attn_cp_size"), ("tp", "tp_rank", "tp_size")]
-    parts = []
-    for name, rank, size in ranks:
+_RANKS = (("pp", "pp_rank", "pp_size"), ("dp", "dp_rank", None), ("cp", "attn_cp_rank", "attn_cp_size"), ("tp", "tp_rank", "tp_size"))
+
+
+def per_rank(node: PeerConfig, storage_config: HiCacheStorageConfig) -> PeerConfig:
+    """The node's settings made this process's own. SGLang hands every rank (TP, PP, attention DP and
+    CP) the same JSON, and each rank is a node:
+    - ``disk_path``: a disk folder takes one tier (the first rank got it, every other ran with no disk
+      tier); each rank that is one of several gets a subfolder named by its ranks, the same on every
+      restart, so its pages come back with it; ``disk_size_gb`` bounds each;
+    - ``metrics_port``: the first rank's; the others' follow it, one per rank (every rank tried the
+      same port and all but one served no metrics)."""
+    parts, index = [], 0
+    for name, rank, size in _RANKS:
         r = int(getattr(storage_config, rank, 0) or 0)
         n = int(getattr(storage_config, size, 1) or 1) if size else 1
         if n > 1 or r > 0:
             parts.append(f"{name}{r}")
+        index = index * n + r if size else r  # dp's size is not given: it leads the index, whatever it is
     if not parts:
         return node
-    return msgspec.structs.replace(node, disk_path=os.path.join(node.disk_path, "-".join(parts)))
+    changes: dict[str, Any] = {}
+    if node.disk_path:
+        changes["disk_path"] = os.path.join(node.disk_path, "-".join(parts))
+    if node.metrics_port:
+        port = node.metrics_port + index
+        if port > 65535:
+            log.warning("kvdepot: rank %s's metrics port would be %d, past 65535: its metrics page is off", "-".join(parts), port)
+            port = 0
+        changes["metrics_port"] = port
+    return msgspec.structs.replace(node, **changes) if changes else node
 
 
 class PeerHiCacheStorage(HostPoolsV2, HiCacheStorage):
@@ -111,7 +125,7 @@ class PeerHiCacheStorage(HostPoolsV2, HiCacheStorage):
         self.storage_config = storage_config
         self._init_pools_v2()
         self.settings, self.peer_config = split_settings(storage_config.extra_config)
-        self.peer_config = own_disk_path(self.peer_config, storage_config)
+        self.peer_config = per_rank(self.peer_config, storage_config)
         self.runtime = SGLangRuntime.read().with_budget(self.settings.prefetch_timeout_base, self.settings.prefetch_timeout_per_ki_token)
         mla = storage_config.is_mla_model
         self.writer = storage_config.is_storage_writer
