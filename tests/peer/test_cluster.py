@@ -735,3 +735,45 @@ def test_a_head_given_its_own_address_by_host_name_is_the_head():
     finally:
         for s in reversed(everyone):
             s.close()
+
+
+def test_the_only_master_restarted_with_its_clock_stepped_back_takes_a_later_run_and_its_pages_read(monkeypatch):
+    """As above, for the head when it is the only master (``max_masters=1``): no master's table ever
+    reaches it (it heartbeats no one), so nothing told it that the others still knew its later, dead
+    run. Every other shard kept that run and refused each record of the new one for good: the head's
+    pages whose directory records live on the other nodes read nowhere, for the whole run."""
+    import socket
+
+    from kvdepot.peer import node as node_module
+
+    one = {"max_masters": 1}
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    head_id = f"127.0.0.1:{port}"
+    future = time.time_ns() + 3600 * 10**9
+    monkeypatch.setattr(node_module, "_new_incarnation", lambda: future)
+    first = PeerStore(discovery="", secret=SECRET, port=port, data_port=0, pool_size_mb=32, **{**FAST, **one})
+    monkeypatch.undo()  # the clock steps back an hour
+    with store(head_id, **one) as a, store(head_id, **one) as b:
+        try:
+            assert first.node_id == head_id
+            wait_for(lambda: members_of(a) == 3 and members_of(b) == 3, 10, "three members")
+            names = keys("early", 32)
+            assert first.batch_set(names, [page_bytes(n, SIZE) for n in names]) == [True] * 32
+            wait_for(lambda: check_pages(a, "early", 32, SIZE)["hit"] == 32, 10, "the first run's pages")
+        finally:
+            first.close()  # no goodbye: as a kill, the others still hold this run until the TTL
+        with PeerStore(discovery="", secret=SECRET, port=port, data_port=0, pool_size_mb=32, **{**FAST, **one}) as again:
+            assert again.node_id == head_id
+            wait_for(lambda: members_of(again) == 3, 10, "the restarted head to know three members")
+            names = keys("late", 32)
+            assert again.batch_set(names, [page_bytes(n, SIZE) for n in names]) == [True] * 32
+            time.sleep(FAST["member_ttl_s"] + 1.0)  # the head settles, and a few heartbeats after
+            for reader in (a, b):
+                reader.node.located.clear()
+                wait_for(lambda r=reader: check_pages(r, "late", 32, SIZE)["hit"] == 32, 10,
+                         f"the restarted head's pages to read on {reader.node_id} (its run {again.node.info.incarnation}, "
+                         f"the dead one's {future}): {check_pages(reader, 'late', 32, SIZE)}")
+                assert check_pages(reader, "early", 32, SIZE)["wrong"] == 0
+            assert again.node.info.incarnation > future

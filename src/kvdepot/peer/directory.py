@@ -63,6 +63,17 @@ class DirectoryShard:
                     kept += 1
         return kept
 
+    def later_run(self, records: Sequence[PeerLocation]) -> int:
+        """The newest run this shard knows of a node that some of ``records`` name an earlier run of (0:
+        none): the records ``publish`` refused as a restarted node's."""
+        later = 0
+        with self._lock:
+            for rec in records:
+                run = self._runs.get(rec.node, 0)
+                if rec.incarnation != LEGACY_RUN and rec.incarnation < run:
+                    later = max(later, run)
+        return later
+
     def unpublish(self, keys: Sequence[bytes], node: str, generations: Sequence[int]) -> int:
         removed = 0
         with self._lock:

@@ -418,8 +418,15 @@ class PeerNode:
                 by_owner.setdefault(owner, []).append(rec)
         for owner, group in by_owner.items():
             for part in _slices(group, _record_bytes):
-                if self._call_shard(owner, m.PeerPublishRequest(records=part), deadline) is None:
+                reply = self._call_shard(owner, m.PeerPublishRequest(records=part), deadline)
+                if reply is None:
                     self.owed.owe(rec.key for rec in part)
+                elif reply.later_run > self.info.incarnation:
+                    # The owner knows a later run of this node than this one (the clock stepped back across
+                    # a restart) and refused these records: no master's table says so to the only master.
+                    # The new run publishes every page again.
+                    self._run_after(reply.later_run)
+                    return
 
     def _unpublish(self, entries: Sequence[PoolEntry], deadline: float | None = None) -> None:
         """Remove these pages' records at their owners; an owner that fails or is skipped (suspect) is
@@ -930,7 +937,10 @@ class PeerNode:
             for rec in body.records:
                 _check_key(rec.key)
             self._note_legacy(body.records)
-            return m.PeerCountReply(count=self.shard.publish(body.records))
+            kept = self.shard.publish(body.records)
+            # Records refused as an earlier run's: say which run this shard knows, so that a node no
+            # master's table tells (the only master, restarted) learns that its run is behind (_run_after).
+            return m.PeerCountReply(count=kept, later_run=self.shard.later_run(body.records) if kept < len(body.records) else 0)
         if isinstance(body, m.PeerUnpublishRequest):
             return m.PeerCountReply(count=self.shard.unpublish(body.keys, body.node, body.generations))
         if isinstance(body, m.PeerResolveRequest):

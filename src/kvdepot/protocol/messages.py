@@ -564,8 +564,14 @@ class PeerUnpublishRequest(_Body):
     generations: list[int]
 
 
-class PeerCountReply(_Body):
+class PeerCountReply(_Body, omit_defaults=True):
+    """``later_run`` (a publish's reply): the shard knows a later run of the publisher than the one its
+    records name, so it refused them; the publisher's clock stepped back across a restart, and it must
+    take a run after that one. Left off the wire when 0, so a peer that predates it decodes every other
+    answer as before."""
+
     count: int
+    later_run: int = 0
 
 
 class PeerResolveRequest(_Body):
