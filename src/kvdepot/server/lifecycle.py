@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import binascii
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
@@ -145,7 +146,10 @@ class Lifecycle:
             done.append(finished)
             if hits >= len(t.keys) or not self._storage.prefetch(t.keys, hits, t.chunk_bytes, cache_salt, _setter(finished)):
                 finished.set()  # all in L1 already, or no tier to fetch from
-        complete = all(event.wait(wait_s) for event in done)
+        # One deadline for all: each event waited wait_s anew, so prefetches ending one after another
+        # (a slow tier serving the ranks in turn) held the request up to the rank count times wait_s.
+        deadline = time.monotonic() + wait_s
+        complete = all(event.wait(max(0.0, deadline - time.monotonic())) for event in done)
         after = [self._storage.lookup(t.keys) for t in targets]
         return {
             "requested": sum(len(t.keys) for t in targets),
