@@ -103,3 +103,18 @@ def test_a_client_closed_while_its_threads_make_requests_leaves_no_context_on_th
         assert not any(t.is_alive() for t in threads)
     st = srv.wait_status(lambda s: s["contexts"] == 0, timeout_s=3)
     assert st["contexts"] == 0, f"closed clients left {st['contexts']} contexts registered on the server"
+
+
+def test_a_client_that_waits_as_long_as_it_takes_stores_and_retrieves(server, seed):
+    """A timeout past ZeroMQ's longest receive timeout (2^31 ms, 24.8 days: "wait as long as it takes")
+    failed every request with a bare OverflowError out of the channel, registration included: the
+    client never worked. Infinity, which ClientOptions took too, failed so in a lock's wait: it is
+    refused, saying why."""
+    t = make_tokens(2 * CHUNK, seed)
+    kv = make_kv(LAYOUT, len(t), seed)
+    with KVClient(server.ipc_url, MODEL, LAYOUT, options=ClientOptions(timeout_s=1e9, connect_timeout_s=1e9)) as c:
+        assert c.ping()
+        assert c.store(t, kv) == 2 * CHUNK
+        assert_bytes_equal(c.retrieve(t), kv)
+    with pytest.raises(ValueError, match="positive and finite"):
+        ClientOptions(timeout_s=float("inf"))

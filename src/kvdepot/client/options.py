@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import os
+import threading
 from dataclasses import dataclass
 
 from kvdepot.hashing import HASH_SCHEME
@@ -49,8 +50,10 @@ class ClientOptions:
             object.__setattr__(self, "transport", Transport(self.transport))
         except ValueError:
             raise ValueError(f"transport must be one of {[t.value for t in Transport]}, got {self.transport!r}") from None
-        if not self.timeout_s > 0 or not self.connect_timeout_s > 0:
-            raise ValueError("timeout_s and connect_timeout_s must be positive")
+        if not 0 < self.timeout_s <= threading.TIMEOUT_MAX or not 0 < self.connect_timeout_s <= threading.TIMEOUT_MAX:
+            # Infinity cannot be waited for (a lock's timeout raises past TIMEOUT_MAX); a large number waits as long as it takes.
+            raise ValueError(f"timeout_s and connect_timeout_s must be positive and finite, at most {threading.TIMEOUT_MAX:.0f} s "
+                             f"(a large number waits as long as it takes), got {self.timeout_s} and {self.connect_timeout_s}")  # fmt: skip
         if self.curve is not None and not isinstance(self.curve, CurveClientKeys):
             raise ValueError(f"curve must be a CurveClientKeys (CurveClientKeys.from_files(server_public, client_secret)), got {self.curve!r}")
         if self.chunk_size < 0:

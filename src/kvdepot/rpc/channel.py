@@ -53,6 +53,9 @@ OnReply = Callable[[int, object, list], None]  # (request index, typed reply, pa
 OnBehind = Callable[[object, KVDepotError | None], None]  # (typed reply or None, the error the server answered or None)
 MAX_BEHIND = 64  # replies to requests sent behind that may wait unread; past it, the oldest is forgotten
 MAX_LATE = 4096  # timed-out calls whose late reply grants something (``on_late``), kept apart: past it, the oldest is forgotten
+# ZeroMQ's longest receive timeout (RCVTIMEO is an int of milliseconds: 24.8 days). A longer wait ("as long
+# as it takes": a huge timeout_s) is cut to it; asked for as is, every request raised OverflowError.
+MAX_WAIT_S = (2**31 - 1) / 1000
 BORROWED_GRACE_S = 2.0  # past an error or the deadline: how long a server that answers may take to read what was sent
 Answered = Callable[[RequestType], None]
 
@@ -346,7 +349,7 @@ class RpcChannel:
         if sock is None:
             raise KVDepotError("channel is not open", ErrorCode.CONNECTION)
         rid = next(self._ids)
-        header, encoded = codec.encode_request(rid, body, max(1, int(timeout_s * 1000)))  # 0 would mean "none"
+        header, encoded = codec.encode_request(rid, body, max(1, int(min(timeout_s, MAX_WAIT_S) * 1000)))  # 0 would mean "none"
         # Small frames are copied (cheaper than zero-copy bookkeeping); KV payload is not.
         if payload:
             sock.send(header, zmq.SNDMORE)
@@ -368,7 +371,7 @@ class RpcChannel:
         assert sock is not None
         # A blocking recv with RCVTIMEO saves a poll() syscall per request. Past the deadline it is 0: a
         # reply that is already here is still taken (a begun call collected after a slower one's).
-        remaining_ms = max(0, math.ceil((deadline - time.monotonic()) * 1000))  # up: never give up before it
+        remaining_ms = max(0, math.ceil(min(deadline - time.monotonic(), MAX_WAIT_S) * 1000))  # up: never give up before it
         if remaining_ms != self._rcvtimeo:
             sock.setsockopt(zmq.RCVTIMEO, remaining_ms)
             self._rcvtimeo = remaining_ms
