@@ -122,6 +122,13 @@ class HandshakeRefused(ServerUnreachable):
     admitted, or the wrong server key): no request could be sent. ZeroMQ itself only retries silently."""
 
 
+class ForkedChannel(KVDepotError):
+    """This process is a ``fork()`` child of the one whose client (or channel) connected: the connection
+    is the parent's and does not work here. Nothing was sent; a client created in this process works."""
+
+    code = ErrorCode.CONNECTION
+
+
 class TransportUnavailable(KVDepotError):
     code = ErrorCode.TRANSPORT_UNAVAILABLE
 

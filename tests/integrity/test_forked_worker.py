@@ -96,6 +96,40 @@ with c.prepare_store(np.asarray(args["tokens"], dtype=np.int64)) as slots:
 """
 
 
+# argv: json {url, model, layout, tokens, transport}. A connected KVClient stores, then forks: the child
+# uses the parent's client (a lookup, then close), saying what happened and how long it took; the
+# parent waits for the child, then looks up again through its own client.
+FORKED_CLIENT_WORKER = r"""
+import json, os, sys, time
+import numpy as np
+from kvdepot import ClientOptions, KVClient, KVLayout
+def say(obj):
+    os.write(1, (json.dumps(obj) + "\n").encode())
+args = json.loads(sys.argv[1])
+tokens = np.asarray(args["tokens"], dtype=np.int64)
+c = KVClient(args["url"], args["model"], KVLayout(*args["layout"]), options=ClientOptions(transport=args["transport"], timeout_s=2.0))
+kv = np.ones((2, c.layout.num_layers, len(tokens), c.layout.num_kv_heads, c.layout.head_dim), dtype=c.layout.dtype)
+assert c.store(tokens, kv) == len(tokens)
+pid = os.fork()
+if pid == 0:
+    report, start = {"in_child": os.getpid()}, time.monotonic()
+    try:
+        report["lookup"] = c.lookup(tokens)
+    except Exception as exc:
+        report["error"] = f"{type(exc).__name__}: {exc}"
+    report["lookup_s"] = time.monotonic() - start
+    c.close()
+    report["closed_s"] = time.monotonic() - start
+    say(report)
+    os._exit(0)
+say({"worker": os.getpid(), "child": pid, "transport": c.transport})
+os.waitpid(pid, 0)
+say({"parent_lookup": c.lookup(tokens)})
+sys.stdin.readline()
+c.close()
+"""
+
+
 def alive(pid: int) -> bool:
     """Running (a zombie is not: an orphan's reaper in a container may be slow)."""
     try:
@@ -259,3 +293,28 @@ def test_a_worker_arena_closed_under_live_views_keeps_its_lock_until_they_go(own
     assert owner.lock_held(offset), "the lock went while a view could still write into the arena"
     del view, worker  # the last reference to the mapping: it goes, and the lock with it
     poll(lambda: gc.collect() is not None and not owner.lock_held(offset), "the lock to go with the mapping")
+
+
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_a_forked_child_using_its_parents_client_gets_a_clear_error_not_a_hang(make_server, procs, transport, seed):
+    """ZeroMQ sockets do not survive fork(): in the child, libzmq answers every wait with EINTR, which
+    pyzmq retries forever, so a request spun at 100% CPU past any timeout. The child must be told at once
+    (and may close its copy), and the parent's context must stay the parent's."""
+    srv = make_server()
+    n = 2
+    args = {
+        "url": srv.url,
+        "model": MODEL,
+        "layout": [LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim],
+        "tokens": [int(t) for t in make_tokens(n * CHUNK, seed)],
+        "transport": transport,
+    }
+    worker = procs.start(FORKED_CLIENT_WORKER, json.dumps(args))
+    lines = [procs.line(worker), procs.line(worker)]  # the worker's and the child's, in either order
+    assert next(x for x in lines if "worker" in x)["transport"] == transport
+    child = next(x for x in lines if "in_child" in x)
+    assert "lookup" not in child, f"a forked child used its parent's connection: {child}"
+    assert "fork()" in child["error"] and "KVClient" in child["error"], child
+    assert child["closed_s"] < 5.0, child  # close() in the child neither waits for a reply nor hangs
+    assert procs.line(worker) == {"parent_lookup": n * CHUNK}  # the parent's client is unharmed
+    assert srv.status()["contexts"] == 1, "the child's close() ended the parent's context"

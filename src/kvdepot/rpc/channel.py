@@ -14,7 +14,10 @@ has handled it before anything this channel sends later). For finishes whose out
 not wait for: a shared-memory read's release (one round trip a retrieve instead of two).
 
 Life cycle: ``RpcChannel(url)`` builds nothing; ``open`` connects the socket; ``close`` closes it. A
-``Heartbeat`` runs a callback on its own thread, started and stopped explicitly.
+``Heartbeat`` runs a callback on its own thread, started and stopped explicitly. A channel belongs to the
+process that opened it: in a ``fork()`` child every request raises ``ForkedChannel`` at once (ZeroMQ
+sockets do not survive a fork: libzmq answers the child's every wait with EINTR, which pyzmq retries
+forever, so a request would spin past any deadline), and ``close`` only drops the child's copy.
 
 A failed security handshake (CurveZMQ keys missing, not admitted, or the wrong server key) is silent in
 ZeroMQ: the socket just retries. A monitor on the socket records it, and a request that gets no reply
@@ -40,7 +43,7 @@ from contextlib import contextmanager
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvdepot.errors import ChannelBusy, ErrorCode, HandshakeRefused, KVDepotError, KVDepotTimeout
+from kvdepot.errors import ChannelBusy, ErrorCode, ForkedChannel, HandshakeRefused, KVDepotError, KVDepotTimeout
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 from kvdepot.protocol.messages import RequestType
@@ -74,6 +77,7 @@ class RpcChannel:
         self._handshake_failure: int | None = None  # the last failed handshake's event, until one succeeds
         self._ids = itertools.count(1)
         self._rcvtimeo = -1
+        self._pid = 0  # the process that opened the socket (``open``): a fork() child may not use it
         self._lock = threading.RLock()
         self.last_request = 0.0  # monotonic time of the last request sent
         self.closed = False
@@ -104,7 +108,13 @@ class RpcChannel:
         sock.connect(self.url)
         self._sock = sock
         self._rcvtimeo = -1
+        self._pid = os.getpid()
         return self
+
+    @property
+    def forked(self) -> bool:
+        """True in a ``fork()`` child of the process that opened the channel: it may not use it."""
+        return self._pid != 0 and self._pid != os.getpid()
 
     def _replace_socket(self) -> None:
         """Drop the connection and everything queued on it, and connect afresh (a new routing id: to
@@ -127,7 +137,11 @@ class RpcChannel:
             self._close_socket()
 
     def _close_socket(self) -> None:
-        """Close the socket (LINGER 0: what it still queues is dropped) and its monitor. Lock held."""
+        """Close the socket (LINGER 0: what it still queues is dropped) and its monitor. Lock held. In a
+        fork() child only the references go: the socket is the parent's, and libzmq is not to be touched."""
+        if self.forked:
+            self._sock = self._monitor = None
+            return
         if self._sock is not None:
             if self._monitor is not None:
                 self._sock.disable_monitor()
@@ -348,6 +362,7 @@ class RpcChannel:
         sock = self._sock
         if sock is None:
             raise KVDepotError("channel is not open", ErrorCode.CONNECTION)
+        self._check_process()
         rid = next(self._ids)
         header, encoded = codec.encode_request(rid, body, max(1, int(min(timeout_s, MAX_WAIT_S) * 1000)))  # 0 would mean "none"
         # Small frames are copied (cheaper than zero-copy bookkeeping); KV payload is not.
@@ -369,6 +384,7 @@ class RpcChannel:
         """Receive the next reply (any request id) before ``deadline``. Called with the lock held."""
         sock = self._sock
         assert sock is not None
+        self._check_process()
         # A blocking recv with RCVTIMEO saves a poll() syscall per request. Past the deadline it is 0: a
         # reply that is already here is still taken (a begun call collected after a slower one's).
         remaining_ms = max(0, math.ceil(min(deadline - time.monotonic(), MAX_WAIT_S) * 1000))  # up: never give up before it
@@ -385,6 +401,14 @@ class RpcChannel:
             self._raise_if_refused()
             raise KVDepotTimeout(f"{type(body).__name__} got no reply from {self.url} in time") from None
         return codec.decode_reply_header(reply_header), reply_body, frames
+
+    def _check_process(self) -> None:
+        """ForkedChannel in a fork() child (before libzmq, which would spin there forever)."""
+        if self.forked:
+            raise ForkedChannel(
+                f"this process ({os.getpid()}) is a fork() of process {self._pid}, which connected to {self.url}: a "
+                f"ZeroMQ connection does not survive fork(), so it may not be used here; create a KVClient in this process"
+            )
 
     def _raise_if_refused(self) -> None:
         """After a timeout: raise HandshakeRefused if the connection's last handshake failed."""
