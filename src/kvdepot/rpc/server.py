@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import resource
 import threading
 import time
 from collections import deque
@@ -133,6 +134,10 @@ class RpcServer:
         self._claims = [IpcClaim(ep.removeprefix("ipc://")) for ep in endpoints if ep.startswith("ipc://")]
         # Clients of BLOCKING requests whose reply never reached the loop (appended by workers; deque ops are atomic).
         self._finished_unanswered: deque[ClientId] = deque()
+        # BLOCKING calls whose worker could not make its socket to the loop (no file descriptor left): their
+        # replies, for the loop to send itself (appended by workers, taken by the loop).
+        self._handed_over: deque[tuple[Call, Any]] = deque()
+        self._no_socket_logged = -1e9  # when a worker's failure to make that socket was last logged
         # Routing ids whose last request was a goodbye, their disconnect not seen yet (loop thread). A set:
         # a client that unregisters two contexts leaves once; one that speaks again has not left.
         self._goodbyes: set[bytes] = set()
@@ -248,6 +253,8 @@ class RpcServer:
                     self._run_trackers()
                 if self._finished_unanswered:
                     self._end_unanswered()
+                if self._handed_over:
+                    self._send_handed_over(router)
                 now = time.monotonic()
                 if now >= next_hk:
                     next_hk = now + self._hk_interval
@@ -259,6 +266,9 @@ class RpcServer:
                             log.exception("housekeeping failed")
         finally:
             self._run_trackers(force=True)
+            for _, result in self._handed_over:  # never sent: let go of what kept their payload valid
+                if isinstance(result, tuple) and result[1].on_sent is not None:
+                    result[1].on_sent()
             router.disable_monitor()
             for s in (router, monitor):
                 s.close(linger=0)
@@ -514,14 +524,14 @@ class RpcServer:
 
     def _run_blocking_call(self, spec: HandlerSpec, call: Call) -> None:
         result = self._invoke(spec, call)
-        sock = getattr(self._local, "reply", None)
-        if sock is None:
-            assert self._ctx is not None
-            sock = self._local.reply = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.ROUTING_ID, self._worker_prefix + threading.get_ident().to_bytes(8, "little"))
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.connect(self._reply_addr)
+        try:
+            sock = self._reply_socket()
+        except zmq.ZMQError as exc:
+            # The handler has run (a store is done): its reply must still go, and the request end, or the
+            # client times out and stays "busy" for ever (never declared gone). The loop sends it.
+            self._no_reply_socket(call, exc)
+            self._handed_over.append((call, result))
+            return
         try:
             self._send(sock, call.client, call, result)
         except zmq.ZMQError:
@@ -530,6 +540,46 @@ class RpcServer:
         except Exception:
             log.exception("the %s reply could not be sent", call.rtype.name)
             self._answer_failed_send(sock, call)
+
+    def _reply_socket(self) -> zmq.Socket:
+        """This worker's socket to the loop, made at its first reply (ZMQError when it cannot be: a
+        socket takes a file descriptor, and the process may have none left)."""
+        sock = getattr(self._local, "reply", None)
+        if sock is None:
+            assert self._ctx is not None
+            sock = self._ctx.socket(zmq.DEALER)
+            try:
+                sock.setsockopt(zmq.ROUTING_ID, self._worker_prefix + threading.get_ident().to_bytes(8, "little"))
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, 0)
+                sock.connect(self._reply_addr)
+            except BaseException:
+                sock.close(linger=0)
+                raise
+            self._local.reply = sock
+        return sock
+
+    def _no_reply_socket(self, call: Call, exc: zmq.ZMQError) -> None:
+        """Say (at most every 10 s) that a worker has no socket to the loop, and why."""
+        now = time.monotonic()
+        if now - self._no_socket_logged < 10.0:
+            return
+        self._no_socket_logged = now
+        hint = ""
+        if exc.errno == errno.EMFILE:
+            hint = f"; the server is out of file descriptors (ulimit -n is {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}): raise it"
+        log.warning("a worker could not open its socket to the RPC loop (%s)%s; the loop sends the %s reply itself", exc, hint, call.rtype.name)
+
+    def _send_handed_over(self, router: zmq.Socket) -> None:
+        """Loop thread: send the replies of workers that had no socket to the loop, and end their requests."""
+        while self._handed_over:
+            call, result = self._handed_over.popleft()
+            try:
+                self._send(router, call.client, call, result)
+            except Exception:
+                log.exception("the %s reply could not be sent", call.rtype.name)
+            finally:
+                self.observer.request_finished(call.client)
 
     def _answer_failed_send(self, sock: zmq.Socket, call: Call) -> None:
         """A BLOCKING handler's reply could not be sent: answer with an error instead (the loop ends the
