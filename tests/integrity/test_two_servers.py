@@ -126,3 +126,25 @@ def test_a_dead_servers_ipc_socket_is_taken_over(servers, tmp_path):
     servers(ipc_path=ipc)
     with KVClient(f"ipc://{ipc}", MODEL, LAYOUT) as c:
         assert c.ping()
+
+
+def test_a_hang_up_stops_the_server_cleanly_unless_it_runs_under_nohup(servers, shm_dir, tmp_path):
+    """SIGHUP (the terminal of a foreground server closed: an ssh session dropped) killed the server
+    outright, leaving its arena (L1's size, in RAM) in /dev/shm and its socket file until a next server
+    swept them. It must stop as on SIGTERM; under ``nohup`` (SIGHUP ignored) it must keep serving."""
+    nohup = shutil.which("nohup")
+    if nohup is None:
+        pytest.skip("nohup (coreutils) is not installed")
+    ipc = str(tmp_path / "kv.ipc")
+    hung_up = servers("--shm-dir", shm_dir, ipc_path=ipc)
+    assert len(arenas(shm_dir)) == 1 and os.path.exists(ipc)
+    assert hung_up.stop(signal.SIGHUP) == 0, "SIGHUP did not stop the server cleanly"
+    assert arenas(shm_dir) == [], "the arena outlived a hang-up"
+    assert not os.path.exists(ipc), "the socket file outlived a hang-up"
+
+    kept = servers("--shm-dir", shm_dir, ipc_path=ipc, prefix=[nohup])
+    kept.proc.send_signal(signal.SIGHUP)
+    with KVClient(f"ipc://{ipc}", MODEL, LAYOUT) as c:  # still serving
+        assert c.ping()
+    assert kept.proc.poll() is None
+    assert kept.stop(signal.SIGTERM) == 0 and arenas(shm_dir) == []

@@ -217,10 +217,13 @@ class KVDepotServer:
         self.observers.close()  # after every producer: what they said last is still handed out
 
     def serve_forever(self) -> None:
-        """Start, block until SIGINT/SIGTERM, then close."""
+        """Start, block until SIGINT/SIGTERM/SIGHUP, then close."""
         stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            # SIGHUP (the terminal closed) killed the server outright: its arena stayed in /dev/shm, in
+            # RAM. Unless it is ignored already (``nohup``: the server is to outlive its terminal).
+            if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN:
+                signal.signal(sig, lambda *_: stop.set())
         self.start()  # closes what it opened if it fails
         try:
             while not stop.wait(0.5):
