@@ -148,3 +148,38 @@ def test_a_hang_up_stops_the_server_cleanly_unless_it_runs_under_nohup(servers, 
         assert c.ping()
     assert kept.proc.poll() is None
     assert kept.stop(signal.SIGTERM) == 0 and arenas(shm_dir) == []
+
+
+def _soft_nofile(pid: int) -> int:
+    with open(f"/proc/{pid}/limits") as f:
+        line = next(x for x in f if x.startswith("Max open files"))
+    return int(line.split()[3])
+
+
+def test_a_server_raises_its_open_files_limit_to_the_hard_one(servers):
+    """Every client, peer channel and tier connection takes a descriptor; at a distribution's default
+    soft limit (1,024 under a far higher hard one) libzmq's listener spins a core and new clients hang."""
+    prlimit = shutil.which("prlimit")
+    if prlimit is None:
+        pytest.skip("prlimit (util-linux) is not installed")
+    srv = servers(prefix=[prlimit, "--nofile=256:4096"])
+    assert _soft_nofile(srv.proc.pid) == 4096
+
+
+def test_kvdepot_peer_stops_cleanly_on_a_hang_up_and_raises_its_open_files_limit(tmp_path):
+    """``kvdepot peer`` as ``kvdepot serve``: a closed terminal (SIGHUP) killed the node outright, so the
+    others waited out its TTL; it must leave as on SIGTERM (exit 0)."""
+    prlimit = shutil.which("prlimit")
+    if prlimit is None:
+        pytest.skip("prlimit (util-linux) is not installed")
+    cmd = [prlimit, "--nofile=256:4096", sys.executable, "-m", "kvdepot.cli", "peer", "--port", str(free_port()), "--data-port", "0",
+           "--metrics-port", "0", "--secret", "hang-up"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().startswith("kvdepot peer node ")
+        assert _soft_nofile(proc.pid) == 4096
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(30) == 0, "SIGHUP did not stop the node cleanly"
+    finally:
+        proc.kill()
+        proc.wait()

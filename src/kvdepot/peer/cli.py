@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import threading
 
 from kvdepot.config import add_config_args, config_values
+from kvdepot.daemon import raise_fd_limit, stop_on_signals
 from kvdepot.errors import ConfigError, KVDepotError
 from kvdepot.peer.addresses import address_id, node_id
 from kvdepot.peer.config import PeerConfig, PeerFlags
@@ -43,14 +43,14 @@ def run(config: PeerConfig) -> int:
     from kvdepot.peer.node import PeerNode
 
     node = PeerNode(config)
+    stop = threading.Event()
+    stop_on_signals(stop)  # before the join (up to join_timeout_s): a signal meanwhile closes it after
+    raise_fd_limit()
     try:
         node.start()
     except OSError as exc:
         print(f"kvdepot peer: {exc}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     assert node.info is not None
     print(f"kvdepot peer node {node.info.id} (data port {node.info.data_port}), head {node.head}", flush=True)
     stop.wait()

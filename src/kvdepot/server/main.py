@@ -8,7 +8,6 @@ requests plugs in as one more ``ModuleFactory``.
 from __future__ import annotations
 
 import logging
-import signal
 import socket
 import threading
 import time
@@ -18,6 +17,7 @@ from kvdepot import __version__
 from kvdepot.admin.http import HttpServer
 from kvdepot.admin.prometheus import PrometheusServer
 from kvdepot.config import BlockTransfer, RpcConfig, ServerConfig, host_port, is_loopback
+from kvdepot.daemon import raise_fd_limit, stop_on_signals
 from kvdepot.errors import ConfigError, EndpointInUse
 from kvdepot.gpu import runtime
 from kvdepot.observability.metrics import Metrics
@@ -219,11 +219,8 @@ class KVDepotServer:
     def serve_forever(self) -> None:
         """Start, block until SIGINT/SIGTERM/SIGHUP, then close."""
         stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            # SIGHUP (the terminal closed) killed the server outright: its arena stayed in /dev/shm, in
-            # RAM. Unless it is ignored already (``nohup``: the server is to outlive its terminal).
-            if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN:
-                signal.signal(sig, lambda *_: stop.set())
+        stop_on_signals(stop)
+        raise_fd_limit()
         self.start()  # closes what it opened if it fails
         try:
             while not stop.wait(0.5):
