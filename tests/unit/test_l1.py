@@ -268,6 +268,23 @@ def test_subscribers_get_stored_and_removed_events_with_generations(make_table):
     assert batches[-1][0].key == k(2) and batches[-1][0].generation > gens[k(2)]
 
 
+def test_an_object_deleted_while_read_is_removed_as_deleted_when_its_reader_lets_go(make_table):
+    """DELETE /cache/prefix of a prefix an engine is reading dooms its objects; when the read ends they
+    go as what they are, deleted: kvdepot_l1_removed_objects_total{reason} and /events/recent said
+    "cleared", an L1 clear nobody made, and the deletes were never counted."""
+    t = make_table(4)
+    batches: list[list[ObjectEvent]] = []
+    t.subscribe(batches.append)
+    store(t, [1, 2])
+    lock = t.acquire_read(ks(1, 2), B)
+    assert t.remove(ks(1, 2)) == (0, 2)
+    t.release_read(lock.lease_id, B)
+    assert [(e.kind, e.key, e.because) for e in batches[-1]] == [
+        (EventKind.REMOVED, k(1), RemovedBecause.DELETED), (EventKind.REMOVED, k(2), RemovedBecause.DELETED)
+    ]
+    t.check_invariants()
+
+
 def test_a_failing_subscriber_does_not_stop_the_others(make_table):
     t = make_table(2)
     got = []
@@ -657,6 +674,24 @@ def test_quarantined_read_keeps_its_pins_so_finishing_it_is_a_sound_read(make_ta
     assert t.stats().objects == 0  # doomed objects went with the last pin
     with pytest.raises(LeaseExpired):
         t.release_read(lock.lease_id, B)
+    t.check_invariants()
+
+
+def test_quarantined_bytes_count_each_pinned_object_once(make_table, clock, alive):
+    """Paused engines reading a shared prefix (a system prompt every request starts with) hold several
+    read leases on the same objects: quarantined, they hold back those objects' bytes once. Summed per
+    lease, /status and kvdepot_l1_quarantined_bytes said several times that, more than the arena."""
+    t = make_table(2)
+    store(t, [1, 2])
+    alive.update({B, C})
+    for owner in (B, B, C):
+        t.acquire_read(ks(1, 2), owner, toucher=Toucher.CLIENT)
+    t.release_owner(B, "missed heartbeats", revoked=True)
+    t.release_owner(C, "missed heartbeats", revoked=True)
+    s = t.stats()
+    assert s.quarantined_leases == 3
+    assert s.quarantined_bytes == 2 * SLOT <= s.capacity_bytes
+    assert sorted((q.leases, q.bytes) for q in t.quarantine()) == [(1, 2 * SLOT), (2, 2 * SLOT)]
     t.check_invariants()
 
 

@@ -52,7 +52,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
@@ -102,6 +102,7 @@ class L1Object:
     readers: int = 0
     writer: LeaseId = NO_LEASE
     doomed: bool = False  # cleared while locked: removed as soon as the last lock goes
+    doomed_by: RemovedBecause = RemovedBecause.CLEARED  # what doomed it: what its removal is told as (a clear or a delete)
     awaiting_l2: bool = False  # READY but not yet taken by the L2 push: evicted last (see hold_for_l2)
     generation: int = 0  # unique per object ever created in this table
 
@@ -649,7 +650,7 @@ class ObjectTable:
                     QuarantineEntry(
                         owner,
                         len(leases),
-                        sum(self._held_bytes_locked(le) for le in leases),
+                        sum(size for le in leases if le.kind is LeaseKind.WRITE for _, size in le.held) + self._pinned_bytes_locked(leases),
                         oldest.ending.at if oldest.ending else 0.0,
                         oldest.ending.why if oldest.ending else "",
                     )
@@ -729,7 +730,7 @@ class ObjectTable:
                     self._remove_locked(obj, RemovedBecause.DELETED)
                     removed += 1
                 else:
-                    obj.doomed = True
+                    obj.doomed, obj.doomed_by = True, RemovedBecause.DELETED
                     doomed += 1
         return removed, doomed
 
@@ -750,8 +751,7 @@ class ObjectTable:
                 evicted_objects=self._counters.evicted,
                 expired_leases=self._counters.expired,
                 quarantined_leases=len(self._quarantine),
-                quarantined_bytes=self._counters.quarantined_bytes
-                + sum(self._held_bytes_locked(le) for le in self._quarantine.values() if le.kind is LeaseKind.READ),
+                quarantined_bytes=self._counters.quarantined_bytes + self._pinned_bytes_locked(self._quarantine.values()),
                 quota_refused=self._counters.quota_refused,
                 awaiting_l2=self._counters.awaiting_l2,
                 evicted_awaiting_l2=self._counters.evicted_awaiting_l2,
@@ -922,7 +922,7 @@ class ObjectTable:
         if obj.state is ObjectState.READY:
             self._counters.ready -= 1
             if obj.doomed:
-                because = RemovedBecause.CLEARED
+                because = obj.doomed_by
             self._pending.append(ObjectEvent(EventKind.REMOVED, obj.key, obj.generation, obj.size, obj.salt, because=because))
 
     def _tell_ready_locked(self, keys: list[ObjectKey]) -> None:
@@ -1055,7 +1055,8 @@ class ObjectTable:
             lease.keys[:] = [None] * len(lease.keys)
         return released
 
-    def _held_bytes_locked(self, lease: Lease) -> int:
-        if lease.kind is LeaseKind.WRITE:
-            return sum(size for _, size in lease.held)
-        return sum(self._objects[k].size for k in lease.keys if k is not None)
+    def _pinned_bytes_locked(self, leases: Iterable[Lease]) -> int:
+        """Bytes of the objects these quarantined read leases pin, each object once: paused readers of a
+        shared prefix hold several leases on the same objects, and its bytes are held back once."""
+        keys = {k for le in leases if le.kind is LeaseKind.READ for k in le.keys if k is not None}
+        return sum(self._objects[k].size for k in keys)
