@@ -163,6 +163,26 @@ def test_valkey_missing_part_is_a_miss_not_bad_data(valkey_adapter_factory, raw_
     assert usage.objects == 0
 
 
+def test_a_valkey_object_dropped_for_a_missing_part_is_told_removed(valkey_server, raw_valkey) -> None:
+    """Under the allkeys-lru policy README recommends, Valkey may evict one part of an object and keep its
+    manifest: the load that finds the hole drops the manifest, so the object left the tier through
+    kvdepot, and KV events must say so (a router kept the block for good: no later event names it)."""
+    sink = EventRecorder()
+    adapter = ValkeyAdapter("holes-told", valkey_config(valkey_server.url, max_value_mib=1), TierServices(sink=sink))
+    adapter.start()
+    try:
+        key, value = new_key(), os.urandom(3 * MiB)
+        assert store(adapter, key, value).ok
+        manifest = adapter.manifest_name(key)
+        raw_valkey.delete([n for n in stored_names(raw_valkey, adapter, key) if n != manifest][1])
+        result, _ = load(adapter, key, len(value))
+        assert result.ok and result.value == [False]
+        assert stored_names(raw_valkey, adapter, key) == []  # the manifest went
+        assert [e.keys for e in sink.events if isinstance(e, TierRemoved)] == [(key,)]
+    finally:
+        adapter.close()
+
+
 def test_valkey_store_that_fails_before_its_commit_is_invisible(valkey_adapter_factory, raw_valkey) -> None:
     adapter = valkey_adapter_factory("torn", max_value_mib=1)
     adapter.start()

@@ -96,3 +96,38 @@ def test_a_prefix_deleted_from_the_tiers_leaves_the_routers_tier_view(make_serve
                 router.drain()
     finally:
         router.close()
+
+
+def test_an_fs_object_found_gone_on_load_leaves_the_routers_tier_view(make_server, tmp_path, seed):
+    """Files removed behind the tier's back (an operator freeing the disk, a cleaner): the load that
+    finds one gone drops it from the tier's index, and a router must hear of it too, else it routes to
+    this server for FS blocks nobody holds, for good (the tier never evicts what it no longer indexes)."""
+    pub = f"tcp://127.0.0.1:{free_port()}"
+    fs = tmp_path / "fs"
+    server = make_server("--l2", f"fs:path={fs},size_gb=0.01", "--kv-events-endpoint", pub)
+    router = Router(pub)
+    time.sleep(0.3)
+    tokens = [seed + t for t in range(2 * CHUNK)]
+    kv = np.ones((2, LAYOUT.num_layers, 2 * CHUNK, LAYOUT.num_kv_heads, LAYOUT.head_dim), np.float16)
+    try:
+        with KVClient(server.ipc_url, MODEL, LAYOUT, options=ClientOptions(transport="inline")) as client:
+            assert client.store(tokens, kv) == 2 * CHUNK
+            hashes = client.hashes(tokens)
+            wait_store_idle(server)
+            server.clear()  # L1 only: the next lookup asks the tier
+            router.drain()
+            assert router.media.get("FS") == set(hashes) == held_in_fs(fs)
+            for root, _, files in os.walk(fs):
+                for name in files:
+                    if not name.startswith("."):
+                        os.unlink(os.path.join(root, name))
+            session = client.session("gone")
+            hits = session.lookup(hashes)
+            while hits is None:
+                hits = session.status()
+            assert hits == 0
+            router.drain()
+            assert server.status()["tiers"][0]["objects"] == 0
+            assert router.media.get("FS", set()) == held_in_fs(fs) == set(), "the router still sees FS blocks the tier found gone"
+    finally:
+        router.close()

@@ -465,7 +465,8 @@ class FsAdapter(BackendAdapter):
         return True
 
     def _forget_if_gone(self, key: ObjectKey, path: str) -> None:
-        """The file vanished behind our back (an operator, another tool): drop it from the index."""
+        """The file vanished behind our back (an operator, another tool): drop it from the index, and say
+        so (KV events: a router would otherwise keep the block for good, as the tier never evicts it)."""
         with self._name_lock(key):
             if os.path.exists(path):
                 return  # a put renamed a new one into place meanwhile
@@ -473,6 +474,7 @@ class FsAdapter(BackendAdapter):
                 size = self._index.pop(key, None)
                 if size is not None:
                     self._used -= size
+                    self._tell_removed((key,), "lost")  # under _mu: ordered with _announce_stored, as evictions are
 
     def payload_size(self, key: ObjectKey) -> int | None:
         """The stored payload's length in bytes (None: not here), from the index."""

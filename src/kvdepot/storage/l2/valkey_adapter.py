@@ -349,7 +349,8 @@ class ValkeyAdapter(BackendAdapter):
         for first in range(0, nparts, per_round):
             for value in client.mget(names[first : first + per_round]):  # one slot: one node, even in a cluster
                 if value is None:  # evicted or deleted behind our back: a miss; drop the broken manifest
-                    self._drop_object(key, meta)
+                    if self._drop_object(key, meta):
+                        self._tell_removed((key,), "lost")  # it left through us: a router must not keep it
                     return False
                 size = min(part_bytes, header.payload_len - pos)
                 if len(value) != size:
@@ -427,8 +428,9 @@ class ValkeyAdapter(BackendAdapter):
 
     # --- helpers -------------------------------------------------------------------------------------
 
-    def _drop_object(self, key: ObjectKey, expected_meta: bytes) -> None:
-        """Delete the manifest first (the object is gone from then on), then its parts."""
+    def _drop_object(self, key: ObjectKey, expected_meta: bytes) -> bool:
+        """Delete the manifest first (the object is gone from then on), then its parts. False: there was
+        none (or, with ``expected_meta``, a newer store replaced it), and nothing was deleted."""
         client = self._valkey
         if self._in_cluster:
             old = self._drop(keys=[self.manifest_name(key)], args=[_META.size, expected_meta, ORPHAN_TTL_S], client=client)
@@ -438,6 +440,7 @@ class ValkeyAdapter(BackendAdapter):
             old = self._drop(keys=[self.manifest_name(key), self._counter], args=[_META.size, expected_meta, ORPHAN_TTL_S], client=client)
         if old:
             self._delete_parts(key, old)
+        return bool(old)
 
     def _forget_parts(self, names: list[bytes]) -> None:
         """Delete the parts of a store that will not commit (a DEL is allowed at maxmemory), rather than
