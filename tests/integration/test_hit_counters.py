@@ -63,3 +63,31 @@ def test_hits_from_l2_are_counted_under_the_tier_that_supplied_them(make_server,
     assert (doc["requests"], doc["requested_tokens"]) == (1, 3 * CHUNK)
     assert doc["hit_tokens_by_tier"] == {"disk": 2 * CHUNK}  # none was in L1 at the lookup
     assert (doc["hit_tokens"], doc["missed_tokens"]) == (2 * CHUNK, CHUNK)
+
+
+def test_a_prefetch_credits_its_tier_only_with_the_chunks_it_loaded(make_server, tmp_path, seed):
+    """A prompt whose chunks are partly in L1 past a gap (another request stored them): the prefetch loads
+    the gap from the tier and finds the rest in L1. Those were L1 hits; they were counted as the tier's
+    (so kvdepot_hit_tokens_total{tier} said the tier supplied more than it loaded)."""
+    srv = make_server("--l2", fs_spec(tmp_path / "fs", name="disk"))
+    tokens = make_tokens(5 * CHUNK, seed)
+    kv = make_kv(LAYOUT, len(tokens), seed)
+    with srv.client(transport="shm") as c:
+        assert c.store(tokens, kv) == 5 * CHUNK
+        wait_store_idle(srv, accounted=5)
+        srv.clear()  # L1 only: the fs tier keeps all five
+        hashes = c.hashes(tokens)
+        for first, n in ((0, 2), (3, 1)):  # chunks 0, 1 and 3 back in L1; 2 and 4 in the tier only
+            with c.prepare_store(hashes[first : first + n]) as slots:
+                for i, slot in enumerate(slots):
+                    slot[...] = kv[:, :, (first + i) * CHUNK : (first + i + 1) * CHUNK]
+        session = c.session("r1")
+        hits = session.lookup(hashes)
+        while hits is None:
+            hits = session.status()
+        assert hits == 5
+        session.end()
+    doc = wait_until(lambda: (d := lookups(srv))["hit_tokens"] and d, what="the prefetch to be counted")
+    assert srv.status()["l2_controllers"]["prefetch"]["chunks_loaded"] == 2
+    assert doc["hit_tokens_by_tier"] == {"l1": 3 * CHUNK, "disk": 2 * CHUNK}
+    assert (doc["hit_tokens"], doc["missed_tokens"]) == (5 * CHUNK, 0)

@@ -75,7 +75,10 @@ class LookupModule:
 
         def done(p: Prefetched) -> None:
             if counted:
-                self._answered(context, len(keys), {L1: hits, **p.by_tier})
+                # What the tiers did not load was in L1 (stored meanwhile, or past a gap): L1's hits.
+                found = dict(p.by_tier)
+                found[L1] = found.get(L1, 0) + hits + p.chunks - sum(p.by_tier.values())
+                self._answered(context, len(keys), found)
                 self.ctx.chunk_request_done("lookup", call, context, body.keys, hits + p.chunks, started, p.chunks)
             self._prefetched(key, session, client, hits + p.chunks)
 

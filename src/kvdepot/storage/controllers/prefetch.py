@@ -33,7 +33,7 @@ class PrefetchState(Enum):
 class Prefetched:
     """What a prefetch brought into L1: ``chunks`` leading chunks from the first ``start`` on are READY
     now, ``by_tier`` of them loaded from each tier (by tier name; chunks that were in L1 meanwhile, put
-    there by another client, are in no tier's count)."""
+    there by another client, are in no tier's count: they are L1's hits)."""
 
     chunks: int
     by_tier: dict[str, int]
@@ -90,14 +90,15 @@ class PrefetchJob:
         self.state, self.lease, self.load_keys = PrefetchState.LOAD, lease, keys
         self.found, self.usable = found, usable
 
-    def supplied(self, n: int, complete: bool, from_tier: bool = True) -> bool:
-        """``n`` more chunks are READY in L1 (loaded from the current tier, unless ``from_tier`` is
-        False: they were in L1 meanwhile); returns whether to ask the next tier for the rest (the tier
-        gave all it had and more is missing)."""
+    def supplied(self, n: int, complete: bool, loaded: int | None = None) -> bool:
+        """``n`` more chunks are READY in L1, ``loaded`` of them from the current tier (None: all; the
+        others were in L1 meanwhile); returns whether to ask the next tier for the rest (the tier gave
+        all it had and more is missing)."""
         self._require(PrefetchState.LOOKUP, PrefetchState.LOAD)
         self.state = PrefetchState.LOOKUP
-        if from_tier and n:
-            self.by_tier[self.tier] = self.by_tier.get(self.tier, 0) + n
+        loaded = n if loaded is None else loaded
+        if loaded:
+            self.by_tier[self.tier] = self.by_tier.get(self.tier, 0) + loaded
         self.loaded += n
         self.start += n
         if complete and self.start < len(self.keys):
@@ -223,7 +224,7 @@ class PrefetchController:
         if not load_keys:  # all already in L1 (or none could get a slot)
             self._table.finish_write(res.lease_id, PREFETCH_OWNER, set())
             self._unlock(job, wanted)
-            self._advance(job, usable, complete=usable == len(wanted), from_tier=False)
+            self._advance(job, usable, complete=usable == len(wanted), loaded=0)
             return
         job.start_load(res.lease_id, load_keys, len(wanted), usable)
         with self._lock:
@@ -255,13 +256,15 @@ class PrefetchController:
             self.stats.chunks_failed += len(job.load_keys) - len(loaded)
         # The usable prefix ends at the first chunk that is neither loaded nor already present.
         failed = set(job.load_keys) - loaded
-        prefix = leading_run(key not in failed for key in job.keys[job.start : job.start + job.usable])
-        self._advance(job, prefix, complete=prefix == job.found)
+        run = job.keys[job.start : job.start + job.usable]
+        prefix = leading_run(key not in failed for key in run)
+        # The tier is credited with what it loaded; the prefix's other chunks were in L1 (L1's hits).
+        self._advance(job, prefix, complete=prefix == job.found, loaded=sum(1 for key in run[:prefix] if key in loaded))
 
-    def _advance(self, job: PrefetchJob, supplied: int, complete: bool, from_tier: bool = True) -> None:
-        """``supplied`` more chunks are in L1. If the tier gave all it had, ask the next tier for the
-        rest; a chunk that failed to load ends the prefix here."""
-        if job.supplied(supplied, complete, from_tier):
+    def _advance(self, job: PrefetchJob, supplied: int, complete: bool, loaded: int | None = None) -> None:
+        """``supplied`` more chunks are in L1 (``loaded`` of them from the tier: see ``supplied``). If the
+        tier gave all it had, ask the next tier for the rest; a chunk that failed to load ends the prefix here."""
+        if job.supplied(supplied, complete, loaded):
             self._ask(job)
         else:
             self._finish(job)
