@@ -70,6 +70,22 @@ def test_each_object_is_one_envelope_file_named_by_its_key(tmp_path, open_tiers,
     assert all(np.array_equal(d, p) for d, p in zip(dests, payloads))
 
 
+@pytest.mark.parametrize("o_direct", [False, True], ids=["buffered", "o_direct"])
+def test_objects_are_readable_by_the_servers_user_alone(tmp_path, open_tiers, rng, o_direct) -> None:
+    """An object is a tenant's KV cache (its prompt, to whoever can invert it): the L1 arena is mode 0600
+    for that, and the disk tier's files were 0644 under the usual umask, every tenant's KV readable by
+    every local user. Now they are the server's user's alone, whatever the umask."""
+    old = os.umask(0o022)
+    try:
+        tier = open_tiers(tmp_path, o_direct=o_direct)
+        keys = make_keys(2)
+        assert store(tier, [(k, make_payload(rng, 5000)) for k in keys]).value == [True, True]
+    finally:
+        os.umask(old)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in files_under(tmp_path)}
+    assert len(modes) == 2 and set(modes.values()) == {"0o600"}, modes
+
+
 def test_constructor_touches_nothing(tmp_path) -> None:
     FsAdapter("fs", FsConfig(path=str(tmp_path / "later")))
     assert not (tmp_path / "later").exists()

@@ -405,7 +405,7 @@ class FsAdapter(BackendAdapter):
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         if self._o_direct:
             flags |= os.O_DIRECT
-        fd = os.open(tmp, flags, 0o644)
+        fd = os.open(tmp, flags, 0o600)  # a tenant's KV: the server's user's alone, as the L1 arena is
         try:
             if self._o_direct:
                 padded = -(-total // ALIGN) * ALIGN
