@@ -51,6 +51,7 @@ from kvdepot.errors import (
 from kvdepot.layout import KVLayout
 from kvdepot.protocol import messages as m
 from kvdepot.rpc.channel import OnBehind, RpcChannel
+from kvdepot.rpc.endpoints import ipc_access_problem
 from kvdepot.types import ChunkHash
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,9 @@ class ContextLink:
             self._reg = self._register(timeout_s=self.options.connect_timeout_s)
         except KVDepotTimeout:
             self._start_over()
+            refused = ipc_access_problem(self.url)  # a socket this user may not open is not "a server that is down"
+            if refused:
+                raise ServerUnreachable(f"cannot connect to {self.url}: {refused}") from None
             raise ServerUnreachable(
                 f"no kvdepot server answered at {self.url} within connect_timeout_s={self.options.connect_timeout_s:g} s "
                 f"(is it running, and is this its address?)"

@@ -27,7 +27,7 @@ import zmq
 
 from kvdepot.errors import EndpointInUse
 
-__all__ = ["EndpointInUse", "IpcClaim", "enable_ipv6", "is_ipv6_endpoint"]
+__all__ = ["EndpointInUse", "IpcClaim", "enable_ipv6", "ipc_access_problem", "is_ipv6_endpoint"]
 
 
 def is_ipv6_endpoint(endpoint: str) -> bool:
@@ -53,6 +53,36 @@ def enable_ipv6(sock: zmq.Socket, endpoints: Iterable[str] | str) -> None:
     eps = [endpoints] if isinstance(endpoints, str) else endpoints
     if any(is_ipv6_endpoint(ep) for ep in eps):
         sock.setsockopt(zmq.IPV6, 1)
+
+
+def ipc_access_problem(endpoint: str) -> str:
+    """Why the file system keeps this process from connecting to ``ipc://PATH`` ('' when nothing does, or
+    for another transport). ZeroMQ retries a refused connect quietly, so without this a socket of
+    another user reads as a server that does not answer."""
+    if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):  # @: Linux's abstract namespace
+        return ""
+    path = endpoint[len("ipc://") :]
+    try:
+        st = os.stat(path)
+    except PermissionError:
+        return (
+            f"{path} cannot be reached by this process (uid {os.geteuid()}): a directory on the way to it does "
+            f"not let it in (permission denied)"
+        )
+    except FileNotFoundError:
+        return f"there is no socket at {path} (is the server running, with this --ipc-path?)"
+    except OSError as exc:
+        return f"{path}: {exc.strerror or exc}"
+    if not stat.S_ISSOCK(st.st_mode):
+        return f"{path} is not a socket"
+    if not os.access(path, os.W_OK, effective_ids=os.access in os.supports_effective_ids):
+        # connect(2) on a Unix socket needs write permission on it; the server's umask set its mode
+        return (
+            f"{path} (owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)}) is not writable by this process "
+            f"(uid {os.geteuid()}), and connecting to a Unix socket needs write permission (permission denied): "
+            f"run the server under a umask that lets this user in (a shared group and umask 007), or connect over tcp://"
+        )
+    return ""
 
 
 class IpcClaim:

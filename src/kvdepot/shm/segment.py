@@ -156,6 +156,35 @@ def remove_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
     return removed
 
 
+def _other_users_arenas(shm_dir: str) -> str:
+    """The arenas in ``shm_dir`` that belong to other users, said for a refusal for want of room: the
+    sweep above cannot check or unlink them (mode 0600, the sticky bit), so a dead server of another user
+    fills the directory for good, and "only 0.00 GiB free" alone would not say why ('' when none)."""
+    me, found = os.geteuid(), []
+    if me == 0:
+        return ""  # root's sweep checked them all: what is left is live servers' own
+    try:
+        names = sorted(n for n in os.listdir(shm_dir) if _ARENA_NAME.fullmatch(n))
+    except OSError:
+        return ""
+    for name in names:
+        try:
+            st = os.lstat(os.path.join(shm_dir, name))
+        except OSError:
+            continue
+        if st.st_uid != me:
+            found.append((name, st.st_uid, st.st_blocks * 512))
+    if not found:
+        return ""
+    named = ", ".join(f"{name} (uid {uid}, {used / 2**30:.2f} GiB)" for name, uid, used in found[:5])
+    more = f" and {len(found) - 5} more" if len(found) > 5 else ""
+    return (
+        f"{shm_dir} holds {sum(f[2] for f in found) / 2**30:.2f} GiB of other users' kvdepot arenas, which this "
+        f"user (uid {me}) cannot remove: {named}{more}; a dead server's arena goes when a server of its user "
+        f"starts on {shm_dir}, or remove it by hand"
+    )
+
+
 def liveness_offset(size: int, token: bytes) -> int:
     """Where the mapper identified by ``token`` holds its liveness lock: one byte past the data, spread
     over a 2^47 range so two clients practically never share one (a clash only makes the second client
@@ -216,7 +245,13 @@ class SharedArena:
         path = os.path.join(shm_dir, f"{_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
         try:
             remove_stale_segments(shm_dir)
-            check_capacity(size, shm_dir, allow_over_memory)
+            try:
+                check_capacity(size, shm_dir, allow_over_memory)
+            except ArenaCapacityError as exc:
+                others = _other_users_arenas(shm_dir)
+                if not others:
+                    raise
+                raise ArenaCapacityError(f"{exc}; {others}") from None
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
         except OSError as exc:  # a directory that is not there, not a directory, or not writable
             raise ConfigError(f"--shm-dir {shm_dir}: cannot create the L1 arena there: {exc.strerror or exc}") from None
