@@ -27,6 +27,10 @@ def mask_url(value: str) -> str:
         parts.port  # noqa: B018 (raises on a bad port: then nothing of it is shown)
     except ValueError:
         return WITHHELD
+    if "@" in value and "@" not in parts.netloc:
+        # a password with a '/', '?' or '#' not percent-encoded: the address ended inside it, and the
+        # rest of it (and the host) went into the path, query or fragment; where it ends cannot be told
+        return WITHHELD
     if parts.password:
         host = parts.netloc.rsplit("@", 1)[1]
         parts = parts._replace(netloc=f"{parts.username or ''}:{WITHHELD}@{host}")

@@ -382,6 +382,37 @@ def test_a_bad_l2_spec_exits_non_zero_naming_the_problem(spec, named):
         assert "['fs', 'memory', 'peer', 's3', 'valkey']" in r.stderr  # and the known ones are listed
 
 
+@pytest.mark.parametrize(
+    "spec, named, secret",
+    [
+        # a generated (base64) password with a '/' that was not percent-encoded: the URL's host part ends there
+        ("valkey:url=redis://:Zm9v+YmFy/cXV4@127.0.0.1:6379/0", "url", "Zm9v+YmFy"),
+        ("valkey:url=redis://:12#34@127.0.0.1:6379/0", "url", "12#34"),  # a '#': the rest is a fragment
+        ("valkey:url=redis://127.0.0.1:99999/0", "url", None),
+        ("valkey:url=redis://127.0.0.1:6379/one", "url", None),  # the client took it for database 0
+        ("s3:bucket=b,endpoint_url=http://127.0.0.1:99999", "endpoint_url", None),
+        ("s3:bucket=my bucket,endpoint_url=http://127.0.0.1:9000", "bucket", None),
+    ],
+)
+def test_a_tier_address_its_client_can_never_use_stops_the_start(spec, named, secret):
+    """Such a server started, and its tier failed every operation for good (down in /status, the log
+    warning about it), with the first part of the password in both; now it is one error at start."""
+    with tempfile.TemporaryDirectory() as shm_dir:
+        cmd = [sys.executable, "-m", "kvdepot.cli", "server", "--port", str(free_port()), "--http-port", "0",
+               "--l1-size-gb", "0.01", "--no-prefault", "--shm-dir", shm_dir, "--l2", spec]  # fmt: skip
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            _, stderr = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            _, stderr = proc.communicate(timeout=30)
+            pytest.fail(f"the server started with --l2 {spec!r}: {stderr[-1500:]}")
+    assert proc.returncode == 2, (proc.returncode, stderr[-2000:])
+    assert named in stderr and "Traceback" not in stderr
+    if secret:
+        assert secret not in stderr
+
+
 @pytest.mark.parametrize("spec", ["fs:path=/tmp/kvd-never,size_gb=-1", "valkey:prefix=", "s3:bucket=b,part_size_mib=1"])
 def test_a_tier_that_fails_to_build_leaves_no_arena_behind(spec):
     """A value only the adapter checks (not the spec's types) fails start-up before the arena exists."""

@@ -40,6 +40,7 @@ _READ_PIECE = 4 << 20
 # make a clear delete another application's objects in a shared bucket.
 _OUR_NAME = re.compile(r"(?:[0-9a-f]{2})+")
 _HEX_DIGITS = frozenset("0123456789abcdef")
+_BUCKET_NAME = re.compile(r"[a-zA-Z0-9.\-_]{1,255}\Z")  # what botocore lets through to the server
 
 
 class S3Config(ConfigStruct, frozen=True, kw_only=True):
@@ -64,10 +65,24 @@ class S3Config(ConfigStruct, frozen=True, kw_only=True):
             raise ConfigError("give both access_key_id and secret_access_key, or neither")
         if self.endpoint_url and not self.endpoint_url.startswith(("http://", "https://")):
             raise ConfigError(f"endpoint_url {self.endpoint_url!r} must start with http:// or https://")
+        # botocore checks both only on each request: the tier started, then failed every one for good
+        if self.endpoint_url and not _has_host_and_port(self.endpoint_url):
+            raise ConfigError(f"endpoint_url {mask_url(self.endpoint_url)!r} is not http(s)://HOST[:PORT] (a port from 0 to 65535)")
+        if not (_BUCKET_NAME.match(self.bucket) or self.bucket.startswith("arn:")):
+            raise ConfigError(f"bucket {self.bucket!r} is not a bucket name (letters, digits, '.', '-' and '_'; or an access point ARN)")
         if self.prefix[-1:] in _HEX_DIGITS:
             # This tier's names are <prefix><key hex>: a prefix ending in a hex digit makes its names look
             # like those of a tier whose prefix is shorter by those digits, whose clear would delete them.
             raise ConfigError(f"prefix {self.prefix!r} ends with a hex digit; end it with another character, such as '/'")
+
+
+def _has_host_and_port(url: str) -> bool:
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises on a port that is not a number from 0 to 65535)
+    except ValueError:
+        return False
+    return bool(parts.hostname)
 
 
 class S3Adapter(BackendAdapter):

@@ -155,8 +155,28 @@ class ValkeyConfig(ConfigStruct, frozen=True, kw_only=True):
     def _check_together(self) -> None:
         if not self.url.startswith(URL_SCHEMES):
             raise ConfigError(f"url {mask_url(self.url)!r} must start with one of {', '.join(URL_SCHEMES)}")
+        problem = _url_problem(self.url)
+        if problem:  # the client parses the URL only when it connects: the tier was down for good
+            raise ConfigError(f"url {mask_url(self.url)!r} {problem}")
         if "{" in self.prefix or "}" in self.prefix:
             raise ConfigError(f"prefix {self.prefix!r} has a brace: in a cluster it would set every key's hash slot")
+
+
+def _url_problem(url: str) -> str:
+    """What keeps the client from ever using ``url`` ('' if nothing). A password with a '/', '?', '#'
+    or '@' that is not percent-encoded ends the URL's address early: the client then read the rest as
+    the port (and printed it, the password's first part, in every failure) or dropped it."""
+    encode = "(percent-encode a '/', '?', '#' or '@' in a password: urllib.parse.quote(password, safe=''))"
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises on a port that is not a number from 0 to 65535)
+    except ValueError:
+        return f"does not parse: its port is not a number from 0 to 65535 {encode}"
+    if parts.fragment or (parts.scheme != "unix" and not parts.hostname):
+        return f"has no host {encode}"
+    if parts.scheme != "unix" and parts.path.strip("/") and not parts.path.strip("/").isdigit():
+        return "names no database: the path is a database number (redis://HOST:PORT/0)"
+    return ""
 
 
 class ValkeyAdapter(BackendAdapter):
