@@ -304,6 +304,11 @@ class ObservabilityConfig(ConfigStruct, frozen=True, kw_only=True):
     def _check_together(self) -> None:
         if self.otlp_endpoint and not self.otlp_endpoint.startswith(("http://", "https://")):
             raise ConfigError(f"--otlp-endpoint {mask_url(self.otlp_endpoint)}: give an OTLP/HTTP URL, e.g. http://collector:4318/v1/traces")
+        for flag, endpoint in (("--kv-events-endpoint", self.kv_events_endpoint), ("--kv-events-replay-endpoint", self.kv_events_replay_endpoint)):
+            port = endpoint.rpartition(":")[2]
+            # ZeroMQ takes a port above 65535 modulo 65536: the socket was bound (or connected) elsewhere, silently
+            if zmq_endpoint_host(endpoint) is not None and port != "*" and not (port.isdigit() and int(port) <= 65535):
+                raise ConfigError(f"{flag} {endpoint}: the port must be a number up to 65535 (or * for any)")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ConfigError("--kv-events-replay-endpoint replays what --kv-events-endpoint publishes: give that too")
         if self.kv_events_connect:

@@ -271,6 +271,19 @@ def test_kv_event_sockets_that_cannot_clash_are_accepted():
     assert connected.observability.kv_events_connect
 
 
+@pytest.mark.parametrize("flag", ["--kv-events-endpoint", "--kv-events-replay-endpoint"])
+@pytest.mark.parametrize("connect", [False, True])
+def test_a_kv_event_port_out_of_range_is_refused_naming_the_flag(flag, connect):
+    """ZeroMQ takes a port above 65535 modulo 65536: tcp://127.0.0.1:99999 was bound (or connected to) on
+    port 34463 without a word, where no router looks, and the own-ports check compared 99999."""
+    local = ("--kv-events-endpoint", "tcp://127.0.0.1:5556")
+    args = (flag, "tcp://127.0.0.1:99999") if flag == "--kv-events-endpoint" else (*local, flag, "tcp://127.0.0.1:99999")
+    with pytest.raises(ConfigError, match=rf"{re.escape(flag)} tcp://127.0.0.1:99999: the port must be a number up to 65535"):
+        server_from_args(parse(*args, *(["--kv-events-connect"] if connect else [])))
+    for fine in ("tcp://127.0.0.1:65535", "tcp://127.0.0.1:*", "ipc:///tmp/kv-events-99999"):
+        server_from_args(parse(*local, "--kv-events-replay-endpoint", fine))
+
+
 @pytest.mark.parametrize("endpoint", ["http://10.0.0.9:4318/v1/traces", "http://collector:4318/v1/traces"])
 def test_spans_go_off_this_machine_in_clear_text_only_with_insecure(endpoint):
     """Every span names its request's cache_salt: an http:// collector elsewhere used to be accepted
