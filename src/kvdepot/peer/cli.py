@@ -42,7 +42,11 @@ def main(args: argparse.Namespace) -> int:
 def run(config: PeerConfig) -> int:
     from kvdepot.peer.node import PeerNode
 
-    node = PeerNode(config)
+    try:
+        node = PeerNode(config)
+    except ConfigError as exc:  # a pool this host cannot reserve
+        print(f"kvdepot peer: {exc}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     stop_on_signals(stop)  # before the join (up to join_timeout_s): a signal meanwhile closes it after
     raise_fd_limit()

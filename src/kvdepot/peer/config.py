@@ -55,6 +55,16 @@ class PeerConfig(ConfigStruct, frozen=True, kw_only=True):
         if self.member_ttl_s <= self.heartbeat_interval_s:
             raise ConfigError("member_ttl_s must be longer than heartbeat_interval_s")
         self._check_addresses()
+        self._check_own_ports()
+
+    def _check_own_ports(self) -> None:
+        """Two of the node's own listeners on one port: the second bind failed as "in use (another process
+        listens there)" (the metrics port's as a warning), and the operator looked for a process that is not there."""
+        ports = [(name, getattr(self, name)) for name in ("port", "data_port", "metrics_port")]
+        for i, (a, port) in enumerate(ports):
+            for b, other in ports[i + 1 :]:
+                if port and port == other:  # 0: each picks a free port of its own
+                    raise ConfigError(f"{flag_of(type(self), a)} and {flag_of(type(self), b)} are both port {port}: give each its own")
 
     def _check_addresses(self) -> None:
         """A bad host or discovery address is refused here, naming it, rather than as a bind or a join

@@ -39,8 +39,8 @@ from typing import TypeVar
 import msgspec
 import zmq
 
-from kvdepot.config import tcp_endpoint
-from kvdepot.errors import KVDepotError, KVDepotTimeout
+from kvdepot.config import flag_of, tcp_endpoint
+from kvdepot.errors import ConfigError, KVDepotError, KVDepotTimeout
 from kvdepot.observability.metrics import PeerMetrics
 from kvdepot.peer.addresses import hint_target, listen_family, node_id
 from kvdepot.peer.config import PeerConfig
@@ -108,7 +108,10 @@ class PeerNode:
         self.config = config
         secret = config.cluster_secret
         self.secured = bool(secret)
-        self.pool = PublishedPool(config.pool_size_mb << 20)
+        try:
+            self.pool = PublishedPool(config.pool_size_mb << 20)
+        except OSError as exc:  # more than this host can map: the mmap's ENOMEM named nothing
+            raise ConfigError(f"{flag_of(type(config), 'pool_size_mb')} {config.pool_size_mb}: cannot reserve the published pool ({exc})") from None
         self.shard = DirectoryShard()
         self._security = CurveSecurity(secret) if secret else None
         self._client_security = CurveSecurity(secret) if secret else None
