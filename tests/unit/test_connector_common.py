@@ -70,3 +70,21 @@ def test_the_tally_counts_and_logs_each_class_once_then_in_summaries(caplog):
     assert text.count("lease_expired: [LEASE_EXPIRED] gone") == 1  # the first of its class, in words
     assert "no saves for 5.0s" in text
     assert "failures so far: load lease_expired: 2" in text
+
+
+def test_a_log_level_typo_in_the_environment_is_a_warning_not_an_engine_that_fails_to_start():
+    """Both connectors call ensure_logging() when the engine builds them: KVDEPOT_LOG_LEVEL=verbose raised
+    logging's ValueError("Unknown level") there, and vLLM's start failed with a traceback. (In a process of
+    its own: pytest's handlers on the root logger would make ensure_logging() do nothing.)"""
+    import os
+    import subprocess
+    import sys
+
+    code = "import logging; from kvdepot.connectors.common import ensure_logging; ensure_logging(); print(logging.getLogger('kvdepot').level)"
+    for value, level in (("verbose", logging.INFO), ("", logging.INFO), ("debug", logging.DEBUG), ("warning", logging.WARNING)):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                           env=dict(os.environ, KVDEPOT_LOG_LEVEL=value))  # fmt: skip
+        assert r.returncode == 0 and "Traceback" not in r.stderr, (value, r.stderr[-1500:])
+        assert r.stdout.split() == [str(level)], (value, r.stdout)
+        if value == "verbose":
+            assert "KVDEPOT_LOG_LEVEL" in r.stderr and "'verbose'" in r.stderr, r.stderr

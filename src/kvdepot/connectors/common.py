@@ -52,8 +52,13 @@ def ensure_logging() -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [kvdepot] %(message)s", "%m-%d %H:%M:%S"))
     logger.addHandler(handler)
-    logger.setLevel(os.environ.get(LOG_LEVEL_ENV, "INFO").upper())
     logger.propagate = False
+    wanted = os.environ.get(LOG_LEVEL_ENV, "INFO")
+    level = logging.getLevelName(wanted.strip().upper())
+    # A typo here raised logging's ValueError inside the engine's connector set-up: the engine did not start.
+    logger.setLevel(level if isinstance(level, int) else logging.INFO)
+    if not isinstance(level, int):
+        logger.warning("%s=%r is not a log level (debug, info, warning, error): logging at INFO", LOG_LEVEL_ENV, wanted)
 
 
 class ClientSettings(ConfigStruct, frozen=True, kw_only=True):
