@@ -362,3 +362,20 @@ def test_status_with_a_timeout_that_is_no_timeout_is_a_usage_error_not_a_traceba
         main(["status", "--timeout-s", timeout, "--http-port", "1"])
     assert exit_.value.code == 2
     assert "--timeout-s" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "fs:path=/data/kv,size_gb=100,fsync=false,size_gb=1",  # a flag appended to a long spec, or a copy-paste
+        "fs:path=/data/kv, path=/data/other",
+        '{"type": "fs", "path": "/data/kv", "size_gb": 100, "size_gb": 1}',
+        '{"type": "fs", "type": "memory", "path": "/data/kv"}',
+    ],
+)
+def test_a_key_given_twice_in_a_tier_spec_is_refused_naming_it(spec):
+    """The last one won without a word: a 100 GiB tier became a 1 GiB one."""
+    from kvdepot.storage.l2.registry import parse_spec
+
+    with pytest.raises(ConfigError, match=r"--l2 .*: '(size_gb|path|type)' is given twice"):
+        parse_spec(spec)

@@ -63,9 +63,11 @@ def parse_spec(text: str, index: int = 0) -> TierSpec:
     types = adapter_types()
     if text.startswith("{"):
         try:
-            raw = json.loads(text)
+            raw = json.loads(text, object_pairs_hook=_once_each)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"--l2 {shown!r}: invalid JSON ({exc})") from None
+        except _GivenTwice as twice:
+            raise ConfigError(f"--l2 {shown!r}: {twice.key!r} is given twice") from None
         if not isinstance(raw, dict) or "type" not in raw:
             raise ConfigError(f"--l2 {shown!r}: a JSON tier needs a \"type\"")
         kind = str(raw.pop("type"))
@@ -78,6 +80,8 @@ def parse_spec(text: str, index: int = 0) -> TierSpec:
             if not eq:  # named when it is one of the tier's keys; else it may be the tail of a secret with a comma
                 known = part in getattr(types[kind].config, "__struct_fields__", ()) if kind in types else False
                 raise ConfigError(f"--l2 {shown!r}: {repr(part) if known else f'item {i}'} is not key=value (a value with a comma goes in a JSON spec)")
+            if key.strip() in fields:  # the last one won without a word (size_gb=100,...,size_gb=1)
+                raise ConfigError(f"--l2 {shown!r}: {key.strip()!r} is given twice")
             fields[key.strip()] = value.strip()
     if kind not in types:
         raise ConfigError(f"--l2 {shown!r}: unknown tier type {kind!r}; known: {sorted(types)}")
@@ -87,6 +91,21 @@ def parse_spec(text: str, index: int = 0) -> TierSpec:
     except msgspec.ValidationError as exc:
         raise ConfigError(f"--l2 {shown!r} (tier {name}, {kind}): {_name_the_key(str(exc))}") from None
     return TierSpec(kind, name, config)
+
+
+class _GivenTwice(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all different (``json`` keeps the last of a key given twice)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _GivenTwice(key)
+        out[key] = value
+    return out
 
 
 def _name_the_key(message: str) -> str:
