@@ -620,3 +620,31 @@ def test_a_password_in_an_s3_endpoint_url_stays_out_of_errors_status_and_the_log
         assert not [where for where, text in shown.items() if "hunter2pw" in text], shown
     finally:
         adapter.close()
+
+
+def test_s3_usage_counts_a_tier_longer_than_one_listing_page(s3_server, monkeypatch) -> None:
+    """The usage read one listing page and said 0 objects, 0 bytes past it (past 1000 objects): a dashboard
+    saw the tier emptied as it grew. A count of several pages is taken again only a while later (each
+    page is a request), its figures shown meanwhile; a clear counts afresh."""
+    from kvdepot.storage.l2 import s3_adapter
+
+    monkeypatch.setattr(S3Adapter, "LIST_PAGE", 2)  # 5 objects: three pages, as 5,000 would be
+    adapter = S3Adapter("paged", s3_config(s3_server.endpoint, bucket=f"kvd-paged-{os.getpid()}"))
+    adapter.start()
+    try:
+        for k in [new_key() for _ in range(5)]:
+            assert store(adapter, k, os.urandom(1000)).ok
+        usage = adapter.usage()
+        assert (usage.objects, usage.healthy) == (5, True) and usage.used_bytes > 5000
+        assert store(adapter, new_key(), os.urandom(1000)).ok
+        assert adapter.usage().objects == 5, "a count of several pages was taken again at once"
+        monkeypatch.setattr(s3_adapter, "RECOUNT_S", 0.0)
+        monkeypatch.setattr(s3_adapter, "RECOUNT_S_PER_PAGE", 0.0)
+        adapter._recount_at = 0.0
+        assert adapter.usage().objects == 6
+        monkeypatch.setattr(s3_adapter, "RECOUNT_S", 3600.0)
+        assert adapter.usage().objects == 6
+        assert run(adapter, adapter.submit_clear()).ok
+        assert adapter.usage().objects == 0
+    finally:
+        adapter.close()

@@ -16,6 +16,7 @@ import io
 import logging
 import math
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, ClassVar
 from urllib.parse import urlsplit
@@ -35,6 +36,8 @@ MAX_PARTS = 10_000  # S3's most parts in one upload
 _MISSING = {"404", "NoSuchKey", "NotFound"}
 _BUCKET_EXISTS = {"BucketAlreadyOwnedByYou", "BucketAlreadyExists"}
 _READ_PIECE = 4 << 20
+RECOUNT_S = 60.0  # a usage listing longer than one page is taken again at most this often ...
+RECOUNT_S_PER_PAGE = 0.5  # ... and no more often than this per page of it
 # The only names this tier writes after its prefix. A clear deletes, and the usage counts, only these: an
 # empty prefix, or one without a trailing "/" ("kvdepot" also lists "kvdepot-backups/..."), must never
 # make a clear delete another application's objects in a shared bucket.
@@ -87,6 +90,7 @@ def _has_host_and_port(url: str) -> bool:
 
 class S3Adapter(BackendAdapter):
     kind = "s3"
+    LIST_PAGE = 1000  # objects per listing page (S3's most)
 
     def __init__(self, name: str, config: S3Config, services: TierServices | None = None) -> None:
         super().__init__(name, workers=config.workers, services=services)
@@ -94,6 +98,8 @@ class S3Adapter(BackendAdapter):
         self._client: Any = None
         self._fanout: ThreadPoolExecutor | None = None  # HEADs and multipart parts, in parallel
         self._bucket_ready = not config.create_bucket
+        self._counted: tuple[int, int, int] | None = None  # the last count of a listing longer than a page
+        self._recount_at = 0.0
 
     def __repr__(self) -> str:
         where = mask_url(self._config.endpoint_url) if self._config.endpoint_url else "aws"
@@ -232,6 +238,7 @@ class S3Adapter(BackendAdapter):
     def _clear(self) -> int:
         """Every object of ours under our prefix (``_OUR_NAME``), listed and deleted a thousand at a time."""
         self._ensure_bucket()
+        self._counted = None  # counted afresh at the next usage: a big tier's count is not shown after its clear
         bucket, removed, failed = self._config.bucket, 0, []
         skip = len(self._config.prefix)
         gone: list[ObjectKey] = []  # what went, told as removed if the clear as a whole fails (no TierCleared then)
@@ -277,15 +284,24 @@ class S3Adapter(BackendAdapter):
                         raise
 
     def _usage(self) -> tuple[int, int, int]:
-        """One listing page under the prefix: exact when the tier holds at most 1000 objects, else
-        (0, 0, 0), unknown (S3 has no cheap count). Nothing is asked of a tier that is down."""
+        """A listing under the prefix (S3 has no cheap count): exact at every call while it is one page
+        (up to 1000 objects); a longer one is taken again only ``RECOUNT_S`` later, or half a second per
+        page (a million objects: every 8 minutes), its figures shown meanwhile. (Past one page the usage
+        read 0: a dashboard saw the tier emptied as it grew.) Nothing is asked of a tier that is down."""
         if self._client is None or not self._healthy or not self._bucket_ready:
             return 0, 0, 0
-        resp = self._client.list_objects_v2(Bucket=self._config.bucket, Prefix=self._config.prefix, MaxKeys=1000)
-        if resp.get("IsTruncated"):
-            return 0, 0, 0
-        contents = self._ours(resp)
-        return sum(int(o.get("Size", 0)) for o in contents), 0, len(contents)
+        if self._counted is not None and time.monotonic() < self._recount_at:
+            return self._counted
+        used = objects = pages = 0
+        listing = self._client.get_paginator("list_objects_v2")
+        for page in listing.paginate(Bucket=self._config.bucket, Prefix=self._config.prefix, PaginationConfig={"PageSize": self.LIST_PAGE}):
+            pages += 1
+            contents = self._ours(page)
+            used += sum(int(o.get("Size", 0)) for o in contents)
+            objects += len(contents)
+        self._counted = (used, 0, objects)
+        self._recount_at = time.monotonic() + (0.0 if pages <= 1 else max(RECOUNT_S, RECOUNT_S_PER_PAGE * pages))
+        return self._counted
 
     # --- helpers -------------------------------------------------------------------------------------
 
