@@ -86,6 +86,18 @@ def test_objects_are_readable_by_the_servers_user_alone(tmp_path, open_tiers, rn
     assert len(modes) == 2 and set(modes.values()) == {"0o600"}, modes
 
 
+def test_the_directories_it_makes_are_the_servers_users_alone_under_any_umask(tmp_path, open_tiers) -> None:
+    """Under a umask of 000 the tier's directories were world-writable: any local user could plant an
+    object (a checksum is no signature) or remove one."""
+    old = os.umask(0)
+    try:
+        open_tiers(tmp_path / "fs")
+    finally:
+        os.umask(old)
+    modes = {oct((tmp_path / "fs").stat().st_mode & 0o777)} | {oct(d.stat().st_mode & 0o777) for d in (tmp_path / "fs").iterdir() if d.is_dir()}
+    assert modes == {"0o700"}, modes
+
+
 def test_constructor_touches_nothing(tmp_path) -> None:
     FsAdapter("fs", FsConfig(path=str(tmp_path / "later")))
     assert not (tmp_path / "later").exists()

@@ -61,6 +61,7 @@ TOUCH_AFTER_S = 60.0  # a load marks its file used (mtime: the LRU order a resta
 
 ALIGN = 4096  # O_DIRECT buffer, offset and length alignment
 TMP_PREFIX = ".tmp-"
+DIR_MODE = 0o700  # the directories the tier makes: under any umask (000 too) no other user lists, plants or removes objects
 LOCK_NAME = ".lock"
 MAX_KEY_BYTES = 127  # the file name is the key's hex: at most 254 characters (NAME_MAX is 255)
 LONG_PREFIX = "h"  # + the sha256 hex of a longer key: 65 characters, an odd length no key's hex has
@@ -116,11 +117,11 @@ class FsAdapter(BackendAdapter):
 
     def start(self) -> None:
         """Take the directory, check O_DIRECT, clean up and index what is there, then start workers."""
-        os.makedirs(self._root, exist_ok=True)
+        os.makedirs(self._root, DIR_MODE, exist_ok=True)
         self._take_directory()
         try:
             for sub in _FANOUT:
-                os.makedirs(os.path.join(self._root, sub), exist_ok=True)
+                os.makedirs(os.path.join(self._root, sub), DIR_MODE, exist_ok=True)
             if self._o_direct:
                 self._probe_o_direct()
             self._rebuild_index()
@@ -272,7 +273,7 @@ class FsAdapter(BackendAdapter):
             if not os.path.exists(os.path.join(self._root, LOCK_NAME)):
                 # The flock held is on a deleted file: take the new one, or another tier could take
                 # the directory while this one writes into it.
-                os.makedirs(self._root, exist_ok=True)
+                os.makedirs(self._root, DIR_MODE, exist_ok=True)
                 old_fd, self._lock_fd = self._lock_fd, -1
                 try:
                     self._take_directory()  # ConfigError if another tier took the directory meanwhile
@@ -283,7 +284,7 @@ class FsAdapter(BackendAdapter):
             for sub in _FANOUT:
                 directory = os.path.join(self._root, sub)
                 if not os.path.isdir(directory):
-                    os.makedirs(directory, exist_ok=True)
+                    os.makedirs(directory, DIR_MODE, exist_ok=True)
                     lost.add(sub)
         if not lost:
             return
