@@ -291,3 +291,27 @@ def test_every_tp_rank_of_the_peer_backend_serves_its_metrics_page(sglang):
     finally:
         for b in reversed(ranks):
             b.close()
+
+
+def test_the_peer_backends_lookup_counts_only_the_pages_worth_pulling(sglang):
+    """With ``prefill_tokens_per_s``, the load declined other nodes' pages that would take longer to pull
+    than to prefill, but the lookup before it counted them: SGLang planned a load that then failed
+    ("failed to retrieve page") and recomputed anyway. The lookup weighs them as the load did."""
+    a = make_peer_backend(sglang, LayerFirstHostPool())
+    b = None
+    try:
+        b = make_peer_backend(sglang, LayerFirstHostPool(), discovery=a.store.node_id, prefill_tokens_per_s=1e12)
+        wait_until(lambda: len(b.store.status()["members"]) == 2, timeout_s=10)
+        first, later = sglang_keys(list(range(70_000, 70_000 + 2 * PAGE))), sglang_keys(list(range(80_000, 80_000 + 2 * PAGE)))
+        assert a.batch_set_v1(first + later, torch.arange(4 * PAGE)) == [True] * 4
+        assert b.batch_exists(first) == 2  # no estimate of a's link yet: pulled
+        assert b.batch_get_v1(first, torch.arange(2 * PAGE)) == [True] * 2
+        # What a read of pages this small cannot teach (it measures latency): a's link, as a 1 GB/s one.
+        b.store.node.planner.read_measured(a.store.node_id, 1 << 30, 1.0)
+        assert b.batch_exists(later) == 0  # a prefill of 1e12 tokens/s beats any pull
+        assert b.store.status()["pull_decisions"].get("recompute/pull_slower") == 1
+        assert a.batch_exists(later) == 2  # its own pages: never weighed
+    finally:
+        if b is not None:
+            b.close()
+        a.close()

@@ -65,7 +65,12 @@ def test_pulls_that_would_lose_to_recomputing_are_skipped_and_counted():
         decisions = reader.status()["pull_decisions"]
         assert decisions == {"pull/no_estimate": 1, "recompute/pull_slower": 1, "pull/pull_faster": 1}, decisions
         # A node's own pages are never weighed: a local read is one memcpy.
-        assert a.batch_get_into(names[:1], bufs[:1], recompute_s=1e-9) == [True]
+        assert a.batch_get_into(names[:1], bufs[:1], recompute_s=1e-6) == [True]
+        # A lookup weighs alike, so that a scheduler never plans a load the read would decline.
+        assert reader.batch_exists(names, recompute_s=1e-6) == 0
+        assert reader.batch_exists(names, recompute_s=60.0) == 8
+        assert a.batch_exists(names, recompute_s=1e-6) == 8
+        assert reader.status()["pull_decisions"]["recompute/pull_slower"] == 2
     finally:
         reader.close()
         a.close()

@@ -82,18 +82,22 @@ class PeerStore:
     def exists(self, key: Key) -> bool:
         return self.batch_exists([key]) == 1
 
-    def batch_exists(self, keys: Sequence[Key], timeout_s: float | None = None, hint: str = "") -> int:
-        """How many leading keys some node holds."""
-        return leading_run(self.exists_many(keys, timeout_s, hint))
+    def batch_exists(self, keys: Sequence[Key], timeout_s: float | None = None, hint: str = "", recompute_s: float | None = None) -> int:
+        """How many leading keys some node holds (and, with ``recompute_s``, is worth pulling from)."""
+        return leading_run(self.exists_many(keys, timeout_s, hint, recompute_s))
 
-    def exists_many(self, keys: Sequence[Key], timeout_s: float | None = None, hint: str = "") -> list[bool]:
+    def exists_many(self, keys: Sequence[Key], timeout_s: float | None = None, hint: str = "", recompute_s: float | None = None) -> list[bool]:
         """``timeout_s`` (here and in every read): this call's deadline instead of the configured one.
         ``hint`` (here and in every read): a router's ``host[:port]`` of the node that holds the pages,
-        asked first; a wrong one falls back to the directory."""
+        asked first; a wrong one falls back to the directory. ``recompute_s`` (here and in every read):
+        what computing these pages again would take; other nodes' pages whose pull is estimated slower
+        are not counted (a scheduler that plans on this lookup then recomputes them, rather than
+        planning a load the read would decline)."""
         deadline = time.monotonic() + (timeout_s or self.config.timeout_s)
         # Asked of the directory every time (what a scheduler plans around stays exact); a get that
         # follows reads from the locations found here without asking again.
         locations = self.node.resolve([_key(k) for k in keys], deadline, hint, remembered=False)
+        locations = self.node.worth_pulling(locations, recompute_s)
         self.node.warm(locations)  # pages found only on a disk: promoted now, for the read that follows
         return [loc is not None for loc in locations]
 

@@ -160,6 +160,12 @@ class PeerHiCacheStorage(HostPoolsV2, HiCacheStorage):
         page = self.codec.page_size if self.codec is not None else 0
         return self.runtime.call_deadline_s(pages * page, page, self.settings.budget_share, self.peer_config.timeout_s)
 
+    def _recompute_s(self, pages: int) -> float | None:
+        """What prefilling ``pages`` pages would take at ``prefill_tokens_per_s`` (None: not said)."""
+        rate = self.settings.prefill_tokens_per_s
+        page = self.codec.page_size if self.codec is not None else 0
+        return pages * page / rate if rate > 0 else None
+
     def _failed(self, what: str, exc: BaseException) -> None:
         self.failures += 1
         log.warning("kvdepot (SGLang, peer): %s failed: %s: %s", what, type(exc).__name__, exc)
@@ -171,7 +177,7 @@ class PeerHiCacheStorage(HostPoolsV2, HiCacheStorage):
             return 0
         t0 = time.perf_counter()
         try:
-            found = self.store.batch_exists(self._keys(keys), timeout_s=self.deadline_s(len(keys)))
+            found = self.store.batch_exists(self._keys(keys), timeout_s=self.deadline_s(len(keys)), recompute_s=self._recompute_s(len(keys)))
         except Exception as exc:  # noqa: BLE001 - a miss, never an exception in SGLang's prefetch thread
             self._failed(f"a lookup of {len(keys)} pages", exc)
             return 0
@@ -241,10 +247,9 @@ class PeerHiCacheStorage(HostPoolsV2, HiCacheStorage):
         buffer and one copy; only the leading run counts (SGLang uses that)."""
         t0 = time.perf_counter()
         dests = [t if t.flags.c_contiguous else np.empty(t.shape, t.dtype) for t in targets]
-        page = self.codec.page_size if self.codec is not None else 0
-        rate = self.settings.prefill_tokens_per_s
-        recompute_s = len(keys) * page / rate if rate > 0 else None
-        got = self.store.batch_get_into(self._keys(keys), dests, timeout_s=self.deadline_s(len(keys)), recompute_s=recompute_s)
+        # Pull or recompute was decided at the lookup (SGLang looks up before every load): the pages it
+        # counted are read; deciding again could decline what SGLang was told it would get.
+        got = self.store.batch_get_into(self._keys(keys), dests, timeout_s=self.deadline_s(len(keys)))
         n = 0
         while n < len(got) and got[n]:
             if dests[n] is not targets[n]:
