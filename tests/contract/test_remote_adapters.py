@@ -359,10 +359,14 @@ def test_s3_failed_multipart_upload_is_aborted_and_invisible(s3_adapter_factory)
     assert result.ok and result.value == [False]
 
 
-def test_s3_creates_its_bucket_on_first_use_and_counts_objects(s3_server) -> None:
+def test_s3_creates_its_bucket_on_first_use_and_counts_objects(s3_server, caplog) -> None:
     adapter = S3Adapter("fresh", s3_config(s3_server.endpoint, bucket=f"kvd-fresh-{os.getpid()}"))
     adapter.start()
     try:
+        # Before the bucket exists its usage is asked too (another server may have filled it): empty, quietly.
+        usage = adapter.usage()
+        assert (usage.healthy, usage.objects, usage.used_bytes) == (True, 0, 0)
+        assert "cannot report its usage" not in caplog.text
         keys = [new_key() for _ in range(3)]
         for k in keys:
             assert store(adapter, k, os.urandom(1000)).ok
@@ -421,6 +425,34 @@ def test_s3_clear_and_usage_leave_objects_it_did_not_write(s3_server, prefix) ->
         assert sorted(left) == sorted(foreign)
     finally:
         adapter.close()
+
+
+def test_s3_usage_is_exact_beside_a_larger_tier_whose_prefix_nests_under_its_own(s3_server) -> None:
+    """Servers sharing a bucket may run tiers whose prefixes nest (``kv/`` and ``kv/staging/``). The
+    usage is exact at every call while the tier's own objects fit one listing page: the other tier's
+    objects were listed too, so a tier of two objects paged through a thousand of theirs and showed its
+    count a minute stale (before the usage paged, it read 0)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bucket, prefix = f"kvd-nest-{os.getpid()}", f"kv-{os.getpid()}/"
+    outer = S3Adapter("outer", s3_config(s3_server.endpoint, bucket=bucket, prefix=prefix))
+    inner = S3Adapter("inner", s3_config(s3_server.endpoint, bucket=bucket, prefix=prefix + "staging/"))
+    outer.start()
+    inner.start()
+    try:
+        for k in [new_key() for _ in range(2)]:
+            assert store(outer, k, os.urandom(1000)).ok
+        assert store(inner, new_key(), os.urandom(1000)).ok  # makes the inner tier's client ready
+        client = inner._client
+        with ThreadPoolExecutor(16) as pool:  # the inner tier's objects, put directly: quicker than stores
+            list(pool.map(lambda i: client.put_object(Bucket=bucket, Key=inner.object_name(new_key()), Body=b"x"), range(1000)))
+        assert outer.usage().objects == 2
+        assert store(outer, new_key(), os.urandom(1000)).ok
+        usage = outer.usage()
+        assert (usage.objects, usage.used_bytes > 3000) == (3, True), usage
+    finally:
+        outer.close()
+        inner.close()
 
 
 def _fail_the_next_delete(adapter: ValkeyAdapter) -> None:

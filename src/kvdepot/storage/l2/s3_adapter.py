@@ -42,6 +42,10 @@ RECOUNT_S_PER_PAGE = 0.5  # ... and no more often than this per page of it
 # empty prefix, or one without a trailing "/" ("kvdepot" also lists "kvdepot-backups/..."), must never
 # make a clear delete another application's objects in a shared bucket.
 _OUR_NAME = re.compile(r"(?:[0-9a-f]{2})+")
+# Our names have no "/" after the prefix, so listings ask S3 to fold every deeper name into one common
+# prefix: another tier's objects under a prefix that nests in ours (``kv/`` and ``kv/staging/``, servers
+# sharing a bucket) neither make the usage and a clear page through them nor make a usage of one page of
+# ours a count of many (taken again only every minute, stale meanwhile).
 _HEX_DIGITS = frozenset("0123456789abcdef")
 _BUCKET_NAME = re.compile(r"[a-zA-Z0-9.\-_]{1,255}\Z")  # what botocore lets through to the server
 
@@ -243,7 +247,7 @@ class S3Adapter(BackendAdapter):
         skip = len(self._config.prefix)
         gone: list[ObjectKey] = []  # what went, told as removed if the clear as a whole fails (no TierCleared then)
         try:
-            for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=self._config.prefix):
+            for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=self._config.prefix, Delimiter="/"):
                 names = [{"Key": o["Key"]} for o in self._ours(page)]
                 if names:
                     # Quiet: the answer lists only the objects that could not be deleted (and is a 200 all the same)
@@ -287,18 +291,27 @@ class S3Adapter(BackendAdapter):
         """A listing under the prefix (S3 has no cheap count): exact at every call while it is one page
         (up to 1000 objects); a longer one is taken again only ``RECOUNT_S`` later, or half a second per
         page (a million objects: every 8 minutes), its figures shown meanwhile. (Past one page the usage
-        read 0: a dashboard saw the tier emptied as it grew.) Nothing is asked of a tier that is down."""
-        if self._client is None or not self._healthy or not self._bucket_ready:
+        read 0: a dashboard saw the tier emptied as it grew.) Nothing is asked of a tier that is down. A
+        bucket that ``create_bucket`` has not made yet is listed too: other servers sharing it (or this
+        one before a restart) may have filled it, and skipping it showed such a tier empty until this
+        server's first request."""
+        if self._client is None or not self._healthy:
             return 0, 0, 0
         if self._counted is not None and time.monotonic() < self._recount_at:
             return self._counted
         used = objects = pages = 0
         listing = self._client.get_paginator("list_objects_v2")
-        for page in listing.paginate(Bucket=self._config.bucket, Prefix=self._config.prefix, PaginationConfig={"PageSize": self.LIST_PAGE}):
-            pages += 1
-            contents = self._ours(page)
-            used += sum(int(o.get("Size", 0)) for o in contents)
-            objects += len(contents)
+        try:
+            for page in listing.paginate(Bucket=self._config.bucket, Prefix=self._config.prefix, Delimiter="/",
+                                         PaginationConfig={"PageSize": self.LIST_PAGE}):  # fmt: skip
+                pages += 1
+                contents = self._ours(page)
+                used += sum(int(o.get("Size", 0)) for o in contents)
+                objects += len(contents)
+        except Exception as exc:
+            if not self._bucket_ready and _error_code(exc) == "NoSuchBucket":
+                return 0, 0, 0  # not made yet: the first store makes it
+            raise
         self._counted = (used, 0, objects)
         self._recount_at = time.monotonic() + (0.0 if pages <= 1 else max(RECOUNT_S, RECOUNT_S_PER_PAGE * pages))
         return self._counted
