@@ -261,6 +261,19 @@ def test_keys_too_long_for_a_file_name_are_stored_and_found_again_after_a_restar
     assert all(np.array_equal(d, p) for d, p in zip(dests, payloads))
 
 
+def test_a_newer_kvdepots_object_under_a_long_key_is_left_alone_at_start_up(tmp_path, open_tiers, rng) -> None:
+    """Its key is read back from its envelope at start-up: one in a newer format version (a server of a
+    later release sharing the disk before a downgrade) must neither stop the tier from starting nor be removed."""
+    first = open_tiers(tmp_path)
+    key = bytes(16) + b"k" * 300
+    store(first, [(key, make_payload(rng, 3000))])
+    first.close()
+    path = Path(first.path_of(key))
+    first.corrupt_for_test(key, 4, mask=envelope.VERSION ^ (envelope.VERSION + 1))
+    second = open_tiers(tmp_path)
+    assert second.usage().objects == 0 and path.exists()
+
+
 # --- torn, damaged and vanished files ------------------------------------------------------------
 
 

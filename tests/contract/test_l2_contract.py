@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvdepot.storage.l2.contract import L2Usage, TaskKind
-from kvdepot.storage.l2.envelope import HEADER_BYTES
+from kvdepot.storage.l2.envelope import HEADER_BYTES, VERSION
 
 from .helpers import (
     adapter_threads,
@@ -125,6 +125,26 @@ def test_corrupt_object_is_a_counted_deleted_miss(adapter, rng, where) -> None:
 
     assert load(adapter, keys[:1], dests[:1]) == [False]  # now simply absent: not counted again
     assert adapter.usage().corrupt == after.corrupt
+
+
+def test_an_object_in_a_newer_format_is_a_counted_miss_left_in_place(adapter, rng) -> None:
+    """Servers of two versions sharing a tier (a rolling upgrade): an object the newer one wrote was
+    deleted as corrupt by every server not upgraded yet, taking it from the servers that read it."""
+    if adapter.kind == "peer":
+        pytest.skip("the peer tier's pages have no envelope (their directory records carry generation and checksum)")
+    keys = make_keys(2)
+    payloads = [make_payload(rng, 10_000) for _ in keys]
+    store(adapter, list(zip(keys, payloads)))
+    before = adapter.usage()
+    adapter.corrupt_for_test(keys[0], 4, mask=VERSION ^ (VERSION + 1))  # the version field's low byte: the next version
+    dests = [np.zeros(10_000, np.uint8) for _ in keys]
+    assert load(adapter, keys, dests) == [False, True]
+    assert np.array_equal(dests[1], payloads[1])
+    after = adapter.usage()
+    assert (after.newer_format, after.corrupt, after.healthy) == (before.newer_format + 1, before.corrupt, True)
+    assert present(adapter, keys[0]), "a newer kvdepot's object was deleted"
+    adapter.corrupt_for_test(keys[0], 4, mask=VERSION ^ (VERSION + 1))  # as its writer reads it: whole again
+    assert load(adapter, keys[:1], dests[:1]) == [True] and np.array_equal(dests[0], payloads[0])
 
 
 def test_completion_signals_the_eventfd_and_is_delivered_once(adapter, rng) -> None:

@@ -395,6 +395,7 @@ def _tier_metrics(tiers: Iterable[Any]) -> Iterable:
     loaded = CounterMetricFamily("kvdepot_l2_loaded", "Objects an L2 tier loaded and verified.", labels=["tier"])
     corrupt = CounterMetricFamily("kvdepot_l2_corrupt", "Objects an L2 tier found corrupt (deleted; a miss).", labels=["tier"])
     failures = CounterMetricFamily("kvdepot_l2_failures", "Backend failures of an L2 tier.", labels=["tier"])
+    newer = CounterMetricFamily("kvdepot_l2_newer_format", "Loads of objects in a newer kvdepot's format (a miss, left in place).", labels=["tier"])
     for t in tiers:
         healthy.add_metric([t.name, t.kind], 1.0 if t.healthy else 0.0)
         used.add_metric([t.name], t.used_bytes)
@@ -403,7 +404,8 @@ def _tier_metrics(tiers: Iterable[Any]) -> Iterable:
         loaded.add_metric([t.name], t.loaded)
         corrupt.add_metric([t.name], t.corrupt)
         failures.add_metric([t.name], t.failures)
-    return (healthy, used, objects, stored, loaded, corrupt, failures)
+        newer.add_metric([t.name], t.newer_format)
+    return (healthy, used, objects, stored, loaded, corrupt, failures, newer)
 
 
 # --- the peer tier: one node's metrics (its own registry: a node runs in processes without a server) -----

@@ -27,7 +27,7 @@ from kvdepot.breaker import CircuitBreaker
 from kvdepot.events import TierCleared, TierRemoved, TierStored, TierTaskDone
 from kvdepot.redact import WITHHELD
 from kvdepot.storage.l2.contract import L2Usage, LookupHints, TaskId, TaskKind, TaskResult, TierServices
-from kvdepot.storage.l2.envelope import CorruptObject, DestinationMismatch, RejectedObject
+from kvdepot.storage.l2.envelope import CorruptObject, DestinationMismatch, NewerFormat, RejectedObject
 from kvdepot.types import ObjectKey, leading_run
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,8 @@ class BackendAdapter(ABC):
         self._pool: ThreadPoolExecutor | None = None
         self._breaker = CircuitBreaker(retry_interval_s)
         self._said = _FlapDamper()  # the down/recovered lines of a tier that flaps with one error
-        self._stats = {"stored": 0, "loaded": 0, "corrupt": 0, "failures": 0}
+        self._stats = {"stored": 0, "loaded": 0, "corrupt": 0, "failures": 0, "newer_format": 0}
+        self._newer_format_said = False
         self._pins: dict[ObjectKey, int] = {}
         self._usage_cache: tuple[int, int, int] = (0, 0, 0)
         # Keys with a store submitted and not finished, and when those of them were last deleted: a write
@@ -226,6 +227,7 @@ class BackendAdapter(ABC):
             stats["failures"],
             self._breaker.last_error,
             self._details(),
+            stats["newer_format"],
         )
 
     def _current_usage(self) -> tuple[int, int, int]:
@@ -322,11 +324,22 @@ class BackendAdapter(ABC):
         """The object's payload into ``dest``; False when absent; CorruptObject (deleted) when bad."""
         try:
             return self._get_into(key, dest)
+        except NewerFormat as exc:
+            self._newer_format(key, exc)
+            return False
         except CorruptObject:
             self._count("corrupt")
             self._delete(key)
             self._tell_removed((key,), "corrupt")
             raise
+
+    def _newer_format(self, key: ObjectKey, exc: NewerFormat) -> None:
+        """A newer kvdepot's object: a miss, left in place; counted, and said once."""
+        self._count("newer_format")
+        if not self._newer_format_said:
+            self._newer_format_said = True
+            log.warning("L2 %s: object %s is in a newer kvdepot's format (%s): a miss, left for the servers that read it "
+                        "(counted as newer_format; upgrade this server)", self.name, key.hex()[:16], exc)  # fmt: skip
 
     def _tell_removed(self, keys: Sequence[ObjectKey], because: str) -> None:
         """Objects that left this tier through kvdepot (its own LRU, a corrupt read): KV events, metrics."""
@@ -627,6 +640,9 @@ class BackendAdapter(ABC):
                 ok = self._get_into(key, dest)
             except DestinationMismatch as exc:
                 log.error("L2 %s: load of %s into a wrong-sized buffer: %s", self.name, key.hex()[:16], exc)
+                ok = False
+            except NewerFormat as exc:
+                self._newer_format(key, exc)
                 ok = False
             except CorruptObject as exc:
                 self._count("corrupt")

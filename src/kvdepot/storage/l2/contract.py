@@ -76,6 +76,7 @@ class L2Usage:
     failures: int
     last_error: str
     details: dict[str, Any] | None = None  # what only this kind of tier has to say (the peer tier: members, pull decisions)
+    newer_format: int = 0  # loads of a newer kvdepot's objects (servers of two versions sharing the tier): misses, left in place
 
 
 @dataclass(frozen=True, slots=True)

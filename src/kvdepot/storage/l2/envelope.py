@@ -18,6 +18,7 @@ import xxhash
 
 MAGIC = b"KVD2"
 VERSION = 1
+NEWER_VERSIONS = 16  # versions after VERSION taken for a newer kvdepot's (past them: a corrupt header)
 _HEADER = struct.Struct("<4sHHQ16s")
 HEADER_BYTES = _HEADER.size
 
@@ -29,6 +30,13 @@ class CorruptObject(Exception):
 class DestinationMismatch(ValueError):
     """The caller's buffer does not have the object's size: the caller's mistake, not corruption
     (the stored object is left alone)."""
+
+
+class NewerFormat(Exception):
+    """An object in a format version after this one (``VERSION``): written by a newer kvdepot sharing the
+    tier (a rolling upgrade, servers of two versions over one Valkey or bucket). A miss that is left in
+    place: it is not corrupt, and the servers that wrote it read it. (Deleted as corrupt, every object
+    the upgraded servers stored would be taken from them by the ones not upgraded yet.)"""
 
 
 class RejectedObject(Exception):
@@ -94,6 +102,8 @@ def decode_header(data: bytes | memoryview) -> Header:
     if len(data) < HEADER_BYTES:
         raise CorruptObject(f"object shorter than its header ({len(data)} bytes)")
     magic, version, key_len, payload_len, csum = _HEADER.unpack_from(data)
+    if magic == MAGIC and VERSION < version <= VERSION + NEWER_VERSIONS:
+        raise NewerFormat(f"format version {version} (this kvdepot reads {VERSION})")
     if magic != MAGIC or version != VERSION:
         raise CorruptObject(f"bad magic/version {magic!r}/{version}")
     return Header(key_len, payload_len, csum)

@@ -189,7 +189,10 @@ class FsAdapter(BackendAdapter):
                         continue
                     key = _key_from_name(entry.name)
                     if key is None and _is_long_name(entry.name):
-                        key = _long_key_of(entry.path)
+                        try:
+                            key = _long_key_of(entry.path)
+                        except envelope.NewerFormat:
+                            continue  # a newer kvdepot's: its key cannot be read here, and it is not ours to remove
                         if key is None:  # torn before its key was whole (a power loss without fsync)
                             removed += _unlink_quiet(entry.path)
                             continue
@@ -530,13 +533,13 @@ class FsAdapter(BackendAdapter):
     def _name_lock(self, key: ObjectKey) -> threading.Lock:
         return self._name_locks[hash(key) % _NAME_LOCKS]
 
-    def corrupt_for_test(self, key: ObjectKey, offset: int) -> None:
-        """Flip one byte of the stored file (tests prove a corrupt object is a miss, never bad KV)."""
+    def corrupt_for_test(self, key: ObjectKey, offset: int, mask: int = 0xFF) -> None:
+        """Flip one byte of the stored file (its ``mask`` bits; tests prove a corrupt object is a miss, never bad KV)."""
         with open(self._path(key), "r+b") as f:
             f.seek(offset)
             byte = f.read(1)
             f.seek(offset)
-            f.write(bytes([byte[0] ^ 0xFF]))
+            f.write(bytes([byte[0] ^ mask]))
 
 
 def _fanout(key: bytes) -> str:
@@ -557,7 +560,8 @@ def _is_long_name(name: str) -> bool:
 
 
 def _long_key_of(path: str) -> ObjectKey | None:
-    """The key a digest-named object holds (from its envelope); None when the file is too short to say."""
+    """The key a digest-named object holds (from its envelope); None when the file is too short to say
+    (NewerFormat: a newer kvdepot's object)."""
     try:
         with open(path, "rb") as f:
             prefix = f.read(HEADER_BYTES)

@@ -176,16 +176,16 @@ class MemoryAdapter(BackendAdapter):
         with self._mu:
             return self._used, self._capacity, len(self._objects)
 
-    def corrupt_for_test(self, key: ObjectKey, offset: int) -> None:
-        """Flip one stored byte (tests prove a corrupt object is a miss, never bad KV)."""
+    def corrupt_for_test(self, key: ObjectKey, offset: int, mask: int = 0xFF) -> None:
+        """Flip one stored byte (its ``mask`` bits; tests prove a corrupt object is a miss, never bad KV)."""
         with self._mu:
             stored = self._objects[key]
             if offset < len(stored.head):
                 whole = bytearray(stored.head)
-                whole[offset] ^= 0xFF
+                whole[offset] ^= mask
                 stored.head = bytes(whole)
             else:
-                stored.body[offset - len(stored.head)] ^= 0xFF
+                stored.body[offset - len(stored.head)] ^= mask
 
 
 ADAPTER = AdapterType("memory", MemoryConfig, MemoryAdapter, help="in-process reference tier")

@@ -355,11 +355,11 @@ class S3Adapter(BackendAdapter):
                 raise
         self._bucket_ready = True
 
-    def corrupt_for_test(self, key: ObjectKey, offset: int) -> None:
-        """Flip one byte of the stored object (``offset`` from the start of the envelope)."""
+    def corrupt_for_test(self, key: ObjectKey, offset: int, mask: int = 0xFF) -> None:
+        """Flip one byte of the stored object (its ``mask`` bits; ``offset`` from the start of the envelope)."""
         name = self.object_name(key)
         blob = bytearray(self._client.get_object(Bucket=self._config.bucket, Key=name)["Body"].read())
-        blob[offset] ^= 0xFF
+        blob[offset] ^= mask
         self._client.put_object(Bucket=self._config.bucket, Key=name, Body=bytes(blob))
 
 

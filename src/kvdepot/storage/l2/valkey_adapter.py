@@ -480,8 +480,8 @@ class ValkeyAdapter(BackendAdapter):
         for first in range(0, len(names), 512):
             self._valkey.delete(*names[first : first + 512])
 
-    def corrupt_for_test(self, key: ObjectKey, offset: int) -> None:
-        """Flip one byte of the stored envelope (header + key + payload; ``offset`` counts from its
+    def corrupt_for_test(self, key: ObjectKey, offset: int, mask: int = 0xFF) -> None:
+        """Flip one byte of the stored envelope (its ``mask`` bits; header + key + payload; ``offset`` counts from its
         start, as in the memory tier), wherever it lives: the manifest or a part."""
         client = self._valkey
         mkey = self.manifest_name(key)
@@ -498,7 +498,7 @@ class ValkeyAdapter(BackendAdapter):
         byte = client.getrange(name, at, at)
         if len(byte) != 1:
             raise IndexError(f"offset {offset} is past the object's end")
-        client.setrange(name, at, bytes([byte[0] ^ 0xFF]))
+        client.setrange(name, at, bytes([byte[0] ^ mask]))
 
 
 def _parse_meta(raw: bytes) -> tuple[bytes, int, int]:
