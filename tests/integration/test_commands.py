@@ -52,7 +52,8 @@ def test_bench_peer_reports_first_reads_and_reads_again_against_the_raw_socket(t
     run("bench", "peer", "--quick", "--sizes-kib", "256", "--threads", "1", "--json", str(out_json), cwd=tmp_path)
     rows = {r["metric"]: r for r in json.loads(out_json.read_text())["rows"]}
     for name in ("remote get 256 KiB pages, 1 thread", "remote get 256 KiB pages, 1 thread, read again", "set 256 KiB pages",
-                 "batch_exists, 128 keys (2 nodes", "batch_exists, 128 keys (3 nodes"):
+                 "batch_exists, 128 keys (2 nodes", "batch_exists, 128 keys (3 nodes: records on another",
+                 "batch_exists, 128 keys (3 nodes: records on both"):
         assert any(n.startswith(name) for n in rows), f"no {name!r} row in {list(rows)}"
     for name, row in rows.items():
         assert measured(row["value"]) > 0, (name, row)

@@ -8,7 +8,8 @@ sender beside it; this process joins it as a reader. For each page size, in the 
   read first (the directory asked) and read again (where the reader remembers finding them);
 - set: ``batch_set`` into this node's pool (a copy plus the directory publish), next to memcpy;
 - ``batch_exists`` of 128 keys next to one raw ZeroMQ round trip: in the pair (the reader holds every
-  record's replica) and with a third node, for keys whose records live only on the other two.
+  record's replica) and with a third node, for keys whose records live only on the other two (all first
+  asked of one of them: one round trip; or spread over both, asked at once).
 In the pair the reader's own shard holds every record, so a first read asks no other node.
 Medians over ``--reps``; ratios are figure / limit. The owner and the reader share the machine's cores.
 """
@@ -238,16 +239,19 @@ def _exists_rows(reader, owner: _Owner, node_options: dict, reps: int, rtt: floa
     try:
         _wait_members(reader, 3)
         owner.command("clear")
-        owner.command(f"set y 1024 {4096}")
-        ring = reader.node._ring
-        far = [f"y{i}" for i in range(1024) if reader.node_id not in ring.owners(f"y{i}".encode(), reader.node.config.directory_replicas)][:128]
-        assert len(far) == 128, "1024 keys over 3 nodes: a third of the records live on the other two"
+        owner.command(f"set y 2048 {4096}")
+        ring, replicas = reader.node._ring, reader.node.config.directory_replicas
+        far = [f"y{i}" for i in range(2048) if reader.node_id not in ring.owners(f"y{i}".encode(), replicas)]
+        one = [n for n in far if ring.owners(n.encode(), replicas)[0] == owner.node_id][:128]  # first asked: the owner
+        far = far[:128]
+        assert len(far) == len(one) == 128, "2048 keys over 3 nodes: a third of the records live on the other two"
         deadline = time.monotonic() + 15  # the owner publishes by its own view of the ring, a heartbeat behind the reader's
-        while reader.batch_exists(far) != 128:
+        while reader.batch_exists(far) != 128 or reader.batch_exists(one) != 128:
             if time.monotonic() > deadline:
                 raise RuntimeError("the owner's pages are not visible from the reader in the 3-node ring")
             time.sleep(0.1)
-        rows.append(measured("batch_exists, 128 keys (3 nodes: records on the other two)", "batch_exists_128", far))
+        rows.append(measured("batch_exists, 128 keys (3 nodes: records on another, one round trip)", "batch_exists_128", one))
+        rows.append(measured("batch_exists, 128 keys (3 nodes: records on both others, asked at once)", "batch_exists_128_two", far))
     finally:
         third.close()
     return rows
