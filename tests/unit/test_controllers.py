@@ -608,3 +608,61 @@ def test_skip_l1_never_discards_a_newer_object_still_awaiting_its_own_push(tmp_p
         table.check_invariants()
     finally:
         arena.close()
+
+
+# --- a tier whose submit raises (an allocation that fails: MemoryError) ----------------------------------
+
+
+def _raises_once(real, exc: BaseException):
+    calls = []
+
+    def submit(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1:
+            raise exc
+        return real(*args, **kwargs)
+
+    return submit
+
+
+def as_the_driver(step, results) -> None:
+    """Step a controller as TierDriver does: an exception is logged there, and the driver goes on."""
+    try:
+        step(results)
+    except Exception:
+        pass
+
+
+def test_a_store_batch_a_tier_could_not_take_ends_failed_and_frees_its_slot_and_lease(make_rig):
+    """A tier's submit_store that raised (MemoryError copying the batch, an adapter of another package)
+    left the batch in flight for good: nothing would ever complete it. Its in-flight slot never came
+    back (max_in_flight such failures and no store reached L2 again) and its read lease held the objects
+    in L1 for BACKGROUND_LEASE_TTL_S."""
+    rig = make_rig(1 << 24, 1 << 24)
+    store = store_controller(rig, max_in_flight=1)
+    rig.tiers[1].submit_store = _raises_once(rig.tiers[1].submit_store, MemoryError())
+    rig.commit(keys(2))
+    as_the_driver(store.step, [])  # tier 0 takes the batch; tier 1's submit raises
+    store.step(rig.take(0, 1))
+    assert store.snapshot() == StoreStats(submitted=2, stored=2, failed=2)
+    assert rig.table.stats().leases == 0
+    rig.commit(keys(3, b"q"))  # the slot is free: the next batch goes to both tiers
+    store.step([])
+    store.step(rig.take(0, 1) + rig.take(1, 1))
+    assert store.snapshot() == StoreStats(submitted=5, stored=8, failed=2)
+    assert rig.holds(1, keys(3, b"q")) == [True] * 3
+
+
+def test_a_load_a_tier_could_not_take_frees_the_slots_and_pins_it_took(make_rig):
+    """A tier's submit_load that raised, after L1 slots were reserved for the load and the tier had
+    pinned what its lookup found: the job ended, but the slots stayed reserved for
+    BACKGROUND_LEASE_TTL_S and the tier's pins for good (those objects could never be evicted from it)."""
+    rig = make_rig()
+    pf = prefetch_controller(rig)
+    rig.put(0, [(k, content(i)) for i, k in enumerate(keys(3))])
+    rig.tiers[0].submit_load = _raises_once(rig.tiers[0].submit_load, MemoryError())
+    assert prefetch(rig, pf, keys(3)) == 0  # its lookup is answered: nothing loaded
+    assert pf.snapshot().running == 0
+    assert rig.table.stats().leases == 0 and rig.table.stats().used_bytes == 0
+    unpinned(rig, [pf.step], keys(3))
+    assert prefetch(rig, pf, keys(3)) == 3  # the next lookup's prefetch loads them

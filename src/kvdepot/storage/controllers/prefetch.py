@@ -229,7 +229,14 @@ class PrefetchController:
         job.start_load(res.lease_id, load_keys, len(wanted), usable)
         with self._lock:
             job.load_clears = -1 if self._clears_running[job.tier] else self._clears_begun[job.tier]
-        task = self._tiers[job.tier].submit_load(job.load_keys, dests)
+        try:
+            task = self._tiers[job.tier].submit_load(job.load_keys, dests)
+        except Exception:
+            # No result will come: give back the slots reserved for it and the pins the lookup took (they
+            # stayed for the lease's TTL, and for good), then let _guarded end the job.
+            self._table.finish_write(res.lease_id, PREFETCH_OWNER, set())
+            self._unlock(job, wanted)
+            raise
         with self._lock:
             self._tasks[(job.tier, task)] = job
             self.stats.lookups_hit += 1

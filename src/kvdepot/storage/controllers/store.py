@@ -135,7 +135,14 @@ class StoreController:
         items = [(key, memoryview(self._arena.buffer[off : off + size])) for key, off, size in objects]
         batch = _StoreBatch(lease, [k for k, _, _ in objects], len(self._tiers), [True] * len(objects))
         for i, tier in enumerate(self._tiers):
-            task = tier.submit_store(items)
+            try:
+                task = tier.submit_store(items)
+            except Exception:
+                # (MemoryError, an adapter of another package.) No result will ever come for it: the batch
+                # fails in that tier now, or it stayed in flight for good, holding its slot and read lease.
+                log.exception("L2 %s could not take a push of %d objects: they are not stored there", tier.name, len(items))
+                self._tier_answered(batch, [False] * len(items))
+                continue
             with self._lock:
                 self._batches[(i, task)] = batch
 
@@ -144,13 +151,17 @@ class StoreController:
             return
         with self._lock:
             batch = self._batches.pop((tier_index, result.task_id), None)
-            if batch is None:
-                return
-            for i, ok in enumerate(result.value):
+        if batch is not None:
+            self._tier_answered(batch, result.value)
+
+    def _tier_answered(self, batch: _StoreBatch, value: list[bool]) -> None:
+        """One tier's outcome per object of ``batch``; the last tier's ends it."""
+        with self._lock:
+            for i, ok in enumerate(value):
                 batch.stored_everywhere[i] &= bool(ok)
-            stored = sum(1 for ok in result.value if ok)
+            stored = sum(1 for ok in value if ok)
             self.stats.stored += stored
-            self.stats.failed += len(result.value) - stored
+            self.stats.failed += len(value) - stored
             batch.pending -= 1
             finished = batch.pending == 0
             if finished:

@@ -103,6 +103,7 @@ class BackendAdapter(ABC):
         self._done: deque[TaskResult] = deque()
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._pool: ThreadPoolExecutor | None = None
+        self._closing = False  # close() began: the pool refuses tasks because it is shut down
         self._breaker = CircuitBreaker(retry_interval_s)
         self._said = _FlapDamper()  # the down/recovered lines of a tier that flaps with one error
         self._stats = {"stored": 0, "loaded": 0, "corrupt": 0, "failures": 0, "newer_format": 0}
@@ -124,6 +125,7 @@ class BackendAdapter(ABC):
         self._barrier_lifted = threading.Condition(self._lock)
         self._order = threading.Lock()
         self._usage_failure_logged = -1e9
+        self._no_thread_logged = -1e9  # when a task that found no worker thread was last logged
         self._usage_future: Future | None = None
         self._announce_lock = threading.Lock()  # TierStored and TierCleared take turns (see _announce_stored)
         self._clear_epoch = 0
@@ -260,6 +262,7 @@ class BackendAdapter(ABC):
         return figures
 
     def close(self) -> None:
+        self._closing = True
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
@@ -372,12 +375,30 @@ class BackendAdapter(ABC):
                 skipped()
             self._finish(TaskResult(task_id, kind, miss, ok=False, error=f"{self.name} is down: {self._breaker.last_error}"))
             return task_id
+        turn = threading.Lock()  # taken once: by the worker that runs the task, or by its withdrawal
+
+        def run() -> None:
+            if turn.acquire(blocking=False):
+                self._run(task_id, kind, work, miss)
+
         try:
-            self._pool.submit(self._run, task_id, kind, work, miss)
-        except RuntimeError:  # shut down meanwhile
+            self._pool.submit(run)
+        except RuntimeError as exc:
+            # Shut down meanwhile, or a worker thread that could not start (no memory for its stack, the
+            # process's thread limit): the pool queued the task before it tried, and an idle worker would
+            # run it later, after its caller was told it failed. It is withdrawn: it fails now, and only now.
+            if not turn.acquire(blocking=False):
+                return task_id  # a worker took it meanwhile: it runs, and answers
             if skipped is not None:
                 skipped()
-            raise
+            if self._closing:
+                raise
+            now = time.monotonic()
+            if now - self._no_thread_logged >= USAGE_FAILURE_LOG_S:  # a host short of memory fails many in a row
+                self._no_thread_logged = now
+                log.warning("L2 %s (%s): a %s task failed: no worker thread could be started for it (%s)",
+                            self.name, self.kind, kind.name.lower(), exc)  # fmt: skip
+            self._finish(TaskResult(task_id, kind, miss, ok=False, error=f"no worker thread could be started: {exc}"))
         return task_id
 
     def _done_writing(self, items: list[tuple[ObjectKey, memoryview]]) -> None:
