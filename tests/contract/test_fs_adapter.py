@@ -522,6 +522,51 @@ def test_o_direct_refused_by_the_filesystem_fails_start_clearly(tmp_path, open_t
     open_tiers(tmp_path, o_direct=False)  # the directory was released
 
 
+_GROW_UNDER_A_LIMIT = """
+import os, resource, sys
+import numpy as np
+from kvdepot.storage.l2.fs_adapter import FsAdapter, FsConfig
+from kvdepot.types import ObjectKey
+
+def mapped():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+
+tier = FsAdapter("fs", FsConfig(path=sys.argv[1], o_direct=True, fsync=False, workers=1))
+tier.start()
+small, big = np.full(10_000, 7, np.uint8), np.full(64 << 20, 9, np.uint8)
+keys = [ObjectKey(bytes([i]) * 48) for i in range(3)]
+tier.put_now(keys[0], memoryview(small))  # this thread's O_DIRECT buffer: a few KiB
+soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+resource.setrlimit(resource.RLIMIT_AS, (mapped() + (16 << 20), hard))  # no room for a 64 MiB buffer
+try:
+    tier.put_now(keys[1], memoryview(big))
+    print("big stored")
+except OSError as exc:
+    print("big refused:", exc)
+finally:
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))  # memory is back
+tier.put_now(keys[2], memoryview(small))
+out = np.zeros_like(small)
+assert tier.get_now(keys[2], memoryview(out)) and np.array_equal(out, small)
+print("small stored again")
+tier.close()
+"""
+
+
+def test_an_o_direct_buffer_that_cannot_grow_leaves_the_worker_able_to_write(tmp_path) -> None:
+    """A worker's O_DIRECT buffer grows for a bigger object; when the new mapping failed (ENOMEM: a host
+    or a container short of memory), the old one was already closed and still the worker's: every
+    later write on that worker raised "mmap closed or invalid", even once memory was back, and the
+    tier went down and stayed down. Run under a real address-space limit, in a process of its own."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _GROW_UNDER_A_LIMIT, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert "big refused: [Errno 12]" in done.stdout, done.stdout + done.stderr  # the limit did bite
+    assert done.returncode == 0 and "small stored again" in done.stdout, done.stderr
+
+
 def test_o_direct_on_tmpfs(open_tiers, rng, tmp_path_factory) -> None:
     """tmpfs refused O_DIRECT before Linux 6.6; either start fails clearly or the tier works."""
     shm = Path("/dev/shm")

@@ -433,6 +433,7 @@ class FsAdapter(BackendAdapter):
         buf = getattr(self._local, "buf", None)
         if buf is None or len(buf) < size:
             if buf is not None:
+                self._local.buf = None  # closed now: a mapping that fails next (ENOMEM) must not leave it here
                 buf.close()
             buf = self._local.buf = mmap.mmap(-1, size)
         return buf
