@@ -668,3 +668,71 @@ def test_begun_calls_to_two_servers_are_in_flight_at_once_and_each_reply_reaches
     held.abandon()
     other.join(5)
     assert results == [True]  # the abandoned call's late reply went to nobody
+
+
+# --- a worker thread that cannot start (no memory for its stack) -----------------------------------------
+
+
+@pytest.fixture
+def no_worker_starts(monkeypatch) -> Callable[[], list[str]]:
+    """``refuse()``: from now on, the RPC pool's threads cannot start (as where pthread_create fails:
+    no memory for a stack, the process's thread limit); returns the names refused so far, as they come."""
+    real_start = threading.Thread.start
+    refused: list[str] = []
+
+    def start(self):
+        if self.name.startswith("kvdepot-worker"):
+            refused.append(self.name)
+            raise RuntimeError("can't start new thread")  # what CPython raises then
+        return real_start(self)
+
+    def refuse() -> list[str]:
+        monkeypatch.setattr(threading.Thread, "start", start)
+        return refused
+
+    return refuse
+
+
+def lookup_handler(hits: int = 7) -> HandlerSpec:
+    return HandlerSpec(RequestType.LOOKUP, lambda call: Reply(m.LookupReply(hits=hits)), BLOCKING)
+
+
+def test_a_request_no_worker_thread_can_start_for_fails_clearly(serve, raw, no_worker_starts, monkeypatch):
+    """It was answered SHUTTING_DOWN "server is shutting down", with nothing in the server's log:
+    connectors took a server short of memory for one going away."""
+    serve(lookup_handler(), workers=2)
+    b = raw()
+    no_worker_starts()
+    b.send(1, m.LookupRequest(context_id=1, keys=[]))
+    rid, (code, message), _ = b.recv()
+    assert rid == 1 and code is ErrorCode.INTERNAL, message
+    assert "could not start a worker thread" in message and "can't start new thread" in message
+    monkeypatch.undo()
+    b.send(2, m.LookupRequest(context_id=1, keys=[]))  # threads start again: served as ever
+    rid, body, _ = b.recv()
+    assert rid == 2 and msgspec.msgpack.decode(body, type=m.LookupReply).hits == 7
+
+
+def test_a_request_a_running_worker_can_take_waits_for_it_when_no_thread_can_start(serve, raw, no_worker_starts):
+    """A second worker that cannot start is no reason to refuse the request: the running one takes it in
+    its turn. It was refused (SHUTTING_DOWN) all the same."""
+    gate, running = threading.Event(), threading.Event()
+
+    def slow(call: Call) -> Reply:
+        running.set()
+        assert gate.wait(REPLY_S)
+        return Reply(m.ChunkSizeReply(chunk_size=1))
+
+    serve(HandlerSpec(RequestType.GET_CHUNK_SIZE, slow, BLOCKING), lookup_handler(), workers=2)
+    a, b = raw(b"client-a"), raw(b"client-b")
+    a.send(1, m.GetChunkSizeRequest())  # starts a worker, and holds it
+    assert running.wait(REPLY_S)
+    refused = no_worker_starts()
+    b.send(2, m.LookupRequest(context_id=1, keys=[]))  # a second worker cannot start
+    wait_for("a second worker to be refused", lambda: len(refused) == 1)
+    time.sleep(0.05)  # the loop deals with it (it replied at once, before)
+    gate.set()
+    assert a.recv()[0] == 1
+    rid, body, _ = b.recv()
+    assert rid == 2 and not isinstance(body, tuple), body  # an error reply is (code, message)
+    assert msgspec.msgpack.decode(body, type=m.LookupReply).hits == 7

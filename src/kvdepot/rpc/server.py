@@ -138,6 +138,7 @@ class RpcServer:
         # replies, for the loop to send itself (appended by workers, taken by the loop).
         self._handed_over: deque[tuple[Call, Any]] = deque()
         self._no_socket_logged = -1e9  # when a worker's failure to make that socket was last logged
+        self._no_thread_logged = -1e9  # when a worker thread that could not start was last logged
         # Routing ids whose last request was a goodbye, their disconnect not seen yet (loop thread). A set:
         # a client that unregisters two contexts leaves once; one that speaks again has not left.
         self._goodbyes: set[bytes] = set()
@@ -430,14 +431,34 @@ class RpcServer:
             item = (spec, call, nbytes)
             if not self._waiting.put(ident, item):
                 return  # a running worker takes it in its client's turn
+            turn = threading.Lock()  # taken once: by the thread that runs this worker, or by its withdrawal
+
+            def work() -> None:
+                if turn.acquire(blocking=False):
+                    self._work()
+
             try:
-                self._pool.submit(self._work)
-            except RuntimeError:  # shutting down
-                self._waiting.worker_gone()
-                if self._waiting.withdraw(ident, item):
-                    self._dequeued(ident, nbytes)
-                    self._send_error(router, ident, call.request_id, ErrorCode.SHUTTING_DOWN, "server is shutting down")
-                    self.observer.request_finished(client)
+                self._pool.submit(work)
+            except RuntimeError as exc:
+                # Shutting down, or no thread could be started (no memory for its stack, the process's thread
+                # limit): the pool queued the worker before it tried, and an idle thread would run it later.
+                if not turn.acquire(blocking=False):
+                    return  # an idle thread took it meanwhile: the worker runs
+                if not self._waiting.worker_gone(ident, item, stopping=self._stop.is_set()):
+                    return  # a running worker takes it in its client's turn
+                self._dequeued(ident, nbytes)
+                if self._stop.is_set():
+                    code, message = ErrorCode.SHUTTING_DOWN, "server is shutting down"
+                else:
+                    code, message = ErrorCode.INTERNAL, f"the server could not start a worker thread for this request: {exc}"
+                    now = time.monotonic()
+                    if now - self._no_thread_logged >= 10.0:
+                        self._no_thread_logged = now
+                        log.warning("could not start a worker thread (out of memory, or at the thread limit?): %s; "
+                                    "requests no running worker can take are answered with an error", exc)  # fmt: skip
+                self._errors[code].inc()
+                self._send_error(router, ident, call.request_id, code, message)
+                self.observer.request_finished(client)
 
     def _dequeued(self, ident: bytes, nbytes: int) -> None:
         """A BLOCKING request of this client is done: it no longer counts against its queue limit."""
@@ -634,6 +655,7 @@ class _FairQueue:
         self._lock = threading.Lock()
         self._queues: dict[bytes, deque] = {}
         self._turns: deque[bytes] = deque()  # clients with calls waiting, the next to be served first
+        self._workers = workers
         self._free = workers  # workers that may still be started
 
     def put(self, client: bytes, item: Any) -> bool:
@@ -663,23 +685,27 @@ class _FairQueue:
                 del self._queues[client]
             return item
 
-    def worker_gone(self) -> None:
-        """A worker that was counted as started did not run, or stopped without ``take`` seeing no calls."""
+    def worker_gone(self, client: bytes | None = None, item: Any = None, stopping: bool = False) -> bool:
+        """A worker that was counted as started did not run, or stopped without ``take`` seeing no calls.
+        With the call that asked for it: take that call back (it is to be answered now) unless a running
+        worker takes it in turn (never when ``stopping``: workers then stop); whether it was taken back."""
         with self._lock:
             self._free += 1
+            if client is None or (self._free < self._workers and not stopping):
+                return False  # another worker runs: it takes every call waiting before it stops
+            return self._withdraw(client, item)
 
-    def withdraw(self, client: bytes, item: Any) -> bool:
-        """Take back a call no worker has taken yet; whether it was still waiting."""
-        with self._lock:
-            queue = self._queues.get(client)
-            at = next((i for i, waiting in enumerate(queue or ()) if waiting is item), None)
-            if queue is None or at is None:
-                return False
-            del queue[at]
-            if not queue:
-                del self._queues[client]
-                self._turns.remove(client)
-            return True
+    def _withdraw(self, client: bytes, item: Any) -> bool:
+        """Under ``_lock``: take back a call no worker has taken yet; whether it was still waiting."""
+        queue = self._queues.get(client)
+        at = next((i for i, waiting in enumerate(queue or ()) if waiting is item), None)
+        if queue is None or at is None:
+            return False
+        del queue[at]
+        if not queue:
+            del self._queues[client]
+            self._turns.remove(client)
+        return True
 
 
 def _send_tracked(sock: zmq.Socket, frames: list) -> zmq.MessageTracker:
