@@ -11,24 +11,59 @@
 Keys are ``str`` (UTF-8) or ``bytes``, up to 1 KiB. A page is any contiguous buffer. Every get or exists
 either answers within ``timeout_s`` or is a miss; a page read is always exactly the bytes set under its key
 (checked against the checksum recorded when it was set), never another page's.
+
+One store may be used from many threads. ``close`` waits for the calls in flight (each ends within its
+deadline) before it closes the node's sockets; a call after it raises KVDepotError (CONNECTION).
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from functools import wraps
+from typing import Any, TypeVar
 
+from kvdepot.errors import ErrorCode, KVDepotError
 from kvdepot.peer.config import PeerConfig
 from kvdepot.peer.dataplane import PageOutcome
 from kvdepot.peer.node import PeerNode
 from kvdepot.types import leading_run
 
 Key = str | bytes
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _key(key: Key) -> bytes:
-    return key.encode() if isinstance(key, str) else bytes(key)
+    if isinstance(key, str):
+        return key.encode()
+    if isinstance(key, bytes):
+        return bytes(key)
+    try:
+        return bytes(memoryview(key))  # bytes-like only: bytes(5) would be five zero bytes, bytes([1, 2]) two bytes
+    except TypeError:
+        raise TypeError(f"a page key is a str or bytes, got {type(key).__name__} {key!r:.60}") from None
+
+
+def _in_flight(method: F) -> F:
+    """A call ``close`` waits for, and one refused once the store is closed: the node's ZeroMQ sockets
+    must outlive every call using them (closing a socket another thread polls aborts the process)."""
+
+    @wraps(method)
+    def call(self: PeerStore, *args: Any, **kwargs: Any) -> Any:
+        with self._calls_done:
+            if self._closed:
+                raise KVDepotError("PeerStore is closed", ErrorCode.CONNECTION)
+            self._calls += 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            with self._calls_done:
+                self._calls -= 1
+                if not self._calls:
+                    self._calls_done.notify_all()
+
+    return call  # type: ignore[return-value]
 
 
 class PeerStore:
@@ -38,6 +73,9 @@ class PeerStore:
         if config is not None and options:
             raise TypeError("give a PeerConfig or keyword options, not both")
         self.config = config or PeerConfig(**options)
+        self._calls = 0  # public calls in flight
+        self._closed = False
+        self._calls_done = threading.Condition()
         self.node = PeerNode(self.config).start()
 
     def __enter__(self) -> PeerStore:
@@ -47,6 +85,12 @@ class PeerStore:
         self.close()
 
     def close(self) -> None:
+        """Refuse new calls, wait for those in flight (each ends within its deadline), then close the node."""
+        with self._calls_done:
+            if self._closed:
+                return
+            self._closed = True
+            self._calls_done.wait_for(lambda: not self._calls)
         self.node.close()
 
     @property
@@ -59,6 +103,7 @@ class PeerStore:
     def set(self, key: Key, value) -> bool:
         return self.batch_set([key], [value])[0]
 
+    @_in_flight
     def batch_set(self, keys: Sequence[Key], values: Sequence) -> list[bool]:
         """Per key: stored in this node's pool and published, and still held when the call ends (False:
         larger than the pool, the pool is full of pages being read, or a later page of this call
@@ -69,10 +114,12 @@ class PeerStore:
             raise ValueError(f"{len(keys)} keys for {len(values)} values")
         return self.node.put_many([(_key(k), v) for k, v in zip(keys, values, strict=True)])
 
+    @_in_flight
     def delete(self, key: Key) -> bool:
         """Remove this node's page of ``key`` (other nodes' copies are theirs)."""
         return self.node.delete(_key(key))
 
+    @_in_flight
     def clear(self) -> int:
         """Remove every page this node published."""
         return self.node.clear()
@@ -86,6 +133,7 @@ class PeerStore:
         """How many leading keys some node holds (and, with ``recompute_s``, is worth pulling from)."""
         return leading_run(self.exists_many(keys, timeout_s, hint, recompute_s))
 
+    @_in_flight
     def exists_many(self, keys: Sequence[Key], timeout_s: float | None = None, hint: str = "", recompute_s: float | None = None) -> list[bool]:
         """``timeout_s`` (here and in every read): this call's deadline instead of the configured one.
         ``hint`` (here and in every read): a router's ``host[:port]`` of the node that holds the pages,
@@ -104,6 +152,7 @@ class PeerStore:
     def get(self, key: Key) -> bytes | None:
         return self.batch_get([key])[0]
 
+    @_in_flight
     def batch_get(self, keys: Sequence[Key], timeout_s: float | None = None, hint: str = "", recompute_s: float | None = None) -> list[bytes | None]:
         deadline = time.monotonic() + (timeout_s or self.config.timeout_s)
         raw = [_key(k) for k in keys]
@@ -116,6 +165,7 @@ class PeerStore:
         """Read ``key``'s page straight into ``dest`` (a writable buffer of exactly the page's size)."""
         return self.batch_get_into([key], [dest], **options)[0]
 
+    @_in_flight
     def batch_get_into(self, keys: Sequence[Key], dests: Sequence, timeout_s: float | None = None, hint: str = "",
                        recompute_s: float | None = None) -> list[bool]:  # fmt: skip
         """Per key: its page read into its buffer (contiguous, writable) and verified. A buffer of
