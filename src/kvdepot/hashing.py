@@ -64,6 +64,8 @@ _ARRAY_U32 = array.array("I").itemsize == 4 and sys.byteorder == "little"
 
 def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> memoryview:
     """Token ids as little-endian uint32 bytes; raises ValueError for anything but integers in [0, 2**32)."""
+    if isinstance(tokens, (bytes, bytearray)):
+        tokens = np.frombuffer(tokens, np.uint8)  # ids 0..255, as list(tokens): array.array takes bytes as raw uint32 words
     if _ARRAY_U32 and not isinstance(tokens, np.ndarray) and not hasattr(tokens, "__array__"):
         try:
             return memoryview(array.array("I", tokens)).cast("B")

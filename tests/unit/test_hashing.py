@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import hashlib
 import struct
 
@@ -144,3 +145,16 @@ def test_non_positive_chunk_size_raises(chunk_size):
 def test_unknown_algorithm_raises():
     with pytest.raises(ValueError):
         chunk_hashes([1, 2, 3, 4], 2, "md5")
+
+
+def test_every_sequence_of_token_ids_hashes_as_the_list_does():
+    # The same ids must give the same keys whatever holds them, else one engine's stores are another's
+    # silent misses. bytes and bytearray are sequences of ints too (a byte-level tokenizer's ids); as
+    # the initializer of array.array they were taken as raw uint32 words: a quarter of the tokens.
+    tokens = [97, 98, 99, 100, 0, 255, 7, 1] * 4
+    expected = chunk_hashes(tokens, 4)
+    assert len(expected) == 8
+    for kind in (bytes, bytearray, tuple, lambda t: array.array("q", t), lambda t: array.array("B", t),
+                 lambda t: memoryview(bytes(t)), lambda t: [np.int32(x) for x in t], lambda t: np.array(t, np.uint8)):  # fmt: skip
+        assert chunk_hashes(kind(tokens), 4) == expected, kind
+    assert bytes(tokens_to_bytes(b"\x01\xff")) == b"\x01\x00\x00\x00\xff\x00\x00\x00"
