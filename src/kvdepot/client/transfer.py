@@ -45,6 +45,11 @@ class StoreSlots(list):
 
     statuses: list[SlotStatus]
 
+    def __setitem__(self, index, value) -> None:
+        # Replacing an entry writes nothing into the slot, whose memory keeps an earlier object's bytes:
+        # the commit would store those under this block's tokens. Refused, so the block aborts.
+        raise TypeError("a slot is filled in place (slots[i][...] = chunk), not replaced (slots[i] = chunk)")
+
 
 class PathHost(Protocol):
     """What a path needs of its client: the layout, the registration (context id and chunk geometry, as
