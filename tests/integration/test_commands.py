@@ -35,6 +35,16 @@ def test_synthetic_demo_runs_both_transports_bit_exact(tmp_path):
     assert "demo passed" in out
 
 
+
+def test_synthetic_demo_keeps_its_servers_log_in_the_workdir_it_is_given(tmp_path):
+    """README: "The logs of everything the demo starts stay in the work directory it prints"; the
+    synthetic demo took --workdir and dropped it, its server's log deleted whatever happened."""
+    work = tmp_path / "demo-work"
+    out = run("demo", "--synthetic", "--l1-size-gb", "0.25", "--workdir", str(work), cwd=tmp_path)
+    log = work / "server.log"
+    assert log.is_file() and "serving on" in log.read_text(), out
+    assert str(work) in out, out
+
 def test_bench_transfer_reports_every_row_against_its_limit(tmp_path):
     out_json = tmp_path / "transfer.json"
     run("bench", "transfer", "--quick", "--sizes-mib", "2", "--chunks", "4", "--l1-size-gb", "0.25", "--json", str(out_json), cwd=tmp_path)
@@ -116,3 +126,13 @@ def test_bench_gpu_runs_its_own_code_on_the_cpu_and_refuses_to_invent_gpu_figure
         assert any(name.startswith(family) for name in rows), f"no {family!r} row in {list(rows)}"
     for name, row in rows.items():
         assert measured(row["value"]) > 0 and float(row["ratio"]) > 0, (name, row)
+
+
+def test_a_command_whose_reader_stops_early_ends_without_a_traceback(tmp_path):
+    """`kvdepot status --json | head`: the reader closes the pipe; the command ends quietly (exit 1), as
+    any shell tool does, rather than with a BrokenPipeError traceback."""
+    p = subprocess.Popen([*KVDEPOT, "keygen", str(tmp_path / "keys")], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # before the command prints a line: its first print meets a closed pipe
+    err = p.stderr.read().decode()
+    assert p.wait(60) == 1 and "Traceback" not in err and "BrokenPipe" not in err, err
+    assert (tmp_path / "keys" / "server.key").is_file()  # what it was asked to do is done

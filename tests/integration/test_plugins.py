@@ -175,6 +175,16 @@ def test_usage_log_writes_what_status_says_and_plugins_get_the_config_without_se
     assert "[kvd_probe_env] probe env written" in srv.log_text()  # its output is in the server's log, under its name
 
 
+def test_usage_log_makes_the_directory_of_its_file(plugin_server, tmp_path):
+    """README's own example logs to /var/log/kvdepot/usage.jsonl, a directory no fresh machine has: the
+    plugin makes it, rather than exit 2 at every start and back off for ever with the file never written."""
+    usage = tmp_path / "var-log" / "kvdepot" / "usage.jsonl"
+    srv = plugin_server("--plugin", f"kvdepot.plugins.usage_log:{usage} --every-s 0.2")
+    wait_until(lambda: usage_lines(usage), what="a usage line in a directory that did not exist")
+    [shown] = plugins_of(srv).values()
+    assert shown["state"] == "running" and shown["restarts"] == 0, shown
+
+
 # --- restarts ------------------------------------------------------------------------------------
 
 

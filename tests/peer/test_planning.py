@@ -205,3 +205,24 @@ def test_nodes_that_left_are_forgotten_by_the_planner():
     finally:
         reader.close()
         head.close()
+
+
+def test_single_page_reads_take_a_hint_and_recompute_s_as_batches_do():
+    """README: "every read takes `hint=` and `recompute_s=`": ``get`` and ``exists`` too, not only the
+    batch calls (they raised TypeError)."""
+    a, reader = cluster(2)
+    try:
+        [name] = keys("s", 1)
+        assert a.set(name, page_bytes(name, SIZE))
+        for s in (a, reader):
+            s.node.shard.keep_nodes(())  # the directory lost the record: only the hint finds the page
+        assert not reader.exists(name)
+        assert reader.exists(name, hint=a.node_id)
+        reader.node.located.clear()
+        assert reader.get(name, hint=a.node_id, timeout_s=2) == page_bytes(name, SIZE)
+        # The estimate learnt by that read: recomputing one page is faster than pulling it, so it is a miss.
+        assert not reader.exists(name, hint=a.node_id, recompute_s=1e-9)
+        assert reader.get(name, hint=a.node_id, recompute_s=1e-9) is None
+    finally:
+        reader.close()
+        a.close()

@@ -292,3 +292,18 @@ def test_every_default_the_prose_states_is_the_codes(title):
             wrong.append(f"{name}: README {value}, the code {default}")
     assert not wrong, wrong
     assert checked or title == "## Safety"
+
+
+def test_the_lifecycle_section_says_a_prefix_needs_a_registered_engine():
+    """A newcomer's first `POST /cache/pin` with no engine connected is a 409: README says so, and the
+    code does refuse it that way (the objects' keys need a registered context's model, rank and layout)."""
+    from kvdepot.admin.routes.lifecycle import _STATUS
+    from kvdepot.errors import ErrorCode, KVDepotError
+    from kvdepot.server.lifecycle import Lifecycle
+    from kvdepot.server.state import ContextRegistry
+
+    text = " ".join(section("### Lifecycle: pins, agent sessions, warm-up, delete").split())
+    assert "need an engine of that model connected now: with none, they are refused with 409" in text
+    with pytest.raises(KVDepotError) as refused:
+        Lifecycle(storage=None, contexts=ContextRegistry()).targets(None, "", None, [1, 2, 3])  # type: ignore[arg-type]
+    assert refused.value.code is ErrorCode.UNKNOWN_CONTEXT and _STATUS[ErrorCode.UNKNOWN_CONTEXT] == 409

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -80,25 +81,37 @@ def run_transport(url: str, transport: str) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     """Returns the exit code: 0 when every fetched byte was exact, 1 when not, and the server's own
-    code (2 for a bad configuration) with its one-line reason when it could not start. The temporary
-    directory (the server's log) is removed either way."""
-    with tempfile.TemporaryDirectory(prefix="kvdepot-demo-") as tmp:
+    code (2 for a bad configuration) with its one-line reason when it could not start. The server's log
+    goes to ``--workdir`` (kept, and named), else to a temporary directory that is kept, and named, only
+    when the workload failed (the log is what explains that), and removed otherwise."""
+    work = args.workdir or tempfile.mkdtemp(prefix="kvdepot-demo-")
+    os.makedirs(work, exist_ok=True)
+    keep = bool(args.workdir)
+    try:
         http_port = free_port()
         server = ServerProcess(
             args=["--l1-size-gb", str(args.l1_size_gb)],
             port=args.port,
             http_port=http_port,
-            log_path=os.path.join(tmp, "server.log"),
+            log_path=os.path.join(work, "server.log"),
         )
         print(f"kvdepot demo --synthetic: starting a server (L1 {args.l1_size_gb} GiB)")
         failed = server.start_or_explain()
         if failed is not None:
             print(f"kvdepot demo: the server did not start: {failed[1]}", file=sys.stderr)
             return failed[0]
+        keep = True  # until the workload passes
         try:
-            return _run_workload(server, http_port)
+            code = _run_workload(server, http_port)
         finally:
             server.stop()
+        keep = bool(args.workdir) or code != 0
+        return code
+    finally:
+        if keep:
+            print(f"work directory (the server's log): {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def _run_workload(server: ServerProcess, http_port: int) -> int:

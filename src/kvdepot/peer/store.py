@@ -126,8 +126,9 @@ class PeerStore:
 
     # --- reads ---------------------------------------------------------------------------------------
 
-    def exists(self, key: Key) -> bool:
-        return self.batch_exists([key]) == 1
+    def exists(self, key: Key, **options) -> bool:
+        """``options``: ``batch_exists``'s (``timeout_s``, ``hint``, ``recompute_s``), as for every read."""
+        return self.batch_exists([key], **options) == 1
 
     def batch_exists(self, keys: Sequence[Key], timeout_s: float | None = None, hint: str = "", recompute_s: float | None = None) -> int:
         """How many leading keys some node holds (and, with ``recompute_s``, is worth pulling from)."""
@@ -149,8 +150,9 @@ class PeerStore:
         self.node.warm(locations)  # pages found only on a disk: promoted now, for the read that follows
         return [loc is not None for loc in locations]
 
-    def get(self, key: Key) -> bytes | None:
-        return self.batch_get([key])[0]
+    def get(self, key: Key, **options) -> bytes | None:
+        """``options``: ``batch_get``'s (``timeout_s``, ``hint``, ``recompute_s``), as for every read."""
+        return self.batch_get([key], **options)[0]
 
     @_in_flight
     def batch_get(self, keys: Sequence[Key], timeout_s: float | None = None, hint: str = "", recompute_s: float | None = None) -> list[bytes | None]:

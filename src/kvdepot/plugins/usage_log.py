@@ -47,7 +47,7 @@ def read_status(http_url: str, timeout_s: float = 5.0) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvdepot.plugins.usage_log", description="append the server's use to PATH as JSON lines")
-    p.add_argument("path", help="file to append to (created if missing)")
+    p.add_argument("path", help="file to append to (created if missing, with its directory)")
     p.add_argument("--every-s", type=float, default=60.0, help="seconds between lines (default: %(default)s)")
     args = p.parse_args(argv)
     env = PluginEnvironment.from_environ()
@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--every-s must be > 0, not {args.every_s}", file=sys.stderr)
         return 2
     try:
+        # A log directory a fresh machine lacks (/var/log/kvdepot/, README's example) is made, as a
+        # logger would: else the plugin exits at every start and backs off for ever, writing nothing.
+        os.makedirs(os.path.dirname(os.path.abspath(args.path)), exist_ok=True)
         fd = os.open(args.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     except OSError as exc:
         print(f"usage_log cannot open {args.path}: {exc}", file=sys.stderr)
