@@ -19,7 +19,7 @@ from kvdepot.errors import BadRequest, ErrorCode, KVDepotError
 from kvdepot.protocol import messages as m
 from kvdepot.types import SlotStatus
 
-from support.servers import CHUNK, LAYOUT, MODEL, RawPeer, make_kv, make_tokens, wait_until
+from support.servers import CHUNK, LAYOUT, MODEL, RawPeer, make_kv, make_tokens, pause, wait_until
 from support.tiers import (
     BIG_CHUNK,
     fs_spec,
@@ -52,6 +52,28 @@ def test_healthcheck_says_degraded_with_the_reason_while_the_only_tier_is_down(m
         doc = wait_until(degraded, what="/healthcheck to report the dead tier")
         assert "cache-kv" in doc["reason"] and "valkey" in doc["reason"] and "down" in doc["reason"]
         assert httpx.get(f"{srv.http}/healthcheck", timeout=10).status_code == 200  # L1 still serves
+        assert c.retrieve(tokens).shape[2] == 2 * CHUNK
+
+
+def test_healthcheck_answers_within_a_probe_timeout_while_the_tiers_hang(make_server, own_valkey, seed):
+    """/healthcheck asked every tier's backend for its usage (waiting up to 0.5 s each) only to read its
+    health: with three tiers on a Valkey that stopped answering, every probe took 1.5 s, past a kubelet's
+    default 1 s timeout, so a liveness probe restarted a server that still served from L1."""
+    specs = [valkey_spec(own_valkey.url, name=f"kv{i}", socket_timeout_s=1) for i in range(3)]
+    srv = start_tier_server(make_server, *specs)
+    pause(own_valkey.proc.pid)
+    for _ in range(3):
+        r = httpx.get(f"{srv.http}/healthcheck", timeout=1.0)  # a kubelet's default timeoutSeconds
+        assert r.status_code == 200, r.text
+    with srv.client() as c:
+        tokens = make_tokens(2 * CHUNK, seed)
+        assert c.store(tokens, make_kv(LAYOUT, len(tokens), seed)) == 2 * CHUNK  # L1 takes it; the pushes fail
+
+        def degraded() -> dict | None:
+            doc = httpx.get(f"{srv.http}/healthcheck", timeout=1.0).json()
+            return doc if doc["status"] == "degraded" and all(f"kv{i}" in doc["reason"] for i in range(3)) else None
+
+        wait_until(degraded, what="/healthcheck to report the hung tiers")
         assert c.retrieve(tokens).shape[2] == 2 * CHUNK
 
 

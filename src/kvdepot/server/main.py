@@ -235,7 +235,7 @@ class KVDepotServer:
         return self.rpc.alive
 
     def degraded_reasons(self) -> list[str]:
-        return degraded_reasons(self.storage.snapshot()) + self.observers.reasons()
+        return degraded_reasons(self.storage.health()) + self.observers.reasons()  # no usage query: a probe answers at once
 
     def largest_chunk_bytes(self) -> int:
         return self.ctx.contexts.largest_chunk_bytes()

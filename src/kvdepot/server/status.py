@@ -15,7 +15,7 @@ from kvdepot.config import ServerConfig
 from kvdepot.observability.metrics import Metrics, counts, labelled
 from kvdepot.observability.tenants import TenantUsage
 from kvdepot.server.liveness import LivenessSnapshot
-from kvdepot.storage.manager import StorageSnapshot
+from kvdepot.storage.manager import StorageHealth, StorageSnapshot
 
 
 def status_document(
@@ -197,9 +197,9 @@ def quarantine_document(snap: StorageSnapshot, clients: LivenessSnapshot) -> dic
     return {"leases": snap.l1.quarantined_leases, "bytes": snap.l1.quarantined_bytes, "clients": out}
 
 
-def degraded_reasons(snap: StorageSnapshot) -> list[str]:
+def degraded_reasons(health: StorageHealth) -> list[str]:
     """Why the server serves less than it was configured to (empty: it serves everything)."""
-    reasons = [f"L2 tier {t.name} ({t.kind}) is down: {t.last_error or 'unknown error'}" for t in snap.tiers if not t.healthy]
-    if snap.prefault.state == "failed":
-        reasons.append(f"the L1 prefault failed: {snap.prefault.error}")
+    reasons = [f"L2 tier {t.name} ({t.kind}) is down: {t.last_error or 'unknown error'}" for t in health.tiers if not t.healthy]
+    if health.prefault.state == "failed":
+        reasons.append(f"the L1 prefault failed: {health.prefault.error}")
     return reasons

@@ -73,6 +73,7 @@ __all__ = [
     "SessionState",
     "ReadLock",
     "StorageManager",
+    "StorageHealth",
     "StorageSnapshot",
     "StoreStats",
     "Toucher",
@@ -120,6 +121,22 @@ class PrefaultStatus:
     finished: bool
     supported: bool
     error: str = ""
+
+
+@dataclass(frozen=True)
+class TierHealth:
+    name: str
+    kind: str
+    healthy: bool
+    last_error: str
+
+
+@dataclass(frozen=True)
+class StorageHealth:
+    """What ``/healthcheck`` says of storage: read from memory only, never asked of a backend."""
+
+    tiers: list[TierHealth]
+    prefault: PrefaultStatus
 
 
 @dataclass(frozen=True)
@@ -548,6 +565,13 @@ class StorageManager:
             self._arena.path,
             self.config.eviction_policy,
         )
+
+    def health(self) -> StorageHealth:
+        """Each tier's health and the prefault's state, without ``snapshot``'s usage queries: those wait
+        up to 0.5 s per tier whose backend hangs, and a liveness probe (1 s by default) then failed and
+        restarted a server that still served from L1."""
+        tiers = [TierHealth(t.name, t.kind, *t.health()) for t in self._tiers]
+        return StorageHealth(tiers, self._prefault_status())
 
     def _prefault_status(self) -> PrefaultStatus:
         p = self._prefaulter

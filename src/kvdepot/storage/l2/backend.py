@@ -232,6 +232,10 @@ class BackendAdapter(ABC):
             stats["newer_format"],
         )
 
+    def health(self) -> tuple[bool, str]:
+        """(up, last error) as the circuit breaker knows them: asks no backend (``/healthcheck``)."""
+        return self._breaker.up, self._breaker.last_error
+
     def _current_usage(self) -> tuple[int, int, int]:
         if self._pool is None:
             try:
