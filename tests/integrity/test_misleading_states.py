@@ -116,6 +116,29 @@ def test_a_quota_below_one_chunk_is_warned_and_its_stores_refused_visibly(quota_
         assert c.store(tokens, make_kv(LAYOUT, len(tokens), seed), cache_salt="tiny") == 3 * CHUNK
 
 
+def test_a_lowered_quota_answers_with_its_trim_done_and_warns_of_pins_above_it(quota_server, seed):
+    """PUT /quota answered with the tenant's use before the trim (8 chunks against a quota of 2: the trim
+    ran a moment later on the eviction thread), though a quota change is "enforced at once"; and a quota
+    lowered below what the tenant has pinned was accepted without a word, while every store of that
+    tenant is then refused (OVER_QUOTA) until it is unpinned, as a quota below one chunk is, which warns."""
+    srv = quota_server
+    tokens = make_tokens(8 * CHUNK, seed)
+    with srv.client() as c:
+        assert c.store(tokens, make_kv(LAYOUT, len(tokens), seed), cache_salt="t") == 8 * CHUNK
+        r = put_quota(srv, "t", {"quota_bytes": 2 * CHUNK_BYTES})
+        assert r.status_code == 200 and r.json()["used_bytes"] == 2 * CHUNK_BYTES, r.text
+        assert r.json().get("warning") is None
+        assert c.lookup(tokens, cache_salt="t") == 2 * CHUNK  # the prefix's head is what stays
+
+        pin = httpx.post(f"{srv.http}/cache/pin", json={"token_ids": tokens.tolist(), "cache_salt": "t"}, timeout=10)
+        assert pin.status_code == 200 and pin.json()["pinned"] == 2, pin.text
+        r = put_quota(srv, "t", {"quota_bytes": CHUNK_BYTES})
+        assert r.status_code == 200 and r.json()["used_bytes"] == 2 * CHUNK_BYTES  # pinned: not trimmed
+        assert "pinned" in r.json().get("warning", ""), r.text
+        more = make_tokens(2 * CHUNK, seed + 1)
+        assert c.store(more, make_kv(LAYOUT, len(more), seed + 1), cache_salt="t") == 0  # what the warning says
+
+
 @pytest.mark.parametrize("bad", [True, "123", 10**26, -1, 1.5, None])
 def test_quota_values_are_strict_integers_in_range(quota_server, bad):
     r = put_quota(quota_server, "t", {"quota_bytes": bad})

@@ -98,6 +98,9 @@ class _QuotaBackend:
             def used(self, salt):
                 return 0
 
+            def pinned(self, salt):
+                return 0
+
             def all(self):
                 return []
 

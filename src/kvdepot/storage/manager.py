@@ -154,19 +154,29 @@ class StorageSnapshot:
 class QuotaControl:
     """Per-``cache_salt`` L1 quotas (the ``isolated_lru`` policy's); a change is enforced at once."""
 
-    def __init__(self, policy: IsolatedLRUPolicy, kick: Callable[[], None]) -> None:
+    def __init__(self, policy: IsolatedLRUPolicy, trim: Callable[[], object], kick: Callable[[], None],
+                 pinned: Callable[[str], int] = lambda salt: 0) -> None:  # fmt: skip
         self._policy = policy
+        self._trim = trim
         self._kick = kick
+        self._pinned = pinned
 
     def get(self, salt: str) -> int | None:
         return self._policy.quota(salt)
 
     def set(self, salt: str, quota_bytes: int | None) -> None:
         self._policy.set_quota(salt, quota_bytes)
-        self._kick()  # bring the salt under its new quota now
+        # Trimmed here, not only on the eviction thread a moment later: the caller's reply (PUT /quota)
+        # says what the tenant holds under its new quota (what is pinned or being read stays).
+        self._trim()
+        self._kick()
 
     def used(self, salt: str) -> int:
         return self._policy.used(salt)
+
+    def pinned(self, salt: str) -> int:
+        """Bytes of ``salt``'s objects its pins hold: never trimmed, and counted against its quota."""
+        return self._pinned(salt)
 
     def all(self) -> dict[str, int]:
         return self._policy.quotas()
@@ -549,7 +559,9 @@ class StorageManager:
     def quotas(self) -> QuotaControl | None:
         """None unless the eviction policy keeps quotas (``isolated_lru``)."""
         policy = self._table.policy
-        return QuotaControl(policy, self._eviction.kick) if isinstance(policy, IsolatedLRUPolicy) else None
+        if not isinstance(policy, IsolatedLRUPolicy):
+            return None
+        return QuotaControl(policy, self._table.enforce_quotas, self._eviction.kick, self._protections.pinned_bytes)
 
     # --- status --------------------------------------------------------------------------------------
 

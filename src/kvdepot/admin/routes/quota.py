@@ -71,6 +71,12 @@ def routes(backend: QuotaOwner) -> APIRouter:
                 f"a quota of {body.quota_bytes} bytes is below one chunk ({chunk} bytes for the largest registered "
                 f"context): stores for this cache_salt will be refused (OVER_QUOTA) until it is raised"
             )
+        elif (pinned := quotas.pinned(salt_of(cache_salt))) > body.quota_bytes:
+            # Pins are never trimmed: the tenant stays over its quota, so each of its stores is refused.
+            doc["warning"] = (
+                f"this cache_salt has {pinned} bytes pinned, above its quota of {body.quota_bytes}: pins are not "
+                f"trimmed, so its stores will be refused (OVER_QUOTA) until it is raised or pins are released"
+            )
         if "warning" in doc:
             log.warning("quota for cache_salt %r: %s", cache_salt, doc["warning"])
         return doc
