@@ -149,6 +149,39 @@ def test_clear_empties_l1_the_tiers_or_both(make_server, tmp_path, seed):
         assert c.lookup(a.tokens) == 0
 
 
+def test_a_clear_or_delete_a_tier_could_not_do_is_not_answered_200(make_server, own_valkey, seed):
+    """A clear (README: after new weights under one model name, POST /cache/clear {"scope": "all"}) or a
+    DELETE /cache/prefix that a tier could not carry out (down, or hung past its wait) answered 200, its
+    failure only a -1 in the body that README never mentions: a script (curl -f) took it as done, and once
+    the tier answered again it served the very KV the operator had cleared."""
+    import signal
+
+    import httpx
+
+    from support.servers import pause
+
+    srv = start_tier_server(make_server, valkey_spec(own_valkey.url, name="kv", socket_timeout_s=1))
+    p = make_prompt(4, seed)
+    with srv.client() as c:
+        store_full(c, p)
+        wait_until(lambda: tier_of(wait_store_idle(srv), "kv")["objects"] >= 4, what="the prompt in the tier")
+        pause(own_valkey.proc.pid)
+        try:
+            r = httpx.request("DELETE", f"{srv.http}/cache/prefix", json={"token_ids": p.tokens.tolist()}, timeout=60)
+            assert r.status_code == 502 and "kv" in r.json()["detail"], r.text
+            assert r.json()["l1_removed"] == 4 and r.json()["tiers_removed"] == {"kv": -1}  # what was done is still said
+            r = httpx.post(f"{srv.http}/cache/clear", json={"scope": "all"}, timeout=60)
+            assert r.status_code == 502 and "kv" in r.json()["detail"], r.text
+            assert r.json()["tiers_removed"] == {"kv": -1}
+        finally:
+            own_valkey.proc.send_signal(signal.SIGCONT)
+        # Why it matters: the tier kept the prefix, and serves it again.
+        wait_until(lambda: c.lookup(p.tokens) == len(p.tokens), what="the tier to serve the prefix again")
+        r = httpx.post(f"{srv.http}/cache/clear", json={"scope": "all"}, timeout=60)
+        assert r.status_code == 200 and r.json()["tiers_removed"] == {"kv": 4}, r.text
+        assert c.lookup(p.tokens) == 0
+
+
 # --- prefetch ---------------------------------------------------------------------------------------
 
 

@@ -16,7 +16,7 @@ engines serve one model); see ``server/lifecycle.py`` for how it resolves to obj
   objects go when their last reader is done).
 
 Errors: 400 bad input, 404 unknown pin or session, 409 an illegal transition, a pin over its salt's
-quota, or no registered context for the model.
+quota, or no registered context for the model; 502 a delete a tier could not do (``_tiers``).
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ from collections.abc import Callable
 from typing import Annotated, Protocol, TypeVar
 
 from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from kvdepot.admin.routes._slow import run_slow
+from kvdepot.admin.routes._tiers import tiers_answer
 from kvdepot.errors import ErrorCode, KVDepotError
 from kvdepot.types import ClearScope
 
@@ -168,8 +170,8 @@ def routes(backend: LifecycleBackend) -> APIRouter:
     async def prefetch(body: PrefetchBody) -> dict:
         return await run_slow(lambda: _answer(lambda: backend.lifecycle().prefetch(targets(body), body.cache_salt, body.wait_s)))
 
-    @router.delete("/cache/prefix")
-    async def delete_prefix(body: DeletePrefixBody) -> dict:
-        return await run_slow(lambda: _answer(lambda: backend.lifecycle().delete(targets(body), body.scope)))
+    @router.delete("/cache/prefix", response_model=None)
+    async def delete_prefix(body: DeletePrefixBody) -> dict | JSONResponse:
+        return tiers_answer(await run_slow(lambda: _answer(lambda: backend.lifecycle().delete(targets(body), body.scope))))
 
     return router
