@@ -47,6 +47,7 @@ def test_metrics_and_the_page_follow_what_the_node_does():
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert owner.node_id in page.text and "hit rate" in page.text and "write latency" in page.text and "publishes owed" in page.text
         assert "<script" not in page.text and "http://" not in page.text.replace("http-equiv", "")  # self-contained
+        assert "stored 24" in page.text and "{" not in page.text.split("<body>")[1], "counts shown as Python dicts"
         summary = httpx.get(f"http://127.0.0.1:{port}/summary", timeout=5).json()
         assert summary["writes"]["stored"] == 24 and summary["state"]["pool_pages"] <= 16
 

@@ -99,15 +99,20 @@ class MetricsServer:
         def ms(v: float) -> str:
             return f"{v * 1e3:.2f} ms"
 
+        def counts(d: dict) -> str:
+            return ", ".join(f"{k} {int(v):,}" for k, v in d.items()) or "none"
+
         rows = [
             ("members", f"{int(st.get('members', 0))}"),
             ("pool", f"{mib(st.get('pool_used_bytes', 0))} of {mib(st.get('pool_capacity_bytes', 0))}, {int(st.get('pool_pages', 0))} pages"),
             ("disk", f"{mib(st.get('disk_used_bytes', 0))}, {int(st.get('disk_pages', 0))} pages"),
             ("directory shard", f"{int(st.get('directory_records', 0))} records"),
             ("publishes owed / sent again", f"{int(st.get('publish_owed', 0))} / {int(st.get('publish_repaid', 0))}"),
-            ("reads", f"{s['reads']} (hit rate {s['read_hit_rate']:.1%}), {mib(s['read_bytes'])}"),
-            ("writes", f"{s['writes']}, {mib(s['write_bytes'])}"),
-            ("lookups", f"{s['lookups']}"),
+            ("reads", f"{counts(s['reads'])} (hit rate {s['read_hit_rate']:.1%}), {mib(s['read_bytes'])}"),
+            ("writes", f"{counts(s['writes'])}, {mib(s['write_bytes'])}"),
+            ("lookups", f"{counts(s['lookups'])}; {int(s['local_lookups']):,} in this node's own shard, "
+                        f"{int(s['remembered_locations']):,} remembered"),
+            ("pull or recompute", counts(s["pull_decisions"])),
             ("evictions / promotes", f"{int(st.get('evictions', 0))} / {int(st.get('promotes', 0))}"),
             ("served to readers", f"{int(st.get('served_pages', 0))} pages, {mib(st.get('served_bytes', 0))}"),
             ("read latency", " ".join(f"{k} {ms(v)}" for k, v in s["read_latency_s"].items() if k != "n")),
