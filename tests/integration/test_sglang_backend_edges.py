@@ -315,3 +315,24 @@ def test_the_peer_backends_lookup_counts_only_the_pages_worth_pulling(sglang):
         if b is not None:
             b.close()
         a.close()
+
+
+def test_a_head_given_its_ports_in_the_shared_json_starts_every_rank_as_one_cluster(sglang):
+    """The docstring asks a head node for its ports; SGLang gives every rank the same JSON. Every rank
+    after the first tried the head's ports and failed to start (and, with no discovery, each would have
+    been the head of a cluster of its own). The first rank is the head; the others join it."""
+    from kvdepot.bench.serverproc import free_port
+
+    port, data_port = free_port(), free_port()
+    ranks = []
+    try:
+        for rank in range(2):
+            ranks.append(make_peer_backend(sglang, LayerFirstHostPool(), tp_rank=rank, tp_size=2, port=port, data_port=data_port))
+        assert ranks[0].store.node_id == f"127.0.0.1:{port}"
+        wait_until(lambda: all(len(b.store.status()["members"]) == 2 for b in ranks), timeout_s=10)
+        keys = sglang_keys(list(range(90_000, 90_000 + 2 * PAGE)))
+        assert ranks[1].batch_set_v1(keys, torch.arange(2 * PAGE)) == [True, True]
+        assert ranks[0].store.batch_exists(ranks[1]._keys(keys)) == 2  # one cluster: rank 1's pages found from rank 0
+    finally:
+        for b in reversed(ranks):
+            b.close()

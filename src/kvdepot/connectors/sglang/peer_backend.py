@@ -13,7 +13,8 @@ pages are strided). Loaded by SGLang's dynamic loader::
 
 The JSON holds SGLang's loader keys, this backend's (``model_name``, ``budget_share``) and any
 ``PeerConfig`` key (``kvdepot peer --help``). ``port`` and ``data_port`` default to free ports here (every
-TP rank is a node); a head node must be given its ports (or run ``kvdepot peer`` as the head).
+TP rank is a node); a head node must be given its ports (or run ``kvdepot peer`` as the head): its first
+rank takes them and the others join it (``per_rank``).
 ``disk_path`` is a folder per rank (a subfolder named by its ranks where there are several): one disk tier
 cannot be shared, and every rank gets the same JSON; ``metrics_port`` is the first rank's, the others'
 follow it (``per_rank``).
@@ -45,6 +46,7 @@ from kvdepot.connectors.sglang.pools import ExtraPool, HostPoolsV2, Page, gather
 from kvdepot.connectors.sglang.runtime import SGLangRuntime
 from kvdepot.connectors.sglang.settings import without_sglang_keys
 from kvdepot.keys import NamespaceSpec
+from kvdepot.peer.addresses import node_id
 from kvdepot.peer.config import PeerConfig
 from kvdepot.peer.store import PeerStore
 
@@ -98,7 +100,10 @@ def per_rank(node: PeerConfig, storage_config: HiCacheStorageConfig) -> PeerConf
       tier); each rank that is one of several gets a subfolder named by its ranks, the same on every
       restart, so its pages come back with it; ``disk_size_gb`` bounds each;
     - ``metrics_port``: the first rank's; the others' follow it, one per rank (every rank tried the
-      same port and all but one served no metrics)."""
+      same port and all but one served no metrics);
+    - ``port`` and ``data_port`` given (a head's): the first rank's; the others take free ones (each
+      tried the first's and failed to start), and where no ``discovery`` is given they join the first
+      (the head), or each would have been the head of a cluster of its own."""
     parts, index = [], 0
     for name, rank, size in _RANKS:
         r = int(getattr(storage_config, rank, 0) or 0)
@@ -117,6 +122,11 @@ def per_rank(node: PeerConfig, storage_config: HiCacheStorageConfig) -> PeerConf
             log.warning("kvdepot: rank %s's metrics port would be %d, past 65535: its metrics page is off", "-".join(parts), port)
             port = 0
         changes["metrics_port"] = port
+    if index and node.port:
+        changes["port"] = changes["data_port"] = 0
+        if not node.discovery:
+            host = "127.0.0.1" if node.host in ("0.0.0.0", "::", "[::]", "") else node.host
+            changes["discovery"] = node_id(host, node.port)
     return msgspec.structs.replace(node, **changes) if changes else node
 
 
