@@ -336,3 +336,32 @@ def test_a_head_given_its_ports_in_the_shared_json_starts_every_rank_as_one_clus
     finally:
         for b in reversed(ranks):
             b.close()
+
+
+def test_every_rank_of_a_pipeline_parallel_engine_gets_its_own_ports(sglang):
+    """``metrics_port`` is the first rank's and every other rank's follows it, one per rank; a head's
+    ``port`` and ``data_port`` are the first rank's alone. The rank index took each rank kind in turn, but
+    dp (whose size SGLang does not give) restarted it from its own rank, dropping the pipeline stage: with
+    PP, each stage's first rank took index 0, so it also took the head's ports (and failed to start), and
+    every stage's ranks took the first stage's metrics ports (no metrics page, a warning each)."""
+    from kvdepot.connectors.sglang.peer_backend import per_rank
+    from kvdepot.peer.config import PeerConfig
+
+    node = PeerConfig(metrics_port=9000, port=31000, data_port=31001, disk_path="/kv/l4")
+    ports: dict[int, str] = {}
+    heads = []
+    for dp in range(2):
+        for pp in range(2):
+            for tp in range(2):
+                config = sglang.HiCacheStorageConfig(
+                    tp_rank=tp, tp_size=2, pp_rank=pp, pp_size=2, attn_cp_rank=0, attn_cp_size=1, dp_rank=dp, is_mla_model=False,
+                    enable_storage_metrics=False, is_page_first_layout=False, model_name="m",
+                )  # fmt: skip
+                mine = per_rank(node, config)
+                if mine.port == node.port:
+                    heads.append(mine.disk_path)
+                assert mine.metrics_port not in ports, f"{mine.disk_path} and {ports.get(mine.metrics_port)} share port {mine.metrics_port}"
+                ports[mine.metrics_port] = mine.disk_path
+    assert heads == ["/kv/l4/pp0-tp0"], f"ranks given the head's port and data_port: {heads}"
+    assert sorted(ports) == list(range(9000, 9008)), ports  # one per rank, from the configured port on
+    assert ports[9000] == "/kv/l4/pp0-tp0"  # the first rank keeps the configured port

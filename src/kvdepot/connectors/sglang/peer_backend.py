@@ -104,13 +104,19 @@ def per_rank(node: PeerConfig, storage_config: HiCacheStorageConfig) -> PeerConf
     - ``port`` and ``data_port`` given (a head's): the first rank's; the others take free ones (each
       tried the first's and failed to start), and where no ``discovery`` is given they join the first
       (the head), or each would have been the head of a cluster of its own."""
-    parts, index = [], 0
+    parts, index, span, dp = [], 0, 1, 0
     for name, rank, size in _RANKS:
         r = int(getattr(storage_config, rank, 0) or 0)
         n = int(getattr(storage_config, size, 1) or 1) if size else 1
         if n > 1 or r > 0:
             parts.append(f"{name}{r}")
-        index = index * n + r if size else r  # dp's size is not given: it leads the index, whatever it is
+        if size:
+            index, span = index * n + r, span * n
+        else:
+            dp = r
+    # dp's size is not given: it leads the index, whatever it is (it took the index over, dropping the
+    # pipeline stage before it: every stage's ranks took the first stage's ports)
+    index += dp * span
     if not parts:
         return node
     changes: dict[str, Any] = {}
