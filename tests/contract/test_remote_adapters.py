@@ -680,3 +680,38 @@ def test_s3_usage_counts_a_tier_longer_than_one_listing_page(s3_server, monkeypa
         assert adapter.usage().objects == 0
     finally:
         adapter.close()
+
+
+def test_an_s3_clear_during_a_usage_listing_does_not_leave_the_old_count_shown(s3_server, monkeypatch) -> None:
+    """A count of several pages is kept a minute or more (half a second a page), and a clear drops it so
+    the emptied tier is not shown full. A listing already under way when the clear ran (a big tier's takes
+    seconds, and /status and every scrape ask for one) kept its pre-clear figures as that count: the
+    cleared tier showed every object it had for minutes."""
+    monkeypatch.setattr(S3Adapter, "LIST_PAGE", 2)  # 5 objects: three pages, as 5,000 would be
+    adapter = S3Adapter("paged-clear", s3_config(s3_server.endpoint, bucket=f"kvd-paged-clear-{os.getpid()}"))
+    adapter.start()
+    try:
+        for k in [new_key() for _ in range(5)]:
+            assert store(adapter, k, os.urandom(1000)).ok
+        listing, go = threading.Event(), threading.Event()
+        ours = adapter._ours
+        usage_thread: list[threading.Thread] = []
+
+        def slow_ours(page):
+            if threading.current_thread() in usage_thread and not listing.is_set():
+                listing.set()  # the usage listing has read its first page: hold it there
+                assert go.wait(10)
+            return ours(page)
+
+        monkeypatch.setattr(adapter, "_ours", slow_ours)
+        figures: list[tuple[int, int, int]] = []
+        usage_thread.append(threading.Thread(target=lambda: figures.append(adapter._usage())))
+        usage_thread[0].start()
+        assert listing.wait(10)
+        assert run(adapter, adapter.submit_clear()).ok  # meanwhile: every object goes
+        go.set()
+        usage_thread[0].join(10)
+        assert figures, "the usage listing did not end"
+        assert adapter.usage().objects == 0, "a clear's emptied tier showed the count a listing begun before it took"
+    finally:
+        adapter.close()

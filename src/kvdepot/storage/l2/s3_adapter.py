@@ -104,6 +104,7 @@ class S3Adapter(BackendAdapter):
         self._bucket_ready = not config.create_bucket
         self._counted: tuple[int, int, int] | None = None  # the last count of a listing longer than a page
         self._recount_at = 0.0
+        self._clears = (0, 0)  # clears begun, clears ended (under _lock): a usage listing that met one is not kept
 
     def __repr__(self) -> str:
         where = mask_url(self._config.endpoint_url) if self._config.endpoint_url else "aws"
@@ -241,8 +242,19 @@ class S3Adapter(BackendAdapter):
 
     def _clear(self) -> int:
         """Every object of ours under our prefix (``_OUR_NAME``), listed and deleted a thousand at a time."""
+        with self._lock:
+            begun, ended = self._clears
+            self._clears = (begun + 1, ended)
+            self._counted = None  # counted afresh at the next usage: a big tier's count is not shown after its clear
+        try:
+            return self._clear_ours()
+        finally:
+            with self._lock:
+                begun, ended = self._clears
+                self._clears = (begun, ended + 1)
+
+    def _clear_ours(self) -> int:
         self._ensure_bucket()
-        self._counted = None  # counted afresh at the next usage: a big tier's count is not shown after its clear
         bucket, removed, failed = self._config.bucket, 0, []
         skip = len(self._config.prefix)
         gone: list[ObjectKey] = []  # what went, told as removed if the clear as a whole fails (no TierCleared then)
@@ -299,6 +311,8 @@ class S3Adapter(BackendAdapter):
             return 0, 0, 0
         if self._counted is not None and time.monotonic() < self._recount_at:
             return self._counted
+        with self._lock:
+            clears = self._clears
         used = objects = pages = 0
         listing = self._client.get_paginator("list_objects_v2")
         try:
@@ -312,9 +326,14 @@ class S3Adapter(BackendAdapter):
             if not self._bucket_ready and _error_code(exc) == "NoSuchBucket":
                 return 0, 0, 0  # not made yet: the first store makes it
             raise
-        self._counted = (used, 0, objects)
-        self._recount_at = time.monotonic() + (0.0 if pages <= 1 else max(RECOUNT_S, RECOUNT_S_PER_PAGE * pages))
-        return self._counted
+        figures = (used, 0, objects)
+        with self._lock:
+            # Kept only when no clear ran during the listing: pages read before one would be shown as the
+            # emptied tier's count until the next recount (minutes, for a big tier).
+            if clears == self._clears and clears[0] == clears[1]:
+                self._counted = figures
+                self._recount_at = time.monotonic() + (0.0 if pages <= 1 else max(RECOUNT_S, RECOUNT_S_PER_PAGE * pages))
+        return figures
 
     # --- helpers -------------------------------------------------------------------------------------
 
