@@ -9,14 +9,16 @@ the pages such a node publishes, whichever run of that node the membership names
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import msgspec
 import xxhash
 from support.peer_cluster import check_pages, keys, page_bytes, wait_for
 
+from kvdepot.errors import BadRequest
 from kvdepot.peer import PeerStore
-from kvdepot.peer.directory import DirectoryShard
+from kvdepot.peer.directory import LEGACY_RUN, DirectoryShard
 from kvdepot.protocol import codec
 from kvdepot.protocol import messages as m
 
@@ -70,3 +72,41 @@ def test_a_node_reads_the_pages_of_a_node_from_before_incarnations(caplog):
             assert new.batch_exists(names) == 20
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"peer {new.node_id}: node {old.node_id} runs")]
     assert len(said) == 1 and "before 2026-11-27" in said[0], said
+
+
+# What a node before 2026-11-27 answers a PEER_PUBLISH of this version's records (its PeerLocation has no
+# `incarnation` and forbids unknown fields): msgspec's refusal, as such a node (f863c2b) sends it.
+OLD_REFUSAL = "malformed PEER_PUBLISH body: ValidationError: Object contains unknown field `incarnation` - at `$.records[0]`"
+
+
+def _refusing_incarnations(store: PeerStore) -> None:
+    """Make ``store``'s node refuse the records of newer nodes as a node before 2026-11-27 does."""
+    serve = store.node._serve_shard
+
+    def serve_as_before(body):
+        if isinstance(body, m.PeerPublishRequest) and any(r.incarnation != LEGACY_RUN for r in body.records):
+            raise BadRequest(OLD_REFUSAL)
+        return serve(body)
+
+    store.node._serve_shard = serve_as_before
+
+
+def test_a_node_reads_the_pages_of_a_node_from_before_incarnations_that_refuses_its_records():
+    """The older node refuses every record the newer one publishes to it: that is an answer, not a dead
+    node. Its pages stay readable (it was suspected at every refused publish, and the refused records
+    owed and sent again on every heartbeat, so every page of it read as a miss for good), and what it
+    refused is not owed again (it refuses it every time: past the owed bound, the newer node published
+    every page it holds again on every heartbeat)."""
+    with PeerStore(discovery="", secret="mixed", port=0, data_port=0, pool_size_mb=32, **FAST) as new:
+        with PeerStore(discovery=new.node_id, secret="mixed", port=0, data_port=0, pool_size_mb=32, **FAST) as old:
+            _as_before_incarnations(old)
+            _refusing_incarnations(old)
+            wait_for(lambda: len(new.status()["members"]) == 2 and len(old.status()["members"]) == 2, 15, "both nodes to see two members")
+            names = keys("o", 20)
+            assert old.batch_set(names, [page_bytes(k, SIZE) for k in names]) == [True] * 20
+            mine = keys("n", 20)
+            assert new.batch_set(mine, [page_bytes(k, SIZE) for k in mine]) == [True] * 20  # its publishes to `old` are refused
+            time.sleep(3 * FAST["heartbeat_interval_s"])  # heartbeats that would repay what was refused
+            assert check_pages(new, "o", 20, SIZE) == {"hit": 20, "miss": 0, "wrong": 0}
+            assert new.batch_exists(names) == 20
+            assert len(new.node.owed) == 0

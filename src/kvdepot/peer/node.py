@@ -40,7 +40,7 @@ import msgspec
 import zmq
 
 from kvdepot.config import flag_of, tcp_endpoint
-from kvdepot.errors import ConfigError, KVDepotError, KVDepotTimeout
+from kvdepot.errors import ConfigError, ErrorCode, KVDepotError, KVDepotTimeout
 from kvdepot.observability.metrics import PeerMetrics
 from kvdepot.peer.addresses import hint_target, listen_family, node_id
 from kvdepot.peer.config import PeerConfig
@@ -70,6 +70,10 @@ CHANNELS_KEPT_PER_NODE = 8  # idle control channels kept per node (more are made
 # new CurveZMQ connection takes several round trips, more than one call's timeout), until this many of
 # its requests in a row went unanswered; then it is closed, with what it still queues (a dead node).
 UNANSWERED_KEPT = 3
+# A node that answers with one of these is up and refuses what this version sends (a node of another
+# kvdepot version in a rolling upgrade: its messages lack a field ours carry): never suspected for it (its
+# pages read as misses meanwhile), and what it refused is not owed (it would refuse it on every heartbeat).
+REFUSALS = frozenset({ErrorCode.BAD_REQUEST, ErrorCode.UNKNOWN_REQUEST_TYPE})
 MAX_KEY_BYTES = 1024
 PROMOTE_SLICE = 8  # pages promoted from disk, then read, at a time
 RTT_SLACK_S = 0.002  # a directory reply collected after waiting this long on other owners' is no round-trip sample
@@ -123,6 +127,7 @@ class PeerNode:
         self._channels_lock = threading.Lock()
         self._suspects: dict[str, float] = {}
         self._legacy_nodes: set[str] = set()  # nodes seen publishing records without an incarnation (warned once)
+        self._refusing: set[tuple[str, type]] = set()  # (node, request) it refused as this version sends it (warned once)
         self._heard_self = False  # a heartbeat of this node's own came in (it reached itself by an address)
         self._view_lock = threading.Lock()
         self._members: dict[str, PeerNodeInfo] = {}
@@ -423,7 +428,8 @@ class PeerNode:
             for part in _slices(group, _record_bytes):
                 reply = self._call_shard(owner, m.PeerPublishRequest(records=part), deadline)
                 if reply is None:
-                    self.owed.owe(rec.key for rec in part)
+                    if (owner, m.PeerPublishRequest) not in self._refusing:
+                        self.owed.owe(rec.key for rec in part)
                 elif reply.later_run > self.info.incarnation:
                     # The owner knows a later run of this node than this one (the clock stepped back across
                     # a restart) and refused these records: no master's table says so to the only master.
@@ -627,8 +633,15 @@ class PeerNode:
         within the full ``control_timeout_s``. A timeout the caller's own deadline cut shorter says
         nothing of the owner (SGLang passes a share of its budget), and suspecting it would make every
         page it holds or indexes a miss for the whole process meanwhile; nor does a promote's timeout
-        (it waits on the owner's disk, not on its directory)."""
+        (it waits on the owner's disk, not on its directory). Nor does a refusal (``REFUSALS``): the
+        owner answered."""
         assert self.info is not None
+        if isinstance(exc, KVDepotError) and exc.code in REFUSALS:
+            if (owner, type(what)) not in self._refusing:
+                self._refusing.add((owner, type(what)))
+                log.warning("peer %s: node %s refuses this version's %s (%s): a node of another kvdepot version? Its pages are "
+                            "read, and what it refused is not owed to it", self.info.id, owner, type(what).__name__, exc)  # fmt: skip
+            return
         if isinstance(exc, KVDepotTimeout) and (timeout_s < self.config.control_timeout_s or isinstance(what, m.PeerPromoteRequest)):
             log.debug("peer %s: %s to %s timed out after %.3g s: not held against it", self.info.id, type(what).__name__, owner, timeout_s)
             return
@@ -914,10 +927,12 @@ class PeerNode:
         if timeout <= 0:
             return None
         try:
-            return self._call(owner, body, timeout)
+            reply = self._call(owner, body, timeout)
         except KVDepotError as exc:
             self._suspect(owner, body, exc, timeout)
             return None
+        self._refusing.discard((owner, type(body)))  # it takes them now (upgraded, under the same id)
+        return reply
 
     # --- the control plane, server side --------------------------------------------------------------
 
