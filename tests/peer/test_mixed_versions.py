@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import pytest
 import xxhash
 from support.peer_cluster import check_pages, keys, page_bytes, wait_for
 
@@ -110,3 +111,41 @@ def test_a_node_reads_the_pages_of_a_node_from_before_incarnations_that_refuses_
             assert check_pages(new, "o", 20, SIZE) == {"hit": 20, "miss": 0, "wrong": 0}
             assert new.batch_exists(names) == 20
             assert len(new.node.owed) == 0
+
+
+class _LegacyBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class _LegacyPeerLocation(_LegacyBody):
+    """``PeerLocation`` as a node before 2026-11-27 (f863c2b) decodes it: no ``incarnation``, and unknown
+    fields refused."""
+
+    key: bytes
+    node: str
+    offset: int
+    length: int
+    generation: int
+    checksum: bytes
+    resident: bool = True
+
+
+class _LegacyPeerResolveReply(_LegacyBody):
+    locations: list[list[_LegacyPeerLocation]]
+
+
+def test_a_node_from_before_incarnations_decodes_a_newer_shard_s_answer_naming_its_version_s_pages():
+    """A newer node is the directory owner of some keys of an older node's pages (the ring takes no
+    version into account). An older node that resolves them there must be able to decode the answer:
+    those records carry no incarnation, and one sent as ``incarnation: 0`` made the whole answer
+    undecodable to it, so it found none of those pages of its own version for the whole upgrade."""
+    shard = DirectoryShard()
+    shard.publish(legacy_publish().records)  # what the older node published to the newer owner
+    _, body_frame = codec.encode_reply(7, m.PeerResolveReply(locations=shard.resolve([b"page-0", b"absent"])))
+    reply = msgspec.msgpack.decode(body_frame, type=_LegacyPeerResolveReply)
+    ((rec,), none) = reply.locations
+    assert (rec.key, rec.node, rec.offset, rec.generation, rec.resident) == (b"page-0", "10.0.0.7:31995", 2048, 3, True) and none == []
+    # (The older decoder is as strict as that node's: a newer node's record, which names its run, it refuses.)
+    newer = m.PeerLocation(key=b"k", node="n", offset=0, length=1, generation=1, checksum=b"", incarnation=5)
+    with pytest.raises(msgspec.ValidationError, match="incarnation"):
+        msgspec.msgpack.decode(codec.encode_reply(8, m.PeerResolveReply(locations=[[newer]]))[1], type=_LegacyPeerResolveReply)

@@ -538,9 +538,12 @@ class PeerHeartbeatRequest(_Body):
     node: PeerNodeInfo
 
 
-class PeerLocation(_Body):
+class PeerLocation(_Body, omit_defaults=True):
     """Where one published page lives: its owner's pool range, the generation that range holds, and
-    the page's checksum (xxh3_128), which the reader checks on every byte it receives."""
+    the page's checksum (xxh3_128), which the reader checks on every byte it receives. ``incarnation``
+    came later (2026-11-27) and a node before it refuses the field: left off the wire when 0, so the
+    records of such nodes that a newer shard holds still decode there (they did not: a node before it
+    found no page of its own version whose directory owner was a newer node)."""
 
     key: bytes
     node: str
