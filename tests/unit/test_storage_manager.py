@@ -634,3 +634,16 @@ def test_a_delete_that_comes_while_the_push_is_being_submitted_is_not_undone_by_
     m.prefetch(ks, 0, SIZE, "", lambda p: done.set())
     assert done.wait(WAIT_S)
     assert m.lookup(ks) == 0, "a lookup's prefetch served the deleted prefix again"
+
+
+def test_an_adapter_of_another_package_without_health_is_asked_for_its_usage():
+    """``health()`` joined the adapter contract for /healthcheck; an out-of-tree adapter (an entry point)
+    written before it must not make every probe fail with AttributeError."""
+    from types import SimpleNamespace
+
+    from kvdepot.storage.manager import _tier_health
+
+    old = SimpleNamespace(usage=lambda: SimpleNamespace(healthy=False, last_error="down since 10:02"))
+    assert _tier_health(old) == (False, "down since 10:02")
+    new = SimpleNamespace(health=lambda: (True, ""), usage=lambda: pytest.fail("a tier with health() was asked for its usage"))
+    assert _tier_health(new) == (True, "")

@@ -582,7 +582,7 @@ class StorageManager:
         """Each tier's health and the prefault's state, without ``snapshot``'s usage queries: those wait
         up to 0.5 s per tier whose backend hangs, and a liveness probe (1 s by default) then failed and
         restarted a server that still served from L1."""
-        tiers = [TierHealth(t.name, t.kind, *t.health()) for t in self._tiers]
+        tiers = [TierHealth(t.name, t.kind, *_tier_health(t)) for t in self._tiers]
         return StorageHealth(tiers, self._prefault_status())
 
     def _prefault_status(self) -> PrefaultStatus:
@@ -590,3 +590,13 @@ class StorageManager:
         if p is None:
             return PrefaultStatus("off", 0.0, False, False)
         return PrefaultStatus(p.state.value, p.progress, p.finished, p.supported, p.error)
+
+
+def _tier_health(tier) -> tuple[bool, str]:
+    """(up, last error): ``health()`` where the adapter has it (every in-tree one); an adapter of another
+    package written before it was part of the contract is asked for its usage instead."""
+    health = getattr(tier, "health", None)
+    if health is not None:
+        return health()
+    usage = tier.usage()
+    return usage.healthy, usage.last_error
