@@ -23,7 +23,7 @@ from kvdepot.storage.l2.valkey_adapter import ORPHAN_TTL_S, ValkeyAdapter, Valke
 
 from support.adapter_tasks import EventRecorder, load, run, store
 from support.backends import ValkeyServer, WeedServer, s3_config, valkey_config
-from support.servers import pause
+from support.servers import never, pause, wait_until
 
 MiB = 1 << 20
 RETRY_WAIT_S = 10.0  # the adapters probe a down tier every 2 s; allow a few probes
@@ -307,6 +307,43 @@ def test_a_valkey_account_without_info_serves_objects_with_cluster_auto(valkey_s
         raw_valkey.execute_command("ACL", "DELUSER", user)
 
 
+def test_a_valkey_tier_with_a_wrong_password_is_down_from_start_without_a_request(valkey_server: ValkeyServer, raw_valkey) -> None:
+    """Its probe (at start, then every retry interval) is what tells: it was healthy until a request came."""
+    user = f"kvt-pw-{os.getpid()}"
+    raw_valkey.execute_command("ACL", "SETUSER", user, "on", ">right-secret", "~*", "+@all")
+    adapter = ValkeyAdapter("pw", valkey_config(f"redis://{user}:wrong-secret@127.0.0.1:{valkey_server.port}/0"))
+    adapter.start()
+    try:
+        wait_until(lambda: not adapter.health()[0], timeout_s=RETRY_WAIT_S, what="the tier down without a request")
+        error = adapter.health()[1]
+        assert "Authentication" in error and "wrong-secret" not in error, error
+        assert adapter.usage().failures == 0  # a probe is not a failed task
+    finally:
+        adapter.close()
+        raw_valkey.execute_command("ACL", "DELUSER", user)
+
+
+def test_a_least_privileged_valkey_account_refused_the_probe_stays_healthy(valkey_server: ValkeyServer, raw_valkey) -> None:
+    """An account confined to the tier's prefix, without INFO (and here even without EXISTS): the probe's
+    NOPERM is the server answering, never a tier marked down (which would drop every store)."""
+    user = f"kvt-lp-{os.getpid()}"
+    config = valkey_config(f"redis://{user}:lp-secret@127.0.0.1:{valkey_server.port}/0", cluster="off")
+    raw_valkey.execute_command("ACL", "SETUSER", user, "on", ">lp-secret", f"~{config.prefix}*", "+@all", "-@dangerous", "-exists")
+    wrong = ValkeyAdapter("lp-wrong", valkey_config(f"redis://{user}:nope@127.0.0.1:{valkey_server.port}/0", cluster="off"))
+    adapter = ValkeyAdapter("lp", config)
+    wrong.start()
+    adapter.start()
+    try:
+        # Both probed at start: the one with the wrong password is down once the other has had as long.
+        wait_until(lambda: not wrong.health()[0], timeout_s=RETRY_WAIT_S, what="the wrong password's tier down")
+        never(lambda: not adapter.health()[0], within_s=3.0, what="the least-privileged tier marked down")
+        assert adapter.health() == (True, "")
+    finally:
+        wrong.close()
+        adapter.close()
+        raw_valkey.execute_command("ACL", "DELUSER", user)
+
+
 def test_valkey_hung_server_times_out_instead_of_blocking(own_valkey: ValkeyServer) -> None:
     adapter = ValkeyAdapter("hung", valkey_config(own_valkey.url, socket_timeout_s=0.5))
     adapter.start()
@@ -401,6 +438,23 @@ def test_an_s3_bucket_deleted_under_a_running_tier_is_made_again(s3_server) -> N
         assert lookup(adapter, [old]).value == 0 and adapter.usage().healthy
     finally:
         adapter.close()
+
+
+def test_an_s3_tier_whose_bucket_is_missing_is_down_from_start_unless_it_makes_it(s3_server) -> None:
+    """Without ``create_bucket`` a missing bucket is a tier that cannot work: down, saying why, with no
+    request to find out. With it, the bucket is made by the first store: no fault."""
+    missing = f"kvt-missing-{os.getpid():x}"
+    down = S3Adapter("nobucket", s3_config(s3_server.endpoint, bucket=missing, create_bucket=False))
+    makes = S3Adapter("makes", s3_config(s3_server.endpoint, bucket=missing, create_bucket=True))
+    down.start()
+    makes.start()
+    try:
+        wait_until(lambda: not down.health()[0], timeout_s=RETRY_WAIT_S, what="the tier without its bucket down")
+        assert "NoSuchBucket" in down.health()[1], down.health()
+        assert makes.health() == (True, "")  # probed as long as the other
+    finally:
+        down.close()
+        makes.close()
 
 
 @pytest.mark.parametrize("prefix", ["", "kvd-{pid}-"])

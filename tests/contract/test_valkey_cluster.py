@@ -14,6 +14,7 @@ import pytest
 from kvdepot.storage.l2.valkey_adapter import ValkeyAdapter
 
 from support.backends import ValkeyCluster, short_tmpdir, start_valkey_cluster, valkey_config
+from support.servers import wait_until
 
 from .test_remote_adapters import RETRY_WAIT_S, load, lookup, new_key, store, wait_until_serving
 
@@ -61,13 +62,18 @@ def test_an_objects_keys_share_one_slot_and_objects_spread_over_every_primary(va
 
 def test_cluster_off_on_a_cluster_is_a_failing_tier_never_wrong_bytes(valkey_cluster) -> None:
     """Told it is one server, the adapter's multi-key script meets keys of other nodes: each such store
-    fails (counted, the tier marked down), and nothing it reads is wrong."""
+    fails (the tier marked down, saying MOVED), and nothing it reads is wrong."""
     adapter = ValkeyAdapter("off", valkey_config(valkey_cluster.url, cluster="off", max_value_mib=1))
     adapter.start()
     try:
         outcomes = [store(adapter, key, value).ok for key, value in payloads(6).items()]
         assert not all(outcomes)
-        assert adapter.usage().failures >= 1 and not adapter.in_cluster
+        usage = adapter.usage()  # its probe at start may have met the MOVED first: the stores then failed fast
+        assert not usage.healthy and "MOVED" in usage.last_error and not adapter.in_cluster, usage
+        # Its probe (one key's EXISTS) gets answers while its stores fail: a probe does not bring back a
+        # tier a task took down (it flapped up and down, failing the stores let through each time).
+        time.sleep(2.5 * 2.0)  # two and a half retry intervals: the probe would have run twice
+        assert not adapter.usage().healthy
     finally:
         adapter.close()
 
@@ -168,3 +174,29 @@ def test_a_commit_retried_after_its_reply_was_lost_counts_the_object_once(valkey
         assert adapter.usage().objects == 3
     finally:
         adapter.close()
+
+
+def test_a_cluster_with_a_primary_down_is_a_down_tier_without_a_request_and_comes_back() -> None:
+    """No replica to take over: once the cluster sees the primary gone its slots are uncovered, every
+    node answers CLUSTERDOWN, and the tier is down (its probe, not a request, finds out); the primary
+    back, the tier is up again by itself."""
+    workdir = short_tmpdir("vkdown")
+    cluster = start_valkey_cluster(workdir, primaries=3, replicas=0)
+    adapter = ValkeyAdapter("cd", valkey_config(cluster.url, socket_timeout_s=1.0))
+    adapter.start()
+    raw = raw_cluster(cluster)
+    try:
+        assert store(adapter, new_key(), b"x" * 1000).value == [True]
+        assert adapter.in_cluster and adapter.health() == (True, "")
+        holder = raw.get_node_from_key(adapter._counter).port  # the probe's own node stays up
+        victim = next(n for n in cluster.nodes if n.port != holder)
+        victim.kill()
+        wait_until(lambda: not adapter.health()[0], timeout_s=RETRY_WAIT_S, what="the tier down without a request")
+        assert adapter.health()[1], adapter.health()
+        victim.start()
+        wait_until(lambda: adapter.health()[0], timeout_s=3 * RETRY_WAIT_S, what="the tier up again by itself")
+    finally:
+        adapter.close()
+        raw.close()
+        cluster.stop()
+        shutil.rmtree(workdir, ignore_errors=True)

@@ -139,3 +139,25 @@ def test_a_prefill_rate_that_is_not_a_number_is_unknown_and_never_refuses_a_pull
         assert np.array_equal(client.retrieve(t1), kv1)
     decisions = tier_of(b.status(), "peers")["details"]["pull_decisions"]
     assert not any(d.startswith("recompute/") for d in decisions), decisions
+
+
+def test_a_peer_tier_that_joined_no_cluster_is_reported_down_until_it_joins(make_server):
+    """A discovery head that does not answer (not there yet, or the secret differs): the tier serves this
+    server's own pages only, shared with nobody, and /status, /healthcheck and /metrics say so (they said
+    healthy); once the head answers, it joins and is healthy again, with no request needed."""
+    import httpx
+
+    head_port = free_port()
+    head = f"127.0.0.1:{head_port}"
+    b = make_server("--l2", peer_spec(free_port(), head) + ",join_timeout_s=0.5", name="peer-b")
+    c = make_server("--l2", peer_spec(free_port(), head).replace(SECRET, "another-secret") + ",join_timeout_s=0.5", name="peer-c")
+    for srv in (b, c):
+        t = wait_until(lambda srv=srv: (t := tier_of(srv.status(), "peers")) and not t["healthy"] and t, timeout_s=10,
+                       what="the tier reported down")  # fmt: skip
+        assert head in t["last_error"], t
+        assert httpx.get(f"{srv.http}/healthcheck", timeout=5).json()["status"] == "degraded"
+        assert srv.metric("kvdepot_l2_healthy", tier="peers") == 0.0
+    make_server("--l2", peer_spec(head_port), name="peer-a")
+    wait_until(lambda: tier_of(b.status(), "peers")["healthy"], timeout_s=15, what="the tier healthy once joined")
+    assert httpx.get(f"{b.http}/healthcheck", timeout=5).json()["status"] == "ok"
+    assert not tier_of(c.status(), "peers")["healthy"]  # its secret is still wrong

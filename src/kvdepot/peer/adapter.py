@@ -105,6 +105,14 @@ class PeerAdapter(BackendAdapter):
     def _close_backend(self) -> None:
         self.node.close()
 
+    def _degraded(self) -> str:
+        """A node no master answers (a head not there, another secret) shares its pages with nobody
+        and reads nobody's: the tier is down for the cluster although its own tasks succeed."""
+        node = self.node
+        if node.info is None or node.head == node.info.id or (node.joined and not node.cut_off):
+            return ""
+        return f"no master of the peer cluster answers (discovery head {node.head}: is it up, and is the secret the same?)"
+
     def _details(self) -> dict[str, Any] | None:
         summary = self.node.metrics.summary()
         return {

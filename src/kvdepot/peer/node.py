@@ -253,6 +253,11 @@ class PeerNode:
     def joined(self) -> bool:
         return self._joined.is_set()
 
+    @property
+    def cut_off(self) -> bool:
+        """No master answered the last heartbeat round: serving with the membership it knew."""
+        return self._cut_off
+
     def members(self) -> list[PeerNodeInfo]:
         with self._view_lock:
             return ordered(self._members.values(), self.head)

@@ -4,7 +4,10 @@ A backend implements ``_put``, ``_get_into``, ``_contains``, ``_delete`` and ``_
 ``_usage``, ``_flush``, ``_close_backend``); this class runs them on a small thread pool, signals each
 result through the eventfd, pins looked-up keys against the backend's own eviction, checks every load's
 envelope (a corrupt object is deleted, counted and a miss), counts what it did, and guards the backend
-with a ``CircuitBreaker``: after a failure, tasks fail fast until a probe gets through.
+with a ``CircuitBreaker``: after a failure, tasks fail fast until a probe gets through. A backend that
+can tell (``_probe``) is also asked on its own, at start and then every retry interval in which no task
+got an answer from it: a tier whose backend is not there is down at start, one that dies while the
+server idles is down within an interval, and one that comes back is up again, with no request to find out.
 """
 
 from __future__ import annotations
@@ -105,6 +108,12 @@ class BackendAdapter(ABC):
         self._pool: ThreadPoolExecutor | None = None
         self._closing = False  # close() began: the pool refuses tasks because it is shut down
         self._breaker = CircuitBreaker(retry_interval_s)
+        self._retry_interval_s = retry_interval_s
+        self._answered_at = -math.inf  # when the backend last answered a task or a probe (monotonic)
+        self._down_by_probe = False  # the tier is down because a probe failed (not a task): a probe may bring it back
+        self._probe_future: Future | None = None
+        self._stop_probing = threading.Event()
+        self._prober: threading.Thread | None = None
         self._said = _FlapDamper()  # the down/recovered lines of a tier that flaps with one error
         self._stats = {"stored": 0, "loaded": 0, "corrupt": 0, "failures": 0, "newer_format": 0}
         self._newer_format_said = False
@@ -141,6 +150,9 @@ class BackendAdapter(ABC):
 
     def start(self) -> None:
         self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix=f"kvdepot-l2-{self.name}")
+        if type(self)._probe is not BackendAdapter._probe:
+            self._prober = threading.Thread(target=self._probe_loop, name=f"kvdepot-l2-{self.name}-probe", daemon=True)
+            self._prober.start()
 
     def submit_store(self, items: Sequence[tuple[ObjectKey, memoryview]]) -> TaskId:
         """Store these objects. A delete of one of them, or a clear, that comes after this call and
@@ -216,10 +228,11 @@ class BackendAdapter(ABC):
         used, capacity, objects = self._current_usage()
         with self._lock:
             stats = dict(self._stats)
+        up, error = self.health()
         return L2Usage(
             self.name,
             self.kind,
-            self._breaker.up,
+            up,
             used,
             capacity,
             objects,
@@ -227,14 +240,20 @@ class BackendAdapter(ABC):
             stats["loaded"],
             stats["corrupt"],
             stats["failures"],
-            self._breaker.last_error,
+            error,
             self._details(),
             stats["newer_format"],
         )
 
     def health(self) -> tuple[bool, str]:
-        """(up, last error) as the circuit breaker knows them: asks no backend (``/healthcheck``)."""
-        return self._breaker.up, self._breaker.last_error
+        """(up, last error) as the circuit breaker knows them, or why the tier cannot do its job while
+        its tasks still succeed (``_degraded``): asks no backend (``/healthcheck``)."""
+        up, error = self._breaker.up, self._breaker.last_error
+        if up:
+            degraded = self._degraded()
+            if degraded:
+                return False, degraded
+        return up, error
 
     def _current_usage(self) -> tuple[int, int, int]:
         if self._pool is None:
@@ -267,6 +286,10 @@ class BackendAdapter(ABC):
 
     def close(self) -> None:
         self._closing = True
+        self._stop_probing.set()
+        if self._prober is not None:
+            self._prober.join()
+            self._prober = None
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
@@ -307,6 +330,17 @@ class BackendAdapter(ABC):
 
     def _close_backend(self) -> None:
         pass
+
+    def _degraded(self) -> str:
+        """Why the tier cannot do its job although its backend answers ('' when it can): reported as
+        down, without failing its tasks (the peer tier cut off from its cluster still serves its own
+        pages). Quick, from memory: read on the asking thread."""
+        return ""
+
+    def _probe(self) -> None:
+        """Raise unless the backend answers, with a request its least-privileged account may make (or
+        whose refusal, permission denied, still proves it is there). Backends that can tell override
+        this; without it a tier is known down only when a task fails."""
 
     def _details(self) -> dict[str, Any] | None:
         """Kind-specific state for ``/status`` (quick: read on the asking thread)."""
@@ -469,6 +503,7 @@ class BackendAdapter(ABC):
             return
         self._timed(kind, started, ok=True)
         if kind is not TaskKind.UNLOCK:  # an unlock never touches the backend: it proves nothing
+            self._answered_at = time.monotonic()
             self._mark_up()
         self._finish(TaskResult(task_id, kind, value))
 
@@ -503,8 +538,44 @@ class BackendAdapter(ABC):
                 text = text.replace(secret, WITHHELD)
         return text
 
-    def _mark_down(self, exc: Exception) -> None:
-        self._count("failures")
+    def _probe_loop(self) -> None:
+        """Probe at once (what an operator reads right after start), then every retry interval in which
+        no task had an answer (a busy tier is proven by its tasks). While the tier is down the probe is
+        the breaker's one call per interval, so the tier comes back with no request to try it; one probe
+        at a time, on the pool's threads, so a hung backend holds one worker, as a task would."""
+        wait = 0.0
+        while not self._stop_probing.wait(wait):
+            wait = self._retry_interval_s
+            if self._breaker.up and time.monotonic() - self._answered_at < self._retry_interval_s:
+                continue
+            if not self._breaker.up and not self._down_by_probe:
+                continue  # a task failed: a task must succeed to bring it back (see _probe_once)
+            fut = self._probe_future
+            if (fut is not None and not fut.done()) or not self._breaker.admit():
+                continue
+            try:
+                self._probe_future = self._pool.submit(self._probe_once) if self._pool is not None else None
+            except RuntimeError:  # shut down meanwhile, or no worker thread: the next round tries again
+                continue
+
+    def _probe_once(self) -> None:
+        try:
+            self._probe()
+        except Exception as exc:
+            self._mark_down(exc, counted=False)  # not a failed task: ``failures`` counts those
+            self._down_by_probe = True
+            return
+        self._answered_at = time.monotonic()
+        # Only a probe's failure is undone by a probe. A task that failed where the probe answers (a
+        # Valkey at maxmemory refusing writes, a cluster of other nodes' keys) stays down until a task
+        # succeeds: brought up by the probe, the tier flapped, each time failing the tasks let through.
+        if self._breaker.up or self._down_by_probe:
+            self._mark_up()
+
+    def _mark_down(self, exc: Exception, counted: bool = True) -> None:
+        if counted:
+            self._count("failures")
+            self._down_by_probe = False
         error = self._error_text(exc)
         if self._breaker.failed(error):
             say, again = self._said.down(error)

@@ -35,6 +35,7 @@ MIN_PART_MIB = 5  # S3's smallest multipart part (all but the last)
 MAX_PARTS = 10_000  # S3's most parts in one upload
 _MISSING = {"404", "NoSuchKey", "NotFound"}
 _BUCKET_EXISTS = {"BucketAlreadyOwnedByYou", "BucketAlreadyExists"}
+_PROBE_ANSWERS = {"AccessDenied", "InvalidRange"}  # the store and the credentials work (see ``_probe``)
 _READ_PIECE = 4 << 20
 RECOUNT_S = 60.0  # a usage listing longer than one page is taken again at most this often ...
 RECOUNT_S_PER_PAGE = 0.5  # ... and no more often than this per page of it
@@ -142,6 +143,23 @@ class S3Adapter(BackendAdapter):
         self._client = boto3.session.Session().client("s3", **options)
         self._fanout = ThreadPoolExecutor(fanout, thread_name_prefix=f"kvdepot-l2-{self.name}-fanout")
         super().start()
+
+    def _probe(self) -> None:
+        """A GET of one byte of a name under the prefix that is never an object of ours (not hex): S3
+        answers it with an error body, so a missing bucket and bad credentials are told apart from the
+        missing object (its usual answer) and from AccessDenied (an account without ListBucket gets that
+        for any missing object): both prove the store and the credentials work. A bucket ``create_bucket``
+        has not made yet is no fault: the first store makes it."""
+        try:
+            self._client.get_object(Bucket=self._config.bucket, Key=f"{self._config.prefix}kvdepot-probe", Range="bytes=0-0")["Body"].close()
+        except Exception as exc:
+            code = _error_code(exc)
+            if code in _MISSING or code in _PROBE_ANSWERS:
+                return
+            if code == "NoSuchBucket" and self._config.create_bucket:
+                self._bucket_ready = False
+                return
+            raise
 
     def _close_backend(self) -> None:
         if self._fanout is not None:
@@ -351,14 +369,14 @@ class S3Adapter(BackendAdapter):
             raise
         return True
 
-    def _mark_down(self, exc: Exception) -> None:
+    def _mark_down(self, exc: Exception, counted: bool = True) -> None:
         # With create_bucket, the bucket may be what went (deleted while the tier ran: S3 answers
         # NoSuchBucket, or, as SeaweedFS does for a PUT, AccessDenied): the probe that follows makes sure
         # of it again (an existing bucket costs that probe one CreateBucket). Made only at the first use,
         # a bucket deleted later kept the tier down for good.
         if self._config.create_bucket:
             self._bucket_ready = False
-        super()._mark_down(exc)
+        super()._mark_down(exc, counted)
 
     def _ensure_bucket(self) -> None:
         """With ``create_bucket``, create it on first use (not in ``start``: the store may be down then)."""

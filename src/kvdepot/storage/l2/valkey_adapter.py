@@ -271,6 +271,17 @@ class ValkeyAdapter(BackendAdapter):
             return False
         return True
 
+    def _probe(self) -> None:
+        """EXISTS of this tier's object counter: the command every lookup sends, on a key under the
+        prefix (what a least-privileged ACL user of this tier may touch), sent to the counter's node in a
+        cluster. The connection proves the password; a NOPERM refusal is an answer all the same."""
+        from valkey.exceptions import NoPermissionError
+
+        try:
+            self._valkey.exists(self._counter)
+        except NoPermissionError:
+            pass
+
     def _close_backend(self) -> None:
         with self._connect_lock:
             if self._in_cluster and self._client is not None:
