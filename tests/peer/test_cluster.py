@@ -439,15 +439,16 @@ def test_a_page_evicted_while_its_record_was_on_the_way_leaves_no_record_behind(
         wait_for(lambda: members_of(writer) == 2, 10, "two members")
         slow = b"slow-page".ljust(16, b"\0")
         gate, inside = threading.Event(), threading.Event()
-        real = writer.node._call_shard
+        real = writer.node._call_shards
 
-        def held(owner, body, deadline):
-            if isinstance(body, m.PeerPublishRequest) and any(r.key == slow and r.resident for r in body.records):
+        def held(requests, deadline):
+            bodies = [body for each in requests.values() for body in each]
+            if any(isinstance(body, m.PeerPublishRequest) and any(r.key == slow and r.resident for r in body.records) for body in bodies):
                 inside.set()
                 assert gate.wait(10)
-            return real(owner, body, deadline)
+            return real(requests, deadline)
 
-        writer.node._call_shard = held
+        writer.node._call_shards = held
         put = threading.Thread(target=writer.set, args=(slow, page_bytes("slow", page)))
         put.start()
         try:

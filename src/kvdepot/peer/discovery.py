@@ -80,6 +80,11 @@ class MemberTable:
         table (a node silent that long is gone at any master), unless a settled table was adopted."""
         return (time.monotonic() if now is None else now) < self._settles_at
 
+    def resettle(self, now: float | None = None) -> None:
+        """Settling again, for a TTL from now (a node promoted to master with no master's table to adopt)."""
+        with self._lock:
+            self._settles_at = max(self._settles_at, (time.monotonic() if now is None else now) + self.ttl_s)
+
     def heard(self, node: PeerNodeInfo, now: float | None = None) -> bool:
         """Record a heartbeat; True when it is news (a new member, or a member restarted). A heartbeat of
         a run older than the one this table holds is not taken: a late one of a dead run, or a restart

@@ -148,6 +148,7 @@ class PeerNode:
         self._disk_lock = threading.Lock()
         self._warmer = None  # a one-thread executor promoting pages that exists() found on disk
         self._cut_off = False  # no master answered the last heartbeat round
+        self._silent_masters: dict[str, int] = {}  # masters found gone (their runs), until a master's table answers
         self._last_heard = 0.0  # when a master last answered this node's heartbeat (monotonic)
         self._last_answered_sent = 0.0  # when the last heartbeat a master answered was sent (monotonic)
         self.metrics = PeerMetrics(self._metrics_state)
@@ -429,18 +430,19 @@ class PeerNode:
         for rec in records:
             for owner in ring.owners(rec.key, self.config.directory_replicas):
                 by_owner.setdefault(owner, []).append(rec)
-        for owner, group in by_owner.items():
-            for part in _slices(group, _record_bytes):
-                reply = self._call_shard(owner, m.PeerPublishRequest(records=part), deadline)
-                if reply is None:
-                    if (owner, m.PeerPublishRequest) not in self._refusing:
-                        self.owed.owe(rec.key for rec in part)
-                elif reply.later_run > self.info.incarnation:
-                    # The owner knows a later run of this node than this one (the clock stepped back across
-                    # a restart) and refused these records: no master's table says so to the only master.
-                    # The new run publishes every page again.
-                    self._run_after(reply.later_run)
-                    return
+        parts = {owner: [m.PeerPublishRequest(records=part) for part in _slices(group, _record_bytes)] for owner, group in by_owner.items()}
+        later = 0
+        for owner, req, reply in self._call_shards(parts, deadline):
+            if reply is None:
+                if (owner, m.PeerPublishRequest) not in self._refusing:
+                    self.owed.owe(rec.key for rec in req.records)
+            else:
+                later = max(later, reply.later_run)
+        if later > self.info.incarnation:
+            # The owner knows a later run of this node than this one (the clock stepped back across a
+            # restart) and refused these records: no master's table says so to the only master. The new
+            # run publishes every page again.
+            self._run_after(later)
 
     def _unpublish(self, entries: Sequence[PoolEntry], deadline: float | None = None) -> None:
         """Remove these pages' records at their owners; an owner that fails or is skipped (suspect) is
@@ -452,11 +454,50 @@ class PeerNode:
         for e in entries:
             for owner in self._ring.owners(e.key, self.config.directory_replicas):
                 by_owner.setdefault(owner, []).append(e)
-        for owner, group in by_owner.items():
-            for part in _slices(group, lambda e: len(e.key) + _UNPUBLISH_ITEM_BYTES):
-                req = m.PeerUnpublishRequest(keys=[e.key for e in part], node=self.info.id, generations=[e.generation for e in part])
-                if self._call_shard(owner, req, deadline) is None:
-                    self.unpublish_owed.owe(owner, ((e.key, min(e.generation, bound)) for e in part))
+        parts = {owner: [m.PeerUnpublishRequest(keys=[e.key for e in part], node=self.info.id, generations=[e.generation for e in part])
+                         for part in _slices(group, lambda e: len(e.key) + _UNPUBLISH_ITEM_BYTES)] for owner, group in by_owner.items()}  # fmt: skip
+        for owner, req, reply in self._call_shards(parts, deadline):
+            if reply is None:
+                self.unpublish_owed.owe(owner, ((k, min(g, bound)) for k, g in zip(req.keys, req.generations, strict=True)))
+
+    def _call_shards(self, requests: dict[str, list], deadline: float | None) -> list[tuple[str, object, object | None]]:
+        """Each owner's directory requests (publishes, unpublishes), in rounds of one request to every owner
+        at once: an owner that does not answer (gone, not yet out of the ring) costs one control timeout
+        for the whole round, not one per such owner in turn. Called on the heartbeat thread at every
+        membership change (the re-publish), where several owners that left together (a scale-down)
+        held up the heartbeat for longer than the TTL: the node took itself for one that had been away,
+        or the masters expired it. Returns (owner, request, reply or None: failed or skipped) for each."""
+        assert self.info is not None
+        out: list[tuple[str, object, object | None]] = []
+        rounds = max((len(bodies) for bodies in requests.values()), default=0)
+        for r in range(rounds):
+            started: list[tuple[str, object, RpcChannel, PendingCall, float, float]] = []
+            try:
+                for owner, bodies in requests.items():
+                    if r >= len(bodies):
+                        continue
+                    body = bodies[r]
+                    if owner == self.info.id:
+                        out.append((owner, body, self._call_shard(owner, body, deadline)))  # in process
+                        continue
+                    begun = self._begin(owner, body, math.inf if deadline is None else deadline)
+                    if begun is None:
+                        out.append((owner, body, None))
+                    else:
+                        started.append((owner, body, *begun))
+                collecting = time.perf_counter()
+                while started:
+                    owner, body, ch, pending, t0, timeout = started.pop(0)
+                    sample = time.perf_counter() - collecting <= RTT_SLACK_S  # as in _ask_many
+                    reply = self._collect(owner, ch, pending, t0, timeout, sample)
+                    if reply is not None:
+                        self._refusing.discard((owner, type(body)))  # it takes them now, as in _call_shard
+                    out.append((owner, body, reply))
+            finally:
+                for owner, _, ch, pending, _, _ in started:  # only on an exception: their replies are never read
+                    pending.abandon()
+                    self._return_channel(owner, ch, False)
+        return out
 
     # --- reads ---------------------------------------------------------------------------------------
 
@@ -1058,14 +1099,30 @@ class PeerNode:
             if self._joined.is_set() and answered_sent - self._last_answered_sent > self.config.member_ttl_s:
                 self._renew_run()
             self._last_answered_sent = answered_sent
-        if self._is_master():
+        # A node that has not joined yet is a master only by its own first view (itself alone), unless it
+        # is the head: a bootstrap node that is no master answers with its cached view, not a table, which
+        # a master ignores, and the newcomer kept its own table (itself) for good. It takes that view.
+        joining = not self._joined.is_set() and self.head != self.info.id and bool(views) and not any(is_table(v) for v in views)
+        if self._is_master() and not joining:
             for other in views:
                 self._table.adopt(other)
             view = self._table.view()  # settling: this node's own table, too, may lack live members
         elif views:
             tables = [v for v in views if is_table(v)]
-            view = merged(tables, self.head, self.config.max_masters) if tables else views[0]
+            if tables:
+                self._silent_masters.clear()  # masters answer: their tables say who is alive
+                view = merged(tables, self.head, self.config.max_masters)
+            else:
+                view = views[0]
+                if self._silent_masters:
+                    # The nodes that are masters now to this node have not all found the old masters
+                    # gone yet (each does within a TTL) and answer with their cached views, which name
+                    # them: taken as they are, those dead masters came back, to be dropped a TTL later.
+                    kept = [n for n in view.members if self._silent_masters.get(n.id, -1) < n.incarnation]
+                    view = msgspec.structs.replace(view, members=kept)
         else:
+            if targets and self._replace_silent_masters(body):
+                return
             if targets and not self._cut_off:
                 log.warning("peer %s: no master answers; serving with the membership it knew", self.info.id)
                 self._cut_off = True
@@ -1084,6 +1141,52 @@ class PeerNode:
         self._cut_off = False
         self._apply(view, republish=rejoined)
         self._repay()
+
+    def _replace_silent_masters(self, body: m.PeerHeartbeatRequest) -> bool:
+        """No master has answered this node for a TTL: either it is cut off (keep the membership it knew),
+        or the masters are gone. They go one after another in a scale-down or a rolling restart, each
+        before the others expired the one before: then no live master is left to expire them and promote
+        the next nodes, and every node kept the dead masters, their records and their share of every
+        key's owners for good. So every other member is asked at once; if one answers, this node is not
+        cut off and the masters are gone: they leave its membership, and the next nodes in the order
+        are the masters (each live node comes to the same conclusion within a TTL, and a node promoted
+        so starts settling: ``_apply``). True when they were replaced."""
+        assert self.info is not None
+        now = time.monotonic()
+        if now - self._last_heard <= self.config.member_ttl_s:
+            return False
+        with self._view_lock:
+            silent = [nid for nid in self._masters if nid != self.info.id]
+            others = [nid for nid in self._members if nid != self.info.id and nid not in self._masters]
+        if not silent or not others:
+            return False
+        deadline = now + min(self.config.control_timeout_s, self.config.heartbeat_interval_s)
+        started = []
+        try:
+            for nid in others:
+                begun = self._begin(nid, body, deadline)
+                if begun is not None:
+                    started.append((nid, *begun))
+            answered = False
+            while started:
+                nid, ch, pending, t0, timeout = started.pop(0)
+                answered = self._collect(nid, ch, pending, t0, timeout, sample=False) is not None or answered
+        finally:
+            for nid, ch, pending, _, _ in started:  # only on an exception: their replies are never read
+                pending.abandon()
+                self._return_channel(nid, ch, False)
+        if not answered:
+            return False
+        log.warning("peer %s: no master (%s) answered for %.1f s while other members do: they are gone, the next nodes are the masters",
+                    self.info.id, ", ".join(silent), now - self._last_heard)  # fmt: skip
+        # Not away: other members answer, and no master was left to expire this node.
+        self._last_heard = self._last_answered_sent = time.monotonic()
+        self._cut_off = False
+        with self._view_lock:
+            members = [n for nid, n in self._members.items() if nid not in silent]
+            self._silent_masters.update((nid, self._members[nid].incarnation) for nid in silent)
+        self._apply(PeerMembershipReply(members=members, masters=[], head=self.head))
+        return True
 
     def _adopt_head(self, head: str) -> None:
         """The head was configured by another name than its node id (a host name, a Service's address),
@@ -1116,7 +1219,13 @@ class PeerNode:
             self._members = members
             self._masters = masters
         if self.info.id in masters and not was_master:
-            self._table.adopt(view)  # promoted: start from what we knew
+            if is_table(view):
+                self._table.adopt(view)  # promoted: start from what the masters knew
+            else:
+                # Promoted on no master's word (the masters went silent, or none has answered yet): this
+                # table holds only who happened to heartbeat this node. Settling, it adds members and
+                # drops none, until every live node has had a TTL to heartbeat it.
+                self._table.resettle()
         if {nid: n.incarnation for nid, n in members.items()} == {nid: n.incarnation for nid, n in before.items()}:
             if republish:
                 self._republish()
@@ -1205,13 +1314,12 @@ class PeerNode:
         owed = self.unpublish_owed.take()
         with self._view_lock:
             live = set(self._members)
-        for owner, items in owed.items():
-            if owner not in live:
-                continue
-            for part in _slices(items, lambda item: len(item[0]) + _UNPUBLISH_ITEM_BYTES):
-                req = m.PeerUnpublishRequest(keys=[k for k, _ in part], node=self.info.id, generations=[g for _, g in part])
-                if self._call_shard(owner, req, deadline) is None:
-                    self.unpublish_owed.owe(owner, part)
+        parts = {owner: [m.PeerUnpublishRequest(keys=[k for k, _ in part], node=self.info.id, generations=[g for _, g in part])
+                         for part in _slices(items, lambda item: len(item[0]) + _UNPUBLISH_ITEM_BYTES)]
+                 for owner, items in owed.items() if owner in live}  # fmt: skip
+        for owner, req, reply in self._call_shards(parts, deadline):
+            if reply is None:
+                self.unpublish_owed.owe(owner, list(zip(req.keys, req.generations, strict=True)))
 
     def _disk_record(self, key: bytes) -> PeerLocation | None:
         assert self.info is not None and self.disk is not None
