@@ -27,11 +27,22 @@ OTHER_UID = 65534  # nobody: never the server's user
 
 _AS_OTHER_USER = textwrap.dedent(
     """
-    import json, os, sys, time
+    import importlib, json, os, pkgutil, sys, time
     import numpy as np
+    import numpy.random  # noqa: F401 - numpy imports it at first use, by then from a tree this uid may not read
     import encodings.idna, zlib  # noqa: F401 - what zmq and numpy may import late
+    import kvdepot
     from kvdepot import ClientOptions, KVClient, KVLayout
     from kvdepot.errors import KVDepotError
+
+    # Every module a client may import late, while this process can still read the checkout (a clone in
+    # a directory of mode 0700, as mktemp makes them, is closed to the other uid).
+    for mod in pkgutil.walk_packages(kvdepot.__path__, "kvdepot."):
+        if not mod.name.startswith(("kvdepot.connectors", "kvdepot.gpu", "kvdepot.bench", "kvdepot.admin", "kvdepot.plugins", "kvdepot.peer")):
+            try:
+                importlib.import_module(mod.name)
+            except Exception:
+                pass
 
     uid, url, transport = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     layout = KVLayout(**json.loads(sys.argv[4]))

@@ -22,6 +22,10 @@ from kvdepot.bench.serverproc import ServerProcess, free_port
 
 from support.servers import CHUNK, LAYOUT, MODEL, assert_bytes_equal, make_kv, make_tokens
 
+# Runs the command after it with SIGHUP at its default: a suite run under ``nohup`` hands its processes
+# SIGHUP ignored, and a server started so rightly keeps ignoring it.
+HANGUP_DEFAULT = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])"]
+
 
 @pytest.fixture
 def shm_dir():
@@ -136,7 +140,7 @@ def test_a_hang_up_stops_the_server_cleanly_unless_it_runs_under_nohup(servers, 
     if nohup is None:
         pytest.skip("nohup (coreutils) is not installed")
     ipc = str(tmp_path / "kv.ipc")
-    hung_up = servers("--shm-dir", shm_dir, ipc_path=ipc)
+    hung_up = servers("--shm-dir", shm_dir, ipc_path=ipc, prefix=HANGUP_DEFAULT)  # as from a terminal, even where the suite runs under nohup
     assert len(arenas(shm_dir)) == 1 and os.path.exists(ipc)
     assert hung_up.stop(signal.SIGHUP) == 0, "SIGHUP did not stop the server cleanly"
     assert arenas(shm_dir) == [], "the arena outlived a hang-up"
@@ -174,7 +178,7 @@ def test_kvdepot_peer_stops_cleanly_on_a_hang_up_and_raises_its_open_files_limit
         pytest.skip("prlimit (util-linux) is not installed")
     cmd = [prlimit, "--nofile=256:4096", sys.executable, "-m", "kvdepot.cli", "peer", "--port", str(free_port()), "--data-port", "0",
            "--metrics-port", "0", "--secret", "hang-up"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     try:
         assert proc.stdout is not None and proc.stdout.readline().startswith("kvdepot peer node ")
         assert _soft_nofile(proc.pid) == 4096
