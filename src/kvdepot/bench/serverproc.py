@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import shutil
@@ -37,13 +38,20 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> str:
     return f"not healthy at {url} within {timeout_s:g} s"
 
 
+# Ports this process handed out lately: a caller often asks for several before it binds any of them, and
+# the kernel may offer a port again as soon as the probing socket closes.
+_RECENT_PORTS: collections.deque[int] = collections.deque(maxlen=512)
+
+
 def free_port(avoid: set[int] | frozenset[int] = frozenset()) -> int:
-    """A loopback TCP port nothing listens on right now (and not one of ``avoid``)."""
+    """A loopback TCP port nothing listens on right now (and not one of ``avoid``, nor one this process
+    handed out lately)."""
     while True:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if port not in avoid:
+        if port not in avoid and port not in _RECENT_PORTS:
+            _RECENT_PORTS.append(port)
             return port
 
 
