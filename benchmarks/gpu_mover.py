@@ -8,7 +8,8 @@ with ``cudaHostRegister`` (as the L1 arena is), next to the same run's pinned co
 - ``done``: until its completion event fires;
 - loads plain and with per-layer events (the layer-by-layer last piece);
 - a cache in one allocation (two kernels a piece) and one whose layers were allocated apart, as vLLM
-  allocates them (a kernel per layer a piece).
+  allocates them (a kernel per layer a piece, or one graph replay a piece: ``kvdepot.gpu.graphs``;
+  both are timed).
 
     python benchmarks/gpu_mover.py [--sizes-mib 2,32] [--chunks 16]
 """
@@ -41,11 +42,11 @@ def main() -> None:
     print("| chunk | cache | what | median GB/s | ratio to pinned copy | host held (enqueue), ms |")
     print("|---|---|---|---|---|---|")
     for size in (int(s) for s in args.sizes_mib.split(",")):
-        for apart in (False, True):
-            _one(size, args.chunks, args.reps, apart)
+        for apart, graphs in ((False, False), (True, True), (True, False)):
+            _one(size, args.chunks, args.reps, apart, graphs)
 
 
-def _one(size_mib: int, n: int, reps: int, apart: bool) -> None:
+def _one(size_mib: int, n: int, reps: int, apart: bool, graphs: bool) -> None:
     tokens = (size_mib << 20) // (2 * LAYERS * HEADS * HEAD_DIM * 2)
     bpc = tokens // BLOCK
     nblocks = n * bpc + 32
@@ -57,7 +58,7 @@ def _one(size_mib: int, n: int, reps: int, apart: bool) -> None:
     for t in layers:
         t.view(torch.int16).random_(-(1 << 15), 1 << 15)
     cache = DevicePagedCache(layers, "kv_first", BLOCK)
-    mover = BlockMover(cache, bpc, n * (size_mib << 20))
+    mover = BlockMover(cache, bpc, n * (size_mib << 20), graphs=graphs)
     chunk_bytes = mover.chunk_bytes
     memory = mmap.mmap(-1, n * chunk_bytes)
     host = torch.frombuffer(memory, dtype=torch.uint8)
@@ -104,7 +105,7 @@ def _one(size_mib: int, n: int, reps: int, apart: bool) -> None:
     for row in rows:
         what, got, ref = row[:3]
         enq = f"{row[3]:.2f}" if len(row) > 3 else "—"
-        print(f"| {size_mib} MiB | {'layers apart' if apart else 'one allocation'} | {what} | {got.median:.1f} | {got.median / ref.median:.2f} | {enq} |")
+        print(f"| {size_mib} MiB | {('layers apart' + ('' if graphs else ', graphs off')) if apart else 'one allocation'} | {what} | {got.median:.1f} | {got.median / ref.median:.2f} | {enq} |")
     pinned.close()
     del slots, host
     memory.close()

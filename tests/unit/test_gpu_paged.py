@@ -333,7 +333,7 @@ def test_a_scatter_that_deterministic_mode_would_make_rewrite_every_block_is_ref
                     cache.scatter(chunks, cache.check_ids([[3, 4]], 2))
                 assert all(torch.equal(bits(a), bits(b)) for a, b in zip(before, dst))
             else:
-                cache._check_write_mode()  # passes (the scatter itself would need a GPU from here on)
+                cache.check_write_mode()  # passes (the scatter itself would need a GPU from here on)
         finally:
             torch.use_deterministic_algorithms(False)
         monkeypatch.setattr(cache, "device", torch.device("cpu"))

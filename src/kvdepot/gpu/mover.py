@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvdepot.errors import KVDepotTimeout
+from kvdepot.gpu.graphs import PieceGraphs, graphs_enabled
 from kvdepot.gpu.paged import DevicePagedCache
 from kvdepot.gpu.runtime import require_torch
 
@@ -110,7 +111,11 @@ def host_tensor(chunk, dtype):
 
 
 class BlockMover:
-    def __init__(self, cache: DevicePagedCache, blocks_per_chunk: int, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+    """``graphs``: replay a cache of layers allocated apart as CUDA graphs (``kvdepot.gpu.graphs``); None:
+    the environment's word (on unless ``KVDEPOT_CUDA_GRAPHS=0``)."""
+
+    def __init__(self, cache: DevicePagedCache, blocks_per_chunk: int, staging_bytes: int = DEFAULT_STAGING_BYTES,
+                 graphs: bool | None = None) -> None:  # fmt: skip
         self.cache = cache
         self.torch = require_torch("moving a paged KV cache")
         self.blocks_per_chunk = blocks_per_chunk
@@ -122,6 +127,9 @@ class BlockMover:
         self.per_batch = max(1, staging_bytes // self.chunk_bytes)
         self._staging = None  # allocated at the first copy (device memory is the engine's, mostly)
         self._lock = threading.Lock()
+        # One launch a piece for a cache of layers apart (one kernel per layer otherwise): made with the staging.
+        self._want_graphs = (graphs if graphs is not None else graphs_enabled()) and cache.kernels > 2
+        self.graphs: PieceGraphs | None = None
 
     def __repr__(self) -> str:
         return f"BlockMover({self.cache!r}, {self.per_batch} chunks of staging, {self.lane!r})"
@@ -133,6 +141,8 @@ class BlockMover:
     def close(self) -> None:
         """Let go of the staging buffer and the cache (after the last copy: the caller knows when)."""
         self._staging = None
+        if self.graphs is not None:
+            self.graphs.close()
         self.cache.close()
 
     def _staging_buffer(self):
@@ -146,6 +156,8 @@ class BlockMover:
         if self._staging is None:
             with self.torch.cuda.stream(self.lane.stream):
                 self._staging = self.torch.empty((self.per_batch, *self.chunk_shape), dtype=self.bits, device=self.cache.device)
+            if self._want_graphs and self.on_device:
+                self.graphs = PieceGraphs(self.cache, self._staging, self.blocks_per_chunk)
         return self._staging
 
     def _chunk_ids(self, block_ids: Sequence, i: int, j: int) -> list:
@@ -155,8 +167,9 @@ class BlockMover:
     def _pieces(self, n: int) -> list[tuple[int, int, int]]:
         """``(first chunk, end, staging slot)`` of each piece of ``n`` chunks. A piece moves at least
         ``PIECE_BYTES`` per kernel: a cache of separate layer allocations launches one per layer per
-        piece, so its pieces are that many times larger (fewer, with less of the copy overlapped)."""
-        least = PIECE_BYTES * self.cache.kernels
+        piece, so its pieces are that many times larger (fewer, with less of the copy overlapped), unless
+        its pieces are replayed as graphs (two launches a piece: the ids' copy and the graph)."""
+        least = PIECE_BYTES * (2 if self.graphs is not None and self.graphs.on else self.cache.kernels)
         per_piece = min(max(1, self.per_batch // 2), max(1, -(-least // self.chunk_bytes)))  # two slots at least: overlap
         slots = self.per_batch // per_piece
         return [(i, min(i + per_piece, n), (k % slots) * per_piece) for k, i in enumerate(range(0, n, per_piece))]
@@ -206,7 +219,9 @@ class BlockMover:
                 with torch.cuda.stream(kernels):
                     if at in freed:
                         kernels.wait_event(freed[at])
-                    self.cache.gather(self._chunk_ids(block_ids, i, j), piece)
+                    ids = self._chunk_ids(block_ids, i, j)
+                    if self.graphs is None or not self.graphs.gather(at, j - i, ids):
+                        self.cache.gather(ids, piece)
                     gathered = self._event(kernels)
                 with torch.cuda.stream(copies):
                     copies.wait_event(gathered)
@@ -255,7 +270,8 @@ class BlockMover:
                     kernels.wait_event(arrived)
                     ids, skip = self._chunk_ids(block_ids, i, j), skip_blocks - i * self.blocks_per_chunk
                     if layer_events is None or i != pieces[-1][0]:
-                        self.cache.scatter(piece, ids, skip)
+                        if skip > 0 or self.graphs is None or not self.graphs.scatter(at, j - i, ids):
+                            self.cache.scatter(piece, ids, skip)
                     else:  # the last piece: layer by layer
                         for layer, event in enumerate(layer_events):
                             self.cache.scatter(piece, ids, skip, range(layer, layer + 1))
@@ -279,10 +295,11 @@ class DuplexMover:
     engines). Safe because a worker never loads into blocks a save still reads (vLLM frees a request's
     blocks only after its saves are reported done)."""
 
-    def __init__(self, cache: DevicePagedCache, blocks_per_chunk: int, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+    def __init__(self, cache: DevicePagedCache, blocks_per_chunk: int, staging_bytes: int = DEFAULT_STAGING_BYTES,
+                 graphs: bool | None = None) -> None:  # fmt: skip
         self.cache = cache
-        self.saver = BlockMover(cache, blocks_per_chunk, staging_bytes // 2)
-        self.loader = BlockMover(cache, blocks_per_chunk, staging_bytes // 2)
+        self.saver = BlockMover(cache, blocks_per_chunk, staging_bytes // 2, graphs)
+        self.loader = BlockMover(cache, blocks_per_chunk, staging_bytes // 2, graphs)
         self.blocks_per_chunk = blocks_per_chunk
         self.chunk_shape = self.saver.chunk_shape
         self.chunk_bytes = self.saver.chunk_bytes

@@ -152,7 +152,7 @@ class DevicePagedCache:
 
     # --- copies --------------------------------------------------------------------------------------
 
-    def _check_write_mode(self) -> None:
+    def check_write_mode(self) -> None:
         """Refuse a scatter that torch's deterministic mode would make unsafe: on CUDA it writes an
         indexed copy into a non-contiguous target (a block_first cache's layers, or the stacked view) by
         copying the whole target out and back, every block of it, racing the engine's own writes to
@@ -196,7 +196,7 @@ class DevicePagedCache:
         if skip == per:
             return
         layers = layers if layers is not None else range(nl)
-        self._check_write_mode()
+        self.check_write_mode()
         if self._stacked is not None:
             index = self.device_ids(block_ids[self.groups[0]][skip:])  # every layer's group (one)
             part = src[:, :, layers.start : layers.stop].permute(2, 1, 0, 3, 4, 5).reshape(len(layers), k, per, bs, h, d)
