@@ -9,8 +9,9 @@
 #   bash scripts/test-gpu.sh --diagnose        # also the benchmarks that take the paths apart (mover, host memory)
 #
 # KVDEPOT_REQUIRE_GPU=1: a test marked gpu is never skipped for want of CUDA here: it runs, and fails.
-# The vLLM connector's GPU cases (tests/e2e/test_connector_device.py) also need vLLM, so they run on a
-# GPU machine that has it (`bash scripts/test.sh` there), not by this script.
+# The vLLM connector's worker half on CUDA (tests/e2e/test_connector_device.py, its CUDA cases) runs
+# here too: with vLLM where it is installed, else with vLLM's two metadata base classes stood in (the
+# worker half imports nothing else of vLLM; tests/support/vllm_bases.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -36,7 +37,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export KVDEPOT_REQUIRE_GPU=1
 "$PY" -c 'import torch; p = torch.cuda.get_device_properties(0); print(f"test-gpu: {p.name}, torch {torch.__version__}, CUDA {torch.version.cuda}")'
 
-"$PY" -m pytest -q -p no:cacheprovider -m gpu -o addopts="-ra --strict-markers" tests/gpu tests/unit/test_gpu_paged.py
+"$PY" -m pytest -q -p no:cacheprovider -m gpu -o addopts="-ra --strict-markers" tests/gpu tests/unit/test_gpu_paged.py tests/e2e/test_connector_device.py
 if [ "$bench" = 1 ]; then
     "$PY" -m kvdepot.cli bench gpu "$@"
 fi

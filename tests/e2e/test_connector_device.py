@@ -2,7 +2,8 @@
 FlashInfer's ``block_first``), driven directly against a real server, on each path: the server moves
 the blocks (``cuda_ipc``; with CPU tensors, a host cache file, the same server code), or the worker's
 mover does (``shm``, ``inline``). Run on the CPU everywhere and on CUDA where there is a GPU: the same
-ops, the same checks, every byte compared.
+ops, the same checks, every byte compared. On a GPU machine without vLLM, vLLM's two metadata base
+classes are stood in (``support.vllm_bases``): the worker half needs nothing else of vLLM.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from kvdepot.gpu.memory import HostCacheFile
 from kvdepot.hashing import chunk_hashes
 
 from e2e.test_connector_parts import meta, run_load_step, save_now  # the same step helpers as the CPU layouts' tests
-from support.devices import DEVICES
+from support import vllm_bases
+from support.devices import DEVICES, HAVE_CUDA
 
 CS, BS, NB = 64, 16, 16  # 4 blocks a chunk
 L, H, D = 3, 2, 32
@@ -28,7 +30,15 @@ MODEL = "device-model"
 
 @pytest.fixture(scope="module", autouse=True)
 def vllm_present():
+    """vLLM, or on a GPU machine without it (the one lent to kvdepot has torch and no vLLM) its two
+    metadata base classes stood in: the worker half imports nothing else of vLLM (``support.vllm_bases``)."""
+    if HAVE_CUDA and not vllm_bases.vllm_installed():
+        added = vllm_bases.stand_in()
+        yield
+        vllm_bases.remove(added)
+        return
     require_vllm()
+    yield
 
 
 @pytest.fixture
