@@ -7,18 +7,28 @@
 #   bash scripts/test-gpu.sh --no-bench        # the tests only
 #   bash scripts/test-gpu.sh --json out.json   # arguments after the flag go to `kvdepot bench gpu`
 #   bash scripts/test-gpu.sh --diagnose        # also the benchmarks that take the paths apart (mover, host memory)
+#   bash scripts/test-gpu.sh --connector       # also the vLLM connector's worker half on CUDA (below)
 #
 # KVDEPOT_REQUIRE_GPU=1: a test marked gpu is never skipped for want of CUDA here: it runs, and fails.
-# The vLLM connector's worker half on CUDA (tests/e2e/test_connector_device.py, its CUDA cases) runs
-# here too: with vLLM where it is installed, else with vLLM's two metadata base classes stood in (the
-# worker half imports nothing else of vLLM; tests/support/vllm_bases.py).
+# --connector: the vLLM connector's worker half on CUDA too (tests/e2e/test_connector_device.py, its CUDA
+# cases), with vLLM where it is installed, else with vLLM's two metadata base classes stood in (the
+# worker half imports nothing else of vLLM; tests/support/vllm_bases.py). Not yet in the default run:
+# it has not run on a GPU (README, "What has run where").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 bench=1
 diagnose=0
-if [ "${1:-}" = "--no-bench" ]; then bench=0; shift; fi
-if [ "${1:-}" = "--diagnose" ]; then diagnose=1; shift; fi
+tests=(tests/gpu tests/unit/test_gpu_paged.py)
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --no-bench) bench=0 ;;
+        --diagnose) diagnose=1 ;;
+        --connector) tests+=(tests/e2e/test_connector_device.py) ;;
+        *) break ;;
+    esac
+    shift
+done
 
 if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     echo "test-gpu: this needs torch with CUDA and an NVIDIA GPU ($PY)" >&2
@@ -37,7 +47,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export KVDEPOT_REQUIRE_GPU=1
 "$PY" -c 'import torch; p = torch.cuda.get_device_properties(0); print(f"test-gpu: {p.name}, torch {torch.__version__}, CUDA {torch.version.cuda}")'
 
-"$PY" -m pytest -q -p no:cacheprovider -m gpu -o addopts="-ra --strict-markers" tests/gpu tests/unit/test_gpu_paged.py tests/e2e/test_connector_device.py
+"$PY" -m pytest -q -p no:cacheprovider -m gpu -o addopts="-ra --strict-markers" "${tests[@]}"
 if [ "$bench" = 1 ]; then
     "$PY" -m kvdepot.cli bench gpu "$@"
 fi
