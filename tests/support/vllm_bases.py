@@ -4,7 +4,7 @@ The worker half of kvdepot's vLLM connector imports nothing of vLLM at module le
 classes its step metadata subclasses (``KVConnectorMetadata`` and ``KVConnectorWorkerMetadata``: empty
 abstract markers in vLLM). Where vLLM is missing, ``stand_in`` puts classes of the same names and shape
 under vLLM's module path, so the connector's worker half can be driven on CUDA against a real server
-(``tests/e2e/test_connector_device.py`` under ``scripts/test-gpu.sh``); ``remove`` takes them away again.
+(``tests/e2e/test_connector_device.py`` under ``scripts/test-gpu.sh --connector``); ``remove`` takes them away again.
 Nothing else of vLLM is stood in: a test that needs more of it still skips or fails.
 """
 
