@@ -236,6 +236,22 @@ def test_shutdown_leaves_no_plugin_process(plugin_server, tmp_path):
     assert "did not stop" not in log.replace("plugin kvd_probe_stubborn did not stop", "")  # the others stopped on SIGTERM
 
 
+def test_a_second_signal_while_closing_exits_at_once_and_kills_the_plugins(plugin_server, tmp_path):
+    """A close that hangs (here a plugin that ignores SIGTERM, with a minute's grace) gave the operator's
+    second Ctrl-C nothing: only SIGKILL ended the server, and the plugin ran on. The second signal exits
+    at once (130: SIGINT's) and takes the plugin's processes with it."""
+    stubborn = tmp_path / "stubborn.json"
+    srv = plugin_server("--plugin-grace-s", "60", "--plugin", f"kvd_probe_stubborn:{stubborn}")
+    stub = wait_until(lambda: read_json(stubborn), what="the stubborn probe's report")
+    srv.proc.proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: "shutting down" in srv.log_text(), what="the server closing")
+    assert srv.proc.proc.poll() is None, "the close did not wait for the plugin"  # (the grace is a minute)
+    srv.proc.proc.send_signal(signal.SIGINT)
+    assert srv.proc.proc.wait(10) == 130
+    wait_until(lambda: dead(stub["pid"]) and dead(stub["child"]), timeout_s=10, what="the plugin and its child killed")
+    assert "SIGINT again while closing: exiting now" in srv.log_text()
+
+
 def test_shutdown_ends_what_a_plugin_started_even_when_the_plugin_itself_stops_on_sigterm(plugin_server, tmp_path):
     """The plugin ends on SIGTERM at once; the worker it started ignores SIGTERM. The supervisor saw its
     plugin's process end within the grace period and never sent the group SIGKILL: the worker ran on

@@ -219,7 +219,7 @@ class KVDepotServer:
     def serve_forever(self) -> None:
         """Start, block until SIGINT/SIGTERM/SIGHUP, then close."""
         stop = threading.Event()
-        stop_on_signals(stop)
+        stop_on_signals(stop, before_exit=self.plugins.kill_now)  # a forced exit leaves no plugin running
         raise_fd_limit()
         self.start()  # closes what it opened if it fails
         try:

@@ -256,6 +256,11 @@ class Plugin:
         except ProcessLookupError:
             pass
 
+    def kill_now(self) -> None:
+        """SIGKILL to the latest run's group, without the lock (from a signal handler on a thread that
+        may hold it: the server's forced exit)."""
+        self._signal_group(signal.SIGKILL)
+
     def lingering(self) -> bool:
         """Does a process of the latest run's group still run (the plugin, or one it started)?"""
         with self._lock:
@@ -348,6 +353,11 @@ class PluginSupervisor:
             if p.lingering():
                 log.warning("plugin %s: processes it started still ran %.1f s after SIGTERM: killing them", p.name, self._grace_s)
                 p.signal(signal.SIGKILL)
+
+    def kill_now(self) -> None:
+        """Every plugin's processes killed at once (the server exits without closing)."""
+        for p in self.plugins:
+            p.kill_now()
 
     def snapshot(self) -> list[dict]:
         return [p.snapshot() for p in self.plugins]
