@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -241,7 +242,15 @@ def test_a_second_signal_while_closing_exits_at_once_and_kills_the_plugins(plugi
     second Ctrl-C nothing: only SIGKILL ended the server, and the plugin ran on. The second signal exits
     at once (130: SIGINT's) and takes the plugin's processes with it."""
     stubborn = tmp_path / "stubborn.json"
-    srv = plugin_server("--plugin-grace-s", "60", "--plugin", f"kvd_probe_stubborn:{stubborn}")
+    shm = tempfile.mkdtemp(prefix="kvd-forced-", dir="/dev/shm")  # the arena a forced exit leaves behind lands here
+    try:
+        _second_signal(plugin_server("--shm-dir", shm, "--plugin-grace-s", "60", "--plugin", f"kvd_probe_stubborn:{stubborn}"), stubborn)
+        assert os.listdir(shm), "the forced exit closed the arena after all"  # (what the README says stays behind)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def _second_signal(srv: Server, stubborn: Path) -> None:
     stub = wait_until(lambda: read_json(stubborn), what="the stubborn probe's report")
     srv.proc.proc.send_signal(signal.SIGTERM)
     wait_until(lambda: "shutting down" in srv.log_text(), what="the server closing")
