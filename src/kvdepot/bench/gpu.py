@@ -63,6 +63,7 @@ def _ratio(a: Sample, b: Sample) -> str:
 
 def main(args: argparse.Namespace) -> int:
     from kvdepot.gpu import runtime
+    from kvdepot.gpu.graphs import graphs_enabled
 
     torch = runtime.torch_or_none()
     if torch is None:
@@ -75,7 +76,8 @@ def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     reps, warmup = (3, 1) if args.quick else (args.reps, args.warmup)
     sizes = [int(s) for s in args.sizes_mib.split(",")]
-    raw: dict = {"load_start": loadavg(), "device": _device_name(torch, args.device), "reps": reps, "chunks": args.chunks}
+    raw: dict = {"load_start": loadavg(), "device": _device_name(torch, args.device), "reps": reps, "chunks": args.chunks,
+                 "cuda_graphs": graphs_enabled()}  # fmt: skip
     rows: list[Row] = []
     server = bench_server(args.l1_size_gb)
     server.args += ["--gpu-transfer", "on" if args.device == "cuda" else "auto", "--gpu-staging-mb", str(max(sizes) * args.chunks)]
@@ -85,7 +87,8 @@ def main(args: argparse.Namespace) -> int:
         for size in sizes:
             rows += _bench_size(torch, server, args.device, size, args.chunks, reps, warmup, raw, args.one_allocation)
     raw["load_end"] = loadavg()
-    print(f"kvdepot bench gpu on {raw['device']}")
+    graphs = "on" if raw["cuda_graphs"] else "off (KVDEPOT_CUDA_GRAPHS)"
+    print(f"kvdepot bench gpu on {raw['device']}; caches of layers apart replayed as CUDA graphs: {graphs}")
     print("| metric | median (min-max) | physical limit, same run | ratio | target |")
     print("|---|---|---|---|---|")
     for r in rows:
