@@ -87,7 +87,7 @@ def main(args: argparse.Namespace) -> int:
         for size in sizes:
             rows += _bench_size(torch, server, args.device, size, args.chunks, reps, warmup, raw, args.one_allocation)
     raw["load_end"] = loadavg()
-    graphs = "on" if raw["cuda_graphs"] else "off (KVDEPOT_CUDA_GRAPHS)"
+    graphs = "none on a CPU" if args.device != "cuda" else "on" if raw["cuda_graphs"] else "off (KVDEPOT_CUDA_GRAPHS)"
     print(f"kvdepot bench gpu on {raw['device']}; caches of layers apart replayed as CUDA graphs: {graphs}")
     print("| metric | median (min-max) | physical limit, same run | ratio | target |")
     print("|---|---|---|---|---|")
