@@ -37,6 +37,19 @@ def test_ring_owners_are_distinct_stable_and_agree_across_builds():
     assert HashRing().owners(b"k") == []
 
 
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_ring_owners_many_are_each_keys_owners(n):
+    """The batch form a lookup uses gives every key the owners ``owners`` gives it (fewer, more, or
+    exactly the precomputed replicas; keys seen before and new ones), and its lists cannot be mutated."""
+    ring = HashRing([f"n{i}" for i in range(4)], replicas=2)
+    keys = [f"key{i}".encode() for i in range(300)]
+    ring.owners(keys[0], 2)  # one key's position remembered already
+    many = ring.owners_many(keys, n)
+    assert [list(o) for o in many] == [ring.owners(k, n) for k in keys]
+    assert all(isinstance(o, tuple) for o in many)
+    assert HashRing().owners_many([b"k"], n) == [()]
+
+
 def test_ring_moves_only_the_keys_next_to_a_joining_node():
     before = HashRing([f"n{i}" for i in range(4)])
     after = HashRing([f"n{i}" for i in range(5)])

@@ -513,8 +513,7 @@ class PeerNode:
         just read in vain (its owner no longer has that generation): a shard that still names it is
         passed over for the next replica, whose record may be newer (a publish that did not reach the
         first one)."""
-        for key in keys:
-            _check_key(key)
+        _check_keys(keys)
         ring = self._ring
         now = time.monotonic()
         with self._view_lock:
@@ -527,8 +526,9 @@ class PeerNode:
         if hint and pending:
             pending = self._ask_hinted(hint, keys, found, usable, deadline, pending)
         replicas = self.config.directory_replicas
-        wanted = set(pending)
-        owners = [ring.owners(k, replicas) if i in wanted else [] for i, k in enumerate(keys)]
+        owners: list[tuple[str, ...]] = [()] * len(keys)
+        for i, key_owners in zip(pending, ring.owners_many([keys[i] for i in pending], replicas), strict=True):
+            owners[i] = key_owners
         # Then this node's own shard, where it is one of a key's owners (every key in a cluster of
         # `directory_replicas` nodes): a record held here costs no round trip. A stale one (a publish or
         # unpublish that did not reach this replica yet) is caught by the read's generation check and
@@ -545,8 +545,11 @@ class PeerNode:
         for replica in range(replicas):
             by_owner: dict[str, list[int]] = {}
             for i in pending:
-                if replica < len(owners[i]) and not (owners[i][replica] == me and i in asked_here):
-                    by_owner.setdefault(owners[i][replica], []).append(i)
+                key_owners = owners[i]
+                if replica < len(key_owners):
+                    node = key_owners[replica]
+                    if node != me or i not in asked_here:
+                        by_owner.setdefault(node, []).append(i)
             if not by_owner:
                 continue
             # Each round gets its share of what is left: an owner that does not answer (dead, not yet
@@ -556,9 +559,10 @@ class PeerNode:
             pending = self._ask_many(by_owner, keys, found, usable, round_deadline, failed=failed)
             if not pending or time.monotonic() >= deadline:
                 break
-        hit = sum(found[i] is not None for i in asked)
+        located = [found[i] for i in asked]
+        hit = len(located) - located.count(None)
         self.metrics.looked_up(hit, len(asked) - hit)
-        self.located.put_many(found[i] for i in asked)
+        self.located.put_many(located)
         return found
 
     def _ask_hinted(self, hint: str, keys: Sequence[bytes], found: list[PeerLocation | None], usable: dict[str, int], deadline: float,
@@ -624,12 +628,19 @@ class PeerNode:
         place. A record the same as ``failed[i]`` (read in vain just now) is not placed."""
         locations = reply.locations if reply is not None else ()
         still = []
+        n = len(locations)
         for j, i in enumerate(idx):
-            candidates = locations[j] if j < len(locations) else ()
+            candidates = locations[j] if j < n else ()
             bad = failed.get(i) if failed else None
             if bad is not None:
                 candidates = [c for c in candidates if (c.node, c.generation, c.resident) != (bad.node, bad.generation, bad.resident)]
-            loc = self._best(candidates, usable) if candidates else None
+            if len(candidates) == 1:  # the usual answer: one record, placed without _best's loop (a lookup's keys are many)
+                loc = candidates[0]
+                run = usable.get(loc.node)
+                if run is None or (loc.incarnation != LEGACY_RUN and loc.incarnation < run):  # from_an_earlier_run, inlined
+                    loc = None
+            else:
+                loc = self._best(candidates, usable) if candidates else None
             if loc is None:
                 still.append(i)
             else:
@@ -1358,3 +1369,10 @@ def _slices(items: Sequence[T], size_of: Callable[[T], int]) -> Iterator[Sequenc
 def _check_key(key: bytes) -> None:
     if not isinstance(key, bytes) or not 0 < len(key) <= MAX_KEY_BYTES:
         raise ValueError(f"a page key is 1 to {MAX_KEY_BYTES} bytes")
+
+
+def _check_keys(keys: Sequence[bytes]) -> None:
+    """``_check_key`` of each, in one pass without a call per key (a lookup checks every key it asks)."""
+    if not all(type(k) is bytes and 0 < len(k) <= MAX_KEY_BYTES for k in keys):
+        for key in keys:
+            _check_key(key)  # says which rule failed (a bytes subclass passes here)

@@ -9,7 +9,7 @@ and a node joining or leaving moves only the keys next to its points (about 1/N 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import xxhash
 
@@ -33,7 +33,7 @@ class HashRing:
         self._points = [p for p, _ in points]
         self._owners = [n for _, n in points]
         self._replicas = replicas
-        self._successors = [self._walk(i, replicas) for i in range(len(self._points))]
+        self._successors = [tuple(self._walk(i, replicas)) for i in range(len(self._points))]
         self._where: dict[bytes, int] = {}  # key -> its point's index: a lookup asks for the same keys again and again
 
     def __repr__(self) -> str:
@@ -53,8 +53,29 @@ class HashRing:
                 self._where.clear()  # bounded; a ring is rebuilt (and this emptied) at every membership change anyway
             self._where[key] = i
         if n <= self._replicas:
-            return self._successors[i][:n]
+            return list(self._successors[i][:n])
         return self._walk(i, n)
+
+    def owners_many(self, keys: Sequence[bytes], n: int = 1) -> list[tuple[str, ...]]:
+        """``owners(key, n)`` of each key, as tuples (shared with the ring: read-only), in one call: a
+        directory lookup asks it for every key of a batch."""
+        if not self._points:
+            return [() for _ in keys]
+        where, points, successors = self._where, self._points, self._successors
+        size = len(points)
+        out: list[tuple[str, ...]] = []
+        for key in keys:
+            i = where.get(key)
+            if i is None:
+                i = bisect.bisect(points, _point(key)) % size
+                if len(where) >= _WHERE_CACHED:
+                    where.clear()
+                where[key] = i
+            if n == self._replicas:
+                out.append(successors[i])
+            else:
+                out.append(successors[i][:n] if n < self._replicas else tuple(self._walk(i, n)))
+        return out
 
     def _walk(self, i: int, n: int) -> list[str]:
         """The first ``n`` distinct nodes from point ``i`` on, clockwise."""
