@@ -9,7 +9,8 @@ scatters (kernels), one for the copies to and from host memory (the copy engine)
                     (the last piece layer by layer, recording each layer's event after it)
 
 A piece is a few chunks (at least ``PIECE_BYTES`` per kernel it launches: two for a cache in one
-allocation, one per layer for a cache whose layers were allocated apart, as vLLM's are); pieces
+allocation, one per layer for a cache whose layers were allocated apart, as vLLM's are, unless those
+are replayed as one CUDA graph a piece, ``kvdepot.gpu.graphs``, which launches two); pieces
 take turns in the staging buffer's slots, and a slot is written again only after the stream that read
 it is past that read (an event each way). The copy of piece k runs while piece k+1 is gathered (or
 piece k is scattered while piece k+1 arrives), so a transfer costs the copy-engine time plus one
