@@ -39,15 +39,36 @@ def test_ring_owners_are_distinct_stable_and_agree_across_builds():
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_ring_owners_many_are_each_keys_owners(n):
-    """The batch form a lookup uses gives every key the owners ``owners`` gives it (fewer, more, or
-    exactly the precomputed replicas; keys seen before and new ones), and its lists cannot be mutated."""
-    ring = HashRing([f"n{i}" for i in range(4)], replicas=2)
+    """The batch form a lookup uses (and ``owners`` with it) gives every key the ring's definition of its
+    owners: the first ``n`` distinct nodes clockwise from xxh3_64(key) among the points xxh3_64(b"node#i"),
+    computed here from scratch (fewer, more, or exactly the precomputed replicas; keys whose position is
+    remembered and new ones); its lists cannot be mutated."""
+    import bisect
+
+    import xxhash
+
+    nodes = [f"n{i}" for i in range(4)]
+    points = sorted((xxhash.xxh3_64_intdigest(f"{node}#{i}".encode()), node) for node in nodes for i in range(160))
+    at = [p for p, _ in points]
+
+    def defined(key: bytes) -> list[str]:
+        out: list[str] = []
+        start = bisect.bisect(at, xxhash.xxh3_64_intdigest(key))
+        for step in range(len(points)):
+            node = points[(start + step) % len(points)][1]
+            if node not in out:
+                out.append(node)
+            if len(out) == min(n, len(nodes)):
+                break
+        return out
+
+    ring = HashRing(nodes, replicas=2)
     keys = [f"key{i}".encode() for i in range(300)]
-    ring.owners(keys[0], 2)  # one key's position remembered already
+    assert ring.owners(keys[0], n) == defined(keys[0])  # one key's position remembered already
     many = ring.owners_many(keys, n)
-    assert [list(o) for o in many] == [ring.owners(k, n) for k in keys]
+    assert [list(o) for o in many] == [defined(k) for k in keys]
     assert all(isinstance(o, tuple) for o in many)
-    assert HashRing().owners_many([b"k"], n) == [()]
+    assert HashRing().owners_many([b"k"], n) == [()] and HashRing().owners(b"k", n) == []
 
 
 def test_ring_moves_only_the_keys_next_to_a_joining_node():

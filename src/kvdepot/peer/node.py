@@ -635,10 +635,7 @@ class PeerNode:
             if bad is not None:
                 candidates = [c for c in candidates if (c.node, c.generation, c.resident) != (bad.node, bad.generation, bad.resident)]
             if len(candidates) == 1:  # the usual answer: one record, placed without _best's loop (a lookup's keys are many)
-                loc = candidates[0]
-                run = usable.get(loc.node)
-                if run is None or (loc.incarnation != LEGACY_RUN and loc.incarnation < run):  # from_an_earlier_run, inlined
-                    loc = None
+                loc = None if from_an_earlier_run(candidates[0], usable) else candidates[0]
             else:
                 loc = self._best(candidates, usable) if candidates else None
             if loc is None:
@@ -1366,13 +1363,12 @@ def _slices(items: Sequence[T], size_of: Callable[[T], int]) -> Iterator[Sequenc
         yield items[start:]
 
 
-def _check_key(key: bytes) -> None:
-    if not isinstance(key, bytes) or not 0 < len(key) <= MAX_KEY_BYTES:
-        raise ValueError(f"a page key is 1 to {MAX_KEY_BYTES} bytes")
-
-
 def _check_keys(keys: Sequence[bytes]) -> None:
-    """``_check_key`` of each, in one pass without a call per key (a lookup checks every key it asks)."""
-    if not all(type(k) is bytes and 0 < len(k) <= MAX_KEY_BYTES for k in keys):
-        for key in keys:
-            _check_key(key)  # says which rule failed (a bytes subclass passes here)
+    """Each key is 1 to ``MAX_KEY_BYTES`` bytes; one loop, no call per key (a lookup checks every key it asks)."""
+    for key in keys:
+        if not isinstance(key, bytes) or not 0 < len(key) <= MAX_KEY_BYTES:
+            raise ValueError(f"a page key is 1 to {MAX_KEY_BYTES} bytes")
+
+
+def _check_key(key: bytes) -> None:
+    _check_keys((key,))

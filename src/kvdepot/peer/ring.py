@@ -44,17 +44,7 @@ class HashRing:
 
     def owners(self, key: bytes, n: int = 1) -> list[str]:
         """The first ``n`` distinct nodes clockwise from ``key`` (fewer if the ring has fewer)."""
-        if not self._points:
-            return []
-        i = self._where.get(key)
-        if i is None:
-            i = bisect.bisect(self._points, _point(key)) % len(self._points)
-            if len(self._where) >= _WHERE_CACHED:
-                self._where.clear()  # bounded; a ring is rebuilt (and this emptied) at every membership change anyway
-            self._where[key] = i
-        if n <= self._replicas:
-            return list(self._successors[i][:n])
-        return self._walk(i, n)
+        return list(self.owners_many((key,), n)[0])
 
     def owners_many(self, keys: Sequence[bytes], n: int = 1) -> list[tuple[str, ...]]:
         """``owners(key, n)`` of each key, as tuples (shared with the ring: read-only), in one call: a
@@ -69,7 +59,7 @@ class HashRing:
             if i is None:
                 i = bisect.bisect(points, _point(key)) % size
                 if len(where) >= _WHERE_CACHED:
-                    where.clear()
+                    where.clear()  # bounded; a ring is rebuilt (and this emptied) at every membership change anyway
                 where[key] = i
             if n == self._replicas:
                 out.append(successors[i])
